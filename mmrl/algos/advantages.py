@@ -1,0 +1,154 @@
+"""Group-relative advantage estimators: ``fn(rewards[N], group_ids[N], **options) -> advantages[N]``.
+
+All estimators compare each sample with the other samples of its group (the G completions of one prompt). The
+statistics are accumulated in float64 and the result is returned in the rewards' dtype. A group of a single
+sample carries no comparison and gets advantage 0.
+
+References:
+    GRPO — Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eq. (3).
+    Dr.GRPO — Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783, §3.
+    RLOO — Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE", arXiv:2402.14740, eq. (9).
+    Batch std — Liu et al. 2025, "Flow-GRPO", arXiv:2505.05470 (``global_std`` in the reference code).
+    GDPO — "Group reward-Decoupled normalization Policy Optimization", arXiv:2601.05242 (normalise each reward, sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mmrl.algos.groups import group_stats
+from mmrl.registry import Registry
+
+advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
+
+
+def _check(rewards: Tensor, group_ids: Tensor) -> None:
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"advantage estimators take rewards [N] and group_ids [N]; got {tuple(rewards.shape)} "
+            f"and {tuple(group_ids.shape)}"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("advantage estimators need finite rewards; drop or reject non-finite rewards first")
+
+
+@advantage_estimators.register("grpo")
+def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """GRPO: (r − group mean) / (group std + eps), with the unbiased (Bessel-corrected) std.
+
+    Matches TRL (``scale_rewards="group"``) and verl (``adv_estimator=grpo``). Shao et al. 2024, arXiv:2402.03300.
+
+    Args:
+        eps: Added to the std so that groups with almost no spread do not explode (verl: 1e-6, TRL: 1e-4).
+
+    Shapes:
+        rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
+    """
+    _check(rewards, group_ids)
+    _, mean, std = group_stats(rewards, group_ids)  # [N] each, float64
+    return ((rewards.to(torch.float64) - mean) / (std + eps)).to(rewards.dtype)
+
+
+@advantage_estimators.register("dr_grpo")
+def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr.GRPO: r − group mean, without dividing by the std (removes the question-difficulty bias).
+
+    Liu et al. 2025, arXiv:2503.20783, §3.1. TRL ``scale_rewards="none"``.
+
+    Shapes:
+        rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
+    """
+    _check(rewards, group_ids)
+    _, mean, _ = group_stats(rewards, group_ids)
+    return (rewards.to(torch.float64) - mean).to(rewards.dtype)
+
+
+@advantage_estimators.register("rloo")
+def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO: r minus the mean of the *other* samples of its group (leave-one-out baseline).
+
+    A_i = r_i − (Σ_{j≠i} r_j)/(G−1) = G/(G−1)·(r_i − mean). Ahmadian et al. 2024, arXiv:2402.14740.
+    A group of one sample has no other member and gets 0.
+
+    Shapes:
+        rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
+    """
+    _check(rewards, group_ids)
+    count, mean, _ = group_stats(rewards, group_ids)
+    rewards64 = rewards.to(torch.float64)
+    others_mean = (mean * count - rewards64) / (count - 1).clamp(min=1)  # [N]
+    advantages = torch.where(count > 1, rewards64 - others_mean, torch.zeros_like(rewards64))
+    return advantages.to(rewards.dtype)
+
+
+@advantage_estimators.register("batch_std")
+def batch_std_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-4) -> Tensor:
+    """Per-group mean, population std over the whole batch: (r − group mean) / (std_batch + eps).
+
+    Flow-GRPO's per-prompt stat tracker with ``global_std=True`` (Liu et al. 2025, arXiv:2505.05470); TRL
+    ``scale_rewards="batch"`` uses the same idea.
+
+    Args:
+        eps: Added to the batch std (Flow-GRPO: 1e-4).
+
+    Shapes:
+        rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
+    """
+    _check(rewards, group_ids)
+    _, mean, _ = group_stats(rewards, group_ids)
+    rewards64 = rewards.to(torch.float64)
+    batch_std = rewards64.std(unbiased=False)  # population std, as np.std in the reference code
+    return ((rewards64 - mean) / (batch_std + eps)).to(rewards.dtype)
+
+
+MULTI_REWARD_ORDERS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def multi_reward_advantages(
+    rewards: Tensor,
+    weights: Tensor,
+    group_ids: Tensor,
+    estimator: Callable[..., Tensor],
+    *,
+    order: str = "sum_then_normalize",
+    whiten_eps: float = 1e-6,
+    **estimator_options,
+) -> tuple[Tensor, Tensor]:
+    """Advantages from K reward functions, in either order of weighting and normalising.
+
+    - ``"sum_then_normalize"``: R = Σ_k w_k·r_k, then ``estimator(R)`` (TRL's default).
+    - ``"normalize_then_sum"`` (GDPO, arXiv:2601.05242): A_k = ``estimator(r_k)`` per reward,
+      S = Σ_k w_k·A_k, then whitened over the batch: (S − mean S)/(std S + eps). Normalising each reward first
+      keeps distinct reward combinations from collapsing onto the same advantage.
+
+    Args:
+        rewards: ``[N, K]`` one column per reward function.
+        weights: ``[K]`` weight of each reward function.
+        group_ids: ``[N]``.
+        estimator: An entry of :data:`advantage_estimators`.
+        order: One of ``MULTI_REWARD_ORDERS``.
+        whiten_eps: eps of the final batch whitening in ``normalize_then_sum``.
+        estimator_options: Passed to ``estimator``.
+
+    Returns:
+        ``(advantages[N], combined_reward[N])``; the combined reward is the weighted sum Σ_k w_k·r_k (logged).
+    """
+    if rewards.dim() != 2 or weights.shape != (rewards.shape[1],):
+        raise ValueError(f"rewards must be [N, K] and weights [K]; got {tuple(rewards.shape)}, {tuple(weights.shape)}")
+    weights = weights.to(rewards.dtype)
+    combined = rewards @ weights  # [N]
+    if order == "sum_then_normalize":
+        return estimator(combined, group_ids, **estimator_options), combined
+    if order == "normalize_then_sum":
+        per_reward = torch.stack(
+            [estimator(rewards[:, k], group_ids, **estimator_options) for k in range(rewards.shape[1])], dim=1
+        )  # [N, K]
+        summed = (per_reward.to(torch.float64) @ weights.to(torch.float64))  # [N]
+        if summed.numel() < 2:
+            return summed.to(rewards.dtype), combined
+        whitened = (summed - summed.mean()) / (summed.std(unbiased=False) + whiten_eps)
+        return whitened.to(rewards.dtype), combined
+    raise ValueError(f"multi-reward order must be one of {MULTI_REWARD_ORDERS}, got {order!r}")

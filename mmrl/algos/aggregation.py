@@ -1,0 +1,128 @@
+"""Loss aggregation: from per-action losses ``[N, A]`` to the scalar that is back-propagated.
+
+The denominators belong to the whole optimizer step: every micro-batch of the step and every process. Each
+micro-batch contributes ``Σ (its numerator) / (step-wide denominator)``, so summing the micro-batch gradients gives
+exactly the gradient of the full-batch loss, whatever the micro-batch size (TRL #5619 and ms-swift #10117 show the
+two ways to get this wrong). The trainer passes the step-wide counts; without them the counts of the given tensor
+are used, which is right for a single batch.
+
+With m the mask, L the per-action loss, i a sequence and t an action, over the optimizer step:
+
+=============================  ======================================================  ===========================
+mode                           value                                                   denominator
+=============================  ======================================================  ===========================
+``token_mean``                 Σ_i Σ_t m·L / T                                          T = Σ_i Σ_t m (all actions)
+``seq_mean_token_mean``        Σ_i (Σ_t m·L / Σ_t m) / S                                S = sequences with Σ_t m > 0
+``seq_mean_token_sum``         Σ_i Σ_t m·L / S                                          S
+``seq_mean_token_sum_norm``    Σ_i Σ_t m·L / (S·A_max)                                  S·A_max, A_max a constant
+=============================  ======================================================  ===========================
+
+``seq_mean_token_sum_norm`` is Dr.GRPO's length-unbiased form (Liu et al. 2025, arXiv:2503.20783, §3.1): each
+sequence's summed loss is divided by one constant (the generation budget, e.g. ``max_new_tokens``) instead of its
+own length. ``token_mean`` is DAPO's token-level loss (Yu et al. 2025, arXiv:2503.14476, eq. (8)) taken over the
+optimizer step. ``seq_mean_token_mean`` is the original GRPO form (Shao et al. 2024, arXiv:2402.03300, eq. (3)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mmrl.registry import Registry
+
+aggregation_modes: Registry[Callable[..., Tensor]] = Registry("aggregation mode")
+
+
+def aggregation_counts(mask: Tensor) -> tuple[float, float]:
+    """``(num_actions, num_sequences)`` of a mask ``[N, A]``: Σ m, and rows with Σ_t m > 0."""
+    weights = mask.to(torch.float64)
+    return float(weights.sum()), float((weights.sum(dim=1) > 0).sum())
+
+
+def _row_sums(loss: Tensor, mask: Tensor) -> Tensor:
+    return (loss * mask.to(loss.dtype)).sum(dim=1)  # [N]
+
+
+@aggregation_modes.register("token_mean")
+def token_mean(loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float) -> Tensor:
+    """Σ m·L over all actions of the step / number of actions in the step (DAPO token-level).
+
+    Shapes:
+        loss, mask ``[N, A]`` → scalar.
+    """
+    return _row_sums(loss, mask).sum() / max(num_actions, 1.0)
+
+
+@aggregation_modes.register("seq_mean_token_mean")
+def seq_mean_token_mean(
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+) -> Tensor:
+    """Per-sequence mean over its actions, then the mean over the step's sequences (original GRPO).
+
+    Shapes:
+        loss, mask ``[N, A]`` → scalar.
+    """
+    lengths = mask.to(loss.dtype).sum(dim=1)  # [N]
+    per_sequence = _row_sums(loss, mask) / lengths.clamp(min=1.0)  # [N]; empty rows give 0
+    return per_sequence.sum() / max(num_sequences, 1.0)
+
+
+@aggregation_modes.register("seq_mean_token_sum")
+def seq_mean_token_sum(
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+) -> Tensor:
+    """Per-sequence sum over its actions, then the mean over the step's sequences.
+
+    Shapes:
+        loss, mask ``[N, A]`` → scalar.
+    """
+    return _row_sums(loss, mask).sum() / max(num_sequences, 1.0)
+
+
+@aggregation_modes.register("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+) -> Tensor:
+    """Per-sequence sum divided by a constant A_max, then the mean over sequences (Dr.GRPO, arXiv:2503.20783).
+
+    Shapes:
+        loss, mask ``[N, A]`` → scalar.
+    """
+    return _row_sums(loss, mask).sum() / (max(num_sequences, 1.0) * max(max_actions, 1.0))
+
+
+def aggregate(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_actions: float | None = None,
+    num_sequences: float | None = None,
+    max_actions: float | None = None,
+) -> Tensor:
+    """Reduce a per-action loss to a scalar with step-wide denominators.
+
+    Args:
+        loss: ``[N, A]`` per-action loss.
+        mask: ``[N, A]`` 1 for actions that count (may hold fractional weights).
+        mode: One of :data:`aggregation_modes` (table in the module docstring).
+        num_actions: Σ mask over the whole optimizer step, all micro-batches and processes. Default: this mask's.
+        num_sequences: Sequences with at least one active action, whole step. Default: this mask's.
+        max_actions: Dr.GRPO's constant A_max. Default: the width A of this tensor; pass the generation budget
+            so that the constant does not depend on padding.
+
+    Returns:
+        A 0-dim tensor. Summing it over the step's micro-batches gives the full-batch value.
+    """
+    if loss.shape != mask.shape or loss.dim() != 2:
+        raise ValueError(f"loss and mask must share one [N, A] shape; got {tuple(loss.shape)}, {tuple(mask.shape)}")
+    local_actions, local_sequences = aggregation_counts(mask)
+    return aggregation_modes.get(mode)(
+        loss,
+        mask,
+        num_actions=local_actions if num_actions is None else float(num_actions),
+        num_sequences=local_sequences if num_sequences is None else float(num_sequences),
+        max_actions=float(loss.shape[1]) if max_actions is None else float(max_actions),
+    )

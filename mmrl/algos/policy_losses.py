@@ -1,0 +1,168 @@
+"""Policy losses: ``fn(logp[N,A], old_logp[N,A], advantages[N] or [N,A], mask[N,A], **options)``.
+
+Each returns ``(loss[N, A], metrics)``: the per-action loss *before* aggregation (see :mod:`mmrl.algos.aggregation`)
+and a dict of detached scalar diagnostics, each a masked mean over the actions of this call. Losses are written to
+be minimised: a positive advantage lowers the loss when the action's log-prob rises.
+
+References:
+    PPO clip — Schulman et al. 2017, arXiv:1707.06347, eq. (7).
+    Clip-higher (asymmetric ε) — Yu et al. 2025, "DAPO", arXiv:2503.14476, §3.1: ε_low 0.2, ε_high 0.28.
+    Dual clip — Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729, eq. (5): c = 3.
+    GSPO — Zheng et al. 2025, arXiv:2507.18071: sequence ratio, ε 3e-4 / 4e-4.
+    REINFORCE — Williams 1992; with a group baseline, Ahmadian et al. 2024, arXiv:2402.14740.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from mmrl.algos.ratios import log_ratio
+from mmrl.registry import Registry
+
+policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry("policy loss")
+
+
+def broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    """Advantages ``[N]`` (one per sample) or ``[N, A]`` (per action) → ``[N, A]``."""
+    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
+        return advantages.unsqueeze(1).expand_as(like)
+    if advantages.shape == like.shape:
+        return advantages
+    raise ValueError(f"advantages must be [N] or [N, A] = {tuple(like.shape)}, got {tuple(advantages.shape)}")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask`` (0 when the mask is empty), detached, as a 0-dim float32 tensor."""
+    weights = mask.to(torch.float32)
+    total = weights.sum()
+    return ((values.detach().to(torch.float32) * weights).sum() / total.clamp(min=1.0)).detach()
+
+
+def _ratio_metrics(log_r: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    ratio = log_r.detach().exp()
+    active = mask > 0
+    if active.any():
+        ratio_min, ratio_max = ratio[active].min().float(), ratio[active].max().float()
+    else:
+        ratio_min = ratio_max = torch.ones((), dtype=torch.float32, device=ratio.device)
+    return {
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
+        # Schulman's k2-style estimate of KL(π_old‖π_θ) on the sampled actions.
+        "approx_kl": masked_mean(0.5 * log_r.detach() ** 2, mask),
+    }
+
+
+@policy_losses.register("grpo")
+def clipped_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: Literal["token", "chunk", "sequence"] = "token",
+    chunk_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip with asymmetric bounds (DAPO clip-higher) and optional dual clip, as in GRPO.
+
+    L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)); with ``dual_clip = c`` and A < 0 the loss is further
+    capped at −c·A. On-policy (r = 1) the gradient equals the plain policy gradient −A·∇log π.
+
+    Args:
+        clip_low: ε_low, the ratio's lower bound is 1 − ε_low (PPO/GRPO: 0.2).
+        clip_high: ε_high, the ratio's upper bound is 1 + ε_high (DAPO clip-higher: 0.28).
+        dual_clip: c > 1 caps the loss of negative-advantage actions at −c·A (Ye et al. 2020: 3.0); None disables.
+        ratio_level: "token", "chunk" (needs chunk ids from the rollout) or "sequence" (GSPO).
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    if clip_low < 0 or clip_low >= 1 or clip_high < 0:
+        raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0; got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (it caps the loss at -c*A), got {dual_clip}")
+    log_r = log_ratio(logp, old_logp, mask, level=ratio_level, chunk_ids=chunk_ids)  # [N, A]
+    ratio = log_r.exp()  # [N, A]
+    adv = broadcast_advantages(advantages, logp).to(ratio.dtype)  # [N, A]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # [N, A]
+    low = (adv < 0) & (ratio < 1.0 - clip_low)
+    high = (adv > 0) & (ratio > 1.0 + clip_high)
+    metrics = _ratio_metrics(log_r, mask)
+    metrics["clip_fraction"] = masked_mean((low | high).float(), mask)
+    metrics["clip_fraction_low"] = masked_mean(low.float(), mask)
+    metrics["clip_fraction_high"] = masked_mean(high.float(), mask)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        metrics["dual_clip_fraction"] = masked_mean(capped.float(), mask)
+    return loss, metrics
+
+
+@policy_losses.register("gspo")
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+    ratio_level: Literal["token", "chunk", "sequence"] = "sequence",
+    chunk_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: PPO-clip on the sequence ratio s_i = exp(masked mean of log(π_θ/π_old)).
+
+    Zheng et al. 2025, arXiv:2507.18071. Aggregate with ``seq_mean_token_mean`` to reproduce the paper's
+    sequence-level objective exactly (every action carries its sequence's loss). ``ratio_level="chunk"`` gives
+    Chunk-GRPO's per-chunk geometric-mean ratio (arXiv:2510.21583).
+
+    Args:
+        clip_low: ε_low on the sequence ratio (paper: 3e-4).
+        clip_high: ε_high on the sequence ratio (paper: 4e-4).
+        dual_clip: Optional dual clip c > 1; None disables.
+        ratio_level: "sequence" (GSPO), "chunk" or "token".
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    return clipped_policy_loss(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        ratio_level=ratio_level,
+        chunk_ids=chunk_ids,
+    )
+
+
+@policy_losses.register("reinforce")
+def reinforce_policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """REINFORCE with the group baseline: L = −A·log π, no importance ratio and no clipping.
+
+    Williams 1992; group-baseline form as in Ahmadian et al. 2024, arXiv:2402.14740. ``old_logp`` only feeds
+    the diagnostics (approx-KL, ratio statistics); it does not enter the loss.
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    adv = broadcast_advantages(advantages, logp).to(logp.dtype)
+    loss = -adv * logp  # [N, A]
+    metrics = _ratio_metrics(log_ratio(logp.detach(), old_logp, mask), mask)
+    return loss, metrics

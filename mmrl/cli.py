@@ -1,0 +1,157 @@
+"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain`` (also ``python -m mmrl``).
+
+Configuration mistakes end with one line on stderr and exit code 2, never a traceback::
+
+    $ mmrl train configs/toy.yaml algorithm.policy_loss.clip_hgh=0.3
+    mmrl: config key 'algorithm.policy_loss.clip_hgh': got 0.3; allowed: options of policy loss 'grpo': ...
+
+Several processes: ``accelerate launch [--num_processes N] -m mmrl train CONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mmrl.config import ConfigError
+from mmrl.registry import RegistryError
+
+USAGE_ERRORS = (ConfigError, RegistryError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except USAGE_ERRORS as error:
+        print(f"mmrl: {error}", file=sys.stderr)
+        return 2
+    except _user_errors() as error:
+        print(f"mmrl: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by inputs (checkpoints, rollouts, rewards, groups), shown as one line with exit code 1."""
+    from mmrl.algos import GroupError
+    from mmrl.reward import RewardError
+    from mmrl.rollout import RolloutError
+    from mmrl.trainer.checkpoint import CheckpointError
+
+    return (CheckpointError, RewardError, RolloutError, GroupError, FileNotFoundError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generative and multimodal models.")
+    commands = parser.add_subparsers(dest="command")
+
+    train = commands.add_parser("train", help="Train from a YAML config.")
+    train.add_argument("config", help="Path to a YAML recipe, e.g. configs/toy.yaml.")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run.max_steps=10.")
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("eval", help="Evaluate a config's policy (or a checkpoint) on the held-out split.")
+    evaluate.add_argument("config")
+    evaluate.add_argument("overrides", nargs="*", help="e.g. run.resume=latest to evaluate the newest checkpoint.")
+    evaluate.set_defaults(handler=_eval)
+
+    listing = commands.add_parser("list", help="Show every registry: algorithms, plugins, rewards.")
+    listing.add_argument("--options", action="store_true", help="Also show each entry's options and defaults.")
+    listing.set_defaults(handler=_list)
+
+    explain = commands.add_parser("explain", help="Show every config field with its default, help and reference.")
+    explain.add_argument("--plugin", help="Also show the section of this plugin.")
+    explain.set_defaults(handler=_explain)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    trainer = Trainer(config)
+    result = trainer.train()
+    if trainer.accelerator.is_main_process:
+        steps = sorted(result.evaluations)
+        if steps:
+            first, last = result.evaluations[steps[0]], result.evaluations[steps[-1]]
+            before, after = first.get("eval/reward_mean"), last.get("eval/reward_mean")
+            if before is not None and after is not None and steps[0] != steps[-1]:
+                print(f"held-out reward: {before:.4f} at step {steps[0]} -> {after:.4f} at step {steps[-1]}")
+        state = "stopped early after a checkpoint" if result.stopped_early else "done"
+        print(f"{state}: {result.step} steps; run folder {config.run.output_dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    trainer = Trainer(config)
+    trainer._resume()
+    metrics = trainer.evaluate()
+    if trainer.accelerator.is_main_process:
+        for name, value in sorted(metrics.items()):
+            print(f"{name}: {value:.6g}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from mmrl.algos import advantage_estimators, aggregation_modes, kl_estimators, policy_losses
+    from mmrl.plugin import plugin_registry
+    from mmrl.rewards import reward_functions
+
+    registries = [
+        ("advantage_estimators", advantage_estimators, True),
+        ("policy_losses", policy_losses, True),
+        ("kl_estimators", kl_estimators, True),
+        ("aggregation_modes", aggregation_modes, True),
+        ("plugins", plugin_registry, False),
+        ("reward_functions", reward_functions, False),
+    ]
+    for title, registry, describe in registries:
+        print(f"{title}:")
+        for name in registry.names():
+            line = f"  {name}"
+            if describe:
+                line += f"  — {registry.describe(name)}"
+            print(line)
+            if args.options:
+                for option in registry.options(name):
+                    default = "(required)" if option.required else repr(option.default)
+                    print(f"      {option.name} = {default}  {option.help}")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from mmrl.config import TrainConfig, describe_fields
+
+    sections = [(f.name, f.type) for f in dataclasses.fields(TrainConfig) if f.name != "plugin"]
+    import typing
+
+    hints = typing.get_type_hints(TrainConfig)
+    for name, _ in sections:
+        print(f"{name}:")
+        for key, kind, default, help_text, ref in describe_fields(hints[name]):
+            print(f"  {key} ({kind}) = {default!r}\n      {help_text}" + (f" [{ref}]" if ref else ""))
+    if args.plugin:
+        from mmrl.plugin import plugin_registry
+
+        plugin_class = plugin_registry.get(args.plugin)
+        print(f"plugin ({args.plugin}):")
+        for key, kind, default, help_text, ref in describe_fields(plugin_class.config_class):
+            print(f"  {key} ({kind}) = {default!r}\n      {help_text}" + (f" [{ref}]" if ref else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

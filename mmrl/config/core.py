@@ -1,0 +1,288 @@
+"""The training config: one dataclass per section, each field with help text and its paper reference.
+
+A YAML recipe looks like::
+
+    plugin: {name: toy, ...}           # the modality plugin and its own section
+    run: {output_dir: runs/toy, max_steps: 60, seed: 0}
+    rollout: {prompts_per_step: 16, group_size: 8}
+    algorithm: {advantage: grpo, policy_loss: {name: grpo, clip_high: 0.28}, aggregation: token_mean}
+    optim: {lr: 3.0e-3}
+    rewards: {functions: [{name: token_accuracy}]}
+
+``mmrl explain`` prints every field with its help text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mmrl.config.schema import (
+    ConfigError,
+    RegistryChoice,
+    bind_options,
+    config_field,
+    from_dict,
+    registry_choice_field,
+)
+from mmrl.registry import RegistryError
+
+LAYOUTS = ("spread", "contiguous")
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes, how long it lasts, and how it is logged and checkpointed."""
+
+    output_dir: str = config_field("runs/default", help="Run folder: config.yaml, metrics.jsonl, samples/, checkpoints/.")
+    seed: int = config_field(0, help="Base seed. Prompt order, sampling noise and mask draws all derive from it.")
+    max_steps: int = config_field(100, minimum=1, help="Training steps (one rollout batch each).")
+    log_every: int = config_field(1, minimum=1, help="Write metrics every this many steps.")
+    save_every: int = config_field(0, minimum=0, help="Checkpoint every this many steps (0: only at the end).")
+    keep_last: int = config_field(2, minimum=1, help="How many checkpoints to keep; older ones are deleted.")
+    resume: str | None = config_field(
+        None, help="'latest' to continue from the newest checkpoint in output_dir, a checkpoint folder, or null."
+    )
+    mixed_precision: Literal["no", "fp16", "bf16"] = config_field(
+        "no", help="Autocast precision for model forwards. Log-prob math always runs in float32."
+    )
+    cpu: bool = config_field(False, help="Force CPU even when an accelerator is present.")
+    trackers: list[str] = config_field(
+        default_factory=list,
+        help="Accelerate trackers to log to besides metrics.jsonl, e.g. ['tensorboard'] or ['wandb'].",
+    )
+    project_name: str = config_field("mmrl", help="Project name given to the trackers.")
+    progress: bool = config_field(True, help="Show a tqdm progress bar on the main process.")
+
+    def validate(self, path: str) -> None:
+        allowed = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive")
+        for tracker in self.trackers:
+            if tracker not in allowed:
+                raise ConfigError(f"{path}.trackers", tracker, f"one of {', '.join(allowed)}")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2)."""
+
+    enabled: bool = config_field(
+        False, help="Drop groups whose rewards have no spread and sample more until the batch is full.",
+        ref="DAPO, arXiv:2503.14476, §3.2",
+    )
+    max_rounds: int = config_field(
+        4, minimum=1, help="Sampling rounds per step, the first included; afterwards short processes pad with "
+        "zero-weight samples (verl's max_num_gen_batches).",
+    )
+    tolerance: float = config_field(0.0, minimum=0.0, help="A group whose max − min reward is <= this has no spread.")
+
+
+@dataclass
+class RolloutConfig:
+    """How many prompts and samples one step draws, and how groups are laid out over processes."""
+
+    prompts_per_step: int = config_field(
+        16, minimum=1, help="Prompts (groups) per step over all processes.", ref="Flow-GRPO: 48; DAPO: 512"
+    )
+    group_size: int = config_field(
+        8, minimum=2, help="G, samples per prompt. Group-relative advantages need at least 2.",
+        ref="GRPO: 64 (DeepSeekMath); Flow-GRPO: 24; TRL default 8",
+    )
+    layout: Literal["spread", "contiguous"] = config_field(
+        "spread",
+        help="'spread': the G copies of a prompt are dealt round-robin over processes and group statistics are "
+        "computed on gathered rewards. 'contiguous': all G copies stay on one process (DanceGRPO; lets a plugin "
+        "share initial noise within a group); needs prompts_per_step divisible by the number of processes.",
+    )
+    batch_size: int | None = config_field(
+        None, minimum=1, help="Samples per plugin.rollout call on one process (null: the whole local batch).",
+    )
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The group-relative objective: advantages, ratio and clip, KL, aggregation, inner epochs."""
+
+    advantage: RegistryChoice = registry_choice_field(
+        "mmrl.algos:advantage_estimators", "grpo",
+        help="Advantage estimator and its options (grpo, dr_grpo, rloo, batch_std; see `mmrl list`).",
+        ref="GRPO: arXiv:2402.03300 eq. 3",
+    )
+    advantage_clip: float | None = config_field(
+        None, minimum=0.0, exclusive_minimum=True,
+        help="Clip advantages to ±this value (Flow-GRPO and DanceGRPO: 5.0); null disables.",
+        ref="Flow-GRPO, arXiv:2505.05470",
+    )
+    policy_loss: RegistryChoice = registry_choice_field(
+        "mmrl.algos:policy_losses", "grpo",
+        help="Policy loss and its options, e.g. {name: grpo, clip_low: 0.2, clip_high: 0.28, ratio_level: token}.",
+        ref="PPO clip arXiv:1707.06347; clip-higher DAPO arXiv:2503.14476; GSPO arXiv:2507.18071",
+    )
+    aggregation: str = config_field(
+        "token_mean",
+        help="How per-action losses become one scalar: token_mean, seq_mean_token_mean, seq_mean_token_sum, "
+        "seq_mean_token_sum_norm (Dr.GRPO). Denominators span the whole optimizer step (docs/algorithms.md).",
+        ref="DAPO §3.3 (token_mean); Dr.GRPO arXiv:2503.20783 (seq_mean_token_sum_norm)",
+    )
+    max_actions: int | None = config_field(
+        None, minimum=1,
+        help="Dr.GRPO's constant for seq_mean_token_sum_norm (the generation budget). Null: the plugin's budget, "
+        "else the widest action axis of the step.",
+    )
+    kl_coef: float = config_field(
+        0.0, minimum=0.0,
+        help="β, weight of the KL-to-reference term in the loss (0 skips the reference forward).",
+        ref="GRPO: 0.04; Flow-GRPO: 0.04 GenEval, 0.01 PickScore; DAPO: 0",
+    )
+    kl_estimator: str = config_field("k3", help="KL estimator when the plugin returns log-probs: k1, k2 or k3.")
+    entropy_coef: float = config_field(
+        0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
+    )
+    inner_epochs: int = config_field(
+        1, minimum=1, help="μ, passes over each rollout batch. After the first the data is off-policy and clipping acts.",
+        ref="GRPO μ; TRL num_iterations",
+    )
+    minibatches: int = config_field(
+        1, minimum=1, help="Optimizer steps per inner epoch; each process splits its samples into this many parts."
+    )
+    micro_batch_size: int = config_field(
+        8, minimum=1, help="Samples per forward/backward on one process (gradient accumulation fills the mini-batch)."
+    )
+    recompute_old_logp: bool = config_field(
+        False,
+        help="Recompute old log-probs with the training forward before the first inner epoch, for plugins whose "
+        "sampling path computes log-probs differently.",
+    )
+
+    def validate(self, path: str) -> None:
+        from mmrl.algos import aggregation_modes, kl_estimators
+
+        for key, registry in (("aggregation", aggregation_modes), ("kl_estimator", kl_estimators)):
+            value = getattr(self, key)
+            if value not in registry:
+                raise ConfigError(f"{path}.{key}", value, f"one of {', '.join(registry.names())}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = config_field(1e-5, minimum=0.0, exclusive_minimum=True, help="Peak learning rate.",
+                             ref="Flow-GRPO LoRA: 3e-4; TRL: 1e-6")
+    betas: list[float] = config_field(default_factory=lambda: [0.9, 0.999], help="AdamW betas.")
+    weight_decay: float = config_field(0.0, minimum=0.0, help="AdamW decoupled weight decay.")
+    eps: float = config_field(1e-8, minimum=0.0, exclusive_minimum=True, help="AdamW epsilon.")
+    max_grad_norm: float | None = config_field(
+        1.0, minimum=0.0, exclusive_minimum=True, help="Clip the global gradient norm to this value; null disables."
+    )
+    scheduler: Literal["constant", "linear", "cosine"] = config_field(
+        "constant", help="Learning-rate decay after warmup, over all optimizer steps of the run."
+    )
+    warmup_steps: int = config_field(0, minimum=0, help="Linear warmup, in optimizer steps.")
+
+    def validate(self, path: str) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"{path}.betas", self.betas, "two numbers in [0, 1)")
+
+
+@dataclass
+class EMAConfig:
+    """Exponential moving average of the trainable weights (Flow-GRPO keeps one for eval and saving)."""
+
+    enabled: bool = config_field(False, help="Keep an EMA of the trainable weights.")
+    decay: float = config_field(0.9, minimum=0.0, maximum=1.0, help="EMA decay.", ref="Flow-GRPO: 0.9")
+    update_every: int = config_field(8, minimum=1, help="Update the EMA every this many optimizer steps.",
+                                     ref="Flow-GRPO: 8")
+    use_for_eval: bool = config_field(True, help="Evaluate with the EMA weights swapped in.")
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the plugin's held-out split."""
+
+    every: int = config_field(0, minimum=0, help="Evaluate every this many steps (0: only at the start and the end).")
+    at_start: bool = config_field(True, help="Evaluate before the first step, to measure improvement.")
+    num_prompts: int | None = config_field(None, minimum=1, help="Held-out prompts to use (null: all).")
+    samples_per_prompt: int = config_field(1, minimum=1, help="Samples per held-out prompt.")
+    save_samples: bool = config_field(True, help="Write the evaluation samples to the run folder.")
+
+
+@dataclass
+class RewardSpec:
+    """One reward function, its weight and its options."""
+
+    name: str = config_field(help="A reward registered in mmrl.rewards.reward_functions (`mmrl list`).")
+    weight: float = config_field(1.0, help="Weight of this reward in the combined reward.")
+    args: dict[str, Any] = config_field(default_factory=dict, help="Options passed to the reward's constructor.")
+
+    def validate(self, path: str) -> None:
+        from mmrl.rewards import reward_functions
+
+        try:
+            entry = reward_functions.get(self.name)
+        except RegistryError:
+            raise ConfigError(f"{path}.name", self.name, f"one of {', '.join(reward_functions.names())}") from None
+        self.args = bind_options(entry, self.args, f"{path}.args", f"reward {self.name!r}")
+
+
+@dataclass
+class RewardsConfig:
+    """Which rewards score the samples and how they combine."""
+
+    functions: list[RewardSpec] = config_field(default_factory=list, help="The reward functions (at least one).")
+    multi_reward: Literal["sum_then_normalize", "normalize_then_sum"] = config_field(
+        "sum_then_normalize",
+        help="With several rewards: weight-then-normalise, or normalise each reward then weight and whiten (GDPO).",
+        ref="GDPO, arXiv:2601.05242",
+    )
+    on_nonfinite: Literal["error", "skip"] = config_field(
+        "error", help="A NaN or infinite score stops the run naming the reward ('error'), or drops the sample ('skip')."
+    )
+
+    def validate(self, path: str) -> None:
+        if not self.functions:
+            raise ConfigError(f"{path}.functions", [], "at least one reward, e.g. [{name: token_accuracy}]")
+
+
+@dataclass
+class PluginSpec:
+    """The plugin section: ``name`` plus the plugin's own options, validated by its ``config_class``."""
+
+    name: str
+    config: Any
+
+    @classmethod
+    def from_config_value(cls, value: Any, key: str) -> PluginSpec:
+        from mmrl.plugin import plugin_registry
+
+        if isinstance(value, PluginSpec):
+            return value
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict) or "name" not in value:
+            raise ConfigError(key, value, f"a mapping with 'name' (one of {', '.join(plugin_registry.names())})")
+        try:
+            plugin_class = plugin_registry.get(value["name"])
+        except RegistryError:
+            raise ConfigError(f"{key}.name", value["name"], f"one of {', '.join(plugin_registry.names())}") from None
+        options = {k: v for k, v in value.items() if k != "name"}
+        return cls(value["name"], from_dict(plugin_class.config_class, options, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        from mmrl.config.schema import to_dict
+
+        return {"name": self.name, **to_dict(self.config)}
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    plugin: PluginSpec = config_field(help="The modality plugin: {name: ..., <the plugin's options>}.")
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -1,0 +1,321 @@
+"""Typed, validated configuration dataclasses.
+
+Every config section is a dataclass whose fields are declared with :func:`config_field`: a default, help text,
+and — where the value comes from a paper — the reference. :func:`from_dict` validates a plain mapping (from YAML
+and command-line overrides) into the dataclass, and raises :class:`ConfigError` on the first problem with a
+one-line message naming the key, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+from mmrl.registry import Registry, RegistryError, callable_options
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key with a wrong name, type or value. ``str(error)`` is one line."""
+
+    def __init__(self, key: str, given: Any, allowed: str):
+        self.key, self.given, self.allowed = key, given, allowed
+        shown = repr(given) if not isinstance(given, str) or len(given) < 80 else repr(given[:77] + "...")
+        super().__init__(f"config key '{key}': got {shown}; allowed: {allowed}")
+
+
+def config_field(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    ref: str | None = None,
+    choices: tuple[Any, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field carrying its help text, paper reference and value constraints.
+
+    Args:
+        default: The default value.
+        help: One or two sentences: what the field does and what the usual value is.
+        ref: Where the default comes from (paper and section), if anywhere.
+        choices: Allowed values.
+        minimum: Smallest allowed value (inclusive unless ``exclusive_minimum``).
+        maximum: Largest allowed value (inclusive).
+        exclusive_minimum: Make ``minimum`` exclusive (``> minimum``).
+        default_factory: For mutable defaults.
+    """
+    metadata = {
+        "help": help,
+        "ref": ref,
+        "choices": choices,
+        "minimum": minimum,
+        "maximum": maximum,
+        "exclusive_minimum": exclusive_minimum,
+    }
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class RegistryChoice:
+    """A registry entry chosen by name, with options bound to the entry's keyword parameters.
+
+    In YAML either ``policy_loss: gspo`` or ``policy_loss: {name: grpo, clip_high: 0.28}``.
+    """
+
+    name: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
+
+
+def registry_choice_field(registry_path: str, default: str, *, help: str, ref: str | None = None) -> Any:
+    """A :class:`RegistryChoice` field validated against the registry at ``registry_path`` (``module:attr``)."""
+    field = config_field(default_factory=lambda: RegistryChoice(default), help=help, ref=ref)
+    field.metadata = types.MappingProxyType({**field.metadata, "registry": registry_path, "registry_default": default})
+    return field
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Validate ``data`` into the dataclass ``cls``.
+
+    Unknown keys, wrong types, values outside the declared choices or range, and failures of the dataclass's own
+    ``validate()`` method raise :class:`ConfigError` naming the full dotted key.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "<root>", data, f"a mapping with keys {', '.join(_field_names(cls))}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in known:
+            suggestion = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f" (did you mean '{suggestion[0]}'?)" if suggestion else ""
+            raise ConfigError(_join(path, str(key)), data[key], f"one of the keys {', '.join(known)}{hint}")
+    values = {}
+    for name, field in known.items():
+        key = _join(path, name)
+        if name in data:
+            values[name] = _convert(data[name], hints[name], key, field.metadata)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(key, None, f"a value is required ({field.metadata.get('help', '')})")
+    instance = cls(**values)
+    _check_registry_defaults(instance, known, path)
+    validate = getattr(instance, "validate", None)
+    if callable(validate):
+        validate(path)
+    return instance
+
+
+def to_dict(config: Any) -> Any:
+    """Plain, YAML-serialisable form of a config (the inverse of :func:`from_dict`)."""
+    if hasattr(config, "to_dict") and not isinstance(config, type):
+        return config.to_dict()
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, Mapping):
+        return {str(k): to_dict(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    return config
+
+
+def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
+    """``(name, type, default, help, reference)`` for every field of a config dataclass, nested ones expanded."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        annotation = hints[field.name]
+        default = field.default
+        if field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            for name, kind, sub_default, help_text, ref in describe_fields(annotation):
+                rows.append((f"{field.name}.{name}", kind, sub_default, help_text, ref))
+            continue
+        rows.append(
+            (field.name, _type_name(annotation), to_dict(default), field.metadata.get("help", ""), field.metadata.get("ref"))
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+def _convert(value: Any, annotation: Any, key: str, metadata: Mapping[str, Any]) -> Any:
+    if metadata.get("registry"):
+        if isinstance(value, Mapping) and "name" not in value:  # options only: keep the default entry
+            value = {"name": metadata["registry_default"], **value}
+        return _convert_registry_choice(value, key, _resolve_registry(metadata["registry"]))
+    converted = _convert_type(value, annotation, key)
+    choices = metadata.get("choices")
+    if choices is not None and converted not in choices:
+        raise ConfigError(key, value, f"one of {', '.join(repr(c) for c in choices)}")
+    _check_range(converted, key, metadata)
+    return converted
+
+
+def _convert_type(value: Any, annotation: Any, key: str) -> Any:
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert_type(value, option, key)
+            except ConfigError as error:
+                errors.append(error.allowed)
+        raise ConfigError(key, value, " or ".join(errors + (["null"] if type(None) in args else [])))
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(key, value, f"one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (list, tuple):
+        item_type = args[0] if args else Any
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, f"a list of {_type_name(item_type)}")
+        items = [_convert_type(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or annotation is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, value, "a mapping")
+        value_type = args[1] if len(args) == 2 else Any
+        return {str(k): _convert_type(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(annotation, type) and hasattr(annotation, "from_config_value"):
+        return annotation.from_config_value(value, key)  # sections that validate themselves (plugin, rewards)
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, key)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(key, value, "an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "a string")
+        return value
+    raise TypeError(f"config key '{key}': unsupported annotation {annotation!r}")
+
+
+def _check_range(value: Any, key: str, metadata: Mapping[str, Any]) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
+    exclusive = metadata.get("exclusive_minimum")
+    too_small = minimum is not None and (value <= minimum if exclusive else value < minimum)
+    too_large = maximum is not None and value > maximum
+    if too_small or too_large:
+        low = "" if minimum is None else (f"> {minimum}" if exclusive else f">= {minimum}")
+        high = "" if maximum is None else f"<= {maximum}"
+        raise ConfigError(key, value, "a number " + " and ".join(part for part in (low, high) if part))
+
+
+def _resolve_registry(path: str) -> Registry[Any]:
+    import importlib
+
+    module_name, attribute = path.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _convert_registry_choice(value: Any, key: str, registry: Registry[Any]) -> RegistryChoice:
+    if isinstance(value, RegistryChoice):
+        value = value.to_dict()
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping) or "name" not in value:
+        raise ConfigError(key, value, f"a {registry.kind} name or a mapping with 'name' and its options")
+    name = value["name"]
+    try:
+        entry = registry.get(name)
+    except RegistryError:
+        raise ConfigError(f"{key}.name", name, f"one of {', '.join(registry.names())}") from None
+    options = {k: v for k, v in value.items() if k != "name"}
+    return RegistryChoice(name, bind_options(entry, options, key, f"{registry.kind} {name!r}"))
+
+
+def bind_options(entry: Any, options: Mapping[str, Any], key: str, what: str) -> dict[str, Any]:
+    """Validate ``options`` against the keyword parameters of a registry entry (names, then types)."""
+    allowed = {option.name: option for option in callable_options(entry)}
+    annotations = _resolved_annotations(entry)
+    bound = {}
+    for name, value in options.items():
+        if name not in allowed:
+            listed = ", ".join(f"{o.name}={o.default!r}" for o in allowed.values() if not o.required) or "(none)"
+            raise ConfigError(_join(key, name), value, f"options of {what}: {listed}")
+        annotation = annotations.get(name, Any)
+        if not _is_tensor_annotation(annotation):
+            value = _convert_type(value, annotation, _join(key, name))
+        bound[name] = value
+    missing = [o.name for o in allowed.values() if o.required and o.name not in bound]
+    if missing:
+        raise ConfigError(_join(key, missing[0]), None, f"a value is required by {what}")
+    return bound
+
+
+def _resolved_annotations(entry: Any) -> dict[str, Any]:
+    target = entry.__init__ if isinstance(entry, type) else entry
+    try:
+        return typing.get_type_hints(target)
+    except (NameError, TypeError):
+        return {}
+
+
+def _is_tensor_annotation(annotation: Any) -> bool:
+    text = repr(annotation)
+    return "Tensor" in text or "Generator" in text
+
+
+def _check_registry_defaults(instance: Any, known: Mapping[str, dataclasses.Field], path: str) -> None:
+    """Defaults of registry-choice fields are validated too (a default name must exist)."""
+    for name, field in known.items():
+        registry_path = field.metadata.get("registry")
+        value = getattr(instance, name)
+        if registry_path and isinstance(value, RegistryChoice):
+            setattr(instance, name, _convert_registry_choice(value, _join(path, name), _resolve_registry(registry_path)))
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        return f"list[{_type_name(args[0]) if args else 'any'}]"
+    if origin is dict:
+        return "mapping"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))

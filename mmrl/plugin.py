@@ -1,0 +1,222 @@
+"""The plugin contract: how a modality plugs into the shared optimizer.
+
+A plugin is a class registered by name in :data:`plugin_registry`. The trainer drives it; the plugin never sees
+the trainer. Data flows one way::
+
+    dataset rows ──► Plugin.rollout(policy, PromptBatch) ──► Rollout ──► rewards ──► advantages
+                                                                                        │
+    optimizer step ◄── aggregate(policy loss + β·KL) ◄── Plugin.forward(policy, Rollout) ◄┘
+
+Built-in plugins are registered lazily by :mod:`mmrl.plugins`. A third-party package registers its plugin class
+through the entry-point group ``mmrl.plugins``; ``pip install`` is then enough for configs and ``mmrl list``::
+
+    [project.entry-points."mmrl.plugins"]
+    my_modality = "my_package.plugin:MyPlugin"
+
+docs/plugins.md walks through writing one, using the reference plugin :mod:`mmrl.plugins.toy` as the example.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from mmrl.registry import Registry
+from mmrl.rollout import Rollout
+
+
+@dataclass
+class Runtime:
+    """What a plugin may know about the process it runs in (built by the trainer from Accelerate).
+
+    Attributes:
+        device: Device of this process.
+        process_index: Rank of this process, 0..num_processes-1.
+        num_processes: World size.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; log-prob math stays in float32 regardless.
+        unwrap: Returns the bare module inside a DDP/FSDP/DeepSpeed wrapper (for ``generate`` and saving).
+        autocast: Returns the mixed-precision autocast context for forward passes.
+        seed: The run's base seed.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    process_index: int = 0
+    num_processes: int = 1
+    mixed_precision: str = "no"
+    unwrap: Callable[[nn.Module], nn.Module] = lambda module: getattr(module, "module", module)
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
+    seed: int = 0
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.mixed_precision, torch.float32)
+
+
+@dataclass
+class PromptBatch:
+    """The prompts one process turns into a rollout.
+
+    Attributes:
+        rows: N dataset rows; each prompt appears once per sample of its group on this process.
+        group_ids: ``[N]`` group id of each row (equal ids = copies of one prompt).
+        group_size: G, the number of samples per prompt over all processes.
+        seeds: ``[N]`` int64 seed of each sample, a function of (run seed, step, round, global sample index) only.
+            Drawing each sample's randomness from its own seed makes a rollout independent of how samples are
+            laid out over processes and micro-batches (one process and two processes sample the same thing).
+        generator: A per-process ``torch.Generator`` on the process's device, for plugins that draw batched noise.
+        training: False for evaluation (plugins sample greedily or with their deterministic sampler).
+    """
+
+    rows: list[dict[str, Any]]
+    group_ids: Tensor
+    group_size: int
+    seeds: Tensor
+    generator: torch.Generator
+    training: bool = True
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def sample_generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
+        """One ``torch.Generator`` per sample, seeded from :attr:`seeds`."""
+        return [torch.Generator(device=device).manual_seed(int(seed)) for seed in self.seeds.tolist()]
+
+
+@dataclass
+class PolicyOutput:
+    """What :meth:`Plugin.forward` returns for a (micro-)batch of a rollout.
+
+    Attributes:
+        logp: ``[N, A]`` float32 log-probs of the stored actions under the current policy, with gradients.
+        ref_logp: ``[N, A]`` log-probs under the reference policy (no gradients), when asked for.
+        kl: ``[N, A]`` the plugin's own per-action KL to the reference, with gradients. When set it replaces the
+            core's estimator applied to ``logp`` and ``ref_logp`` (flow models use a KL between Gaussian means).
+        entropy: ``[N, A]`` per-action policy entropy, when the plugin can compute it.
+    """
+
+    logp: Tensor
+    ref_logp: Tensor | None = None
+    kl: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+class Plugin(ABC):
+    """Base class of modality plugins.
+
+    Subclasses set :attr:`name` and :attr:`config_class` (a dataclass validated from the config's ``plugin:``
+    section) and implement the abstract methods. The constructor builds the models; nothing is prepared for
+    distribution until the trainer calls :meth:`policy`.
+
+    Args:
+        config: An instance of :attr:`config_class`.
+        runtime: Process facts (device, rank, precision).
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+
+    def __init__(self, config: Any, runtime: Runtime):
+        self.config = config
+        self.runtime = runtime
+
+    # ------------------------------------------------------------------ required
+    @abstractmethod
+    def policy(self) -> nn.Module:
+        """The trainable module. The trainer wraps it (DDP, FSDP, DeepSpeed) and passes the wrapped module back
+        to :meth:`rollout` and :meth:`forward`; gradients must flow through a call of that module."""
+
+    @abstractmethod
+    def dataset(self, split: str) -> Sequence[dict[str, Any]]:
+        """The prompt rows of ``split`` (``"train"`` or ``"eval"``), each a dict with at least ``"prompt"``."""
+
+    @abstractmethod
+    def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        """Sample one trajectory per row of ``batch`` (under ``torch.no_grad``) and return them as a rollout whose
+        ``group_ids`` equal ``batch.group_ids``. ``old_logp`` must come from the same computation as
+        :meth:`forward`, so that the ratio is exactly 1 on the first inner step."""
+
+    @abstractmethod
+    def forward(self, policy: nn.Module, rollout: Rollout, *, need_reference: bool) -> PolicyOutput:
+        """Recompute, with gradients, the log-probs of the actions stored in ``rollout`` (any subset of the
+        sampled rollout). With ``need_reference`` also return ``ref_logp`` (or ``kl``) under the reference policy."""
+
+    # ------------------------------------------------------------------ optional
+    def max_actions(self) -> int | None:
+        """The action budget (e.g. ``max_new_tokens``); Dr.GRPO's constant in ``seq_mean_token_sum_norm``."""
+        return None
+
+    def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
+        """Credit the sample rewards to individual actions, for plugins whose credit is not uniform over time.
+
+        Called after scoring with this process's rollout and its combined rewards ``[N]``; return ``[N, A]``
+        per-action rewards (e.g. a tree node's reward = the mean of its leaves), or None for the default of one
+        group-relative advantage per sample broadcast over its actions. The core then normalises per (group,
+        action position), see :func:`mmrl.trainer.credit.action_advantages`. The default returns
+        ``rollout.action_rewards`` (usually None).
+        """
+        return rollout.action_rewards
+
+    def trainable_parameters(self, policy: nn.Module) -> Iterator[nn.Parameter]:
+        """Parameters the optimizer updates (default: those with ``requires_grad``)."""
+        return (p for p in policy.parameters() if p.requires_grad)
+
+    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """Write the trainable weights to ``directory`` (default: ``trainable.safetensors`` of the parameters
+        that require gradients). LoRA plugins override this to save the adapter."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        module = self.runtime.unwrap(policy)
+        state = {name: p.detach().cpu().contiguous() for name, p in module.named_parameters() if p.requires_grad}
+        save_file(state, str(directory / "trainable.safetensors"))
+
+    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """Load what :meth:`save_trainable` wrote; every trainable tensor must be present."""
+        path = Path(directory) / "trainable.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"no trainable weights at {path}")
+        state = load_file(str(path))
+        module = self.runtime.unwrap(policy)
+        params = dict(module.named_parameters())
+        missing = [name for name, p in params.items() if p.requires_grad and name not in state]
+        unexpected = [name for name in state if name not in params]
+        if missing or unexpected:
+            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor.to(params[name].device))
+
+    def save_samples(
+        self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str
+    ) -> list[Path]:
+        """Write evaluation samples to ``directory`` for people to look at; return the files written.
+
+        The default writes ``{tag}.jsonl`` with each prompt, its text outputs (``payload["completions"]`` or
+        ``payload["texts"]``) and its reward. Image plugins override this to write grids.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        texts = rollout.payload.get("completions", rollout.payload.get("texts"))
+        path = directory / f"{tag}.jsonl"
+        with path.open("w") as handle:
+            for i, row in enumerate(rollout.rows):
+                record = {"prompt": row.get("prompt"), "reward": float(rewards[i])}
+                if texts is not None:
+                    record["output"] = texts[i]
+                handle.write(json.dumps(record) + "\n")
+        return [path]
+
+
+plugin_registry: Registry[type[Plugin]] = Registry("plugin", entry_point_group="mmrl.plugins", populate="mmrl.plugins")

@@ -1,0 +1,208 @@
+"""Name → object registries.
+
+Every algorithm in mmrl (advantage estimators, policy losses, KL estimators, aggregation modes), every plugin and
+every reward is reached through a :class:`Registry`. Configs name entries by string; ``mmrl list`` prints them.
+
+Entries are either objects registered eagerly (``@registry.register("name")``) or *lazy* references
+``"package.module:attribute"`` that are imported on first use, so that listing plugins does not import diffusers.
+Third-party packages add entries through an entry-point group (for example ``mmrl.plugins``): installing the
+package is enough for configs and ``mmrl list`` to find them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class RegistryError(KeyError):
+    """Unknown or conflicting registry name. The message is one line that lists what is allowed."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain.
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of a registered callable, read from its signature and docstring."""
+
+    name: str
+    default: Any
+    annotation: Any
+    help: str
+
+    @property
+    def required(self) -> bool:
+        return self.default is inspect.Parameter.empty
+
+
+class Registry(Generic[T]):
+    """A case-sensitive mapping from names to registered objects.
+
+    Args:
+        kind: What the entries are, used in messages (``"advantage estimator"``).
+        entry_point_group: Optional entry-point group scanned once, on first lookup, for third-party entries.
+            Each entry point's name is the registry name and its value ``module:attribute`` the object.
+        populate: Optional module imported on first lookup; importing it registers the built-in entries
+            (``"mmrl.plugins"`` registers the built-in plugins lazily, without importing their dependencies).
+    """
+
+    def __init__(self, kind: str, entry_point_group: str | None = None, populate: str | None = None):
+        self.kind = kind
+        self.entry_point_group = entry_point_group
+        self.populate = populate
+        self._entries: dict[str, T] = {}
+        self._lazy: dict[str, str] = {}
+        self._entry_points_loaded = entry_point_group is None and populate is None
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, obj: T | None = None) -> Any:
+        """Register ``obj`` under ``name``, or return a decorator that does.
+
+        Registering the same object twice under one name is allowed (module reloads); a different object raises.
+        """
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"{self.kind} names must be non-empty strings, got {name!r}")
+
+        def _add(target: T) -> T:
+            existing = self._entries.get(name)
+            if existing is not None and existing is not target and _qualname(existing) != _qualname(target):
+                raise RegistryError(
+                    f"{self.kind} {name!r} is already registered to {_qualname(existing)}; "
+                    f"refusing to rebind it to {_qualname(target)}"
+                )
+            self._lazy.pop(name, None)
+            self._entries[name] = target
+            return target
+
+        if obj is not None:
+            return _add(obj)
+        return _add
+
+    def register_lazy(self, name: str, target: str) -> None:
+        """Register ``"package.module:attribute"`` under ``name``, imported on first :meth:`get`."""
+        if ":" not in target:
+            raise RegistryError(f"lazy {self.kind} {name!r} must look like 'package.module:attribute', got {target!r}")
+        if name in self._entries or (name in self._lazy and self._lazy[name] != target):
+            raise RegistryError(f"{self.kind} {name!r} is already registered")
+        self._lazy[name] = target
+
+    # ------------------------------------------------------------------ lookup
+    def get(self, name: str) -> T:
+        """Return the entry called ``name``; raise :class:`RegistryError` naming the allowed entries if unknown."""
+        self._load_entry_points()
+        if name in self._entries:
+            return self._entries[name]
+        if name in self._lazy:
+            module_name, attribute = self._lazy[name].split(":", 1)
+            module = importlib.import_module(module_name)
+            obj = getattr(module, attribute)
+            # Importing the module may itself have registered the object under this name.
+            self._lazy.pop(name, None)
+            return self.register(name, obj)
+        raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or '(none)'}")
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        self._load_entry_points()
+        return name in self._entries or name in self._lazy
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(set(self._entries) | set(self._lazy))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def describe(self, name: str) -> str:
+        """First line of the entry's docstring (imports lazy entries)."""
+        doc = inspect.getdoc(self.get(name)) or ""
+        return doc.strip().splitlines()[0] if doc.strip() else ""
+
+    def options(self, name: str) -> list[Option]:
+        """The keyword options a callable entry accepts, from its signature (see :func:`callable_options`)."""
+        return callable_options(self.get(name))
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        if self.populate is not None:
+            importlib.import_module(self.populate)
+        if self.entry_point_group is None:
+            return
+        for entry_point in metadata.entry_points(group=self.entry_point_group):
+            if entry_point.name not in self._entries and entry_point.name not in self._lazy:
+                self._lazy[entry_point.name] = entry_point.value
+
+
+def _qualname(obj: Any) -> str:
+    module = getattr(obj, "__module__", type(obj).__module__)
+    name = getattr(obj, "__qualname__", type(obj).__qualname__)
+    return f"{module}.{name}"
+
+
+# Parameters every function of a registry receives from the trainer; they are not user options.
+DATA_PARAMETERS = frozenset(
+    {"rewards", "group_ids", "logp", "old_logp", "ref_logp", "advantages", "mask", "chunk_ids", "loss", "self", "batch"}
+)
+
+
+def callable_options(fn: Callable[..., Any]) -> list[Option]:
+    """Keyword options of ``fn``: its parameters with defaults that are not data tensors.
+
+    Help text comes from the ``Args:`` section of the docstring (Hugging Face style). For a class, the options of
+    ``__init__`` are returned.
+    """
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    signature = inspect.signature(target)
+    help_by_name = _docstring_args(inspect.getdoc(target) or inspect.getdoc(fn) or "")
+    options = []
+    for parameter in signature.parameters.values():
+        if parameter.name in DATA_PARAMETERS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.kind is parameter.POSITIONAL_ONLY:
+            continue
+        options.append(
+            Option(parameter.name, parameter.default, parameter.annotation, help_by_name.get(parameter.name, ""))
+        )
+    return options
+
+
+def _docstring_args(doc: str) -> dict[str, str]:
+    """Parse the ``Args:`` block of a Hugging Face style docstring into {name: first help sentence}."""
+    result: dict[str, str] = {}
+    in_args = False
+    current = None
+    for raw in doc.splitlines():
+        line = raw.rstrip()
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:", "Options:"):
+            in_args = True
+            continue
+        if in_args and stripped.endswith(":") and not line.startswith(" "):
+            break  # next section (Returns:, Shapes:, ...)
+        if not in_args or not stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent <= 4 and ":" in stripped:
+            head, _, tail = stripped.partition(":")
+            name = head.split("(")[0].strip().strip("`*")
+            if name.isidentifier():
+                current = name
+                result[current] = tail.strip()
+                continue
+        if current is not None:
+            result[current] = (result[current] + " " + stripped).strip()
+    return result

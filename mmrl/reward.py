@@ -1,0 +1,198 @@
+"""The reward interface and the scorer that runs the configured rewards.
+
+A reward is registered in :data:`reward_functions` (re-exported as ``mmrl.rewards.reward_functions``) and is
+either
+
+- a class (subclass :class:`Reward`) constructed once with the config's ``args`` and then called on batches, or
+- a function ``fn(batch, **args)``.
+
+Called on a :class:`RewardInput`, it returns one score per sample (a list of floats or a ``[N]`` tensor). A reward
+with ``groupwise = True`` is called once per group with that group's samples (Pref-GRPO's win rate needs the whole
+group). Rewards must score malformed model outputs (unparseable text, blank images) rather than raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from mmrl.registry import Registry
+
+reward_functions: Registry[Any] = Registry("reward", entry_point_group="mmrl.rewards", populate="mmrl.rewards")
+
+
+class RewardError(RuntimeError):
+    """A reward returned something unusable (wrong length, non-numbers, NaN under ``on_nonfinite: error``)."""
+
+
+@dataclass
+class RewardInput:
+    """The samples a reward scores.
+
+    Attributes:
+        rows: The dataset row (prompt and metadata such as ``"solution"``) of each sample.
+        payload: Per-sample model outputs, e.g. ``{"completions": list[str]}`` or ``{"images": Tensor[N,3,H,W]}``.
+        group_ids: ``[N]`` group of each sample.
+    """
+
+    rows: list[dict[str, Any]]
+    payload: dict[str, Any]
+    group_ids: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [str(row.get("prompt", "")) for row in self.rows]
+
+    def column(self, name: str) -> list[Any]:
+        """The metadata field ``name`` of every row; a clear error names the rows that lack it."""
+        missing = [i for i, row in enumerate(self.rows) if name not in row]
+        if missing:
+            raise RewardError(f"dataset rows {missing[:5]} have no {name!r} field, which this reward reads")
+        return [row[name] for row in self.rows]
+
+    def output(self, name: str) -> Any:
+        """The payload entry ``name``; a clear error lists what the plugin produced instead."""
+        if name not in self.payload:
+            raise RewardError(f"this reward reads payload[{name!r}] but the plugin produced {sorted(self.payload)}")
+        return self.payload[name]
+
+    def select(self, indices: Sequence[int]) -> RewardInput:
+        from mmrl.rollout import _take
+
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        return RewardInput(
+            rows=[self.rows[i] for i in index.tolist()],
+            payload=_take(self.payload, index),
+            group_ids=self.group_ids.index_select(0, index) if self.group_ids.numel() else self.group_ids,
+        )
+
+
+class Reward:
+    """Optional base class for rewards with state (models loaded once) or group-wise scoring.
+
+    Subclasses implement ``__call__(self, batch: RewardInput) -> Sequence[float] | Tensor``. Constructor keyword
+    arguments are the reward's options, validated from the config's ``args``.
+    """
+
+    groupwise: ClassVar[bool] = False
+
+    def __call__(self, batch: RewardInput) -> Sequence[float] | Tensor:
+        raise NotImplementedError
+
+
+def build_reward(name: str, args: dict[str, Any]) -> Callable[[RewardInput], Any]:
+    """Instantiate (class) or bind (function) the reward registered as ``name`` with ``args``."""
+    entry = reward_functions.get(name)
+    if isinstance(entry, type):
+        return entry(**args)
+
+    def bound(batch: RewardInput) -> Any:
+        return entry(batch, **args)
+
+    bound.groupwise = getattr(entry, "groupwise", False)  # type: ignore[attr-defined]
+    bound.__name__ = name
+    return bound
+
+
+@dataclass
+class ScoredBatch:
+    """Scores of one batch.
+
+    Attributes:
+        scores: ``[N, K]`` float32, one column per reward (non-finite entries replaced by 0 when skipped).
+        valid: ``[N]`` bool, False for samples with a non-finite score under ``on_nonfinite: skip``.
+    """
+
+    scores: Tensor
+    valid: Tensor
+
+
+class RewardScorer:
+    """Runs the configured rewards on a batch and checks what they return.
+
+    Args:
+        names: Reward names, one per column.
+        functions: The built reward callables.
+        weights: ``[K]`` weights.
+        on_nonfinite: ``"error"`` stops with a message naming the reward and sample; ``"skip"`` marks the
+            sample invalid (it is excluded from advantages and the loss).
+    """
+
+    def __init__(self, names: list[str], functions: list[Callable[[RewardInput], Any]], weights: list[float],
+                 on_nonfinite: str = "error"):
+        self.names = names
+        self.functions = functions
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.on_nonfinite = on_nonfinite
+
+    @classmethod
+    def from_config(cls, config: Any) -> RewardScorer:
+        """Build from a :class:`mmrl.config.RewardsConfig`."""
+        specs = config.functions
+        return cls(
+            [spec.name for spec in specs],
+            [build_reward(spec.name, spec.args) for spec in specs],
+            [spec.weight for spec in specs],
+            config.on_nonfinite,
+        )
+
+    @property
+    def groupwise(self) -> bool:
+        return any(getattr(fn, "groupwise", False) for fn in self.functions)
+
+    def score(self, batch: RewardInput) -> ScoredBatch:
+        """Score ``batch`` with every reward → :class:`ScoredBatch` (``[N, K]`` scores and ``[N]`` validity)."""
+        n = len(batch)
+        columns = []
+        valid = torch.ones(n, dtype=torch.bool)
+        for name, fn in zip(self.names, self.functions):
+            column = self._run(name, fn, batch)  # [N] float64
+            finite = torch.isfinite(column)
+            if not finite.all():
+                bad = (~finite).nonzero().flatten()[:5].tolist()
+                if self.on_nonfinite == "error":
+                    raise RewardError(
+                        f"reward {name!r} returned NaN or infinite scores for samples {bad} "
+                        "(set rewards.on_nonfinite=skip to drop such samples instead)"
+                    )
+                valid &= finite
+                column = torch.where(finite, column, torch.zeros_like(column))
+            columns.append(column)
+        scores = torch.stack(columns, dim=1).to(torch.float32) if columns else torch.zeros(n, 0)
+        return ScoredBatch(scores=scores, valid=valid)
+
+    def _run(self, name: str, fn: Callable[[RewardInput], Any], batch: RewardInput) -> Tensor:
+        if not getattr(fn, "groupwise", False):
+            return _as_scores(fn(batch), len(batch), name)
+        column = torch.empty(len(batch), dtype=torch.float64)
+        ids = batch.group_ids.tolist()
+        for group in dict.fromkeys(ids):
+            members = [i for i, gid in enumerate(ids) if gid == group]
+            column[members] = _as_scores(fn(batch.select(members)), len(members), name)
+        return column
+
+
+def _as_scores(value: Any, n: int, name: str) -> Tensor:
+    if isinstance(value, Tensor):
+        scores = value.detach().to("cpu", torch.float64).flatten()
+    else:
+        try:
+            scores = torch.tensor([_as_float(v) for v in value], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name!r} must return numbers, got {type(value).__name__}") from None
+    if scores.numel() != n:
+        raise RewardError(f"reward {name!r} returned {scores.numel()} scores for {n} samples")
+    return scores
+
+
+def _as_float(value: Any) -> float:
+    # None means "no score" (TRL's convention); it is treated like NaN, i.e. by rewards.on_nonfinite.
+    return math.nan if value is None else float(value)

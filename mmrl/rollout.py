@@ -1,0 +1,210 @@
+"""The rollout contract: what a plugin hands to the core after sampling.
+
+One :class:`Rollout` holds N samples organised in groups (the G samples of one prompt share a group id) and an
+*action axis* A. What an action is belongs to the plugin:
+
+======================  ==========================================  =====================================
+plugin                  an action is                                 A
+======================  ==========================================  =====================================
+reference (``toy``)     one generated token                           max generated length
+vlm                     one completion token                          max completion length in the batch
+flow                    one SDE denoising step (x_t → x_{t−1})        number of sampled steps
+dllm                    the whole completion, scored by an ELBO       1 (a sequence-level score)
+======================  ==========================================  =====================================
+
+The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-action extras; it never looks
+inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs). Everything in
+``payload`` and ``replay`` is per sample: tensors have N as their first dimension and lists have N items, so the
+core can split, shuffle and concatenate rollouts without knowing the modality. Values shared by all samples (a
+timestep grid, a guidance scale) go in ``shared``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Optional per-action tensors, all [N, A].
+ACTION_FIELDS = ("action_weights", "chunk_ids", "action_rewards", "action_advantages", "ref_logp")
+
+
+class RolloutError(ValueError):
+    """A plugin returned a rollout that breaks the contract (shapes, lengths, group ids)."""
+
+
+@dataclass
+class Rollout:
+    """N sampled trajectories, their action log-probs and everything needed to score and replay them.
+
+    Attributes:
+        group_ids: ``[N]`` int64, the group (prompt) of each sample; the trainer checks it against the batch.
+        old_logp: ``[N, A]`` float32, log-prob of each action under the policy that sampled it.
+        mask: ``[N, A]`` float32, 1 for actions that are trained, 0 for padding or untrained steps.
+        payload: Per-sample outputs that rewards read, e.g. ``{"images": [N,3,H,W]}`` or
+            ``{"completions": list[str]}``.
+        replay: Per-sample tensors the plugin needs to recompute log-probs of the stored actions
+            (token ids, latents before and after each step, image tensors, mask seeds, ...).
+        shared: Values common to all samples (not split).
+        rows: The dataset row (prompt and metadata) of each sample; the trainer fills it in.
+        action_weights: ``[N, A]`` optional weight on each action's loss (TempFlow-GRPO's noise-aware weights).
+        chunk_ids: ``[N, A]`` optional chunk index of each action, for the chunk ratio level (Chunk-GRPO).
+        action_rewards: ``[N, A]`` optional per-action rewards (branching credit).
+        action_advantages: ``[N, A]`` optional per-action advantages set by the plugin; they replace the
+            group-relative advantage broadcast over actions (BranchGRPO's per-depth advantages).
+        ref_logp: ``[N, A]`` optional reference log-probs computed at sampling time.
+        metrics: Scalars the plugin wants logged for this rollout (not split).
+    """
+
+    group_ids: Tensor
+    old_logp: Tensor
+    mask: Tensor
+    payload: dict[str, Any] = field(default_factory=dict)
+    replay: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    action_weights: Tensor | None = None
+    chunk_ids: Tensor | None = None
+    action_rewards: Tensor | None = None
+    action_advantages: Tensor | None = None
+    ref_logp: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.old_logp.shape[1])
+
+    def validate(self) -> Rollout:
+        """Check every shape and length against N and A; raise :class:`RolloutError` naming the first offender."""
+        if self.group_ids.dim() != 1:
+            raise RolloutError(f"rollout.group_ids must be [N], got shape {tuple(self.group_ids.shape)}")
+        n = len(self)
+        if self.old_logp.dim() != 2 or self.old_logp.shape[0] != n:
+            raise RolloutError(f"rollout.old_logp must be [N={n}, A], got shape {tuple(self.old_logp.shape)}")
+        if self.mask.shape != self.old_logp.shape:
+            raise RolloutError(
+                f"rollout.mask must match old_logp {tuple(self.old_logp.shape)}, got {tuple(self.mask.shape)}"
+            )
+        if not torch.isfinite(self.old_logp[self.mask > 0]).all():
+            raise RolloutError("rollout.old_logp holds NaN or infinite values on unmasked actions")
+        for name in ACTION_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value.shape != self.old_logp.shape:
+                raise RolloutError(
+                    f"rollout.{name} must be [N, A] = {tuple(self.old_logp.shape)}, got {tuple(value.shape)}"
+                )
+        for section in ("payload", "replay"):
+            _check_per_sample(getattr(self, section), n, f"rollout.{section}")
+        if self.rows and len(self.rows) != n:
+            raise RolloutError(f"rollout.rows has {len(self.rows)} entries for N={n} samples")
+        return self
+
+    def select(self, indices: Tensor | Sequence[int]) -> Rollout:
+        """The samples at ``indices`` (a new rollout; tensors are indexed, lists re-ordered)."""
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.group_ids.device)
+        updates = {f.name: _take(getattr(self, f.name), index) for f in fields(self) if f.name not in _UNSPLIT}
+        return replace(self, **updates)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """Move every tensor (including nested ones) to ``device``."""
+        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+
+    @staticmethod
+    def concat(rollouts: Sequence[Rollout]) -> Rollout:
+        """Concatenate rollouts along N. Action axes of different widths are right-padded (mask 0).
+
+        ``shared`` and ``metrics`` are taken from the first rollout.
+        """
+        if not rollouts:
+            raise RolloutError("cannot concatenate an empty list of rollouts")
+        width = max(r.num_actions for r in rollouts)
+        padded = [r._pad_actions(width) for r in rollouts]
+        first = padded[0]
+        updates = {}
+        for f in fields(first):
+            if f.name in _UNSPLIT:
+                continue
+            updates[f.name] = _cat([getattr(r, f.name) for r in padded], f"rollout.{f.name}")
+        return replace(first, **updates)
+
+    def _pad_actions(self, width: int) -> Rollout:
+        extra = width - self.num_actions
+        if extra == 0:
+            return self
+        pad = torch.nn.functional.pad
+        updates: dict[str, Any] = {"old_logp": pad(self.old_logp, (0, extra)), "mask": pad(self.mask, (0, extra))}
+        for name in ACTION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                updates[name] = pad(value, (0, extra))
+        return replace(self, **updates)
+
+
+_UNSPLIT = frozenset({"shared", "metrics"})
+
+
+def _check_per_sample(value: Any, n: int, where: str) -> None:
+    if isinstance(value, Tensor):
+        if value.dim() == 0 or value.shape[0] != n:
+            raise RolloutError(f"{where} must have N={n} as first dimension, got shape {tuple(value.shape)}")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_per_sample(item, n, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise RolloutError(f"{where} must hold N={n} items, got {len(value)}")
+    elif value is not None:
+        raise RolloutError(
+            f"{where} holds a {type(value).__name__}; per-sample values must be tensors, lists or dicts of them "
+            "(put values shared by all samples in rollout.shared)"
+        )
+
+
+def _take(value: Any, index: Tensor) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, Mapping):
+        return {key: _take(item, index) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        picked = [value[i] for i in index.tolist()]
+        return type(value)(picked) if isinstance(value, tuple) else picked
+    raise RolloutError(f"cannot split a {type(value).__name__} per sample")
+
+
+def _cat(values: list[Any], where: str) -> Any:
+    first = values[0]
+    if first is None:
+        if any(v is not None for v in values):
+            raise RolloutError(f"{where} is set in some rollouts and missing in others")
+        return None
+    if isinstance(first, Tensor):
+        return torch.cat(values, dim=0)
+    if isinstance(first, Mapping):
+        keys = set(first)
+        if any(set(v) != keys for v in values):
+            raise RolloutError(f"{where} has different keys across rollouts")
+        return {key: _cat([v[key] for v in values], f"{where}[{key!r}]") for key in first}
+    if isinstance(first, (list, tuple)):
+        joined = [item for v in values for item in v]
+        return type(first)(joined) if isinstance(first, tuple) else joined
+    raise RolloutError(f"cannot concatenate {where} of type {type(first).__name__}")
+
+
+def _move(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {key: _move(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_move(item, device) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_move(item, device) for item in value)
+    return value
