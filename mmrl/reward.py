@@ -153,7 +153,7 @@ class RewardScorer:
         n = len(batch)
         columns = []
         valid = torch.ones(n, dtype=torch.bool)
-        for name, fn in zip(self.names, self.functions):
+        for name, fn in zip(self.names, self.functions, strict=True):
             column = self._run(name, fn, batch)  # [N] float64
             finite = torch.isfinite(column)
             if not finite.all():

@@ -16,7 +16,9 @@ The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-
 inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs). Everything in
 ``payload`` and ``replay`` is per sample: tensors have N as their first dimension and lists have N items, so the
 core can split, shuffle and concatenate rollouts without knowing the modality. Values shared by all samples (a
-timestep grid, a guidance scale) go in ``shared``.
+timestep grid, a guidance scale) go in ``shared``. When rollouts of different widths are concatenated (dynamic
+sampling pools several rounds), tensors are right-padded with zeros along their non-batch dimensions: pad token
+ids and attention masks alike come out consistent, and padded actions carry mask 0.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class Rollout:
         """The samples at ``indices`` (a new rollout; tensors are indexed, lists re-ordered)."""
         index = torch.as_tensor(indices, dtype=torch.long, device=self.group_ids.device)
         updates = {f.name: _take(getattr(self, f.name), index) for f in fields(self) if f.name not in _UNSPLIT}
+        if not self.rows:  # rows are filled in by the trainer; before that the list is empty
+            updates["rows"] = []
         return replace(self, **updates)
 
     def to(self, device: torch.device | str) -> Rollout:
@@ -167,8 +171,8 @@ def _check_per_sample(value: Any, n: int, where: str) -> None:
 
 
 def _take(value: Any, index: Tensor) -> Any:
-    if value is None:
-        return None
+    if value is None or (isinstance(value, list) and not value):
+        return value
     if isinstance(value, Tensor):
         return value.index_select(0, index.to(value.device))
     if isinstance(value, Mapping):
@@ -181,12 +185,13 @@ def _take(value: Any, index: Tensor) -> Any:
 
 def _cat(values: list[Any], where: str) -> Any:
     first = values[0]
-    if first is None:
-        if any(v is not None for v in values):
+    missing = [v is None for v in values]
+    if any(missing):
+        if not all(missing):
             raise RolloutError(f"{where} is set in some rollouts and missing in others")
         return None
     if isinstance(first, Tensor):
-        return torch.cat(values, dim=0)
+        return torch.cat(_pad_trailing(values, where), dim=0)
     if isinstance(first, Mapping):
         keys = set(first)
         if any(set(v) != keys for v in values):
@@ -196,6 +201,21 @@ def _cat(values: list[Any], where: str) -> Any:
         joined = [item for v in values for item in v]
         return type(first)(joined) if isinstance(first, tuple) else joined
     raise RolloutError(f"cannot concatenate {where} of type {type(first).__name__}")
+
+
+def _pad_trailing(tensors: list[Tensor], where: str) -> list[Tensor]:
+    """Right-pad with zeros along every non-batch dimension to the largest size (e.g. token ids of different
+    lengths from two sampling rounds; their attention masks pad with zeros the same way)."""
+    if len({t.dim() for t in tensors}) != 1:
+        raise RolloutError(f"cannot concatenate {where}: tensors of different ranks")
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for tensor in tensors:
+        pads: list[int] = []
+        for dim in reversed(range(1, tensor.dim())):
+            pads.extend([0, shape[dim - 1] - tensor.shape[dim]])
+        padded.append(torch.nn.functional.pad(tensor, pads) if any(pads) else tensor)
+    return padded
 
 
 def _move(value: Any, device: torch.device | str) -> Any:

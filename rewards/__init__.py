@@ -10,6 +10,13 @@ from mmrl.reward import Reward, RewardError, RewardInput, reward_functions
 _BUILTIN = {
     "exact_match": "mmrl.rewards.text_match:exact_match",
     "token_accuracy": "mmrl.rewards.text_match:token_accuracy",
+    "iou": "mmrl.rewards.perception:iou",
+    "giou": "mmrl.rewards.perception:giou",
+    "detection": "mmrl.rewards.perception:detection",
+    "count": "mmrl.rewards.perception:count",
+    "format": "mmrl.rewards.reasoning:format_reward",
+    "choice": "mmrl.rewards.reasoning:choice",
+    "math": "mmrl.rewards.reasoning:math_reward",
 }
 
 for _name, _target in _BUILTIN.items():

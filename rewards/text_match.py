@@ -25,7 +25,7 @@ def exact_match(batch: RewardInput, *, field: str = "solution", output: str = "c
     references = batch.column(field)
     completions = batch.output(output)
     scores = []
-    for completion, reference in zip(completions, references):
+    for completion, reference in zip(completions, references, strict=True):
         predicted = _tokens(completion)
         scores.append(float(predicted is not None and predicted == _tokens(str(reference))))
     return scores
@@ -44,7 +44,7 @@ def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str =
     references = batch.column(field)
     completions = batch.output(output)
     scores = []
-    for completion, reference in zip(completions, references):
+    for completion, reference in zip(completions, references, strict=True):
         predicted, target = _tokens(completion), _tokens(str(reference))
         if predicted is None:
             scores.append(0.0)
@@ -53,6 +53,7 @@ def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str =
         if longest == 0:
             scores.append(1.0)
             continue
-        correct = sum(p == t for p, t in zip(predicted, target))
+        # Lengths may differ: the longer one sets the denominator.
+        correct = sum(p == t for p, t in zip(predicted, target, strict=False))
         scores.append(correct / longest)
     return scores

@@ -35,6 +35,11 @@ def _check(rewards: Tensor, group_ids: Tensor) -> None:
         raise ValueError("advantage estimators need finite rewards; drop or reject non-finite rewards first")
 
 
+def _scaled(centered: Tensor, std: Tensor, eps: float) -> Tensor:
+    """centered / (std + eps), and exactly 0 where there is no spread (so eps = 0 never divides 0 by 0)."""
+    return torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+
+
 @advantage_estimators.register("grpo")
 def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
     """GRPO: (r − group mean) / (group std + eps), with the unbiased (Bessel-corrected) std.
@@ -49,7 +54,7 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) ->
     """
     _check(rewards, group_ids)
     _, mean, std = group_stats(rewards, group_ids)  # [N] each, float64
-    return ((rewards.to(torch.float64) - mean) / (std + eps)).to(rewards.dtype)
+    return _scaled(rewards.to(torch.float64) - mean, std, eps).to(rewards.dtype)
 
 
 @advantage_estimators.register("dr_grpo")
@@ -100,8 +105,8 @@ def batch_std_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-
     _check(rewards, group_ids)
     _, mean, _ = group_stats(rewards, group_ids)
     rewards64 = rewards.to(torch.float64)
-    batch_std = rewards64.std(unbiased=False)  # population std, as np.std in the reference code
-    return ((rewards64 - mean) / (batch_std + eps)).to(rewards.dtype)
+    batch_std = rewards64.std(unbiased=False).expand_as(rewards64)  # population std, as np.std in the reference code
+    return _scaled(rewards64 - mean, batch_std, eps).to(rewards.dtype)
 
 
 MULTI_REWARD_ORDERS = ("sum_then_normalize", "normalize_then_sum")

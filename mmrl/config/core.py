@@ -34,7 +34,9 @@ LAYOUTS = ("spread", "contiguous")
 class RunConfig:
     """Where the run writes, how long it lasts, and how it is logged and checkpointed."""
 
-    output_dir: str = config_field("runs/default", help="Run folder: config.yaml, metrics.jsonl, samples/, checkpoints/.")
+    output_dir: str = config_field(
+        "runs/default", help="Run folder: config.yaml, metrics.jsonl, samples/, checkpoints/."
+    )
     seed: int = config_field(0, help="Base seed. Prompt order, sampling noise and mask draws all derive from it.")
     max_steps: int = config_field(100, minimum=1, help="Training steps (one rollout batch each).")
     log_every: int = config_field(1, minimum=1, help="Write metrics every this many steps.")
@@ -139,7 +141,8 @@ class AlgorithmConfig:
         0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
     )
     inner_epochs: int = config_field(
-        1, minimum=1, help="μ, passes over each rollout batch. After the first the data is off-policy and clipping acts.",
+        1, minimum=1,
+        help="μ, passes over each rollout batch. After the first the data is off-policy and clipping acts.",
         ref="GRPO μ; TRL num_iterations",
     )
     minibatches: int = config_field(

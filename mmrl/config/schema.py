@@ -146,7 +146,8 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
                 rows.append((f"{field.name}.{name}", kind, sub_default, help_text, ref))
             continue
         rows.append(
-            (field.name, _type_name(annotation), to_dict(default), field.metadata.get("help", ""), field.metadata.get("ref"))
+            (field.name, _type_name(annotation), to_dict(default), field.metadata.get("help", ""),
+             field.metadata.get("ref"))
         )
     return rows
 
@@ -294,7 +295,8 @@ def _check_registry_defaults(instance: Any, known: Mapping[str, dataclasses.Fiel
         registry_path = field.metadata.get("registry")
         value = getattr(instance, name)
         if registry_path and isinstance(value, RegistryChoice):
-            setattr(instance, name, _convert_registry_choice(value, _join(path, name), _resolve_registry(registry_path)))
+            registry = _resolve_registry(registry_path)
+            setattr(instance, name, _convert_registry_choice(value, _join(path, name), registry))
 
 
 def _field_names(cls: type) -> list[str]:

@@ -151,7 +151,9 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint:
             f"{key}: checkpoint {flat_saved.get(key, '<absent>')!r}, now {flat_current.get(key, '<absent>')!r}"
             for key in differing[:6]
         )
-        raise CheckpointError(f"cannot resume from {checkpoint}: the config differs in {len(differing)} key(s): {details}")
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: the config differs in {len(differing)} key(s): {details}"
+        )
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -32,7 +32,7 @@ class EMA:
     @torch.no_grad()
     def update(self) -> None:
         decay = self.current_decay()
-        for shadow, param in zip(self.shadow, self.parameters):
+        for shadow, param in zip(self.shadow, self.parameters, strict=True):
             shadow.mul_(decay).add_(param.detach().float(), alpha=1.0 - decay)
         self.updates += 1
 
@@ -41,13 +41,13 @@ class EMA:
         """Temporarily load the averaged weights into the parameters (for evaluation)."""
         backup = [p.detach().clone() for p in self.parameters]
         with torch.no_grad():
-            for shadow, param in zip(self.shadow, self.parameters):
+            for shadow, param in zip(self.shadow, self.parameters, strict=True):
                 param.copy_(shadow.to(param.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
-                for saved, param in zip(backup, self.parameters):
+                for saved, param in zip(backup, self.parameters, strict=True):
                     param.copy_(saved)
 
     def state_dict(self) -> dict:
@@ -58,4 +58,4 @@ class EMA:
             raise ValueError(f"EMA state has {len(state['shadow'])} tensors, this model {len(self.shadow)}")
         self.decay = state["decay"]
         self.updates = state["updates"]
-        self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.parameters)]
+        self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.parameters, strict=True)]

@@ -497,7 +497,8 @@ class Trainer:
         logp = output.logp.float()  # [n, A]
         if logp.shape != part.old_logp.shape:
             raise RolloutError(
-                f"plugin forward returned logp {tuple(logp.shape)} for a rollout with old_logp {tuple(part.old_logp.shape)}"
+                f"plugin forward returned logp {tuple(logp.shape)} for a rollout with old_logp "
+                f"{tuple(part.old_logp.shape)}"
             )
         options = dict(algorithm.policy_loss.options)
         if self.loss_accepts_chunks:
@@ -541,7 +542,7 @@ class Trainer:
             return {}
         reduced = self.accelerator.reduce(means.sums_and_weights(names).to(self.accelerator.device), "sum").cpu()
         totals, weights = reduced[: len(names)], reduced[len(names):]
-        return {name: float(t / w) for name, t, w in zip(names, totals, weights) if w > 0}
+        return {name: float(t / w) for name, t, w in zip(names, totals, weights, strict=True) if w > 0}
 
     def _lr(self, optimizer_step: int) -> float:
         optim = self.config.optim
@@ -558,7 +559,8 @@ class Trainer:
     def _generator(self, step: int, round_index: int) -> torch.Generator:
         device = self.accelerator.device
         generator = torch.Generator(device=device)
-        return generator.manual_seed(derive_seed(self.config.run.seed, step, round_index, self.accelerator.process_index))
+        seed = derive_seed(self.config.run.seed, step, round_index, self.accelerator.process_index)
+        return generator.manual_seed(seed)
 
     # ================================================================== checkpoints and signals (step 9)
     def _save_policy_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:

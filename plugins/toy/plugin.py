@@ -171,7 +171,7 @@ class ToyPlugin(Plugin):
 
     def _decode(self, tokens: Tensor, mask: Tensor) -> list[str]:
         texts = []
-        for row, row_mask in zip(tokens.tolist(), mask.tolist()):
-            digits = [str(tok) for tok, keep in zip(row, row_mask) if keep and tok != self.tiny.eos_id]
+        for row, row_mask in zip(tokens.tolist(), mask.tolist(), strict=True):
+            digits = [str(tok) for tok, keep in zip(row, row_mask, strict=True) if keep and tok != self.tiny.eos_id]
             texts.append(" ".join(digits))
         return texts

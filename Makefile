@@ -1,0 +1,34 @@
+# Two commands from a fresh clone (Python >= 3.10 and pip are all you need):
+#   make demo   -- install into .venv and run the main job
+#   make test   -- install into .venv and run the test suite
+# torch and torchvision are installed first with TORCH_SPEC; override it for your platform or CUDA version, e.g.
+#   make test TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mmrl-installed
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/mmrl train configs/toy.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

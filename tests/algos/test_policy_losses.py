@@ -1,0 +1,119 @@
+"""Policy losses against hand-computed values: PPO clip with clip-higher and dual clip, GSPO, chunk ratios."""
+
+import math
+
+import pytest
+import torch
+
+from mmrl.algos import aggregate, log_ratio, policy_losses
+
+RATIOS = torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]])
+ADV = torch.tensor([1.0, -1.0])
+MASK = torch.ones(2, 3)
+
+
+def _loss(name, ratios=RATIOS, adv=ADV, mask=MASK, **options):
+    old = torch.zeros_like(ratios)
+    return policy_losses[name](ratios.log(), old, adv, mask, **options)
+
+
+def test_grpo_clip_higher_hand_values():
+    loss, metrics = _loss("grpo", clip_low=0.2, clip_high=0.28)
+    # A = +1: L = -min(r, clip(r, 0.8, 1.28)) -> [-1, -1.28, -0.5]
+    # A = -1: L = max(r, clip(r, 0.8, 1.28))  -> [ 1,  1.5,   0.8]
+    expected = torch.tensor([[-1.0, -1.28, -0.5], [1.0, 1.5, 0.8]])
+    torch.testing.assert_close(loss, expected)
+    assert metrics["clip_fraction"].item() == pytest.approx(2 / 6)  # (A>0, r=1.5) and (A<0, r=0.5)
+    assert metrics["clip_fraction_high"].item() == pytest.approx(1 / 6)
+    assert metrics["clip_fraction_low"].item() == pytest.approx(1 / 6)
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    ratios = torch.tensor([[5.0, 1.0]])
+    loss, metrics = _loss("grpo", ratios=ratios, adv=torch.tensor([-1.0]), mask=torch.ones(1, 2), dual_clip=3.0)
+    # r = 5, A = -1: max(5, 1.2) = 5, capped at -c*A = 3. r = 1 is untouched.
+    torch.testing.assert_close(loss, torch.tensor([[3.0, 1.0]]))
+    assert metrics["dual_clip_fraction"].item() == pytest.approx(0.5)
+    positive, _ = _loss("grpo", ratios=ratios, adv=torch.tensor([1.0]), mask=torch.ones(1, 2), dual_clip=3.0)
+    torch.testing.assert_close(positive, torch.tensor([[-1.2, -1.0]]))  # A > 0 is never dual-clipped
+
+
+def test_invalid_clip_options_are_refused():
+    with pytest.raises(ValueError, match="dual_clip"):
+        _loss("grpo", dual_clip=0.5)
+    with pytest.raises(ValueError, match="clip_low"):
+        _loss("grpo", clip_low=1.5)
+
+
+def test_gspo_sequence_ratio_hand_values():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    loss, metrics = _loss("gspo", mask=mask)
+    # Row 0: s = exp((ln 1 + ln 1.5 + ln 0.5) / 3) = 0.75 ** (1/3); A = +1, clip to [1 - 3e-4, 1 + 4e-4].
+    s0 = 0.75 ** (1 / 3)
+    # Row 1: s = exp((ln 1 + ln 1.5) / 2) = sqrt(1.5) (the masked action is ignored); A = -1.
+    s1 = math.sqrt(1.5)
+    expected_row0 = -min(s0, min(max(s0, 1 - 3e-4), 1 + 4e-4))
+    expected_row1 = max(s1, min(max(s1, 1 - 3e-4), 1 + 4e-4))
+    torch.testing.assert_close(loss[0], torch.full((3,), expected_row0))
+    torch.testing.assert_close(loss[1, :2], torch.full((2,), expected_row1))
+
+
+def test_chunk_ratio_is_the_geometric_mean_over_each_chunk():
+    chunks = torch.tensor([[0, 0, 1], [5, 2, 2]])  # ids are per row; any integers
+    logr = log_ratio(RATIOS.log(), torch.zeros(2, 3), MASK, level="chunk", chunk_ids=chunks)
+    expected = torch.tensor([
+        [math.sqrt(1.5), math.sqrt(1.5), 0.5],
+        [1.0, math.sqrt(0.75), math.sqrt(0.75)],
+    ])
+    torch.testing.assert_close(logr.exp(), expected)
+
+
+def test_chunk_level_needs_chunk_ids():
+    with pytest.raises(ValueError, match="chunk_ids"):
+        _loss("grpo", ratio_level="chunk")
+
+
+def test_reinforce_ignores_the_ratio():
+    logp = torch.tensor([[-1.0, -2.0]])
+    loss, _ = policy_losses["reinforce"](logp, torch.zeros(1, 2), torch.tensor([2.0]), torch.ones(1, 2))
+    torch.testing.assert_close(loss, torch.tensor([[2.0, 4.0]]))  # -A * logp
+
+
+def test_per_action_advantages_are_accepted():
+    adv = torch.tensor([[1.0, -1.0, 0.0], [0.0, 0.0, 2.0]])
+    loss, _ = _loss("grpo", adv=adv)
+    assert loss[0, 2].item() == 0.0 and loss[1, 0].item() == 0.0
+    with pytest.raises(ValueError, match="advantages"):
+        _loss("grpo", adv=torch.ones(3))
+
+
+@pytest.mark.parametrize("level", ["token", "chunk", "sequence"])
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_on_policy_clipped_gradient_equals_plain_policy_gradient(name, level):
+    """At θ = θ_old the ratio is 1 and the clipped loss has the REINFORCE gradient −A·∇log π (per level)."""
+    torch.manual_seed(0)
+    features = torch.randn(4, 5, 3)
+    weights = torch.randn(3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.float32)
+    chunks = torch.tensor([[0, 0, 1, 1, 2]] * 4)
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    mode = "seq_mean_token_mean" if level == "sequence" else "token_mean"
+
+    def logp():
+        return torch.nn.functional.logsigmoid(features @ weights)  # [4, 5]
+
+    clipped, metrics = policy_losses[name](logp(), logp().detach(), advantages, mask, ratio_level=level,
+                                           chunk_ids=chunks)
+    assert metrics["ratio_max"].item() == pytest.approx(1.0) and metrics["clip_fraction"].item() == 0.0
+    (grad_clipped,) = torch.autograd.grad(aggregate(clipped, mask, mode), weights)
+    plain, _ = policy_losses["reinforce"](logp(), logp().detach(), advantages, mask)
+    (grad_plain,) = torch.autograd.grad(aggregate(plain, mask, mode), weights)
+    torch.testing.assert_close(grad_clipped, grad_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_clipped_actions_get_no_gradient():
+    logp = torch.log(torch.tensor([[1.5, 1.0]])).requires_grad_()
+    loss, _ = policy_losses["grpo"](logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), clip_high=0.2)
+    loss.sum().backward()
+    assert logp.grad[0, 0].item() == 0.0  # r = 1.5 > 1.2 with A > 0: clipped
+    assert logp.grad[0, 1].item() == pytest.approx(-1.0)

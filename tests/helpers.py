@@ -1,0 +1,23 @@
+"""Test helpers: small configs of the reference plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmrl.config import TrainConfig, load_config
+
+# A fast, fixed-length variant of configs/toy.yaml: it learns clearly within a few dozen steps.
+BASE = {
+    "plugin": {"name": "toy", "task": "reverse", "num_digits": 6, "min_length": 4, "max_length": 4,
+               "train_size": 512, "eval_size": 64},
+    "run": {"max_steps": 4, "seed": 0, "progress": False, "save_every": 0},
+    "rollout": {"prompts_per_step": 8, "group_size": 4},
+    "algorithm": {"micro_batch_size": 32},
+    "optim": {"lr": 5.0e-3},
+    "rewards": {"functions": [{"name": "token_accuracy"}]},
+    "eval": {"at_start": False, "num_prompts": 16},
+}
+
+
+def toy_config(output_dir: str | Path, *overrides: str) -> TrainConfig:
+    return load_config(BASE, [f"run.output_dir={output_dir}", *overrides])

@@ -1,0 +1,67 @@
+"""The command line: list, explain, train, eval, and `python -m mmrl`."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_list_shows_every_registry(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for heading in ["advantage_estimators:", "policy_losses:", "kl_estimators:", "aggregation_modes:", "plugins:",
+                    "reward_functions:"]:
+        assert heading in out
+    for entry in ["grpo", "dr_grpo", "rloo", "batch_std", "gspo", "reinforce", "k1", "k2", "k3", "token_mean",
+                  "seq_mean_token_sum_norm", "toy", "token_accuracy"]:
+        assert f"  {entry}" in out, entry
+
+
+def test_list_options_shows_defaults(capsys):
+    assert main(["list", "--options"]) == 0
+    out = capsys.readouterr().out
+    assert "clip_high = 0.2" in out and "dual_clip = None" in out
+
+
+def test_explain_prints_help_and_references(capsys):
+    assert main(["explain", "--plugin", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.group_size" not in out  # keys are shown per section
+    assert "group_size (int) = 8" in out and "DeepSeekMath" in out
+    assert "plugin (toy):" in out and "task" in out
+
+
+def test_train_then_eval_from_the_command_line(tmp_path, capsys):
+    args = ["configs/toy.yaml", f"run.output_dir={tmp_path}", "run.max_steps=3", "run.progress=false",
+            "eval.num_prompts=8", "run.save_every=0"]
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert main(["train", *args]) == 0
+        out = capsys.readouterr().out
+        assert "held-out reward:" in out and "done: 3 steps" in out
+        assert main(["eval", *args, "run.resume=latest"]) == 0
+        assert "eval/reward_mean" in capsys.readouterr().out
+    finally:
+        os.chdir(cwd)
+
+
+def test_missing_checkpoint_is_one_line(tmp_path, capsys):
+    code = main(["eval", str(ROOT / "configs" / "toy.yaml"), f"run.output_dir={tmp_path}",
+                 f"run.resume={tmp_path / 'nowhere'}"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmrl: CheckpointError:") and "\n" not in err
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "mmrl", "list"]])
+def test_python_dash_m(command):
+    result = subprocess.run(command, capture_output=True, text=True, cwd=str(ROOT))
+    assert result.returncode == 0 and "policy_losses:" in result.stdout

@@ -1,0 +1,63 @@
+"""The rollout contract: validation, splitting and concatenation without knowing the modality."""
+
+import pytest
+import torch
+
+from mmrl.rollout import Rollout, RolloutError
+
+
+def _rollout(n=4, a=3, offset=0):
+    return Rollout(
+        group_ids=torch.arange(n) // 2 + offset,
+        old_logp=-torch.rand(n, a),
+        mask=torch.ones(n, a),
+        payload={"completions": [f"text {i + offset}" for i in range(n)], "images": torch.rand(n, 3, 2, 2)},
+        replay={"tokens": torch.arange(n * a).view(n, a), "nested": {"latents": torch.rand(n, a, 2)}},
+        shared={"timesteps": torch.linspace(1, 0, 5)},
+        chunk_ids=torch.zeros(n, a, dtype=torch.long),
+        metrics={"length": 3.0},
+    )
+
+
+def test_select_indexes_every_per_sample_field():
+    rollout = _rollout()
+    picked = rollout.select([3, 0])
+    assert picked.payload["completions"] == ["text 3", "text 0"]
+    assert torch.equal(picked.replay["tokens"], rollout.replay["tokens"][[3, 0]])
+    assert torch.equal(picked.replay["nested"]["latents"], rollout.replay["nested"]["latents"][[3, 0]])
+    assert torch.equal(picked.shared["timesteps"], rollout.shared["timesteps"])  # shared values are not split
+    assert len(picked) == 2 and picked.validate() is picked
+
+
+def test_concat_pads_action_axes_with_zero_mask():
+    joined = Rollout.concat([_rollout(2, 3), _rollout(2, 5, offset=10)])
+    assert joined.old_logp.shape == (4, 5)
+    assert joined.mask[:2, 3:].sum() == 0 and joined.mask[2:].sum() == 10
+    assert joined.chunk_ids.shape == (4, 5)
+    assert joined.payload["completions"][2] == "text 10"
+
+
+def test_validate_names_the_offending_field():
+    rollout = _rollout()
+    rollout.payload["completions"] = ["only one"]
+    with pytest.raises(RolloutError, match=r"payload\['completions'\]"):
+        rollout.validate()
+    rollout = _rollout()
+    rollout.mask = torch.ones(4, 2)
+    with pytest.raises(RolloutError, match="mask"):
+        rollout.validate()
+    rollout = _rollout()
+    rollout.old_logp[0, 0] = float("nan")
+    with pytest.raises(RolloutError, match="NaN"):
+        rollout.validate()
+    rollout = _rollout()
+    rollout.replay["guidance"] = 4.5
+    with pytest.raises(RolloutError, match="shared"):
+        rollout.validate()
+
+
+def test_concat_refuses_optional_fields_set_in_only_some_rollouts():
+    first, second = _rollout(), _rollout()
+    second.chunk_ids = None
+    with pytest.raises(RolloutError, match="chunk_ids"):
+        Rollout.concat([first, second])

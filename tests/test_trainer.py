@@ -1,0 +1,193 @@
+"""The Accelerate trainer end to end with the reference plugin (single process, CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from mmrl.reward import RewardError, reward_functions
+from mmrl.rollout import RolloutError
+from mmrl.trainer import Trainer
+from mmrl.trainer.checkpoint import CheckpointError, list_checkpoints
+from tests.helpers import toy_config
+
+
+def _parameters(trainer):
+    return {name: p.detach().clone() for name, p in trainer.plugin.model.named_parameters()}
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.advantage=grpo", "algorithm.aggregation=token_mean"),
+        ("algorithm.advantage=dr_grpo", "algorithm.aggregation=seq_mean_token_sum_norm"),
+        ("algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean_token_mean"),
+    ],
+    ids=["grpo", "dr_grpo+seq_mean_token_sum_norm", "gspo"],
+)
+def test_reference_plugin_learns(tmp_path, overrides):
+    config = toy_config(tmp_path, "run.max_steps=60", "rollout.prompts_per_step=16", "rollout.group_size=8",
+                        "eval.at_start=true", "eval.num_prompts=64", *overrides)
+    result = Trainer(config).train()
+    rewards = [record["reward/mean"] for record in result.history]
+    first, last = _mean(rewards[:10]), _mean(rewards[-10:])
+    before, after = result.evaluations[0]["eval/reward_mean"], result.evaluations[60]["eval/reward_mean"]
+    assert last > first + 0.15, (first, last)
+    assert after > before + 0.15, (before, after)
+
+
+def test_first_inner_step_has_ratio_one_and_later_epochs_do_not(tmp_path):
+    config = toy_config(tmp_path, "run.max_steps=3", "algorithm.inner_epochs=3", "algorithm.minibatches=2",
+                        "algorithm.micro_batch_size=4", "optim.lr=3e-2")
+    result = Trainer(config).train()
+    for record in result.history:
+        assert record["loss/first_step_ratio_deviation"] < 1e-5
+        # Later inner epochs are off-policy: the ratio moves (clipping becomes possible).
+        assert record["policy/ratio_max"] > 1.0 + 1e-4
+
+
+def _first_step_gradients(tmp_path, name, *overrides):
+    trainer = Trainer(toy_config(tmp_path / name, "run.max_steps=1", "eval.at_start=false", *overrides))
+    captured = []
+    real_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        captured.append({n: p.grad.detach().clone() for n, p in trainer.plugin.model.named_parameters()})
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.train()
+    return captured[0]
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                  "seq_mean_token_sum_norm"])
+def test_micro_batching_does_not_change_the_gradient(tmp_path, mode):
+    """32 samples per optimizer step as 1 micro-batch of 32 or 8 micro-batches of 4: the same gradient."""
+    whole = _first_step_gradients(tmp_path, "whole", f"algorithm.aggregation={mode}", "algorithm.micro_batch_size=32")
+    split = _first_step_gradients(tmp_path, "split", f"algorithm.aggregation={mode}", "algorithm.micro_batch_size=4")
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
+
+
+def test_metrics_jsonl_holds_the_promised_metrics(tmp_path):
+    config = toy_config(tmp_path, "run.max_steps=2", "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01",
+                        "eval.at_start=true")
+    Trainer(config).train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for key in ["reward/mean", "reward/std", "reward/token_accuracy_mean", "reward/token_accuracy_std",
+                "advantage/mean", "advantage/std", "policy/clip_fraction", "policy/approx_kl", "policy/kl",
+                "policy/entropy", "groups/no_spread_fraction", "time/rollout", "time/reward", "time/train",
+                "throughput/samples_per_second", "loss/total", "optim/grad_norm", "optim/lr"]:
+        assert key in train[0], key
+    assert train[0]["policy/kl"] == pytest.approx(0.0, abs=1e-7)  # the reference equals the policy at step 1
+    assert any("eval/reward_mean" in r for r in records)
+    assert (tmp_path / "samples" / "step_000000" / "eval.jsonl").is_file()
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = Trainer(toy_config(tmp_path / "straight", "run.max_steps=6"))
+    straight.train()
+    Trainer(toy_config(tmp_path / "split", "run.max_steps=3")).train()
+    resumed = Trainer(toy_config(tmp_path / "split", "run.max_steps=6", "run.resume=latest"))
+    result = resumed.train()
+    assert result.history[0]["step"] == 4
+    expected, got = _parameters(straight), _parameters(resumed)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps)
+
+
+def test_checkpoints_rotate_and_latest_points_at_the_newest(tmp_path):
+    Trainer(toy_config(tmp_path, "run.max_steps=5", "run.save_every=1", "run.keep_last=2")).train()
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step-00000004", "step-00000005"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000005"
+    state = json.loads((tmp_path / "checkpoints" / "step-00000005" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and state["stream"]["consumed"] == 5 * 8
+    assert (tmp_path / "checkpoints" / "step-00000005" / "policy" / "trainable.safetensors").is_file()
+
+
+def test_resume_with_an_incompatible_config_is_refused(tmp_path):
+    Trainer(toy_config(tmp_path, "run.max_steps=1")).train()
+    with pytest.raises(CheckpointError, match="optim.lr"):
+        Trainer(toy_config(tmp_path, "run.max_steps=2", "run.resume=latest", "optim.lr=1e-1")).train()
+
+
+def test_dynamic_sampling_keeps_only_groups_with_spread(tmp_path):
+    config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
+                        "rollout.dynamic_sampling.max_rounds=6", "run.max_steps=1")
+    trainer = Trainer(config)
+    batch = trainer._collect({"rollout": 0.0, "reward": 0.0, "advantage": 0.0})
+    assert len(batch.rollout) == trainer.geometry.local_samples
+    assert batch.metrics["samples/rounds"] > 1  # exact match is rare at first: most groups have no spread
+    trained = batch.rollout.mask.sum(dim=1) > 0
+    groups = batch.rollout.group_ids[trained]
+    for group in groups.unique():
+        assert batch.advantages[trained][groups == group].abs().sum() > 0
+
+
+def test_dynamic_sampling_pads_when_rounds_run_out(tmp_path):
+    config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
+                        "rollout.dynamic_sampling.max_rounds=1", "run.max_steps=1")
+    trainer = Trainer(config)
+    batch = trainer._collect({"rollout": 0.0, "reward": 0.0, "advantage": 0.0})
+    assert batch.metrics["samples/padded"] > 0
+    padded = batch.rollout.mask.sum(dim=1) == 0
+    assert int(padded.sum()) == int(batch.metrics["samples/padded"])
+    trainer._update(batch)  # padding takes part without contributing
+
+
+@reward_functions.register("test_nan_for_even_samples")
+def _nan_reward(batch):
+    return [float("nan") if i % 2 == 0 else 1.0 for i in range(len(batch))]
+
+
+def test_nan_rewards_stop_the_run_naming_the_reward(tmp_path):
+    config = toy_config(tmp_path, "rewards.functions=[{name: token_accuracy}, {name: test_nan_for_even_samples}]")
+    with pytest.raises(RewardError, match="test_nan_for_even_samples"):
+        Trainer(config).train()
+
+
+def test_nan_rewards_can_be_skipped(tmp_path):
+    config = toy_config(tmp_path, "rewards.functions=[{name: token_accuracy}, {name: test_nan_for_even_samples}]",
+                        "rewards.on_nonfinite=skip", "run.max_steps=2")
+    result = Trainer(config).train()
+    assert result.history[0]["samples/invalid"] == 16
+    assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in result.history)
+
+
+def test_a_plugin_that_breaks_the_rollout_contract_is_named(tmp_path, monkeypatch):
+    trainer = Trainer(toy_config(tmp_path))
+    original = trainer.plugin.rollout
+
+    def shuffled_groups(policy, batch):
+        rollout = original(policy, batch)
+        rollout.group_ids = rollout.group_ids.flip(0) + 1
+        return rollout
+
+    monkeypatch.setattr(trainer.plugin, "rollout", shuffled_groups)
+    with pytest.raises(RolloutError, match="group_ids"):
+        trainer.train()
+
+
+def test_ema_is_checkpointed_and_used_for_eval(tmp_path):
+    config = toy_config(tmp_path, "ema.enabled=true", "ema.update_every=1", "run.max_steps=3")
+    trainer = Trainer(config)
+    trainer.train()
+    assert trainer.ema.updates == 3
+    files = [p.name for p in (tmp_path / "checkpoints" / "step-00000003" / "accelerate").iterdir()]
+    assert any(name.startswith("custom_checkpoint") for name in files)
+    resumed = Trainer(toy_config(tmp_path, "ema.enabled=true", "ema.update_every=1", "run.max_steps=3",
+                                 "run.resume=latest"))
+    resumed._resume()
+    for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
+        assert torch.equal(a, b)
