@@ -1,0 +1,387 @@
+r"""One denoising step of a rectified-flow sampler as a Gaussian policy: x_σ → x_σ_next, with its log-density.
+
+Convention (SD3, FLUX, Wan, Qwen-Image, diffusers' ``FlowMatchEulerDiscreteScheduler``):
+
+    x_σ = (1 − σ)·x0 + σ·ε,   ε ~ N(0, I),   the model predicts the velocity v ≈ ε − x0,
+
+and sampling runs σ from 1 (pure noise) down to 0 (data). One step goes from ``sigma`` to ``sigma_next < sigma``;
+Δ = σ − σ_next > 0 (the schedulers' ``dt = σ_next − σ`` is −Δ). From the current sample x and the velocity v,
+
+    x̂0 = x − σ·v           (predicted data),
+    ε̂  = x + (1 − σ)·v     (predicted noise; the score of the marginal is ∇log p_σ(x) = −ε̂/σ).
+
+Every step is a Gaussian transition ``x_next ~ N(mean, std²·I)`` with one ``std`` per sample; the "action" of the
+policy is the realised ``x_next`` and :func:`sde_step` returns its log-density under the current velocity.
+
+Kinds (:data:`SDE_KINDS`):
+
+``"flow_grpo"``
+    Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv:2505.05470).
+    The reverse-time SDE with the same marginals as the flow ODE dx/dσ = v is, in σ,
+
+        dx = [v + (s_σ²/(2σ))·ε̂]·dσ + s_σ·dW̄,
+
+    (drift = v − ½·s²·score; σ decreases, so dσ = −Δ). Its Euler–Maruyama step is
+
+        mean = x − Δ·v − Δ·(s²/(2σ))·ε̂,   std = s·√Δ,
+
+    with diffusion coefficient s = a·√(σ/(1 − σ)), a = ``noise_level`` (0.7 in Flow-GRPO's SD3.5 configs). At
+    σ = 1 the denominator would vanish; as in Flow-GRPO's code the denominator then uses the next grid point,
+    s = a·√(σ/(1 − σ_next)) (only when σ == 1 exactly).
+
+``"dance_grpo"``
+    DanceGRPO (Xue et al. 2025, "DanceGRPO: Unleashing GRPO on Visual Generation", arXiv:2505.07818): the same
+    SDE family with a constant diffusion coefficient s ≡ η = ``noise_level`` (0.3 in DanceGRPO):
+
+        mean = x − Δ·v − ½·η²·Δ·ε̂/σ,   std = η·√Δ.
+
+``"cps"``
+    Coefficients-Preserving Sampling (Wang & Yu 2025, "Coefficients-Preserving Sampling for Reinforcement
+    Learning with Flow Matching", arXiv:2509.05952), a DDIM-style step that re-noises x̂0 so that the noise
+    coefficient of x_next is exactly σ_next:
+
+        std = σ_next·sin(a·π/2),   mean = (1 − σ_next)·x̂0 + √(σ_next² − std²)·ε̂ = (1 − σ_next)·x̂0 + σ_next·cos(a·π/2)·ε̂,
+
+    with a = ``noise_level`` ∈ [0, 1] (a = 0 is the Euler/DDIM step, a = 1 is diffusers' ``stochastic_sampling``).
+    Flow-GRPO's CPS code scores actions with the surrogate −mean((x_next − mean)²), dropping 1/(2·std²) and the
+    normalising constants. **mmrl uses the true Gaussian log-density** for CPS as for every other kind, so
+    exp(log_prob_new − log_prob_old) is a real likelihood ratio and clip ranges mean the same thing for every kind
+    (a clip range tuned for the surrogate must be rescaled by 1/(2·std²)). Note the per-step noise of CPS does not
+    shrink with Δ: CPS is designed for the few-step rollouts used in RL and, unlike the two SDE kinds, does not
+    converge to the flow's marginals as the number of steps grows (except for a point-mass data distribution,
+    where x̂0 and ε̂ are exact and every step preserves the marginal exactly).
+
+``"ode"``
+    The deterministic Euler step of the flow ODE, mean = x − Δ·v, std = 0 (what diffusers'
+    ``FlowMatchEulerDiscreteScheduler.step`` does, and what Flow-GRPO/Fast/MixGRPO use outside the SDE window).
+
+Deterministic transitions (std = 0: the ``"ode"`` kind, ``"cps"`` at σ_next = 0, or ``noise_level = 0``) carry no
+stochastic action and have no density. mmrl reports ``log_prob = 0`` for every such sample, so the ratio of such a
+step is exactly 1 and its policy gradient is exactly 0: **never train a deterministic step** (Flow-GRPO also drops
+the last, near-deterministic step). The stored action is not checked against the mean for these samples.
+
+Everything is computed in float32 (float64 if the sample or velocity is float64): half-precision inputs are
+upcast first (the mean overflows in bf16). ``prev_sample``, ``mean`` and ``std`` come back in that dtype; store
+the returned ``prev_sample`` as the action at that precision, since rounding it to bf16 before storing changes
+the action that was scored and breaks ratio == 1 on policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SDE_KINDS: tuple[str, ...] = ("flow_grpo", "dance_grpo", "cps", "ode")
+"""The step kinds :func:`sde_step` accepts."""
+
+KL_VARIANCES: tuple[str, ...] = ("transition", "flow_grpo")
+"""The denominators :func:`gaussian_kl_between_means` accepts."""
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+SigmaLike = float | Tensor
+GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
+
+
+class SDEStepOutput(NamedTuple):
+    """What :func:`sde_step` returns (a NamedTuple, so it also unpacks as four values).
+
+    Attributes:
+        prev_sample: ``[B, ...]`` the next sample x_σ_next (the sampled one, or the given ``prev_sample``).
+        log_prob: ``[B]`` log N(prev_sample; mean, std²) averaged over all non-batch elements (0 where std = 0).
+        mean: ``[B, ...]`` the transition mean.
+        std: ``[B, 1, ..., 1]`` the transition standard deviation (not the diffusion coefficient).
+    """
+
+    prev_sample: Tensor
+    log_prob: Tensor
+    mean: Tensor
+    std: Tensor
+
+
+def sde_kinds() -> tuple[str, ...]:
+    """The step kinds :func:`sde_step` accepts, in a fixed order: ``("flow_grpo", "dance_grpo", "cps", "ode")``."""
+    return SDE_KINDS
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in SDE_KINDS:
+        raise ValueError(f"unknown SDE kind {kind!r}; expected one of {', '.join(SDE_KINDS)}")
+
+
+def _check_noise_level(kind: str, noise_level: float) -> float:
+    if isinstance(noise_level, Tensor):
+        if noise_level.numel() != 1:
+            raise ValueError("noise_level must be a scalar")
+        noise_level = noise_level.item()
+    noise_level = float(noise_level)
+    if not math.isfinite(noise_level) or noise_level < 0:
+        raise ValueError(f"noise_level must be a finite number >= 0; got {noise_level}")
+    if kind == "cps" and noise_level > 1:
+        raise ValueError(f"noise_level for 'cps' is an angle fraction in [0, 1]; got {noise_level}")
+    return noise_level
+
+
+def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _per_sample(value: SigmaLike, name: str, batch: int, ndim: int, dtype: torch.dtype, device) -> Tensor:
+    """A float, a 0-d tensor, a ``[B]`` (or ``[1]``) tensor, or a ``[B, 1, ..., 1]`` tensor → ``[B, 1, ..., 1]``."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    if t.ndim > 1:
+        if any(d != 1 for d in t.shape[1:]):
+            raise ValueError(f"{name} must hold one value per sample; got shape {tuple(t.shape)}")
+        t = t.reshape(t.shape[0])
+    if t.ndim == 0:
+        t = t.expand(batch)
+    elif t.shape[0] == 1:
+        t = t.expand(batch)
+    elif t.shape[0] != batch:
+        raise ValueError(f"{name} has {t.shape[0]} values for a batch of {batch}")
+    return t.reshape(batch, *([1] * (ndim - 1)))
+
+
+def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
+    # One host sync per call; negligible next to the model forward that produced the velocity.
+    if not bool(torch.all(sigma > sigma_next)):
+        raise ValueError(
+            f"sigma must be > sigma_next (σ runs from 1 down to 0); got {sigma.flatten().tolist()} "
+            f"→ {sigma_next.flatten().tolist()}"
+        )
+    if not bool(torch.all((sigma <= 1) & (sigma_next >= 0))):
+        raise ValueError(f"sigmas must lie in [0, 1]; got {sigma.flatten().tolist()} → {sigma_next.flatten().tolist()}")
+
+
+def _diffusion_coeff(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+    """s for the SDE kinds; the transition std for "cps"; 0 for "ode". Same shape as ``sigma``."""
+    if kind == "flow_grpo":
+        # Flow-GRPO: at σ == 1 the denominator uses the next grid point so s stays finite.
+        denominator_sigma = torch.where(sigma == 1, sigma_next, sigma)
+        return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
+    if kind == "dance_grpo":
+        return torch.full_like(sigma, noise_level)
+    if kind == "cps":
+        return sigma_next * math.sin(noise_level * math.pi / 2)
+    return torch.zeros_like(sigma)
+
+
+def _standard_normal(shape: torch.Size, generator: GeneratorLike, device, dtype: torch.dtype) -> Tensor:
+    """z ~ N(0, I) of ``shape``, drawn the way diffusers' ``randn_tensor`` draws it (one generator per sample if a
+    list is given), on the generator's device and then moved to ``device``."""
+    if isinstance(generator, Sequence):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+        parts = [torch.randn((1, *shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator]
+        return torch.cat([p.to(device) for p in parts])
+    if generator is None:
+        return torch.randn(shape, device=device, dtype=dtype)
+    return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+
+
+def _gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """log N(x; mean, std²) averaged over non-batch elements; 0 where std == 0.
+
+    Shapes: x, mean ``[B, ...]``; std ``[B, 1, ..., 1]`` → ``[B]``.
+    """
+    stochastic = std > 0  # [B, 1, ..., 1]
+    safe_std = torch.where(stochastic, std, torch.ones_like(std))  # keeps gradients finite where std == 0
+    elementwise = -((x.detach() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    log_prob = elementwise.reshape(x.shape[0], -1).mean(dim=1)  # [B]
+    return torch.where(stochastic.reshape(-1), log_prob, torch.zeros_like(log_prob))
+
+
+def sde_step(
+    kind: str,
+    velocity: Tensor,
+    sample: Tensor,
+    sigma: SigmaLike,
+    sigma_next: SigmaLike,
+    *,
+    noise_level: float,
+    prev_sample: Tensor | None = None,
+    generator: GeneratorLike = None,
+) -> SDEStepOutput:
+    r"""Take (or score) one step x_σ → x_σ_next of a flow-matching sampler and return its Gaussian log-density.
+
+    See the module docstring for the formulas of each kind. With ``prev_sample=None`` the next sample is drawn,
+    ``prev_sample = mean + std·z`` with z ~ N(0, I) from ``generator``; with ``prev_sample`` given (recomputing the
+    log-probability of a stored action under new weights) nothing is drawn and the given sample is scored. The
+    log-density treats the action as data (it is detached); gradients flow through ``mean``. A drawn
+    ``prev_sample`` keeps its graph through ``mean`` (reparameterised), which rollouts under ``no_grad`` ignore.
+
+    Args:
+        kind (`str`):
+            One of :data:`SDE_KINDS`: ``"flow_grpo"``, ``"dance_grpo"``, ``"cps"`` or ``"ode"``.
+        velocity (`torch.Tensor`):
+            The model output v ≈ ε − x0, same shape as ``sample``.  # [B, C, H, W] or [B, L, D] (packed tokens)
+        sample (`torch.Tensor`):
+            The current sample x_σ.  # [B, C, H, W]
+        sigma (`float` or `torch.Tensor`):
+            The current noise level σ ∈ (0, 1]; a float or one value per sample.  # [] or [B]
+        sigma_next (`float` or `torch.Tensor`):
+            The next noise level, 0 <= σ_next < σ.  # [] or [B]
+        noise_level (`float`):
+            a for ``"flow_grpo"`` (s = a·√(σ/(1−σ))), η for ``"dance_grpo"`` (s = η), the angle fraction a ∈ [0, 1]
+            for ``"cps"``; validated (>= 0) but unused for ``"ode"``. 0 gives the deterministic Euler step.
+        prev_sample (`torch.Tensor`, *optional*):
+            A stored next sample to score instead of drawing one.  # [B, C, H, W]
+        generator (`torch.Generator` or list of `torch.Generator`, *optional*):
+            Source of z: one generator, or one per sample (as in diffusers' ``randn_tensor``). The stochastic kinds
+            always draw z when sampling, even where std = 0, so the random stream does not depend on
+            ``noise_level``; ``"ode"`` never draws.
+
+    Returns:
+        :class:`SDEStepOutput` ``(prev_sample, log_prob, mean, std)``: prev_sample and mean ``[B, ...]``, log_prob
+        ``[B]`` (the per-element Gaussian log-density averaged over all non-batch dims, as in Flow-GRPO and
+        DanceGRPO; 0 for samples whose std is 0), std ``[B, 1, ..., 1]`` (the transition std, s·√Δ for the SDE
+        kinds). All in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: an unknown ``kind``; ``noise_level < 0`` (or > 1 for ``"cps"``); ``sigma <= sigma_next`` or
+            sigmas outside [0, 1]; mismatched shapes or generator count.
+    """
+    _check_kind(kind)
+    noise_level = _check_noise_level(kind, noise_level)
+    if velocity.shape != sample.shape:
+        raise ValueError(f"velocity {tuple(velocity.shape)} and sample {tuple(sample.shape)} must share one shape")
+    if prev_sample is not None and prev_sample.shape != sample.shape:
+        raise ValueError(
+            f"prev_sample {tuple(prev_sample.shape)} and sample {tuple(sample.shape)} must share one shape"
+        )
+    if sample.ndim < 1 or sample.shape[0] == 0:
+        raise ValueError("sample must have a non-empty batch dimension")
+
+    dtype = _compute_dtype(velocity, sample)
+    device = sample.device
+    x = sample.to(dtype)  # [B, ...]
+    v = velocity.to(dtype)  # [B, ...]
+    batch, ndim = x.shape[0], x.ndim
+    sigma_t = _per_sample(sigma, "sigma", batch, ndim, dtype, device)  # [B, 1, ..., 1]
+    sigma_n = _per_sample(sigma_next, "sigma_next", batch, ndim, dtype, device)  # [B, 1, ..., 1]
+    _check_sigmas(sigma_t, sigma_n)
+    delta = sigma_t - sigma_n  # [B, 1, ..., 1], > 0
+
+    if kind in ("flow_grpo", "dance_grpo"):
+        s = _diffusion_coeff(kind, sigma_t, sigma_n, noise_level)  # [B, 1, ..., 1]
+        eps_hat = x + (1 - sigma_t) * v  # [B, ...]
+        mean = x - delta * v - delta * (s**2 / (2 * sigma_t)) * eps_hat
+        std = s * torch.sqrt(delta)
+    elif kind == "cps":
+        angle = noise_level * math.pi / 2
+        std = sigma_n * math.sin(angle)
+        x0_hat = x - sigma_t * v
+        eps_hat = x + (1 - sigma_t) * v
+        # √(σ_next² − std²) = σ_next·cos(angle) for angle ∈ [0, π/2]; the product form cannot go negative.
+        mean = (1 - sigma_n) * x0_hat + (sigma_n * math.cos(angle)) * eps_hat
+    else:  # "ode"
+        mean = x - delta * v
+        std = torch.zeros_like(sigma_t)
+
+    if prev_sample is None:
+        if kind == "ode":
+            prev_sample = mean
+        else:
+            z = _standard_normal(x.shape, generator, device, dtype)  # [B, ...]
+            prev_sample = mean + std * z
+    else:
+        prev_sample = prev_sample.to(device=device, dtype=dtype)
+
+    if kind == "ode":
+        log_prob = torch.zeros(batch, dtype=dtype, device=device)
+    else:
+        log_prob = _gaussian_log_prob(prev_sample, mean, std)  # [B]
+    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+def diffusion_coefficient(kind: str, sigma: SigmaLike, sigma_next: SigmaLike, *, noise_level: float) -> Tensor:
+    r"""The diffusion coefficient s of a step, i.e. the transition std without the √Δ factor.
+
+    ``"flow_grpo"``: s = a·√(σ/(1−σ)) (σ_next in the denominator at σ == 1); ``"dance_grpo"``: s = η. ``"cps"``
+    is not an Euler–Maruyama step and has no s: its transition std σ_next·sin(a·π/2) is returned, which is the
+    ``std_dev_t`` Flow-GRPO's CPS code returns and divides its KL by. ``"ode"``: 0. Used for Flow-GRPO's KL
+    (:func:`gaussian_kl_between_means` with ``variance="flow_grpo"``) and noise-aware step weights.
+
+    Args:
+        kind (`str`): One of :data:`SDE_KINDS`.
+        sigma (`float` or `torch.Tensor`): The current noise level.  # [] or [B]
+        sigma_next (`float` or `torch.Tensor`): The next noise level.  # [] or [B]
+        noise_level (`float`): As in :func:`sde_step`.
+
+    Returns:
+        `torch.Tensor`: s with the broadcast shape of ``sigma`` and ``sigma_next`` (float32, or float64 for float64
+        sigmas).  # [] or [B]
+    """
+    _check_kind(kind)
+    noise_level = _check_noise_level(kind, noise_level)
+    dtypes = [t.dtype for t in (sigma, sigma_next) if isinstance(t, Tensor)]
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    device = next((t.device for t in (sigma, sigma_next) if isinstance(t, Tensor)), None)
+    sigma_t, sigma_n = torch.broadcast_tensors(
+        torch.as_tensor(sigma, dtype=dtype, device=device), torch.as_tensor(sigma_next, dtype=dtype, device=device)
+    )
+    _check_sigmas(sigma_t, sigma_n)
+    return _diffusion_coeff(kind, sigma_t, sigma_n, noise_level)
+
+
+def gaussian_kl_between_means(
+    mean: Tensor,
+    ref_mean: Tensor,
+    std: SigmaLike,
+    *,
+    variance: str = "transition",
+    diffusion_coeff: SigmaLike | None = None,
+) -> Tensor:
+    r"""Per-sample KL between the policy's and the reference's transition Gaussians, averaged over elements.
+
+    Both transitions share the std (it depends only on σ and the noise level), so the KL is closed-form:
+
+        KL(N(μ_θ, std²·I) ‖ N(μ_ref, std²·I)) / D = mean_dims((μ_θ − μ_ref)²) / (2·std²),
+
+    divided by the number D of non-batch elements, i.e. the same per-element normalisation as ``log_prob`` in
+    :func:`sde_step`, so β has the same scale as in Flow-GRPO.
+
+    ``variance="transition"`` (default) is this exact KL, with ``std`` the transition std returned by
+    :func:`sde_step` (s·√Δ for the SDE kinds). ``variance="flow_grpo"`` reproduces Flow-GRPO's loss
+    (arXiv:2505.05470, code): the denominator is 2·s² with s the *diffusion coefficient* (pass
+    ``diffusion_coeff``, see :func:`diffusion_coefficient`), not the transition variance s²·Δ. For the SDE kinds
+    that is Δ × the exact KL; Flow-GRPO dropped Δ on purpose to weight late (small-Δ) steps more, and its β values
+    (0.04 GenEval/OCR, 0.01 PickScore) are tuned for that form. For ``"cps"`` both forms coincide when
+    ``diffusion_coeff`` comes from :func:`diffusion_coefficient`.
+
+    The reference is never trained: ``ref_mean`` is detached. Computed in float32 (float64 for float64 inputs).
+    The KL is undefined for a deterministic step (std = 0 gives inf or nan): do not regularise those steps.
+
+    Args:
+        mean (`torch.Tensor`): μ_θ from :func:`sde_step` under the trained weights.  # [B, C, H, W]
+        ref_mean (`torch.Tensor`): μ_ref under the reference weights (same x, σ, σ_next).  # [B, C, H, W]
+        std (`float` or `torch.Tensor`): The transition std from :func:`sde_step`.  # [B, 1, 1, 1], [B] or []
+        variance (`str`): ``"transition"`` (exact KL) or ``"flow_grpo"`` (denominator 2·s²).
+        diffusion_coeff (`float` or `torch.Tensor`, *optional*): s, required for ``variance="flow_grpo"``.
+            # [B] or []
+
+    Returns:
+        `torch.Tensor`: the per-sample KL per element.  # [B]
+    """
+    if variance not in KL_VARIANCES:
+        raise ValueError(f"unknown KL variance {variance!r}; expected one of {', '.join(KL_VARIANCES)}")
+    if mean.shape != ref_mean.shape:
+        raise ValueError(f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} must share one shape")
+    if variance == "flow_grpo":
+        if diffusion_coeff is None:
+            raise ValueError("variance='flow_grpo' needs diffusion_coeff (see diffusion_coefficient())")
+        scale, scale_name = diffusion_coeff, "diffusion_coeff"
+    else:
+        scale, scale_name = std, "std"
+    dtype = _compute_dtype(mean, ref_mean)
+    batch = mean.shape[0]
+    diff = mean.to(dtype) - ref_mean.detach().to(dtype)  # [B, ...]
+    squared = (diff**2).reshape(batch, -1).mean(dim=1)  # [B]
+    scale_t = _per_sample(scale, scale_name, batch, 1, dtype, mean.device)  # [B]
+    return squared / (2 * scale_t**2)
