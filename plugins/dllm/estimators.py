@@ -1,0 +1,607 @@
+"""Sequence log-likelihood estimators for masked diffusion language models.
+
+Every registered estimator has the signature
+
+    fn(model, prompt_ids[B, P], completion_ids[B, L], completion_mask[B, L], *, mask_id, num_samples, generator,
+       **options) -> Tensor[B]  (float32)
+
+where ``model(input_ids[R, P+L]) -> logits[R, P+L, V]`` scores token ``i`` at position ``i`` (no shift: the model
+adapter hides Dream-style shifts) and ``completion_mask`` marks real completion tokens (1) and padding (0). The
+result estimates the sequence log-likelihood ``log π_θ(x | c)`` of the completion ``x`` given the prompt ``c``
+through its ELBO (or, for ``spg_upper``, an upper-bound surrogate). Gradients flow to the model; wrap calls for the
+old/reference policies in ``torch.no_grad()``.
+
+Notation: ``L_b`` real tokens ``x = (x^1..x^L)``, ``x_S`` = ``x`` with positions ``S`` masked,
+``g(S) = Σ_{i∈S} log p_θ(x^i | c, x_S)`` and ``h_l = E_{S uniform, |S|=l} g(S)``. The masked-diffusion ELBO
+(MDLM/LLaDA training objective; Nie et al. 2025, "Large Language Diffusion Models", arXiv:2502.09992) is
+
+    ELBO = E_{t~U(0,1)} E_{S~Bern(t)^L} [ (1/t) g(S) ] = Σ_{l=1..L} h_l / l      (see :func:`exact_elbo`).
+
+All randomness comes from the explicit ``generator``. To score the current, old and reference policies with the
+same masks and timesteps (VRPO antithetic sampling, Zhu et al. 2025, "LLaDA 1.5", arXiv:2505.19223), draw a
+plan once and score it with each model::
+
+    plan = draw_plan("elbo_l", prompt_ids, completion_ids, completion_mask, num_samples=8, generator=g)
+    logp = score_plan(policy, prompt_ids, completion_ids, plan, mask_id=mask_id)
+    with torch.no_grad():
+        old_logp = score_plan(old_policy, prompt_ids, completion_ids, plan, mask_id=mask_id)
+    ratio = torch.exp(logp - old_logp)  # exactly 1 when the weights are equal
+
+Calling a registered estimator twice with generators in the same state gives the same plan and the same result.
+All plans use one mask per sampled timestep (VRPO's optimal allocation); the ``num_samples`` masked copies of the
+batch are stacked along the batch dimension into one forward (``micro_batch`` splits it), rows with nothing to
+score are skipped, and log-softmax runs in float32 on the scored positions only.
+
+References:
+    LLaDA — Nie et al. 2025, arXiv:2502.09992 (ELBO; t- and l-sampling likelihood evaluation).
+    d1 / diffu-GRPO — Zhao et al. 2025, arXiv:2504.12216 (one-step mean-field estimator, prompt masking).
+    LLaDA 1.5 / VRPO — Zhu et al. 2025, arXiv:2505.19223 (budget allocation, antithetic sampling).
+    DiffuCoder / coupled-GRPO — Gong et al. 2025, arXiv:2506.20639 (complementary masks).
+    SPG — Wang et al. 2025, arXiv:2510.09541 (sandwiched ELBO/EUBO, block-wise masking).
+    wd1 — Tang et al. 2025, arXiv:2507.08838 (uses the d1 one-step estimator in a ratio-free loss).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.plugins.dllm.masking import (
+    MaskPlan,
+    coupled_plan,
+    elbo_l_plan,
+    elbo_t_plan,
+    one_step_plan,
+    spg_plan,
+)
+from mmrl.registry import Registry
+
+likelihood_estimators: Registry[Callable[..., Tensor]] = Registry("likelihood estimator")
+
+__all__ = [
+    "MaskPlan",
+    "likelihood_estimators",
+    "draw_plan",
+    "score_plan",
+    "plan_token_logprobs",
+    "exact_elbo",
+    "elbo_size_weights",
+    "one_step",
+    "elbo_t",
+    "elbo_l",
+    "coupled",
+    "spg_lower",
+    "spg_upper",
+]
+
+
+# ---------------------------------------------------------------------- model evaluation
+def _model_logits(model: Callable[[Tensor], Any], input_ids: Tensor) -> Tensor:
+    out = model(input_ids)
+    logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        shape = None if not isinstance(logits, Tensor) else tuple(logits.shape)
+        raise ValueError(f"model(input_ids {tuple(input_ids.shape)}) must return logits [R, T, V], got {shape}")
+    return logits
+
+
+def _scored_logprobs(
+    model: Callable[[Tensor], Any],
+    inputs: Tensor,
+    targets: Tensor,
+    scored: Tensor,
+    prompt_length: int,
+    micro_batch: int | None,
+) -> Tensor:
+    """``log p(targets | inputs)`` at the scored completion positions, zero elsewhere.
+
+    Rows with no scored position are not forwarded. Log-softmax runs in float32 on the scored positions only.
+
+    Shapes:
+        inputs ``[R, P+L]``, targets ``[R, L]``, scored ``bool [R, L]`` → ``float32 [R, L]``.
+    """
+    rows, length = targets.shape
+    out = torch.zeros(rows, length, dtype=torch.float32, device=targets.device)
+    active = scored.any(dim=-1).nonzero().squeeze(-1)  # rows worth a forward
+    if active.numel() == 0:
+        return out
+    step = active.numel() if micro_batch is None else int(micro_batch)
+    if step < 1:
+        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+    row_index, col_index, values = [], [], []
+    for chunk in active.split(step):
+        logits = _model_logits(model, inputs[chunk])[:, prompt_length:, :]  # [r, L, V]
+        where = scored[chunk]  # [r, L]
+        picked = logits[where].float()  # [k, V], row-major order of `where`
+        target = targets[chunk][where].unsqueeze(-1)  # [k, 1]
+        values.append(picked.log_softmax(dim=-1).gather(-1, target).squeeze(-1))
+        position = where.nonzero()
+        row_index.append(chunk[position[:, 0]])
+        col_index.append(position[:, 1])
+    return out.index_put((torch.cat(row_index), torch.cat(col_index)), torch.cat(values).to(out.device))
+
+
+def plan_token_logprobs(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    plan: MaskPlan,
+    *,
+    mask_id: int,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """Per-draw, per-token log-probabilities ``log p_θ(x^i | c̃_n, x̃_n)`` at the positions the plan scores.
+
+    Useful when one forward must feed several reductions (SPG's ``mix`` = ω·EUBO + (1−ω)·ELBO uses
+    ``plan.reduce`` twice on the same log-probabilities).
+
+    Args:
+        model: ``model(input_ids[R, T]) -> logits[R, T, V]`` (or an output with ``.logits``), no shift.
+        prompt_ids: ``[B, P]`` prompt ids (left padding is the caller's business).
+        completion_ids: ``[B, L]`` completion ids.
+        plan: A :class:`MaskPlan` drawn for these shapes.
+        mask_id: The mask token id.
+        micro_batch: Optional number of rows per forward (memory bound); ``None`` forwards all ``N·B`` rows at once.
+
+    Shapes:
+        → ``float32 [N, B, L]``, zero where the plan scores nothing.
+    """
+    plan.check_compatible(prompt_ids, completion_ids)
+    plan = plan.to(completion_ids.device)
+    n, b, length = plan.completion_masked.shape
+    inputs = plan.model_inputs(prompt_ids, completion_ids, mask_id)  # [N·B, T]
+    targets = completion_ids.repeat(n, 1)  # row n·B + b ↔ completion b
+    scored = plan.scored.reshape(n * b, length)
+    logp = _scored_logprobs(model, inputs, targets, scored, prompt_ids.shape[1], micro_batch)
+    return logp.reshape(n, b, length)
+
+
+def score_plan(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    plan: MaskPlan,
+    *,
+    mask_id: int,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """Evaluate a drawn :class:`MaskPlan` with ``model``: ``plan.reduce(plan_token_logprobs(...))``.
+
+    Scoring two models with one plan shares every mask and timestep (VRPO antithetic sampling); with equal weights,
+    a deterministic forward and the same ``micro_batch``, the two results are bitwise equal, so the ratio is exactly
+    1 (different row chunking can change the last bits on accelerators).
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids ``[B, L]`` → ``float32 [B]``.
+    """
+    logp = plan_token_logprobs(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+    return plan.reduce(logp)
+
+
+_PLANS: dict[str, Callable[..., MaskPlan]] = {
+    "one_step": one_step_plan,
+    "elbo_t": elbo_t_plan,
+    "elbo_l": elbo_l_plan,
+    "coupled": coupled_plan,
+    "spg_lower": lambda *args, **kwargs: spg_plan(*args, bound="lower", **kwargs),
+    "spg_upper": lambda *args, **kwargs: spg_plan(*args, bound="upper", **kwargs),
+}
+
+
+def draw_plan(
+    name: str,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None,
+    **options: Any,
+) -> MaskPlan:
+    """Draw the masks and timesteps of the registered estimator ``name`` without running a model.
+
+    ``likelihood_estimators[name](model, ..., generator=g, **options)`` equals
+    ``score_plan(model, ..., draw_plan(name, ..., generator=g', **options))`` when ``g`` and ``g'`` are in the same
+    state. ``options`` are the estimator's options except ``micro_batch``.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → a plan with ``N`` draws
+        (``one_step`` without prompt masking draws one).
+    """
+    if name not in _PLANS:
+        raise KeyError(f"no mask plan for likelihood estimator {name!r}; known: {', '.join(sorted(_PLANS))}")
+    return _PLANS[name](
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, **options
+    )
+
+
+# ---------------------------------------------------------------------- registered estimators
+@likelihood_estimators.register("one_step")
+def one_step(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    p_mask_prompt: float = 0.0,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """d1 one-step ("mean-field") score: all completion tokens masked, one forward, Σ_i log p(x^i | c̃, m…m).
+
+    est = Σ_{i real} log p_θ(x^i | c̃, x_{all}), where every real completion token is masked and each prompt token
+    is masked independently w.p. ``p_mask_prompt`` (c̃). Zhao et al. 2025 (d1), arXiv:2504.12216; wd1
+    (arXiv:2507.08838) uses the same score.
+
+    **Biased, not a bound.** It equals ``L·h_L``, i.e. ``L`` times the ``l = L`` term of the ELBO
+    ``Σ_l h_l / l``: every token is predicted with no completion context, so it is typically far below the ELBO
+    for a trained model (on a random model it can be close by accident). Prompt masking changes the target further
+    (it scores a corrupted prompt) and acts as a regularizer across d1's inner iterations; d1 runs use 0.15.
+
+    Args:
+        p_mask_prompt: Probability of masking each prompt position (d1 runs: 0.15; 0 scores the clean prompt).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Returns ``num_samples`` draws averaged when ``p_mask_prompt > 0``; one forward otherwise.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = one_step_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        p_mask_prompt=p_mask_prompt,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("elbo_t")
+def elbo_t(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    eps: float = 1e-3,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """t-sampling ELBO: t = (1−ε)u + ε, each real token masked w.p. t, estimate (1/t)·Σ_{masked} log p; mean of N.
+
+    est = (1/N) Σ_n (1/t_n) Σ_{i∈S_n} log p_θ(x^i | c, x_{S_n}),  S_n ~ Bern(t_n)^{L_b} over real tokens.
+    The MDLM/LLaDA training loss (Nie et al. 2025, arXiv:2502.09992).
+
+    Unbiasedness: conditioned on ``t``, ``|S| ~ Bin(L, t)`` and ``S`` given ``|S| = l`` is a uniform ``l``-subset,
+    so ``E[(1/t) g(S)] = Σ_l [∫ (1/t)·C(L,l) t^l (1−t)^{L−l} dt]·h_l`` over the law of ``t``. With ``ε = 0`` the
+    bracket is ``1/l`` (:func:`exact_elbo`), so the estimate is unbiased for the ELBO — but its variance is infinite
+    (``Var ∝ ∫ 1/t dt``). With ``ε > 0`` it is unbiased for ``Σ_l w_l(ε)·h_l`` where
+    ``w_l(ε) = (1/(1−ε))·C(L,l)·∫_ε^1 t^{l−1}(1−t)^{L−l} dt`` (:func:`elbo_size_weights`, and
+    ``exact_elbo(..., eps=ε)`` is its exact value); the bias is at most ``(2ε/(1−ε))·L·max|log p|``, i.e.
+    negligible at ε = 1e-3, while the variance stays large (3.5× the sd of ``elbo_l`` at equal forwards on the tiny
+    model of ``tests/dllm``; the variance grows like log(1/ε)).
+
+    Args:
+        eps: Smallest timestep ε (LLaDA/MDLM: 1e-3); bounds the weight 1/t by 1/ε.
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = elbo_t_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, eps=eps
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("elbo_l")
+def elbo_l(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    stratified: bool = True,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """LLaDA l-sampling ELBO: l ~ U{1..L_b}, exactly l random real tokens masked, estimate (L_b/l)·Σ_masked log p.
+
+    est = (1/N) Σ_n (L_b/l_n) Σ_{i∈S_n} log p_θ(x^i | c, x_{S_n}),  S_n a uniform l_n-subset of the real tokens.
+    LLaDA's likelihood evaluation (Nie et al. 2025, arXiv:2502.09992, and ``get_log_likelihood.py`` of its code); the
+    prompt is never masked.
+
+    Unbiasedness: ``E[(L/l)·g(S)] = Σ_{l=1..L} (1/L)·(L/l)·h_l = Σ_l h_l/l = ELBO`` exactly (no ε, bounded weights
+    ≤ L_b). With ``stratified=True`` the N counts of a sample are ``l_n = ((k − 1 + ⌊n·L_b/N⌉) mod L_b) + 1`` with
+    one random ``k ~ U{1..L_b}`` (LLaDA's scheme): each ``l_n`` is still marginally uniform, so the mean stays
+    unbiased, and the counts cover the range evenly (with ``N = L_b`` they are a permutation of 1..L_b).
+
+    Args:
+        stratified: Spread the N mask counts of each sample evenly over 1..L_b (unbiased, lower variance).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = elbo_l_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        stratified=stratified,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("coupled")
+def coupled(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    stratified: bool = True,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """Complementary-mask ELBO: a random m-subset S and its complement S^c, weighted so the pair is unbiased.
+
+    ``num_samples`` counts forwards and must be even: ``N/2`` pairs. Per pair, ``m ~ U{1..L_b}`` (stratified across
+    pairs like ``elbo_l``), ``S`` a uniform ``m``-subset of the real tokens, ``S^c`` the other real tokens, and
+
+        est_pair = (L/(2m))·g(S) + (L/(2(L−m)))·g(S^c)   for m < L,      est_pair = g(S) = g(all)   for m = L,
+
+    averaged over pairs; every real token is masked in exactly one row of each pair (DiffuCoder's coupling,
+    Gong et al. 2025, arXiv:2506.20639).
+
+    Derivation (why these weights): ``S`` is a uniform ``m``-subset and ``S^c`` a uniform ``(L−m)``-subset, so
+    ``E[est] = (1/L)·[Σ_{m<L} (L/(2m))·h_m + h_L + Σ_{m<L} (L/(2(L−m)))·h_{L−m}]
+    = Σ_{m<L} h_m/(2m) + Σ_{k<L} h_k/(2k) + h_L/L = Σ_l h_l/l = ELBO``. The complement size ``L−m`` is uniform on
+    ``{0..L−1}``: the fully masked configuration only arises on the ``S`` side (its partner is empty and needs no
+    forward), hence its full weight. Each row weight is the l-sampling weight ``L/|row|`` (doubled for the fully
+    masked row), since rows are averaged over ``N = 2·pairs``. Why a count rather than a timestep: for the t-space
+    pair with ``t ~ U(0,1)``, ``|S|`` is uniform on ``{0..L}`` and ``E[1/t | |S| = m] = (L+1)/m``, so averaging out
+    ``t`` (Rao-Blackwellization) already gives count sampling with bounded weights; drawing ``m`` from ``{1..L}``
+    is the same construction without the wasted ``m = 0`` pair. No ε, no ``1/t`` tail, weights ≤ L_b. A truncated
+    ``t ~ U(0.2, 0.8)`` would bound the weights too, but changes the target (see below).
+
+    Deviations (documented, not reproduced): DiffuCoder's ``coupled_grpo.py`` draws one ``t ~ U(0.2, 0.8)`` per
+    batch, masks ``r < t`` / ``r > t`` with weights ``1/t`` and ``1/(1−t)`` and averages with a third, fully masked
+    forward: a token-level value for a clipped ratio that is unbiased neither for the ELBO (``t`` is truncated to
+    [0.2, 0.8]) nor for a normalized log-likelihood. dLLM-RL's ``coupled`` (as summarized in our research notes; its
+    code was not re-checked here) averages the masked-token log-probs of the two rows: ``E[g(S)/|S|]`` over a uniform
+    ``|S| ∈ {1..L}`` is ``ELBO/L``, but when both rows are kept non-empty the ``l = L`` term never occurs, so that
+    average is biased as well.
+
+    Args:
+        stratified: Spread the pair counts ``m`` of each sample evenly over 1..L_b (unbiased, lower variance).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = coupled_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        stratified=stratified,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("spg_lower")
+def spg_lower(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    masking: str = "random",
+    block_length: int = 32,
+    p_mask_prompt: float = 0.0,
+    stratified: bool = False,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """SPG's ELBO-type lower bound (used for samples with positive advantage), random or block-wise masking.
+
+    Wang et al. 2025, "SPG: Sandwiched Policy Gradient", arXiv:2510.09541 (ELBO for A > 0, block-wise masking).
+
+    ``masking="random"`` (SPG ``forward_type=random`` with min_t = 0, max_t = 1): l-sampling, identical to
+    ``elbo_l`` with ``stratified=False`` — an unbiased estimate of the ELBO, a lower bound on the any-order
+    likelihood. SPG's code reports the mean over masked tokens ``g(S)/l``; times ``L_b`` that is ``(L_b/l)·g(S)``,
+    and SPG's loss re-weights each sequence by its length, so this sequence-scale value is the same quantity.
+
+    ``masking="block"`` (``block_random``): per draw a block ``k`` (of ``block_length`` completion positions) among
+    the ``K_b`` blocks that hold real tokens, blocks before ``k`` clean, real tokens of later blocks masked, and
+    ``l ~ U{1..n_k}`` random real tokens of block ``k`` masked and scored with weight ``K_b·n_k/l``. This is unbiased
+    for the *block* ELBO ``Σ_k Σ_l (1/l)·E_{S⊂block k,|S|=l} g_k(S)`` (``exact_elbo(..., block_length=...)``), the
+    ELBO of the semi-autoregressive factorization ``Π_k π(x_k | c, x_{<k})`` that block decoding samples from.
+    Deviation: SPG's code also averages the log-probs of the fully masked later blocks into its per-sequence mean
+    (its ``block_mask`` is computed but unused) and divides by a completion-wide mask count; we score only the
+    chosen block, which is what makes the estimate a bound. Blocks are visited without replacement across the N
+    draws (SPG: a random permutation), prompt tokens masked w.p. ``p_mask_prompt`` (SPG runs: 0.15, which changes
+    the target to an average over corrupted prompts).
+
+    Args:
+        masking: ``"random"`` (l-sampling over the whole completion) or ``"block"`` (SPG block-wise masking).
+        block_length: Completion positions per block for ``masking="block"`` (SPG: 32, the decoding block).
+        p_mask_prompt: Probability of masking each prompt position (SPG runs: 0.15).
+        stratified: Stratify the mask counts across draws (``masking="random"`` only; SPG draws them iid).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = spg_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, bound="lower",
+        masking=masking, block_length=block_length, p_mask_prompt=p_mask_prompt, stratified=stratified,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("spg_upper")
+def spg_upper(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    beta: float = 1.5,
+    masking: str = "random",
+    block_length: int = 32,
+    p_mask_prompt: float = 0.0,
+    stratified: bool = False,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """SPG's Rényi-type evidence upper bound (EUBO, used for samples with negative advantage).
+
+    est = L_b · mean_{observed i} (1/β)·log( (1/N) Σ_n w_{n,i} · p_θ(x^i | c̃_n, x̃_n)^β ),
+
+    with the masks and weights ``w`` of ``spg_lower`` (same options, same draws for the same generator state):
+    ``w_{n,i} = 1[i ∈ S_n]·L_b/l_n`` for random masking — exactly SPG's ``1[masked]/t̂`` with the empirical mask
+    ratio ``t̂ = l/L_b`` — and ``K_b·n_k/l`` for block masking. Tokens masked in no draw are left out of the mean
+    (as in SPG). Wang et al. 2025, arXiv:2510.09541 (EUBO for A < 0; runs use β = 1.5 on GSM8K/MATH, 2.0 on
+    Countdown, 1.0 on Sudoku; the ``mix`` objective ω·EUBO + (1−ω)·ELBO belongs to the loss — use
+    :func:`plan_token_logprobs` and ``plan.reduce`` to get both from one forward).
+
+    What is provable here: for every real token, ``w_i`` is a probability density over the draws
+    (``E[w_i] = 1``), the ELBO is ``Σ_i E[w_i log p_i]``, and by Jensen
+    ``(1/β) log E[w_i p_i^β] ≥ E[w_i log p_i]``; so the ``N → ∞`` limit of this estimate is ≥ the ELBO (for random
+    masking; ≥ the block ELBO for block masking), and as ``β → ∞`` it tends to ``Σ_i log max_S p(x^i | c, x_S)``,
+    which bounds the likelihood of every decoding order. That it upper-bounds ``log π_θ`` for finite β is SPG's
+    theorem, which this code does not re-derive; for a model whose conditionals are not consistent with one joint it
+    can fail (L = 2 tokens a, b, β = 1: exp(limit) − any-order likelihood
+    ``= ¼·(p(a|both masked) − p(a|b visible))·(p(b|both masked) − p(b|a visible))``, negative when the two
+    differences have opposite signs). For finite N the log of a sample mean is biased low (Jensen again), by
+    ``O(1/N)``, and tokens masked in no draw drop out: on the tiny test model with N = 8 forwards the estimate
+    averaged *below* the exact ELBO for L = 5, so at small N it is not an upper bound in practice.
+
+    Args:
+        beta: Rényi order β ≥ 1 (SPG: 1.5 for GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku).
+        masking: ``"random"`` or ``"block"`` (see ``spg_lower``).
+        block_length: Completion positions per block for ``masking="block"``.
+        p_mask_prompt: Probability of masking each prompt position.
+        stratified: Stratify the mask counts across draws (``masking="random"`` only).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = spg_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, bound="upper",
+        masking=masking, block_length=block_length, p_mask_prompt=p_mask_prompt, stratified=stratified, beta=beta,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+# ---------------------------------------------------------------------- exact oracle
+def elbo_size_weights(num_tokens: int, eps: float = 0.0) -> list[float]:
+    """The weight of ``h_l`` (l = 1..n) in the t-sampling ELBO with ``t ~ U(ε, 1)``.
+
+    ``w_l(ε) = (1/(1−ε))·C(n,l)·∫_ε^1 t^{l−1}(1−t)^{n−l} dt``; ``w_l(0) = C(n,l)·B(l, n−l+1) = 1/l``. For ε > 0 the
+    integral is expanded as ``Σ_k C(n−l,k)(−1)^k (1 − ε^{l+k})/(l+k)`` (exact; fine in float64 for n ≤ 20).
+    """
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"eps must be in [0, 1), got {eps}")
+    if eps == 0.0:
+        return [1.0 / l for l in range(1, num_tokens + 1)]
+    weights = []
+    for l in range(1, num_tokens + 1):
+        integral = sum(
+            math.comb(num_tokens - l, k) * (-1) ** k * (1.0 - eps ** (l + k)) / (l + k)
+            for k in range(num_tokens - l + 1)
+        )
+        weights.append(math.comb(num_tokens, l) * integral / (1.0 - eps))
+    return weights
+
+
+def exact_elbo(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    eps: float = 0.0,
+    block_length: int | None = None,
+    max_tokens: int = 12,
+    micro_batch: int | None = 1024,
+) -> Tensor:
+    """Exact masked-diffusion ELBO by enumerating every mask set (a test oracle for small L).
+
+    ELBO = Σ_{l=1..L} (1/l) · (1/C(L,l)) · Σ_{|S|=l} Σ_{i∈S} log p_θ(x^i | c, x_S)   (real tokens only).
+
+    Derivation. ``ELBO = ∫_0^1 E_{S~Bern(t)^L}[(1/t)·g(S)] dt``. Given ``t``, ``|S| ~ Bin(L, t)`` and, given
+    ``|S| = l``, ``S`` is a uniform ``l``-subset, so ``E[g(S) | t] = Σ_l C(L,l) t^l (1−t)^{L−l} h_l`` (the ``l = 0``
+    term is ``g(∅) = 0``). Exchanging sum and integral,
+    ``ELBO = Σ_{l≥1} h_l ∫_0^1 C(L,l) t^{l−1}(1−t)^{L−l} dt = Σ_l h_l·C(L,l)·B(l, L−l+1)`` and
+    ``C(L,l)·B(l, L−l+1) = [L!/(l!(L−l)!)]·[(l−1)!(L−l)!/L!] = 1/l``. Writing ``h_l`` as the average over the
+    ``C(L,l)`` subsets gives the formula above. The same sum is the any-order autoregressive ELBO
+    ``E_σ Σ_k log p(x^{σ_k} | c, x^{σ_{<k}})`` (at step ``k`` the ``l = L−k+1`` still-masked positions form a
+    uniform ``l``-subset and the predicted one is uniform in it, contributing ``h_l/l``), hence ≤ the any-order
+    log-likelihood ``log E_σ Π_k p(...)`` by Jensen.
+
+    With ``eps > 0`` the weights ``1/l`` become :func:`elbo_size_weights` ``(L, eps)``: the exact expectation of
+    ``elbo_t(eps=eps)``. With ``block_length`` the completion is cut into blocks of that many positions and the
+    result is the block (semi-autoregressive) ELBO ``Σ_k ELBO_k``, where block ``k`` is enumerated with earlier
+    blocks clean and the real tokens of later blocks masked: the exact expectation of ``spg_lower(masking="block")``.
+
+    Args:
+        eps: Smallest timestep ε of the t-sampling estimator whose exact mean is wanted (0: the ELBO).
+        block_length: Block size for the block ELBO; ``None`` treats the completion as one block.
+        max_tokens: Largest number of real tokens per block to enumerate (2^n − 1 forwards per block).
+        micro_batch: Rows per forward.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    real = completion_mask.to(device=completion_ids.device).bool()
+    batch, length = completion_ids.shape
+    results = []
+    for b in range(batch):
+        positions = real[b].nonzero().squeeze(-1).tolist()
+        size = length if block_length is None else int(block_length)
+        groups: dict[int, list[int]] = {}
+        for position in positions:
+            groups.setdefault(position // size, []).append(position)
+        masks, coefficients = [], []
+        for block, members in groups.items():
+            if len(members) > max_tokens:
+                raise ValueError(f"exact_elbo enumerates 2^n subsets; block has n = {len(members)} > {max_tokens}")
+            later = [p for p in positions if p // size > block]
+            weights = elbo_size_weights(len(members), eps)
+            for l in range(1, len(members) + 1):
+                coefficient = weights[l - 1] / math.comb(len(members), l)
+                for subset in itertools.combinations(members, l):
+                    row = torch.zeros(length, dtype=torch.bool, device=completion_ids.device)
+                    row[list(subset)] = True
+                    masks.append((row, later))
+                    coefficients.append(coefficient)
+        if not masks:
+            results.append(torch.zeros((), dtype=torch.float32, device=completion_ids.device))
+            continue
+        scored = torch.stack([row for row, _ in masks])  # [R, L]
+        masked = scored.clone()
+        for r, (_, later) in enumerate(masks):
+            masked[r, later] = True
+        rows = scored.shape[0]
+        completion = torch.where(masked, mask_id, completion_ids[b].unsqueeze(0))
+        inputs = torch.cat([prompt_ids[b].unsqueeze(0).expand(rows, -1), completion], dim=-1)
+        logp = _scored_logprobs(
+            model, inputs, completion_ids[b].unsqueeze(0).expand(rows, -1), scored, prompt_ids.shape[1], micro_batch
+        )
+        coefficient = torch.tensor(coefficients, dtype=torch.float64, device=logp.device)
+        results.append((coefficient * logp.to(torch.float64).sum(dim=-1)).sum().to(torch.float32))
+    return torch.stack(results)

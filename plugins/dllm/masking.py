@@ -1,0 +1,452 @@
+"""Mask plans: the random masks, timesteps and importance weights of a masked-diffusion likelihood estimate.
+
+A :class:`MaskPlan` is drawn once from an explicit ``torch.Generator`` and can then be evaluated with any number of
+models. Scoring the current, old and reference policies with the *same* plan is the antithetic sampling of VRPO
+(LLaDA 1.5, Zhu et al. 2025, arXiv:2505.19223): the Monte Carlo noise is shared, the difference
+``est_θ − est_old`` has a much smaller variance than either estimate, and the ratio ``exp(est_θ − est_old)`` is
+exactly 1 at ``θ = θ_old``. Every plan uses one mask per sampled timestep (VRPO's optimal allocation
+``n_t = n, n_mask = 1``).
+
+Every estimator except the SPG upper bound is *linear* in the per-token log-probabilities:
+
+    est_b = (1/N) Σ_n Σ_i w[n, b, i] · log p_θ(x_b^i | c_b, x̃_{n,b}),
+
+where ``x̃_{n,b}`` is copy ``n`` of sample ``b`` with the planned positions replaced by the mask token and
+``w[n, b, i]`` is a per-token importance weight, zero for positions that are not scored (unmasked tokens, padding).
+For all unbiased plans below, ``(1/N) Σ_n E[w[n, b, i]] = 1`` for every real completion token ``i``.
+
+Conventions:
+    - ``completion_mask`` marks real completion tokens (1) and padding (0). Padding positions are never masked,
+      never scored and never counted: the caller chooses what the model sees there (pad or EOS tokens; a model that
+      honours an attention mask can ignore them). ``L_b`` is the number of real tokens of sample ``b``.
+    - Random numbers are drawn in float64 on ``generator.device`` (CPU generators give the same plan on every
+      accelerator and rank) and moved to the device of ``completion_ids``; the draw order is fixed, so one seed
+      gives one plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("elbo", "eubo")
+
+
+@dataclass(frozen=True, eq=False)
+class MaskPlan:
+    """The masks and weights of ``N`` Monte Carlo draws for a batch of ``B`` completions of width ``L``.
+
+    Args:
+        completion_masked: ``bool [N, B, L]``. Completion positions replaced by the mask token in draw ``n``.
+        weights: ``float32 [N, B, L]``. Per-draw importance weight of each token's log-probability; zero where the
+            token is not scored. Only positions with a non-zero weight are evaluated.
+        num_tokens: ``float32 [B]``. ``L_b``, the number of real completion tokens (scales the EUBO).
+        prompt_masked: ``bool [N, B, P]`` or ``None``. Prompt positions replaced by the mask token (d1-style prompt
+            masking); ``None`` leaves the prompt intact.
+        reduction: ``"elbo"`` for the linear estimate ``(1/N) Σ_n Σ_i w·log p`` or ``"eubo"`` for SPG's Rényi-type
+            upper bound ``L_b · mean_i (1/β) log((1/N) Σ_n w·p^β)`` (see :meth:`reduce`).
+        beta: The Rényi order ``β ≥ 1`` of the ``"eubo"`` reduction (ignored by ``"elbo"``).
+        name: The plan kind, for messages.
+    """
+
+    completion_masked: Tensor
+    weights: Tensor
+    num_tokens: Tensor
+    prompt_masked: Tensor | None = None
+    reduction: str = "elbo"
+    beta: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.completion_masked.dim() != 3 or self.completion_masked.dtype != torch.bool:
+            raise ValueError(f"completion_masked must be bool [N, B, L], got {tuple(self.completion_masked.shape)}")
+        if self.weights.shape != self.completion_masked.shape:
+            raise ValueError(
+                f"weights {tuple(self.weights.shape)} must match completion_masked "
+                f"{tuple(self.completion_masked.shape)}"
+            )
+        n, b, _ = self.completion_masked.shape
+        if self.num_tokens.shape != (b,):
+            raise ValueError(f"num_tokens must be [B={b}], got {tuple(self.num_tokens.shape)}")
+        if self.prompt_masked is not None and (
+            self.prompt_masked.dim() != 3 or self.prompt_masked.shape[:2] != (n, b)
+        ):
+            raise ValueError(f"prompt_masked must be bool [N={n}, B={b}, P], got {tuple(self.prompt_masked.shape)}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.reduction == "eubo" and not self.beta >= 1.0:
+            raise ValueError(f"the EUBO needs beta >= 1 (Rényi order), got {self.beta}")
+
+    # ------------------------------------------------------------------ shape helpers
+    @property
+    def num_samples(self) -> int:
+        """``N``, the number of masked copies (forward rows) per completion."""
+        return self.completion_masked.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.completion_masked.shape[1]
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_masked.shape[2]
+
+    @property
+    def scored(self) -> Tensor:
+        """``bool [N, B, L]``: positions whose log-probability the estimate uses."""
+        return self.weights != 0
+
+    def to(self, device: torch.device | str) -> MaskPlan:
+        """The same plan on ``device``."""
+        return MaskPlan(
+            completion_masked=self.completion_masked.to(device),
+            weights=self.weights.to(device),
+            num_tokens=self.num_tokens.to(device),
+            prompt_masked=None if self.prompt_masked is None else self.prompt_masked.to(device),
+            reduction=self.reduction,
+            beta=self.beta,
+            name=self.name,
+        )
+
+    def check_compatible(self, prompt_ids: Tensor, completion_ids: Tensor) -> None:
+        """Raise ``ValueError`` unless the plan was drawn for ids of these shapes."""
+        _, b, length = self.completion_masked.shape
+        if tuple(completion_ids.shape) != (b, length):
+            raise ValueError(
+                f"plan {self.name!r} was drawn for completions [B={b}, L={length}], got {tuple(completion_ids.shape)}"
+            )
+        if prompt_ids.dim() != 2 or prompt_ids.shape[0] != b:
+            raise ValueError(f"prompt_ids must be [B={b}, P], got {tuple(prompt_ids.shape)}")
+        if self.prompt_masked is not None and self.prompt_masked.shape[2] != prompt_ids.shape[1]:
+            raise ValueError(
+                f"plan {self.name!r} masks a prompt of length {self.prompt_masked.shape[2]}, "
+                f"got prompts of length {prompt_ids.shape[1]}"
+            )
+
+    def model_inputs(self, prompt_ids: Tensor, completion_ids: Tensor, mask_id: int) -> Tensor:
+        """The ``N·B`` masked copies, draw-major (row ``n·B + b``).
+
+        Shapes:
+            prompt_ids ``[B, P]``, completion_ids ``[B, L]`` → ``[N·B, P + L]``.
+        """
+        self.check_compatible(prompt_ids, completion_ids)
+        n = self.num_samples
+        completion = torch.where(self.completion_masked, mask_id, completion_ids.unsqueeze(0))  # [N, B, L]
+        prompt = prompt_ids.unsqueeze(0).expand(n, -1, -1)  # [N, B, P]
+        if self.prompt_masked is not None:
+            prompt = torch.where(self.prompt_masked, mask_id, prompt)
+        return torch.cat([prompt, completion], dim=-1).reshape(n * self.batch_size, -1)
+
+    # ------------------------------------------------------------------ reduction
+    def reduce(self, token_logp: Tensor) -> Tensor:
+        """Combine per-token log-probabilities into one sequence score per sample.
+
+        ``"elbo"``: ``est_b = (1/N) Σ_n Σ_i w[n,b,i] · ℓ[n,b,i]``.
+
+        ``"eubo"`` (SPG, Wang et al. 2025, arXiv:2510.09541): for every token observed (``w > 0``) in at least one
+        draw, ``a_i = (1/N) Σ_n w[n,b,i] · exp(β·ℓ[n,b,i])``, computed in log space, and
+        ``est_b = L_b · mean_{observed i} (1/β)·log a_i``. Tokens masked in no draw are left out of the mean, as
+        in SPG's code; multiplying the mean by ``L_b`` puts the bound on the sequence scale of the other estimators
+        (SPG reports the mean and re-weights its loss by the completion length, which is the same thing).
+
+        Shapes:
+            token_logp ``[N, B, L]`` (zero where not scored) → ``[B]`` float32.
+        """
+        if token_logp.shape != self.weights.shape:
+            raise ValueError(f"token_logp {tuple(token_logp.shape)} must match the plan {tuple(self.weights.shape)}")
+        weights = self.weights.to(token_logp.dtype)
+        if self.reduction == "elbo":
+            return (weights * token_logp).sum(dim=-1).mean(dim=0)
+        observed = weights > 0  # [N, B, L]
+        valid = observed.any(dim=0)  # [B, L]
+        # Columns that are never observed get finite dummies so logsumexp has no all −∞ column (NaN gradients).
+        filler = torch.where(valid, float("-inf"), 0.0).unsqueeze(0).expand_as(weights)
+        log_terms = torch.where(observed, weights.clamp_min(1e-30).log() + self.beta * token_logp, filler)
+        log_mean = torch.logsumexp(log_terms, dim=0) - math.log(self.num_samples)  # [B, L]
+        per_token = torch.where(valid, log_mean / self.beta, 0.0)
+        count = valid.sum(dim=-1).clamp(min=1).to(token_logp.dtype)
+        return self.num_tokens.to(token_logp.dtype) * per_token.sum(dim=-1) / count
+
+
+# ---------------------------------------------------------------------- random primitives
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """``U[0, 1)`` in float64 drawn on the generator's device (CPU when ``generator`` is None), moved to ``device``."""
+    source = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(shape, generator=generator, device=source, dtype=torch.float64).to(device)
+
+
+def uniform_count(u: Tensor, high: Tensor) -> Tensor:
+    """Map ``u ~ U[0,1)`` to a uniform integer in ``{1, ..., high}`` (0 where ``high == 0``).
+
+    Shapes:
+        u and high broadcastable → long tensor of the broadcast shape.
+    """
+    high = high.long()
+    return torch.minimum(torch.floor(u * high.to(torch.float64)).long() + 1, high)
+
+
+def stratified_counts(u: Tensor, high: Tensor, num: int) -> Tensor:
+    """LLaDA's stratified mask counts: one random offset per sample, ``num`` evenly spread counts.
+
+    ``k_b ~ U{1..H_b}`` and ``l_{n,b} = ((k_b − 1 + ⌊n·H_b/num⌉) mod H_b) + 1`` for ``n = 0..num−1`` (``⌊·⌉`` rounds
+    half up), as in LLaDA's ``get_log_likelihood.py`` (Nie et al. 2025, arXiv:2502.09992). Each ``l_{n,b}`` is
+    marginally uniform on ``{1..H_b}`` (a shift of a uniform variable modulo ``H_b``), so any estimate that is
+    unbiased for one uniform count stays unbiased; the counts of one sample are spread over the whole range,
+    which removes most of the between-draw variance of the count. With ``num = H_b`` they are a permutation of
+    ``1..H_b``.
+
+    Shapes:
+        u ``[B]``, high ``[B]`` → ``[num, B]`` long (0 where ``high == 0``).
+    """
+    high = high.long()
+    k = uniform_count(u, high)  # [B]
+    n = torch.arange(num, device=high.device).unsqueeze(1)  # [num, 1]
+    offset = torch.div(2 * n * high + num, 2 * num, rounding_mode="floor")  # round(n·H/num), half up
+    counts = torch.remainder(k - 1 + offset, high.clamp(min=1)) + 1
+    return torch.where(high > 0, counts, 0)
+
+
+def random_subset(eligible: Tensor, size: Tensor, u: Tensor) -> Tensor:
+    """A uniformly random subset of exactly ``size`` eligible positions along the last dimension.
+
+    The eligible positions are ranked by their iid uniform keys ``u`` (a uniform random order) and the ``size``
+    first are taken. Requires ``size <= eligible.sum(-1)``.
+
+    Shapes:
+        eligible ``bool [..., L]``, size ``[...]``, u ``[..., L]`` → ``bool [..., L]``.
+    """
+    keys = torch.where(eligible, u, 2.0)  # ineligible positions rank last
+    rank = keys.argsort(dim=-1).argsort(dim=-1)
+    return (rank < size.unsqueeze(-1)) & eligible
+
+
+def _prompt_masks(num: int, prompt_ids: Tensor, p_mask_prompt: float, generator, device) -> Tensor | None:
+    if not 0.0 <= p_mask_prompt <= 1.0:
+        raise ValueError(f"p_mask_prompt must be in [0, 1], got {p_mask_prompt}")
+    if p_mask_prompt == 0.0 or prompt_ids.shape[1] == 0:
+        return None
+    return uniform((num, *prompt_ids.shape), generator, device) < p_mask_prompt
+
+
+def _check(prompt_ids: Tensor, completion_ids: Tensor, completion_mask: Tensor, num_samples: int) -> Tensor:
+    if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(
+            f"expected prompt_ids [B, P] and completion_ids [B, L]; got {tuple(prompt_ids.shape)} and "
+            f"{tuple(completion_ids.shape)}"
+        )
+    if completion_mask.shape != completion_ids.shape:
+        raise ValueError(
+            f"completion_mask {tuple(completion_mask.shape)} must match completion_ids {tuple(completion_ids.shape)}"
+        )
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    return completion_mask.to(device=completion_ids.device).bool()
+
+
+def _num_tokens(real: Tensor) -> Tensor:
+    return real.sum(dim=-1).to(torch.float32)
+
+
+# ---------------------------------------------------------------------- plans
+def one_step_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    p_mask_prompt: float = 0.0,
+) -> MaskPlan:
+    """d1's mean-field plan: every real completion token masked and scored with weight 1.
+
+    With ``p_mask_prompt > 0`` each prompt position is masked independently in each of the ``num_samples`` draws
+    and the estimate averages them; with ``p_mask_prompt == 0`` all draws would be identical, so one is made.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    device = completion_ids.device
+    num = num_samples if p_mask_prompt > 0 else 1
+    prompt_masked = _prompt_masks(num, prompt_ids, p_mask_prompt, generator, device)
+    masked = real.unsqueeze(0).expand(num, -1, -1).clone()
+    return MaskPlan(masked, masked.to(torch.float32), _num_tokens(real), prompt_masked, name="one_step")
+
+
+def elbo_t_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    eps: float = 1e-3,
+) -> MaskPlan:
+    """t-sampling: ``t = (1−ε)u + ε``, each real token masked w.p. ``t``, masked tokens weighted ``1/t``."""
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"eps must be in [0, 1), got {eps}")
+    device = completion_ids.device
+    n, (b, length) = num_samples, completion_ids.shape
+    t = (1.0 - eps) * uniform((n, b), generator, device) + eps  # [N, B]
+    r = uniform((n, b, length), generator, device)  # [N, B, L]
+    masked = (r < t.unsqueeze(-1)) & real
+    # t == 0 (u == 0 with eps == 0) masks nothing, so its weight is never used.
+    weights = torch.where(masked, 1.0 / t.clamp_min(1e-300).unsqueeze(-1), 0.0).to(torch.float32)
+    return MaskPlan(masked, weights, _num_tokens(real), name="elbo_t")
+
+
+def _counts(real_count: Tensor, num: int, stratified: bool, generator, device) -> Tensor:
+    """``[num, B]`` mask counts uniform on ``{1..L_b}``, stratified or iid."""
+    if stratified:
+        return stratified_counts(uniform((real_count.shape[0],), generator, device), real_count, num)
+    return uniform_count(uniform((num, real_count.shape[0]), generator, device), real_count.unsqueeze(0))
+
+
+def elbo_l_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    stratified: bool = True,
+) -> MaskPlan:
+    """l-sampling: ``l ~ U{1..L_b}`` (stratified or iid), exactly ``l`` random real tokens masked, weight ``L_b/l``."""
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    device = completion_ids.device
+    n, (b, length) = num_samples, completion_ids.shape
+    real_count = real.sum(dim=-1)  # [B]
+    counts = _counts(real_count, n, stratified, generator, device)  # [N, B]
+    keys = uniform((n, b, length), generator, device)
+    masked = random_subset(real.unsqueeze(0).expand(n, -1, -1), counts, keys)
+    scale = real_count.unsqueeze(0).to(torch.float64) / counts.clamp(min=1).to(torch.float64)  # L_b / l
+    weights = torch.where(masked, scale.unsqueeze(-1), 0.0).to(torch.float32)
+    return MaskPlan(masked, weights, _num_tokens(real), name="elbo_l")
+
+
+def coupled_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    stratified: bool = True,
+) -> MaskPlan:
+    """Complementary pairs: a uniform ``m``-subset ``S`` and its complement ``S^c`` among the real tokens.
+
+    ``num_samples`` counts forward rows and must be even (``num_samples // 2`` pairs). Rows ``0..N/2−1`` hold the
+    sets ``S``, rows ``N/2..N−1`` their complements. Row weights (see :func:`~mmrl.plugins.dllm.estimators.coupled`
+    for the derivation): ``L_b/|S|`` for ``S`` (``2`` when ``S`` is everything), ``L_b/|S^c|`` for ``S^c``.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if num_samples % 2:
+        raise ValueError(f"the coupled estimator needs an even num_samples (pairs of forwards), got {num_samples}")
+    device = completion_ids.device
+    pairs, (b, length) = num_samples // 2, completion_ids.shape
+    real_count = real.sum(dim=-1)  # [B]
+    counts = _counts(real_count, pairs, stratified, generator, device)  # [N/2, B], m in 1..L_b
+    keys = uniform((pairs, b, length), generator, device)
+    first = random_subset(real.unsqueeze(0).expand(pairs, -1, -1), counts, keys)  # S
+    second = real.unsqueeze(0) & ~first  # S^c
+    total = real_count.unsqueeze(0).to(torch.float64)  # [1, B]
+    m = counts.to(torch.float64)
+    w_first = torch.where(counts == real_count.unsqueeze(0), 2.0, total / m.clamp(min=1))  # [N/2, B]
+    w_second = total / (total - m).clamp(min=1)  # unused when S^c is empty
+    masked = torch.cat([first, second], dim=0)
+    weights = torch.cat(
+        [torch.where(first, w_first.unsqueeze(-1), 0.0), torch.where(second, w_second.unsqueeze(-1), 0.0)], dim=0
+    ).to(torch.float32)
+    return MaskPlan(masked, weights, _num_tokens(real), name="coupled")
+
+
+def block_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    block_length: int = 32,
+    p_mask_prompt: float = 0.0,
+) -> MaskPlan:
+    """SPG's block-wise masking (the semi-autoregressive decoding state).
+
+    Completion position ``j`` belongs to block ``j // block_length``. Per sample, the ``K_b`` blocks that hold real
+    tokens are visited in a random order (draw ``n`` takes the ``(n mod K_b)``-th, so each draw's block is
+    marginally uniform); in the chosen block ``k`` with ``n_k`` real tokens, ``l ~ U{1..n_k}`` random real tokens are
+    masked and scored with weight ``K_b · n_k / l``; real tokens of later blocks are masked (not scored), earlier
+    blocks stay clean. Prompt positions are masked w.p. ``p_mask_prompt``.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if isinstance(block_length, bool) or not isinstance(block_length, int) or block_length < 1:
+        raise ValueError(f"block_length must be a positive int, got {block_length!r}")
+    device = completion_ids.device
+    n, (b, length) = num_samples, completion_ids.shape
+    num_blocks = -(-length // block_length)
+    block_of = torch.arange(length, device=device) // block_length  # [L]
+    one_hot = block_of.unsqueeze(0) == torch.arange(num_blocks, device=device).unsqueeze(1)  # [K, L]
+    per_block = (real.unsqueeze(1) & one_hot.unsqueeze(0)).sum(dim=-1)  # [B, K] real tokens per block
+    has_tokens = per_block > 0
+    num_valid = has_tokens.sum(dim=-1)  # [B]
+    order = torch.where(has_tokens, uniform((b, num_blocks), generator, device), 2.0).argsort(dim=-1)  # [B, K]
+    pick = torch.remainder(torch.arange(n, device=device).unsqueeze(1), num_valid.clamp(min=1))  # [N, B]
+    chosen = order.gather(1, pick.t()).t()  # [N, B]
+    in_block = (block_of.view(1, 1, -1) == chosen.unsqueeze(-1)) & real  # [N, B, L]
+    later = (block_of.view(1, 1, -1) > chosen.unsqueeze(-1)) & real
+    block_count = in_block.sum(dim=-1)  # [N, B]
+    counts = uniform_count(uniform((n, b), generator, device), block_count)
+    scored = random_subset(in_block, counts, uniform((n, b, length), generator, device))
+    scale = (
+        num_valid.unsqueeze(0).to(torch.float64)
+        * block_count.to(torch.float64)
+        / counts.clamp(min=1).to(torch.float64)
+    )
+    weights = torch.where(scored, scale.unsqueeze(-1), 0.0).to(torch.float32)
+    prompt_masked = _prompt_masks(n, prompt_ids, p_mask_prompt, generator, device)
+    return MaskPlan(scored | later, weights, _num_tokens(real), prompt_masked, name="block")
+
+
+def spg_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    bound: str = "lower",
+    masking: str = "random",
+    block_length: int = 32,
+    p_mask_prompt: float = 0.0,
+    stratified: bool = False,
+    beta: float = 1.5,
+) -> MaskPlan:
+    """SPG's plans: ``masking="random"`` (l-sampling, as SPG's ``forward_type=random``) or ``"block"``
+    (``block_random``); ``bound="lower"`` gives the linear ELBO reduction, ``"upper"`` the EUBO with order ``beta``.
+    """
+    if masking == "random":
+        plan = elbo_l_plan(
+            prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+            stratified=stratified,
+        )
+        prompt_masked = _prompt_masks(num_samples, prompt_ids, p_mask_prompt, generator, completion_ids.device)
+    elif masking == "block":
+        plan = block_plan(
+            prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+            block_length=block_length, p_mask_prompt=p_mask_prompt,
+        )
+        prompt_masked = plan.prompt_masked
+    else:
+        raise ValueError(f"masking must be 'random' or 'block', got {masking!r}")
+    if bound not in ("lower", "upper"):
+        raise ValueError(f"bound must be 'lower' or 'upper', got {bound!r}")
+    return MaskPlan(
+        plan.completion_masked,
+        plan.weights,
+        plan.num_tokens,
+        prompt_masked,
+        reduction="elbo" if bound == "lower" else "eubo",
+        beta=float(beta),
+        name=f"spg_{bound}",
+    )
