@@ -1,0 +1,588 @@
+"""Rule-based perception rewards for vision-language models: grounding, detection and counting.
+
+Registered rewards (all return one float in [0, 1] per sample and never raise on malformed model output):
+
+- ``iou``: IoU of the first predicted box with the ground-truth box, as in VLM-R1's REC reward (arXiv:2504.07615).
+- ``giou``: generalised IoU mapped to [0, 1] by (GIoU + 1) / 2 (Visual-RFT's LISA reward, arXiv:2503.01785, uses
+  GIoU + 1 ∈ [0, 2]; halving keeps every reward on one scale).
+- ``detection``: multi-object score after greedy or Hungarian matching of predictions to ground truth (Hungarian
+  bipartite matching as in Perception-R1, arXiv:2504.07954), scored as F1, mean matched IoU or AP.
+- ``count``: exact or graded match of a predicted count.
+
+Predicted boxes are parsed by :func:`mmrl.rewards.boxes.parse_detections` from the completion's ``<answer>`` block
+(or the whole text without one) and mapped to original-image pixels according to ``convention``; ground truth is
+read in original-image pixels. A blank answer (no text at all) always scores 0 so that the policy cannot collect
+reward with empty answers (Visual-RFT issue #176); to claim "no objects" a model writes e.g. ``[]``.
+
+Ground-truth boxes (``row[field]``) may be ``[x1, y1, x2, y2]``, a list of such lists, a dict or list of dicts with
+a ``bbox_2d`` (or ``bbox``/``box``) entry and optional ``label``, a JSON string of any of these, or text that the
+box parser understands (read with the ``"absolute"`` convention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards.boxes import (
+    MIN_PIXELS,
+    Convention,
+    Detection,
+    answer_region,
+    box_giou,
+    box_iou,
+    completion_texts,
+    parse_detections,
+    qwen_resized_size,
+)
+
+# ---------------------------------------------------------------------------------------------------- assignment
+
+
+def linear_assignment(cost: Sequence[Sequence[float]], maximize: bool = False) -> list[tuple[int, int]]:
+    """Optimal assignment of rows to columns of a rectangular matrix (Hungarian method, O(n²·m)).
+
+    Every row of the smaller side is assigned to a distinct column of the larger side so that the total cost is
+    minimal (or maximal with ``maximize=True``). This is the shortest-augmenting-path form of the Hungarian
+    algorithm with row and column potentials: rows are added one at a time, and each addition runs a Dijkstra-like
+    search over reduced costs for the cheapest augmenting path.
+
+    Args:
+        cost: ``n × m`` matrix of finite numbers (a list of rows).
+        maximize: Maximise the total instead of minimising it.
+
+    Returns:
+        ``min(n, m)`` pairs ``(row, column)``, sorted by row.
+    """
+    n = len(cost)
+    m = len(cost[0]) if n else 0
+    if n == 0 or m == 0:
+        return []
+    sign = -1.0 if maximize else 1.0
+    transposed = n > m
+    if transposed:
+        matrix = [[sign * float(cost[i][j]) for i in range(n)] for j in range(m)]
+        n, m = m, n
+    else:
+        matrix = [[sign * float(value) for value in row] for row in cost]
+    inf = math.inf
+    row_potential = [0.0] * (n + 1)  # index 0 is a virtual row/column used to start each search
+    col_potential = [0.0] * (m + 1)
+    owner = [0] * (m + 1)  # owner[j]: 1-based row assigned to column j (0 = free)
+    for row in range(1, n + 1):
+        owner[0] = row
+        column = 0
+        slack = [inf] * (m + 1)
+        previous = [0] * (m + 1)
+        visited = [False] * (m + 1)
+        while owner[column] != 0:
+            visited[column] = True
+            current_row = owner[column]
+            delta, next_column = inf, 0
+            costs = matrix[current_row - 1]
+            base = row_potential[current_row]
+            for j in range(1, m + 1):
+                if visited[j]:
+                    continue
+                reduced = costs[j - 1] - base - col_potential[j]
+                if reduced < slack[j]:
+                    slack[j] = reduced
+                    previous[j] = column
+                if slack[j] < delta:
+                    delta, next_column = slack[j], j
+            for j in range(m + 1):
+                if visited[j]:
+                    row_potential[owner[j]] += delta
+                    col_potential[j] -= delta
+                else:
+                    slack[j] -= delta
+            column = next_column
+        while column != 0:  # flip the augmenting path
+            before = previous[column]
+            owner[column] = owner[before]
+            column = before
+    pairs = [(owner[j] - 1, j - 1) for j in range(1, m + 1) if owner[j] != 0]
+    if transposed:
+        pairs = [(j, i) for i, j in pairs]
+    return sorted(pairs)
+
+
+def greedy_matching(weights: Sequence[Sequence[float]], order: Sequence[int]) -> list[tuple[int, int]]:
+    """Match predictions (rows) in ``order``: each takes the free target (column) of highest positive weight.
+
+    Ties go to the lower column index. Rows whose best free weight is 0 stay unmatched.
+    """
+    taken: set[int] = set()
+    pairs = []
+    for row in order:
+        best, best_weight = -1, 0.0
+        for column, weight in enumerate(weights[row]):
+            if column not in taken and weight > best_weight:
+                best, best_weight = column, weight
+        if best >= 0:
+            taken.add(best)
+            pairs.append((row, best))
+    return sorted(pairs)
+
+
+# ---------------------------------------------------------------------------------------------------- scoring
+
+
+def _label(label: str | None) -> str | None:
+    return None if label is None else " ".join(label.lower().split()) or None
+
+
+def _confidence_order(predictions: Sequence[Detection]) -> list[int]:
+    """Prediction indices by decreasing confidence (missing confidence counts as 1.0; ties keep output order)."""
+    return sorted(range(len(predictions)), key=lambda i: -(1.0 if predictions[i].score is None
+                                                           else predictions[i].score))
+
+
+def _match_weights(predictions: Sequence[Detection], targets: Sequence[Detection], iou_threshold: float,
+                   use_labels: bool) -> list[list[float]]:
+    weights = []
+    for prediction in predictions:
+        row = []
+        for target in targets:
+            same = True
+            if use_labels:
+                a, b = _label(prediction.label), _label(target.label)
+                same = a is None or b is None or a == b
+            iou = box_iou(prediction.box, target.box) if same else 0.0
+            row.append(iou if iou > 0 and iou >= iou_threshold else 0.0)
+        weights.append(row)
+    return weights
+
+
+def average_precision(predictions: Sequence[Detection], targets: Sequence[Detection],
+                      iou_threshold: float = 0.5) -> float:
+    """Average precision of one class with all-point interpolation (PASCAL VOC 2010+ style).
+
+    Predictions are ranked by confidence (missing = 1.0, ties in output order); each, in turn, is a true positive
+    if it overlaps a not yet matched target with IoU ≥ ``iou_threshold`` (it takes the one of highest IoU, as in
+    COCO), else a false positive. AP = Σ_k (r_k − r_{k−1}) · max_{j ≥ k} p_j over the ranked list, i.e. the area
+    under the precision-recall curve made monotone from the right. Labels are ignored here.
+    """
+    if not targets:
+        return 1.0 if not predictions else 0.0
+    if not predictions:
+        return 0.0
+    matched = [False] * len(targets)
+    true_positives = 0
+    recalls, precisions = [], []
+    for rank, index in enumerate(_confidence_order(predictions), start=1):
+        best, best_iou = -1, 0.0
+        for t, target in enumerate(targets):
+            if matched[t]:
+                continue
+            iou = box_iou(predictions[index].box, target.box)
+            if iou > best_iou and iou >= iou_threshold:
+                best, best_iou = t, iou
+        if best >= 0:
+            matched[best] = True
+            true_positives += 1
+        recalls.append(true_positives / len(targets))
+        precisions.append(true_positives / rank)
+    for k in range(len(precisions) - 2, -1, -1):
+        precisions[k] = max(precisions[k], precisions[k + 1])
+    ap, previous_recall = 0.0, 0.0
+    for recall, precision in zip(recalls, precisions, strict=True):
+        ap += (recall - previous_recall) * precision
+        previous_recall = recall
+    return min(1.0, max(0.0, ap))
+
+
+def detection_score(
+    predictions: Sequence[Detection],
+    targets: Sequence[Detection],
+    *,
+    matching: str = "hungarian",
+    metric: str = "mean_iou",
+    iou_threshold: float = 0.5,
+    use_labels: bool = True,
+) -> float:
+    """Score predicted detections against targets (both in the same pixel frame); see :func:`detection`.
+
+    Returns:
+        A float in [0, 1]: 1.0 when both sides are empty, 0.0 when exactly one is.
+    """
+    if not targets or not predictions:
+        return 1.0 if not targets and not predictions else 0.0
+    if metric == "map50":
+        labelled = use_labels and all(_label(d.label) is not None for d in [*predictions, *targets])
+        if not labelled:
+            return average_precision(predictions, targets, iou_threshold)
+        classes = sorted({_label(d.label) for d in [*predictions, *targets]})  # type: ignore[type-var]
+        scores = [
+            average_precision([p for p in predictions if _label(p.label) == c],
+                              [t for t in targets if _label(t.label) == c], iou_threshold)
+            for c in classes
+        ]
+        return sum(scores) / len(scores)
+    weights = _match_weights(predictions, targets, iou_threshold, use_labels)
+    if matching == "greedy":
+        pairs = greedy_matching(weights, _confidence_order(predictions))
+    elif matching == "hungarian":
+        pairs = linear_assignment(weights, maximize=True)
+    else:
+        raise ValueError(f"unknown matching {matching!r}; expected 'greedy' or 'hungarian'")
+    matched = [weights[p][t] for p, t in pairs if weights[p][t] > 0]
+    if metric == "f1":
+        return 2.0 * len(matched) / (len(predictions) + len(targets))
+    if metric == "mean_iou":
+        return min(1.0, sum(matched) / max(len(predictions), len(targets)))
+    raise ValueError(f"unknown detection metric {metric!r}; expected 'f1', 'mean_iou' or 'map50'")
+
+
+# ---------------------------------------------------------------------------------------------------- row fields
+
+
+def _row_size(value: Any, where: str) -> tuple[float, float]:
+    if isinstance(value, dict) and "width" in value and "height" in value:
+        value = (value["width"], value["height"])
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(_finite(v) and v > 0 for v in value):
+        return float(value[0]), float(value[1])
+    raise RewardError(f"{where} must be (width, height) with two positive numbers, got {value!r}")
+
+
+def _frames(batch: RewardInput, convention: str, size_field: str, resized_size_field: str, min_pixels: int,
+            max_pixels: int | None) -> list[tuple[tuple[float, float] | None, tuple[float, float] | None]]:
+    """(original_size, resized_size) of every row, as the convention needs them."""
+    frames = []
+    for i, row in enumerate(batch.rows):
+        original = None
+        if row.get(size_field) is not None:
+            original = _row_size(row[size_field], f"dataset row {i} field {size_field!r}")
+        elif convention != "absolute":
+            raise RewardError(
+                f"dataset row {i} has no {size_field!r} field (the original image's (width, height)), which box "
+                f"convention {convention!r} needs"
+            )
+        resized = None
+        if convention == "qwen2_5_vl":
+            if row.get(resized_size_field) is not None:
+                resized = _row_size(row[resized_size_field], f"dataset row {i} field {resized_size_field!r}")
+            elif max_pixels is not None:
+                try:
+                    resized = qwen_resized_size(original, min_pixels=min_pixels, max_pixels=max_pixels)  # type: ignore[arg-type]
+                except ValueError as error:
+                    raise RewardError(f"dataset row {i}: {error}") from None
+            else:
+                raise RewardError(
+                    f"dataset row {i} has no {resized_size_field!r} field (the (width, height) the processor resized "
+                    "the image to), which box convention 'qwen2_5_vl' needs; add it to the rows, or set the reward "
+                    "options max_pixels (and min_pixels) to the processor's values to compute it with smart_resize"
+                )
+        frames.append((original, resized))
+    return frames
+
+
+_BOX_KEYS = ("bbox_2d", "bbox", "box", "bounding_box", "position")
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool) that converts to a finite float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _target_item(item: Any) -> Detection | None:
+    label = None
+    if isinstance(item, dict):
+        lowered = {str(k).lower(): v for k, v in item.items()}
+        raw_label = lowered.get("label")
+        label = str(raw_label) if raw_label is not None else None
+        item = next((lowered[k] for k in _BOX_KEYS if k in lowered), None)
+    if isinstance(item, (list, tuple)) and len(item) == 4 and all(_finite(v) for v in item):
+        values = [float(v) for v in item]
+        x1, x2 = sorted((values[0], values[2]))
+        y1, y2 = sorted((values[1], values[3]))
+        return Detection((x1, y1, x2, y2), label)
+    return None
+
+
+def _targets(value: Any, original_size: tuple[float, float] | None, where: str) -> list[Detection]:
+    """Ground-truth detections (original pixels) from a row field; malformed ground truth raises RewardError."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return parse_detections(value, "absolute", original_size)
+        if isinstance(decoded, (list, dict)):
+            return _targets(decoded, original_size, where)
+        return parse_detections(value, "absolute", original_size)
+    single = _target_item(value)
+    if single is not None:
+        return [single]
+    if isinstance(value, (list, tuple)):
+        items = [_target_item(v) for v in value]
+        if all(item is not None for item in items):
+            return items  # type: ignore[return-value]
+    raise RewardError(f"{where} is not a box [x1, y1, x2, y2], a list of boxes or a JSON string of them: {value!r}")
+
+
+def _blank(text: str) -> bool:
+    return not answer_region(text).strip()
+
+
+def _predictions_and_targets(batch: RewardInput, field: str, output: str, convention: str, size_field: str,
+                             resized_size_field: str, min_pixels: int, max_pixels: int | None):
+    texts = completion_texts(batch, output)
+    references = batch.column(field)
+    frames = _frames(batch, convention, size_field, resized_size_field, min_pixels, max_pixels)
+    for i, (text, reference, (original, resized)) in enumerate(zip(texts, references, frames, strict=True)):
+        targets = _targets(reference, original, f"dataset row {i} field {field!r}")
+        predictions = None if _blank(text) else parse_detections(text, convention, original, resized)  # type: ignore[arg-type]
+        yield predictions, targets
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+
+
+def _single_box_rewards(batch: RewardInput, similarity, **kwargs: Any) -> list[float]:
+    scores = []
+    for predictions, targets in _predictions_and_targets(batch, **kwargs):
+        if predictions is None:
+            scores.append(0.0)
+        elif not targets or not predictions:
+            scores.append(1.0 if not targets and not predictions else 0.0)
+        else:
+            scores.append(float(similarity(predictions[0].box, targets[0].box)))
+    return scores
+
+
+def iou(
+    batch: RewardInput,
+    *,
+    field: str = "solution",
+    output: str = "completions",
+    convention: Convention = "qwen2_5_vl",
+    size_field: str = "image_size",
+    resized_size_field: str = "resized_size",
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int | None = None,
+) -> list[float]:
+    """IoU of the first predicted box with the ground-truth box, in [0, 1] (VLM-R1's REC reward, arXiv:2504.07615).
+
+    Only the first box of the answer counts (and the first ground-truth box, if several are given). No parseable
+    box, or a blank answer, scores 0; an empty ground truth (``[]``) scores 1 only for an answer with no box.
+
+    Args:
+        field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
+        output: Payload entry holding the model's text outputs.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        size_field: Dataset column with the original image's (width, height); needed by every convention except
+            absolute (where it only clamps boxes to the image).
+        resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
+        min_pixels: The processor's min_pixels, used with max_pixels when rows have no resized size.
+        max_pixels: The processor's max_pixels; when set, a missing resized size is computed with smart_resize.
+    """
+    return _single_box_rewards(batch, box_iou, field=field, output=output, convention=convention,
+                               size_field=size_field, resized_size_field=resized_size_field,
+                               min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def _giou01(a: Sequence[float], b: Sequence[float]) -> float:
+    return (box_giou(a, b) + 1.0) / 2.0
+
+
+def giou(
+    batch: RewardInput,
+    *,
+    field: str = "solution",
+    output: str = "completions",
+    convention: Convention = "qwen2_5_vl",
+    size_field: str = "image_size",
+    resized_size_field: str = "resized_size",
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int | None = None,
+) -> list[float]:
+    """Generalised IoU of the first predicted box with the ground truth, mapped to [0, 1] as (GIoU + 1) / 2.
+
+    GIoU = IoU − |C \\ (A∪B)| / |C| ∈ [−1, 1], with C the smallest box enclosing both, still rewards moving a
+    non-overlapping box towards the target. Visual-RFT (arXiv:2503.01785) uses GIoU + 1 ∈ [0, 2]; halving it keeps
+    all rewards on [0, 1]. A perfect box scores 1, disjoint boxes score below 0.5, and a missing box (no parseable
+    box or a blank answer) scores 0, lower than any box; an empty ground truth scores 1 only for no box.
+
+    Args:
+        field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
+        output: Payload entry holding the model's text outputs.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        size_field: Dataset column with the original image's (width, height); needed by every convention except
+            absolute (where it only clamps boxes to the image).
+        resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
+        min_pixels: The processor's min_pixels, used with max_pixels when rows have no resized size.
+        max_pixels: The processor's max_pixels; when set, a missing resized size is computed with smart_resize.
+    """
+    return _single_box_rewards(batch, _giou01, field=field, output=output, convention=convention,
+                               size_field=size_field, resized_size_field=resized_size_field,
+                               min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def detection(
+    batch: RewardInput,
+    *,
+    field: str = "solution",
+    output: str = "completions",
+    convention: Convention = "qwen2_5_vl",
+    size_field: str = "image_size",
+    resized_size_field: str = "resized_size",
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int | None = None,
+    matching: Literal["greedy", "hungarian"] = "hungarian",
+    metric: Literal["f1", "mean_iou", "map50"] = "mean_iou",
+    iou_threshold: float = 0.5,
+    use_labels: bool = True,
+) -> list[float]:
+    """Multi-object detection reward in [0, 1]: match predicted boxes to ground-truth boxes, then score.
+
+    A pair can match only if its IoU is at least ``iou_threshold`` (and positive) and, with ``use_labels``, the
+    labels agree when both sides have one (case- and whitespace-insensitive). ``"greedy"`` matching visits
+    predictions by decreasing confidence (missing confidence = 1.0, ties in output order), each taking the free
+    ground-truth box of highest IoU (Visual-RFT, arXiv:2503.01785); ``"hungarian"`` finds the assignment that
+    maximises the summed IoU of matching pairs (bipartite matching as in Perception-R1, arXiv:2504.07954).
+
+    Metrics (N_pred predictions, N_gt ground-truth boxes; both empty → 1, exactly one empty → 0; a blank answer
+    → 0):
+
+    - ``"f1"``: 2·TP / (N_pred + N_gt), with TP the number of matched pairs.
+    - ``"mean_iou"``: Σ IoU over matched pairs / max(N_gt, N_pred), so missed and extra boxes both cost.
+    - ``"map50"``: average precision at IoU ≥ ``iou_threshold`` (0.5 by default, hence the name) with the
+      model's confidences as ranking, all-point interpolated (VOC 2010+ area under the monotone precision-recall
+      curve, COCO-style best-IoU matching); ``matching`` does not apply. With labels on every box (and
+      ``use_labels``) it is the mean AP over the union of ground-truth and predicted classes, so a class that is
+      only predicted counts as AP 0 (hallucinated labels cost); otherwise all boxes form one class.
+
+    Args:
+        field: Dataset column with the ground-truth boxes in original-image pixels (see the module docstring).
+        output: Payload entry holding the model's text outputs.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        size_field: Dataset column with the original image's (width, height); needed by every convention except
+            absolute (where it only clamps boxes to the image).
+        resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
+        min_pixels: The processor's min_pixels, used with max_pixels when rows have no resized size.
+        max_pixels: The processor's max_pixels; when set, a missing resized size is computed with smart_resize.
+        matching: How predictions are paired with ground truth: greedy (by confidence) or hungarian (optimal).
+        metric: f1 (2·TP / (N_pred + N_gt)), mean_iou (Σ matched IoU / max(N_gt, N_pred)) or map50 (AP at
+            iou_threshold, confidence-ranked, all-point interpolated).
+        iou_threshold: Minimum IoU for a prediction to match a ground-truth box (0 accepts any overlap).
+        use_labels: Forbid matches whose labels differ (when both have labels) and compute map50 per class.
+    """
+    if not 0.0 <= iou_threshold <= 1.0:
+        raise RewardError(f"detection iou_threshold must lie in [0, 1], got {iou_threshold}")
+    scores = []
+    for predictions, targets in _predictions_and_targets(
+        batch, field=field, output=output, convention=convention, size_field=size_field,
+        resized_size_field=resized_size_field, min_pixels=min_pixels, max_pixels=max_pixels,
+    ):
+        if predictions is None:
+            scores.append(0.0)
+            continue
+        scores.append(float(detection_score(predictions, targets, matching=matching, metric=metric,
+                                            iou_threshold=iou_threshold, use_labels=use_labels)))
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------- counting
+
+_COUNT_NUMBER = re.compile(r"(?<![0-9.])(?:[0-9]{1,3}(?:,[0-9]{3}){1,10}(?![0-9])|[0-9]{1,40})(?:\.[0-9]{1,40})?")
+_NUMBER_WORDS = {
+    word: value for value, word in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+        "seventeen eighteen nineteen twenty".split()
+    )
+}
+_NUMBER_WORD = re.compile(r"\b(" + "|".join(_NUMBER_WORDS) + r")\b", re.IGNORECASE)
+
+
+def parse_count(text: Any) -> float | None:
+    """The count stated in a text: the last number of its answer region, else the last number word (zero–twenty).
+
+    Thousands separators (``1,024``) are accepted. Returns ``None`` when the text states no number.
+    """
+    region = answer_region(text)
+    numbers = _COUNT_NUMBER.findall(region)
+    if numbers:
+        value = float(numbers[-1].replace(",", ""))
+        return value if math.isfinite(value) else None
+    words = _NUMBER_WORD.findall(region)
+    return float(_NUMBER_WORDS[words[-1].lower()]) if words else None
+
+
+def _count_target(value: Any, where: str) -> float:
+    if _finite(value):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return float(len(value))
+    if isinstance(value, str):
+        parsed = parse_count(value)
+        if parsed is not None:
+            return parsed
+    raise RewardError(f"{where} is not a count (a number, a numeric string or a list of objects): {value!r}")
+
+
+def count(
+    batch: RewardInput,
+    *,
+    field: str = "solution",
+    output: str = "completions",
+    mode: Literal["exact", "graded"] = "exact",
+    source: Literal["answer", "boxes"] = "answer",
+) -> list[float]:
+    """Counting reward in [0, 1]: the predicted count against the ground-truth count.
+
+    ``mode="exact"`` gives 1 when the prediction equals the ground truth (R1-V's CLEVR counting reward);
+    ``mode="graded"`` gives max(0, 1 − |pred − gt| / max(gt, 1)), linear partial credit for near misses (0/1
+    count rewards give sparse signal; CrowdVLM-R1 argues for such fuzzy count rewards). The prediction is the last
+    number in the answer (``source="answer"``) or the number of boxes in it (``source="boxes"``, one box per object
+    as in Perception-R1, arXiv:2504.07954; degenerate boxes are not counted). No number, or a blank answer,
+    scores 0.
+
+    Args:
+        field: Dataset column with the ground-truth count (a number, numeric string, or a list counted by length).
+        output: Payload entry holding the model's text outputs.
+        mode: exact (0/1) or graded (linear partial credit).
+        source: Read the count as the last number in the answer, or as the number of boxes written.
+    """
+    texts = completion_texts(batch, output)
+    references = batch.column(field)
+    scores = []
+    for i, (text, reference) in enumerate(zip(texts, references, strict=True)):
+        target = _count_target(reference, f"dataset row {i} field {field!r}")
+        if _blank(text):
+            scores.append(0.0)
+            continue
+        if source == "boxes":
+            predicted: float | None = float(len(parse_detections(text, "absolute", None)))
+        else:
+            predicted = parse_count(text)
+        if predicted is None:
+            scores.append(0.0)
+        elif mode == "exact":
+            scores.append(float(predicted == target))
+        else:
+            scores.append(max(0.0, 1.0 - abs(predicted - target) / max(target, 1.0)))
+    return scores
+
+
+__all__ = [
+    "average_precision",
+    "count",
+    "detection",
+    "detection_score",
+    "giou",
+    "greedy_matching",
+    "iou",
+    "linear_assignment",
+    "parse_count",
+]

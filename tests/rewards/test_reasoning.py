@@ -1,0 +1,211 @@
+"""Reasoning rewards: format, choice (multiple-choice letters) and math (numeric equivalence)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards import reward_functions
+from mmrl.rewards.reasoning import (
+    choice,
+    extract_choice,
+    extract_math_answer,
+    format_reward,
+    last_boxed,
+    math_equal,
+    math_reward,
+    math_value,
+)
+
+from .test_boxes import box_like_text
+
+FUZZ = settings(max_examples=200, deadline=None)
+
+
+def make_batch(completions, solutions=None, **fields):
+    solutions = solutions if solutions is not None else [""] * len(completions)
+    rows = [{"solution": solution, **fields} for solution in solutions]
+    return RewardInput(rows=rows, payload={"completions": list(completions)})
+
+
+def test_registered_with_documented_options():
+    for name, function in (("format", format_reward), ("choice", choice), ("math", math_reward)):
+        assert reward_functions.get(name) is function
+        for option in reward_functions.options(name):
+            assert option.help, f"{name}.{option.name} is undocumented"
+
+
+# ---------------------------------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("<think>reasoning</think><answer>42</answer>", 1.0),
+    ("<think>line 1\nline 2</think>\n\n<answer>\n42\n</answer>", 1.0),  # newlines (DOTALL)
+    ("  <think>a</think> <answer>b</answer>\n", 1.0),  # surrounding whitespace is ignored
+    ("<think></think><answer></answer>", 1.0),  # format only; answer rewards give empty answers 0
+    ("<answer>42</answer>", 0.0),
+    ("<think>a</think>", 0.0),
+    ("<think>a</think><answer>b</answer> and more", 0.0),
+    ("preamble <think>a</think><answer>b</answer>", 0.0),
+    ("<answer>b</answer><think>a</think>", 0.0),
+    ("<think>a<answer>b</answer>", 0.0),
+    ("", 0.0),
+])
+def test_format(text, expected):
+    assert format_reward(make_batch([text])) == [expected]
+
+
+def test_format_accepts_conversational_completions_and_rejects_non_text():
+    messages = [{"role": "assistant", "content": "<think>a</think><answer>b</answer>"}]
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "<think>a</think><answer>b</answer>"}]}]
+    assert format_reward(make_batch([messages, parts, None, 3])) == [1.0, 1.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------- choice
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("<answer>B</answer>", "B"),
+    ("<answer>(b)</answer>", "B"),
+    ("<answer> C. </answer>", "C"),
+    ("<answer>B. 42 apples</answer>", "B"),
+    ("<answer>(D) the red one</answer>", "D"),
+    ("<answer>The answer is (C).</answer>", "C"),
+    ("<answer>answer: E</answer>", "E"),
+    ("<answer>**A**</answer>", "A"),
+    ("<answer>\\boxed{D}</answer>", "D"),
+    ("<think>A looks wrong, B maybe</think><answer>C</answer>", "C"),  # only the answer block is read
+    ("Option A is wrong; the answer is D", "D"),  # no tags: whole text, last phrase
+    ("<answer>I pick D</answer>", "D"),
+    ("<answer>A cat on a mat</answer>", None),  # the article is not an option
+    ("<answer>A or B</answer>", None),  # hedging is ambiguous
+    ("<answer>F</answer>", None),  # not a valid letter
+    ("<answer></answer>", None),
+    ("<answer>42</answer>", None),
+    ("", None),
+    (None, None),
+])
+def test_extract_choice(text, expected):
+    assert extract_choice(text) == expected
+
+
+def test_extract_choice_with_option_texts():
+    options = ["Paris", "London", "Berlin"]
+    assert extract_choice("<answer>london</answer>", options=options) == "B"
+    assert extract_choice("<answer>Berlin.</answer>", options={"A": "A. Rome", "C": "C) Berlin"}) == "C"
+    assert extract_choice("<answer>Madrid</answer>", options=options) is None
+
+
+def test_choice_reward():
+    completions = ["<answer>B</answer>", "<answer>(B)</answer>", "<answer>A</answer>", "<answer></answer>", "",
+                   "<answer>A or B</answer>", "<answer>London</answer>"]
+    batch = make_batch(completions, ["B", "(B)", "B", "B", "B", "B", "B. London"],
+                       options=["Paris", "London"])
+    assert choice(batch) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert choice(batch, options_field="options") == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert choice(make_batch(["<answer>H</answer>"], ["H"]), letters="ABCDEFGH") == [1.0]
+    with pytest.raises(RewardError, match="option letter"):
+        choice(make_batch(["<answer>B</answer>"], ["42"]))
+
+
+# ---------------------------------------------------------------------------------------------------- math
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("42", 42), ("-3", -3), ("3.5", 3.5), (".5", 0.5), ("1,234,567", 1234567), ("3/4", 0.75),
+    ("\\frac{3}{4}", 0.75), ("\\dfrac{3}{4}", 0.75), ("\\frac34", 0.75), ("-\\frac{1}{2}", -0.5),
+    ("2\\frac{1}{2}", 2.5), ("75%", 0.75), ("75\\%", 0.75), ("$12$", 12), ("\\$1,000", 1000),
+    ("x = 5", 5), ("2^{10}", 1024), ("\\sqrt{16}", 4), ("\\sqrt[3]{27}", 3), ("2\\pi", 2 * math.pi),
+    ("3 \\times 4", 12), ("(1+2)*3", 9), ("90^\\circ", 90), ("1e3", 1000), ("\\left(\\frac{1}{3}\\right)", 1 / 3),
+])
+def test_math_value(text, value):
+    parsed = math_value(text)
+    assert parsed is not None and parsed[0] == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "x + 1", "1/0", "10^{5000}", "(-8)^{1/3}", "\\sqrt{-1}", "((1)",
+                                  "1,2", "-" * 300 + "1" + ")" * 100, "2^" * 150 + "2", "9" * 500, None, True])
+def test_math_value_rejects(text):
+    assert math_value(text) is None
+
+
+def test_extract_math_answer():
+    assert extract_math_answer("so \\boxed{\\frac{1}{2}} hence \\boxed{3}") == "3"
+    assert extract_math_answer("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
+    assert extract_math_answer("<think>\\boxed{1}</think><answer>7</answer>") == "7"
+    assert extract_math_answer("<answer>The result is \\boxed{5}.</answer>") == "5"
+    assert extract_math_answer("we get 3 and then 4.5 total") == "4.5"
+    assert extract_math_answer("half is 1/2") == "1/2"
+    assert extract_math_answer("<answer> </answer>") is None
+    assert extract_math_answer("no numbers") is None
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+@pytest.mark.parametrize(("prediction", "reference", "equal"), [
+    ("0.75", "3/4", True),
+    ("\\frac{3}{4}", "0.75", True),
+    ("75%", "0.75", True),
+    ("75%", "75", True),
+    ("1,000", "1000", True),
+    ("0.333", "1/3", False),  # relative error 1e-3 > rel_tol = 1e-4
+    ("0.33333", "1/3", True),  # relative error 1e-5
+    ("5 \\text{ cm}", "5", True),  # falls back to the last number
+    ("x = 12", "12", True),
+    ("13", "12", False),
+    ("", "", False),  # blank never matches
+    ("\\sqrt{x}", "\\sqrt{x}", True),  # non-numeric: normalised strings
+    ("Yes", "yes", True),
+    ("no", "yes", False),
+    ("3", 3, True),
+    ("3.0000001", 3.0, True),
+])
+def test_math_equal(prediction, reference, equal):
+    assert math_equal(prediction, reference) is equal
+
+
+def test_math_reward():
+    completions = [
+        "<think>…</think><answer>\\boxed{\\frac{3}{4}}</answer>",
+        "<think>…</think><answer>0.75</answer>",
+        "The answer is 3/4",
+        "<think>0.75</think><answer></answer>",  # empty answer: Visual-RFT #176
+        "<answer>0.7</answer>",
+        "",
+        None,
+    ]
+    batch = make_batch(completions, ["3/4"] * len(completions))
+    assert math_reward(batch) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert math_reward(make_batch(["<answer>0.7</answer>"], ["3/4"]), rel_tol=0.1) == [1.0]
+    assert math_reward(make_batch(["\\boxed{12}"], ["<answer>12</answer>"])) == [1.0]
+    assert math_reward(make_batch(["\\boxed{12}"], ["Hence $\\boxed{12}$."])) == [1.0]
+    assert math_reward(make_batch(["\\boxed{12}"], [12])) == [1.0]
+
+
+# ---------------------------------------------------------------------------------------------------- fuzzing
+
+_mathy = st.text(alphabet="0123456789+-*/^()[]{}.,%$=\\fracsqrtpidxe ", max_size=40)
+
+
+@given(st.lists(st.one_of(box_like_text, _mathy, st.text()), min_size=1, max_size=3))
+@FUZZ
+def test_reasoning_rewards_never_raise(texts):
+    configs = [
+        (format_reward, {}, ""),
+        (choice, {}, "B"),
+        (choice, {"letters": "ABCDEFGHIJ", "options_field": "options"}, "C"),
+        (math_reward, {}, "3/4"),
+        (math_reward, {}, "\\sqrt{x}"),
+    ]
+    for reward, options, solution in configs:
+        batch = make_batch(texts, [solution] * len(texts), options=["red", "green", "blue"])
+        scores = reward(batch, **options)
+        assert len(scores) == len(texts)
+        assert all(isinstance(s, float) and math.isfinite(s) and s in (0.0, 1.0) for s in scores)
+    for text in texts:
+        extract_choice(text)
+        math_value(text)
+        math_equal(text, text)
