@@ -127,6 +127,10 @@ class Plugin(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type]
+    #: Whether :meth:`forward` can recompute a subset of the action columns (``actions=``). Plugins whose actions
+    #: are separate model calls (denoising steps) set it, so that ``algorithm.action_chunk_size`` can bound memory
+    #: by back-propagating a few actions at a time, as Flow-GRPO does one timestep at a time.
+    supports_action_chunks: ClassVar[bool] = False
 
     def __init__(self, config: Any, runtime: Runtime):
         self.config = config
@@ -149,9 +153,16 @@ class Plugin(ABC):
         :meth:`forward`, so that the ratio is exactly 1 on the first inner step."""
 
     @abstractmethod
-    def forward(self, policy: nn.Module, rollout: Rollout, *, need_reference: bool) -> PolicyOutput:
+    def forward(
+        self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
+    ) -> PolicyOutput:
         """Recompute, with gradients, the log-probs of the actions stored in ``rollout`` (any subset of the
-        sampled rollout). With ``need_reference`` also return ``ref_logp`` (or ``kl``) under the reference policy."""
+        sampled rollout's samples). With ``need_reference`` also return ``ref_logp`` (or ``kl``) under the
+        reference policy.
+
+        ``actions`` (only passed when :attr:`supports_action_chunks` is set) holds the indices of the action columns
+        to recompute; the outputs are then ``[N, len(actions)]`` and ``rollout``'s action fields are already sliced
+        to those columns (``replay`` is not: it still describes whole trajectories)."""
 
     # ------------------------------------------------------------------ optional
     def max_actions(self) -> int | None:

@@ -115,6 +115,20 @@ class Rollout:
             updates["rows"] = []
         return replace(self, **updates)
 
+    def select_actions(self, columns: Tensor) -> Rollout:
+        """The same samples restricted to the action columns ``columns`` (``old_logp``, ``mask`` and the optional
+        per-action fields are sliced; ``payload`` and ``replay`` are per sample and stay whole)."""
+        columns = columns.to(self.old_logp.device)
+        updates: dict[str, Any] = {
+            "old_logp": self.old_logp.index_select(1, columns),
+            "mask": self.mask.index_select(1, columns),
+        }
+        for name in ACTION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                updates[name] = value.index_select(1, columns.to(value.device))
+        return replace(self, **updates)
+
     def to(self, device: torch.device | str) -> Rollout:
         """Move every tensor (including nested ones) to ``device``."""
         return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
@@ -136,6 +150,12 @@ class Rollout:
                 continue
             updates[f.name] = _cat([getattr(r, f.name) for r in padded], f"rollout.{f.name}")
         return replace(first, **updates)
+
+    def pad_actions(self, width: int) -> Rollout:
+        """Right-pad the action axis to ``width`` columns with mask 0 (no-op when already that wide)."""
+        if width < self.num_actions:
+            raise RolloutError(f"cannot pad {self.num_actions} actions down to {width}")
+        return self._pad_actions(width)
 
     def _pad_actions(self, width: int) -> Rollout:
         extra = width - self.num_actions

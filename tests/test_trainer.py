@@ -74,6 +74,23 @@ def test_micro_batching_does_not_change_the_gradient(tmp_path, mode):
         torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_action_chunks_do_not_change_the_gradient(tmp_path, mode):
+    """Back-propagating 2 action columns at a time (as flow models do per timestep) gives the same gradient."""
+    whole = _first_step_gradients(tmp_path, "whole", f"algorithm.aggregation={mode}")
+    chunked = _first_step_gradients(tmp_path, "chunked", f"algorithm.aggregation={mode}",
+                                    "algorithm.action_chunk_size=2", "algorithm.micro_batch_size=8")
+    for name in whole:
+        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-4, atol=1e-7)
+
+
+def test_action_chunks_need_the_token_ratio_level(tmp_path):
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="action_chunk_size"):
+        Trainer(toy_config(tmp_path, "algorithm.action_chunk_size=2", "algorithm.policy_loss=gspo"))
+
+
 def test_metrics_jsonl_holds_the_promised_metrics(tmp_path):
     config = toy_config(tmp_path, "run.max_steps=2", "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01",
                         "eval.at_start=true")

@@ -46,7 +46,10 @@ def _row_sums(loss: Tensor, mask: Tensor) -> Tensor:
 
 
 @aggregation_modes.register("token_mean")
-def token_mean(loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float) -> Tensor:
+def token_mean(
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float,
+    sequence_lengths: Tensor,
+) -> Tensor:
     """Σ m·L over all actions of the step / number of actions in the step (DAPO token-level).
 
     Shapes:
@@ -57,21 +60,22 @@ def token_mean(loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences:
 
 @aggregation_modes.register("seq_mean_token_mean")
 def seq_mean_token_mean(
-    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float,
+    sequence_lengths: Tensor,
 ) -> Tensor:
     """Per-sequence mean over its actions, then the mean over the step's sequences (original GRPO).
 
     Shapes:
         loss, mask ``[N, A]`` → scalar.
     """
-    lengths = mask.to(loss.dtype).sum(dim=1)  # [N]
-    per_sequence = _row_sums(loss, mask) / lengths.clamp(min=1.0)  # [N]; empty rows give 0
+    per_sequence = _row_sums(loss, mask) / sequence_lengths.to(loss.dtype).clamp(min=1.0)  # [N]; empty rows give 0
     return per_sequence.sum() / max(num_sequences, 1.0)
 
 
 @aggregation_modes.register("seq_mean_token_sum")
 def seq_mean_token_sum(
-    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float,
+    sequence_lengths: Tensor,
 ) -> Tensor:
     """Per-sequence sum over its actions, then the mean over the step's sequences.
 
@@ -83,7 +87,8 @@ def seq_mean_token_sum(
 
 @aggregation_modes.register("seq_mean_token_sum_norm")
 def seq_mean_token_sum_norm(
-    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float
+    loss: Tensor, mask: Tensor, *, num_actions: float, num_sequences: float, max_actions: float,
+    sequence_lengths: Tensor,
 ) -> Tensor:
     """Per-sequence sum divided by a constant A_max, then the mean over sequences (Dr.GRPO, arXiv:2503.20783).
 
@@ -101,6 +106,7 @@ def aggregate(
     num_actions: float | None = None,
     num_sequences: float | None = None,
     max_actions: float | None = None,
+    sequence_lengths: Tensor | None = None,
 ) -> Tensor:
     """Reduce a per-action loss to a scalar with step-wide denominators.
 
@@ -112,6 +118,8 @@ def aggregate(
         num_sequences: Sequences with at least one active action, whole step. Default: this mask's.
         max_actions: Dr.GRPO's constant A_max. Default: the width A of this tensor; pass the generation budget
             so that the constant does not depend on padding.
+        sequence_lengths: ``[N]`` active actions of each whole sequence, when ``loss`` holds only some of its
+            action columns (the trainer's action chunks). Default: ``mask.sum(1)``.
 
     Returns:
         A 0-dim tensor. Summing it over the step's micro-batches gives the full-batch value.
@@ -125,4 +133,5 @@ def aggregate(
         num_actions=local_actions if num_actions is None else float(num_actions),
         num_sequences=local_sequences if num_sequences is None else float(num_sequences),
         max_actions=float(loss.shape[1]) if max_actions is None else float(max_actions),
+        sequence_lengths=mask.to(torch.float64).sum(dim=1) if sequence_lengths is None else sequence_lengths,
     )

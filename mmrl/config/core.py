@@ -151,6 +151,12 @@ class AlgorithmConfig:
     micro_batch_size: int = config_field(
         8, minimum=1, help="Samples per forward/backward on one process (gradient accumulation fills the mini-batch)."
     )
+    action_chunk_size: int | None = config_field(
+        None, minimum=1,
+        help="Back-propagate this many action columns at a time (Flow-GRPO: 1 denoising step) to bound activation "
+        "memory; needs a plugin that supports action chunks and the token ratio level. Null: all actions at once.",
+        ref="Flow-GRPO, arXiv:2505.05470 (one backward per timestep)",
+    )
     recompute_old_logp: bool = config_field(
         False,
         help="Recompute old log-probs with the training forward before the first inner epoch, for plugins whose "

@@ -25,8 +25,9 @@ class BatchGeometry:
         minibatches: optimizer steps per inner epoch.
         minibatch_size: local samples per optimizer step on one process.
         micro_batch_size: samples per forward/backward.
-        micro_steps: forward/backward passes per optimizer step (gradient accumulation steps).
+        micro_steps: micro-batches per optimizer step.
         inner_epochs: μ.
+        action_chunks: backward passes per micro-batch (action columns back-propagated a chunk at a time).
     """
 
     prompts: int
@@ -39,10 +40,16 @@ class BatchGeometry:
     micro_batch_size: int
     micro_steps: int
     inner_epochs: int
+    action_chunks: int = 1
 
     @property
     def optimizer_steps_per_step(self) -> int:
         return self.minibatches * self.inner_epochs
+
+    @property
+    def backward_passes(self) -> int:
+        """Backward passes per optimizer step: Accelerate's gradient-accumulation count."""
+        return self.micro_steps * self.action_chunks
 
     def describe(self) -> str:
         return (
@@ -51,11 +58,15 @@ class BatchGeometry:
             f"{self.minibatches} optimizer step(s) per inner epoch x mu={self.inner_epochs} epoch(s); "
             f"each optimizer step = {self.num_processes} x {self.minibatch_size} samples in "
             f"{self.micro_steps} micro-batch(es) of <= {self.micro_batch_size}"
+            + (f", each back-propagated in {self.action_chunks} action chunks" if self.action_chunks > 1 else "")
         )
 
 
-def batch_geometry(config: TrainConfig, num_processes: int) -> BatchGeometry:
-    """Derive and check the batch sizes of a run on ``num_processes`` processes."""
+def batch_geometry(config: TrainConfig, num_processes: int, max_actions: int | None = None) -> BatchGeometry:
+    """Derive and check the batch sizes of a run on ``num_processes`` processes.
+
+    ``max_actions`` (the plugin's action budget) is needed when ``algorithm.action_chunk_size`` is set.
+    """
     rollout, algorithm = config.rollout, config.algorithm
     prompts, group_size = rollout.prompts_per_step, rollout.group_size
     samples = prompts * group_size
@@ -77,6 +88,9 @@ def batch_geometry(config: TrainConfig, num_processes: int) -> BatchGeometry:
         )
     minibatch_size = local // algorithm.minibatches
     micro = min(algorithm.micro_batch_size, minibatch_size)
+    action_chunks = 1
+    if algorithm.action_chunk_size is not None and max_actions is not None:
+        action_chunks = math.ceil(max_actions / algorithm.action_chunk_size)
     return BatchGeometry(
         prompts=prompts,
         group_size=group_size,
@@ -88,4 +102,5 @@ def batch_geometry(config: TrainConfig, num_processes: int) -> BatchGeometry:
         micro_batch_size=micro,
         micro_steps=math.ceil(minibatch_size / micro),
         inner_epochs=algorithm.inner_epochs,
+        action_chunks=action_chunks,
     )

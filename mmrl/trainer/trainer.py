@@ -117,8 +117,10 @@ class Trainer:
             autocast=acc.autocast,
             seed=run.seed,
         )
+        self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
         plugin_class = plugin_registry.get(config.plugin.name)
         self.plugin: Plugin = plugin_class(config.plugin.config, self.runtime)
+        self._configure_action_chunks()
         self.scorer = RewardScorer.from_config(config.rewards)
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
             from mmrl.config import ConfigError
@@ -146,7 +148,6 @@ class Trainer:
 
         algorithm = config.algorithm
         self.estimator = advantage_estimators.get(algorithm.advantage.name)
-        self.policy_loss = policy_losses.get(algorithm.policy_loss.name)
         self.loss_accepts_chunks = "chunk_ids" in _parameters(self.policy_loss)
         self.kl_estimator = kl_estimators.get(algorithm.kl_estimator)
         self.weights = self.scorer.weights
@@ -155,6 +156,27 @@ class Trainer:
         self._stop_requested = False
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
                                     accelerator=acc, use_trackers=bool(run.trackers))
+
+    def _configure_action_chunks(self) -> None:
+        """Check ``algorithm.action_chunk_size`` against the plugin and fold the chunks into the accumulation."""
+        from mmrl.config import ConfigError
+
+        size = self.config.algorithm.action_chunk_size
+        if size is None:
+            return
+        if not self.plugin.supports_action_chunks:
+            raise ConfigError("algorithm.action_chunk_size", size,
+                              f"null: plugin {self.config.plugin.name!r} recomputes all actions in one forward")
+        level = self.config.algorithm.policy_loss.options.get("ratio_level", _default_ratio_level(self.policy_loss))
+        if level != "token":
+            raise ConfigError("algorithm.action_chunk_size", size,
+                              f"null with ratio_level {level!r}: chunk and sequence ratios need every action at once")
+        max_actions = self.plugin.max_actions()
+        if max_actions is None:
+            raise ConfigError("algorithm.action_chunk_size", size,
+                              f"null: plugin {self.config.plugin.name!r} declares no action budget (max_actions)")
+        self.geometry = batch_geometry(self.config, self.accelerator.num_processes, max_actions)
+        self.accelerator.gradient_accumulation_steps = self.geometry.backward_passes
 
     # ================================================================== public
     def train(self) -> TrainResult:
@@ -436,13 +458,20 @@ class Trainer:
         need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
         if algorithm.recompute_old_logp:
             rollout.old_logp = self._recompute_old_logp(rollout)
+        column_chunks: list[torch.Tensor | None] = [None]
+        if algorithm.action_chunk_size is not None:
+            budget = self.plugin.max_actions()
+            rollout = rollout.pad_actions(budget)
+            if advantages.dim() == 2:
+                advantages = torch.nn.functional.pad(advantages, (0, budget - advantages.shape[1]))
+            column_chunks = list(torch.arange(budget).split(algorithm.action_chunk_size))
         max_actions = algorithm.max_actions or self.plugin.max_actions()
         if max_actions is None:
             width = torch.tensor([rollout.num_actions], device=device, dtype=torch.float64)
             max_actions = int(acc.reduce(width, "max").item())
-        scale = geometry.micro_steps * acc.num_processes  # undo Accelerate's ÷GA; undo DDP's mean over processes
+        scale = geometry.backward_passes * acc.num_processes  # undo Accelerate's ÷GA and DDP's mean over processes
         means = WeightedMeans()
-        first_deviation = None
+        deviations: list[float] = []
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
             order = torch.randperm(
@@ -459,41 +488,54 @@ class Trainer:
                     index = torch.tensor(micro, dtype=torch.long)
                     part = minibatch.select(index)
                     part_adv = mb_adv.index_select(0, index.to(mb_adv.device))
-                    with acc.accumulate(self.policy):
-                        loss, part_metrics, deviation = self._micro_loss(
-                            part, part_adv, need_reference, num_actions, num_sequences, max_actions
-                        )
-                        acc.backward(loss * scale)
-                        weight = float(part.mask.sum())
-                        means.add_all(part_metrics, weight)
-                        step_loss += loss.detach().to(torch.float64)
-                        if first_deviation is None:
-                            first_deviation = deviation
-                        if acc.sync_gradients:
-                            if config.optim.max_grad_norm is not None:
-                                norm = acc.clip_grad_norm_(self.parameters, config.optim.max_grad_norm)
-                                means.add("optim/grad_norm", float(norm))
-                            for group in self.optimizer.param_groups:
-                                group["lr"] = self._lr(self.optimizer_steps)
-                            self.optimizer.step()
-                            self.optimizer.zero_grad(set_to_none=True)
+                    lengths = part.mask.to(torch.float64).sum(dim=1)  # [n] active actions of whole rows
+                    for columns in column_chunks:
+                        with acc.accumulate(self.policy):
+                            loss, part_metrics, deviation, weight = self._micro_loss(
+                                part, part_adv, need_reference, num_actions, num_sequences, max_actions, columns,
+                                lengths,
+                            )
+                            acc.backward(loss * scale)
+                            means.add_all(part_metrics, weight)
+                            step_loss += loss.detach().to(torch.float64)
+                            if not deviations:
+                                deviations.append(deviation)  # the very first inner step, before any update
+                            if acc.sync_gradients:
+                                self._optimizer_step(means)
                 if not acc.sync_gradients:
                     raise RuntimeError("gradient accumulation fell out of step with the micro-batches")
-                self.optimizer_steps += 1
-                if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
-                    self.ema.update()
                 loss_total += float(acc.reduce(step_loss, "sum"))
         out = self._reduce_means(means)
         out["loss/total"] = loss_total / geometry.optimizer_steps_per_step
-        out["loss/first_step_ratio_deviation"] = float(
-            acc.reduce(torch.tensor(first_deviation or 0.0, device=device), "max")
-        )
+        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(deviations[0], device=device), "max"))
         return out
 
+    def _optimizer_step(self, means: WeightedMeans) -> None:
+        """Clip, set the scheduled learning rate, step, zero the gradients, update the EMA."""
+        config = self.config
+        if config.optim.max_grad_norm is not None:
+            norm = self.accelerator.clip_grad_norm_(self.parameters, config.optim.max_grad_norm)
+            means.add("optim/grad_norm", float(norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr(self.optimizer_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
+            self.ema.update()
+
     def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
-                    num_sequences: float, max_actions: int) -> tuple[torch.Tensor, dict[str, Any], float]:
+                    num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, Any], float, float]:
+        """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, |ratio − 1| max, metric weight)."""
         algorithm = self.config.algorithm
-        output = self.plugin.forward(self.policy, part, need_reference=need_reference)
+        if columns is None:
+            output = self.plugin.forward(self.policy, part, need_reference=need_reference)
+        else:
+            part = part.select_actions(columns)
+            if advantages.dim() == 2:
+                advantages = advantages.index_select(1, columns.to(advantages.device))
+            output = self.plugin.forward(self.policy, part, need_reference=need_reference, actions=columns)
         logp = output.logp.float()  # [n, A]
         if logp.shape != part.old_logp.shape:
             raise RolloutError(
@@ -525,8 +567,8 @@ class Trainer:
             total = total * part.action_weights
         metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
-                         num_sequences=num_sequences, max_actions=max_actions)
-        return loss, metrics, deviation
+                         num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
+        return loss, metrics, deviation, float(part.mask.sum())
 
     @torch.no_grad()
     def _recompute_old_logp(self, rollout: Rollout) -> torch.Tensor:
@@ -627,6 +669,11 @@ def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
 
 def _parameters(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters)
+
+
+def _default_ratio_level(fn: Any) -> str:
+    parameter = inspect.signature(fn).parameters.get("ratio_level")
+    return "token" if parameter is None else parameter.default
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -62,6 +62,9 @@ class ToyPlugin(Plugin):
 
     name = "toy"
     config_class = ToyPluginConfig
+    # An autoregressive pass computes every token anyway; the toy slices the requested columns so that the
+    # trainer's action chunking (meant for flow models, one denoising step per forward) is exercised in tests.
+    supports_action_chunks = True
 
     def __init__(self, config: ToyPluginConfig, runtime: Runtime):
         super().__init__(config, runtime)
@@ -141,13 +144,19 @@ class ToyPlugin(Plugin):
             metrics={"completion_length": float(mask_t.sum(dim=1).mean())},
         )
 
-    def forward(self, policy: nn.Module, rollout: Rollout, *, need_reference: bool) -> PolicyOutput:
+    def forward(
+        self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
+    ) -> PolicyOutput:
         prompt_ids, tokens = rollout.replay["prompt_ids"], rollout.replay["tokens"]
-        logp, entropy = self._token_logp(policy, prompt_ids, tokens)
+        logp, entropy = self._token_logp(policy, prompt_ids, tokens)  # [N, T] each
         ref_logp = None
         if need_reference:
             with torch.no_grad():
                 ref_logp, _ = self._token_logp(self.reference, prompt_ids, tokens)
+        if actions is not None:
+            columns = actions.to(logp.device)
+            logp, entropy = logp.index_select(1, columns), entropy.index_select(1, columns)
+            ref_logp = None if ref_logp is None else ref_logp.index_select(1, columns)
         return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
 
     # ------------------------------------------------------------------ helpers
