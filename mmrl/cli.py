@@ -1,4 +1,5 @@
-"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain`` (also ``python -m mmrl``).
+"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain``, ``mmrl serve-rewards`` (also
+``python -m mmrl``).
 
 Configuration mistakes end with one line on stderr and exit code 2, never a traceback::
 
@@ -67,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="Show every config field with its default, help and reference.")
     explain.add_argument("--plugin", help="Also show the section of this plugin.")
     explain.set_defaults(handler=_explain)
+
+    serve = commands.add_parser("serve-rewards", help="Serve the reward functions of a config over HTTP (JSON).")
+    serve.add_argument("config", help="YAML file with a rewards: {functions: [...]} section (a recipe works).")
+    serve.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0 picks a free one).")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="Address to bind (default 127.0.0.1: this machine only; there is no authentication).")
+    serve.add_argument("--max-body-mb", type=float, default=256.0, help="Largest accepted request in MiB (256).")
+    serve.set_defaults(handler=_serve_rewards)
     return parser
 
 
@@ -128,6 +137,12 @@ def _list(args: argparse.Namespace) -> int:
                     default = "(required)" if option.required else repr(option.default)
                     print(f"      {option.name} = {default}  {option.help}")
     return 0
+
+
+def _serve_rewards(args: argparse.Namespace) -> int:
+    from mmrl.rewards.server import serve
+
+    return serve(args.config, host=args.host, port=args.port, max_body_mb=args.max_body_mb)
 
 
 def _explain(args: argparse.Namespace) -> int:

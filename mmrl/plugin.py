@@ -43,7 +43,10 @@ class Runtime:
         process_index: Rank of this process, 0..num_processes-1.
         num_processes: World size.
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; log-prob math stays in float32 regardless.
-        unwrap: Returns the bare module inside a DDP/FSDP/DeepSpeed wrapper (for ``generate`` and saving).
+        unwrap: Returns the bare module inside a DDP/FSDP/DeepSpeed wrapper (for ``generate``).
+        full_state_dict: Returns the module's complete, unsharded state dict. A collective under FSDP and
+            ZeRO-3: every process must call it; the main process receives full tensors (Accelerate's
+            ``get_state_dict``). Saving reads weights through it, never from local (possibly sharded) parameters.
         autocast: Returns the mixed-precision autocast context for forward passes.
         seed: The run's base seed.
     """
@@ -53,6 +56,9 @@ class Runtime:
     num_processes: int = 1
     mixed_precision: str = "no"
     unwrap: Callable[[nn.Module], nn.Module] = lambda module: getattr(module, "module", module)
+    full_state_dict: Callable[[nn.Module], dict[str, Tensor]] = lambda module: getattr(
+        module, "module", module
+    ).state_dict()
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
     seed: int = 0
 
@@ -185,13 +191,31 @@ class Plugin(ABC):
         return (p for p in policy.parameters() if p.requires_grad)
 
     def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """Write the trainable weights to ``directory`` (default: ``trainable.safetensors`` of the parameters
-        that require gradients). LoRA plugins override this to save the adapter."""
+        """Write the trainable weights to ``directory`` (default: ``trainable.safetensors`` with every parameter that
+        requires gradients). LoRA plugins override this to save the adapter.
+
+        Called on every process: the weights are read through :attr:`Runtime.full_state_dict`, a collective under
+        FSDP and ZeRO-3, and only the main process writes. A trainable tensor missing from the gathered state, or
+        empty, stops the save with an error rather than writing an incomplete file (peers save empty LoRA
+        adapters under FSDP by reading local shards).
+        """
+        state = self.runtime.full_state_dict(policy)
+        if not self.runtime.is_main_process:
+            return
+        module = self.runtime.unwrap(policy)
+        names = [_clean_name(name) for name, p in module.named_parameters() if p.requires_grad]
+        state = {_clean_name(name): tensor for name, tensor in state.items()}
+        missing = [name for name in names if name not in state]
+        empty = [name for name in names if name in state and state[name].numel() == 0]
+        if missing or empty:
+            raise RuntimeError(
+                f"refusing to save trainable weights: {len(missing)} missing and {len(empty)} empty tensors in the "
+                f"gathered state dict (first: {(missing + empty)[:3]}); the state was not gathered from all shards"
+            )
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        module = self.runtime.unwrap(policy)
-        state = {name: p.detach().cpu().contiguous() for name, p in module.named_parameters() if p.requires_grad}
-        save_file(state, str(directory / "trainable.safetensors"))
+        save_file({name: state[name].detach().cpu().contiguous() for name in names},
+                  str(directory / "trainable.safetensors"))
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """Load what :meth:`save_trainable` wrote; every trainable tensor must be present."""
@@ -200,7 +224,7 @@ class Plugin(ABC):
             raise FileNotFoundError(f"no trainable weights at {path}")
         state = load_file(str(path))
         module = self.runtime.unwrap(policy)
-        params = dict(module.named_parameters())
+        params = {_clean_name(name): p for name, p in module.named_parameters()}
         missing = [name for name, p in params.items() if p.requires_grad and name not in state]
         unexpected = [name for name in state if name not in params]
         if missing or unexpected:
@@ -228,6 +252,14 @@ class Plugin(ABC):
                     record["output"] = texts[i]
                 handle.write(json.dumps(record) + "\n")
         return [path]
+
+
+_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _clean_name(name: str) -> str:
+    """A parameter name without the components FSDP, activation checkpointing and torch.compile insert."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
 
 
 plugin_registry: Registry[type[Plugin]] = Registry("plugin", entry_point_group="mmrl.plugins", populate="mmrl.plugins")

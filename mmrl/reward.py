@@ -14,7 +14,9 @@ group). Rewards must score malformed model outputs (unparseable text, blank imag
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -114,6 +116,13 @@ class ScoredBatch:
     scores: Tensor
     valid: Tensor
 
+    @staticmethod
+    def concat(parts: Sequence[ScoredBatch]) -> ScoredBatch:
+        """Join the scores of consecutive chunks of one batch (in order)."""
+        if not parts:
+            raise RewardError("ScoredBatch.concat needs at least one part")
+        return ScoredBatch(scores=torch.cat([p.scores for p in parts]), valid=torch.cat([p.valid for p in parts]))
+
 
 class RewardScorer:
     """Runs the configured rewards on a batch and checks what they return.
@@ -124,14 +133,27 @@ class RewardScorer:
         weights: ``[K]`` weights.
         on_nonfinite: ``"error"`` stops with a message naming the reward and sample; ``"skip"`` marks the
             sample invalid (it is excluded from advantages and the loss).
+        num_workers: Threads of the pool behind :meth:`submit` (asynchronous scoring), created on first use.
+
+    Asynchronous scoring: ``future = scorer.submit(batch)`` scores ``batch`` in a worker thread while the caller goes
+    on (e.g. samples the next chunk); ``future.result()`` returns exactly what ``score(batch)`` returns, or raises
+    its error. The batch must not be modified until the future is done, and rewards must be safe to call from
+    several threads when ``num_workers > 1`` (models in eval mode under ``no_grad`` are). Call :meth:`close` (or use
+    the scorer as a context manager) to stop the pool.
     """
 
     def __init__(self, names: list[str], functions: list[Callable[[RewardInput], Any]], weights: list[float],
-                 on_nonfinite: str = "error"):
+                 on_nonfinite: str = "error", num_workers: int = 1):
         self.names = names
         self.functions = functions
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.on_nonfinite = on_nonfinite
+        if num_workers < 1:
+            raise RewardError(f"RewardScorer num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def from_config(cls, config: Any) -> RewardScorer:
@@ -142,7 +164,31 @@ class RewardScorer:
             [build_reward(spec.name, spec.args) for spec in specs],
             [spec.weight for spec in specs],
             config.on_nonfinite,
+            num_workers=getattr(config, "num_workers", 1),
         )
+
+    def submit(self, batch: RewardInput) -> Future[ScoredBatch]:
+        """Score ``batch`` in the worker pool; the future's result equals ``score(batch)`` (same checks and errors)."""
+        with self._executor_lock:
+            if self._closed:
+                raise RewardError("RewardScorer.submit called after close()")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="mmrl-reward")
+            return self._executor.submit(self.score, batch)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker pool (waiting for submitted batches unless ``wait=False``). Idempotent."""
+        with self._executor_lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def groupwise(self) -> bool:
@@ -168,6 +214,11 @@ class RewardScorer:
             columns.append(column)
         scores = torch.stack(columns, dim=1).to(torch.float32) if columns else torch.zeros(n, 0)
         return ScoredBatch(scores=scores, valid=valid)
+
+    def raw_scores(self, batch: RewardInput) -> Tensor:
+        """``[N, K]`` float64 scores as the rewards returned them: lengths and types checked, NaN kept, no policy."""
+        columns = [self._run(name, fn, batch) for name, fn in zip(self.names, self.functions, strict=True)]
+        return torch.stack(columns, dim=1) if columns else torch.zeros(len(batch), 0, dtype=torch.float64)
 
     def _run(self, name: str, fn: Callable[[RewardInput], Any], batch: RewardInput) -> Tensor:
         if not getattr(fn, "groupwise", False):

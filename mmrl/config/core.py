@@ -247,6 +247,13 @@ class RewardsConfig:
     on_nonfinite: Literal["error", "skip"] = config_field(
         "error", help="A NaN or infinite score stops the run naming the reward ('error'), or drops the sample ('skip')."
     )
+    async_scoring: bool = config_field(
+        False, help="Score each rollout chunk in a worker pool while the next chunk is sampled; the scores are "
+        "identical to synchronous scoring.", ref="Flow-GRPO (ThreadPoolExecutor for reward calls)",
+    )
+    num_workers: int = config_field(
+        2, minimum=1, help="Worker threads for asynchronous scoring (rewards must be thread-safe when > 1)."
+    )
 
     def validate(self, path: str) -> None:
         if not self.functions:

@@ -8,7 +8,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 
@@ -32,10 +31,6 @@ class WeightedMeans:
     def means(self) -> dict[str, float]:
         return {name: self.totals[name] / self.weights[name] for name in self.totals if self.weights[name] > 0}
 
-    def sums_and_weights(self, names: list[str]) -> Tensor:
-        """``[2·len(names)]`` float64: the totals then the weights, for one all-reduce over processes."""
-        return torch.tensor([self.totals.get(n, 0.0) for n in names] + [self.weights.get(n, 0.0) for n in names],
-                            dtype=torch.float64)
 
 
 class MetricsWriter:

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -96,10 +97,17 @@ class Trainer:
         self.config = config
         run = config.run
         self.run_dir = Path(run.output_dir)
-        state = PartialState(cpu=run.cpu)
+        cpu = run.cpu or _launched_without_accelerators()
+        state = PartialState(cpu=cpu)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != state.num_processes:
+            raise RuntimeError(
+                f"launched as {launched} processes but Accelerate formed a group of {state.num_processes}; "
+                "on CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` or torchrun"
+            )
         self.geometry: BatchGeometry = batch_geometry(config, state.num_processes)
         self.accelerator = Accelerator(
-            cpu=run.cpu,
+            cpu=cpu,
             mixed_precision=run.mixed_precision,
             gradient_accumulation_steps=self.geometry.micro_steps,
             log_with=list(run.trackers) or None,
@@ -107,6 +115,11 @@ class Trainer:
             step_scheduler_with_optimizer=False,
         )
         acc = self.accelerator
+        if acc.gradient_accumulation_steps != self.geometry.micro_steps:
+            from mmrl.config import ConfigError
+
+            raise ConfigError("gradient_accumulation_steps (Accelerate/DeepSpeed config)",
+                              acc.gradient_accumulation_steps, "'auto': mmrl derives it from the batch geometry")
         set_seed(derive_seed(run.seed, acc.process_index, 0x5EED) % (2**32))
         self.runtime = Runtime(
             device=acc.device,
@@ -114,6 +127,7 @@ class Trainer:
             num_processes=acc.num_processes,
             mixed_precision=run.mixed_precision,
             unwrap=lambda module: acc.unwrap_model(module),
+            full_state_dict=lambda module: acc.get_state_dict(module),
             autocast=acc.autocast,
             seed=run.seed,
         )
@@ -378,7 +392,9 @@ class Trainer:
         out["samples/generated"] = generated
         out["samples/rounds"] = float(used_rounds)
         out["samples/padded"] = float(padded)
-        out.update({f"rollout/{k}": v for k, v in rollout.metrics.items()})
+        rollout_means = WeightedMeans()
+        rollout_means.add_all(rollout.metrics, prefix="rollout/")
+        out.update(self._reduce_means(rollout_means))
         return _TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
 
     def _sample(self, batch: PromptBatch) -> Rollout:
@@ -392,7 +408,14 @@ class Trainer:
                 training=batch.training,
             )
             parts.append(self._checked_rollout(sub))
-        return Rollout.concat(parts) if len(parts) > 1 else parts[0]
+        if len(parts) == 1:
+            return parts[0]
+        merged = Rollout.concat(parts)
+        means = WeightedMeans()
+        for part in parts:
+            means.add_all(part.metrics, weight=len(part))
+        merged.metrics = means.means()
+        return merged
 
     def _checked_rollout(self, batch: PromptBatch) -> Rollout:
         rollout = self.plugin.rollout(self.policy, batch)
@@ -515,7 +538,8 @@ class Trainer:
         config = self.config
         if config.optim.max_grad_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self.parameters, config.optim.max_grad_norm)
-            means.add("optim/grad_norm", float(norm))
+            if norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and reports no norm
+                means.add("optim/grad_norm", float(norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.optimizer_steps)
         self.optimizer.step()
@@ -579,12 +603,16 @@ class Trainer:
         return torch.cat(parts)
 
     def _reduce_means(self, means: WeightedMeans) -> dict[str, float]:
-        names = sorted(means.totals)
-        if not names:
-            return {}
-        reduced = self.accelerator.reduce(means.sums_and_weights(names).to(self.accelerator.device), "sum").cpu()
-        totals, weights = reduced[: len(names)], reduced[len(names):]
-        return {name: float(t / w) for name, t, w in zip(names, totals, weights, strict=True) if w > 0}
+        """Weighted means over all processes. Metric names may differ between processes (a process whose samples
+        were all padding records none), so the partial sums travel as objects rather than as aligned tensors."""
+        if self.accelerator.num_processes == 1:
+            return means.means()
+        merged = WeightedMeans()
+        for totals, weights in gather_object([(dict(means.totals), dict(means.weights))]):
+            for name, total in totals.items():
+                merged.totals[name] += total
+                merged.weights[name] += weights[name]
+        return merged.means()
 
     def _lr(self, optimizer_step: int) -> float:
         optim = self.config.optim
@@ -606,8 +634,8 @@ class Trainer:
 
     # ================================================================== checkpoints and signals (step 9)
     def _save_policy_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
-        if self.accelerator.is_main_process:
-            self.plugin.save_trainable(self.policy, Path(output_dir).parent / "policy")
+        # Every process: gathering the full weights is a collective under FSDP/ZeRO-3; the main process writes.
+        self.plugin.save_trainable(self.policy, Path(output_dir).parent / "policy")
         weights.clear()  # the plugin saved what is trainable; frozen weights are rebuilt from the config
 
     def _load_policy_hook(self, models: list[Any], input_dir: str) -> None:
@@ -662,6 +690,16 @@ class Trainer:
 
 
 # ====================================================================== helpers
+def _launched_without_accelerators() -> bool:
+    """True for a multi-process launch on a machine with no GPU: Accelerate then needs ``cpu=True`` to form a gloo
+    group, otherwise every process silently runs alone and they all write the same run folder."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    from accelerate.utils import is_cuda_available, is_mps_available, is_xpu_available
+
+    return not (is_cuda_available() or is_xpu_available() or is_mps_available())
+
+
 def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(items), max(size, 1)):
         yield items[start:start + size]

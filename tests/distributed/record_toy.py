@@ -1,0 +1,73 @@
+"""Run the reference plugin for a few steps and record what the equality tests compare.
+
+Launched by the tests in this folder, alone or under ``accelerate launch --multi_gpu --num_processes 2``. Every
+process writes ``rank{r}.json`` with the advantage of each sample it trained (keyed by the sample's seed, which
+depends only on its global index) and the per-step losses; the main process also writes the final parameters
+to ``params.pt``.
+
+    python tests/distributed/record_toy.py OUT_DIR [key=value overrides...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from mmrl.reward import reward_functions  # noqa: E402
+from mmrl.rewards.text_match import token_accuracy  # noqa: E402
+from mmrl.trainer import Trainer  # noqa: E402
+from tests.helpers import toy_config  # noqa: E402
+
+
+@reward_functions.register("test_constant_on_rank_1")
+def constant_on_rank_1(batch):
+    """token_accuracy on process 0; a constant on process 1, so that every group there lacks spread."""
+    import os
+
+    if os.environ.get("RANK", "0") == "1":
+        return [0.5] * len(batch)
+    return token_accuracy(batch)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    config = toy_config(out / "run", *sys.argv[2:])
+    trainer = Trainer(config)
+    advantages: dict[str, float] = {}
+    current_seeds: list[torch.Tensor] = []
+    original_rollout, original_credit = trainer.plugin.rollout, trainer._credit
+
+    def recording_rollout(policy, batch):
+        current_seeds.append(batch.seeds.clone())
+        return original_rollout(policy, batch)
+
+    def recording_credit(rollout, scores, valid):
+        result = original_credit(rollout, scores, valid)
+        seeds = torch.cat(current_seeds)
+        current_seeds.clear()
+        local = result[0].cpu()
+        for seed, value in zip(seeds.tolist(), local.tolist(), strict=True):
+            advantages[str(seed)] = value
+        return result
+
+    trainer.plugin.rollout = recording_rollout
+    trainer._credit = recording_credit
+    result = trainer.train()
+    rank = trainer.accelerator.process_index
+    record = {"advantages": advantages, "losses": [r["loss/total"] for r in result.history],
+              "rewards": [r["reward/mean"] for r in result.history],
+              "padded": [r["samples/padded"] for r in result.history],
+              "num_processes": trainer.accelerator.num_processes}
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    if trainer.accelerator.is_main_process:
+        torch.save({k: v.detach().cpu() for k, v in trainer.plugin.model.state_dict().items()}, out / "params.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Two CPU processes (gloo) and one process must train identically, in both group layouts.
+
+These tests launch real processes with ``accelerate launch --multi_gpu --num_processes 2`` (on a machine without
+GPUs mmrl then forms a gloo group; ``accelerate launch --cpu`` alone starts a single process in Accelerate 1.x).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("record_toy.py")
+# Adam's eps is raised so that parameters with near-zero gradients do not turn float summation-order noise
+# (gradients reduced over 2 processes vs summed in one) into visible update differences: with eps = 1e-8 an
+# entry whose gradient is ~1e-9 moves by lr·g/(|g| + eps), which depends on g's last bits.
+COMMON = ["run.max_steps=3", "eval.at_start=false", "eval.num_prompts=8", "algorithm.minibatches=1",
+          "algorithm.micro_batch_size=8", "rollout.prompts_per_step=8", "rollout.group_size=4", "optim.eps=1e-3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(out: Path, processes: int, *overrides: str, timeout: int = 240, config_file: str | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    if processes == 1:
+        command = [sys.executable, str(SCRIPT), str(out), *overrides]
+    else:
+        launcher = [str(Path(sys.executable).with_name("accelerate")), "launch"]
+        if config_file:  # a recipe from configs/accelerate, as users launch it
+            launcher += ["--config_file", config_file, "--mixed_precision", "no"]
+        else:
+            launcher += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command = [*launcher, "--num_processes", str(processes), "--main_process_port", str(_free_port()),
+                   str(SCRIPT), str(out), *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
+    assert all(rank["num_processes"] == processes for rank in ranks)
+    advantages = {}
+    for rank in ranks:
+        advantages.update(rank["advantages"])
+    return {"advantages": advantages, "losses": ranks[0]["losses"], "rewards": ranks[0]["rewards"],
+            "params": torch.load(out / "params.pt"), "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("single"), 1, *COMMON)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "config_file"), [("spread", "configs/accelerate/multi_gpu_ddp.yaml"),
+                                                     ("contiguous", None)])
+def test_two_processes_match_one(tmp_path, single, layout, config_file):
+    double = _run(tmp_path, 2, *COMMON, f"rollout.layout={layout}", config_file=config_file)
+    assert len(double["advantages"]) == len(single["advantages"]) == 3 * 8 * 4
+    for seed, value in single["advantages"].items():
+        assert double["advantages"][seed] == pytest.approx(value, abs=1e-6), seed
+    assert double["rewards"] == pytest.approx(single["rewards"], abs=1e-6)
+    assert double["losses"] == pytest.approx(single["losses"], abs=1e-6)
+    for name, tensor in single["params"].items():
+        torch.testing.assert_close(double["params"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_does_not_hang_when_one_process_filters_everything(tmp_path):
+    """Process 1's groups never have spread (a constant reward there); process 0 keeps sampling alongside it and
+    both pad after the bounded rounds instead of waiting on each other."""
+    double = _run(
+        tmp_path, 2, *COMMON, "rollout.layout=contiguous", "rollout.dynamic_sampling.enabled=true",
+        "rollout.dynamic_sampling.max_rounds=3", "rewards.functions=[{name: test_constant_on_rank_1}]",
+        timeout=180,
+    )
+    rank0, rank1 = double["ranks"]
+    assert all(p > 0 for p in rank0["padded"])  # the global count includes process 1's padding
+    assert len(double["losses"]) == 3

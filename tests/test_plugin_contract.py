@@ -1,0 +1,79 @@
+"""Plugin base-class behaviour that every plugin inherits: saving trainable weights safely under sharding."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from mmrl.plugin import Plugin, Runtime
+
+
+class _Tiny(Plugin):
+    name = "tiny-test"
+    config_class = dict
+
+    def policy(self):
+        raise NotImplementedError
+
+    def dataset(self, split):
+        raise NotImplementedError
+
+    def rollout(self, policy, batch):
+        raise NotImplementedError
+
+    def forward(self, policy, rollout, *, need_reference, actions=None):
+        raise NotImplementedError
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)  # frozen base, trainable head (like a LoRA adapter)
+    return model
+
+
+def _shard(model):
+    """What FSDP leaves on a process: the module's own parameters hold only a (here: empty) local shard."""
+    sharded = _model()
+    with torch.no_grad():
+        for param in sharded.parameters():
+            param.data = torch.empty(0)
+    return sharded
+
+
+def test_saves_trainable_weights_from_the_gathered_state(tmp_path):
+    full = _model()
+    gathered = {k: v.clone() for k, v in full.state_dict().items()}
+    plugin = _Tiny({}, Runtime(full_state_dict=lambda module: gathered))
+    plugin.save_trainable(_shard(full), tmp_path)
+    saved = load_file(str(tmp_path / "trainable.safetensors"))
+    assert set(saved) == {"1.weight", "1.bias"}  # only what trains
+    torch.testing.assert_close(saved["1.weight"], full[1].weight)
+
+
+def test_refuses_to_write_an_empty_adapter_from_local_shards(tmp_path):
+    plugin = _Tiny({}, Runtime())  # the naive runtime reads the module's own (sharded, empty) tensors
+    with pytest.raises(RuntimeError, match="empty"):
+        plugin.save_trainable(_shard(_model()), tmp_path)
+    assert not (tmp_path / "trainable.safetensors").exists()
+
+
+def test_only_the_main_process_writes_but_every_process_gathers(tmp_path):
+    calls = []
+    plugin = _Tiny({}, Runtime(process_index=1, num_processes=2,
+                               full_state_dict=lambda module: calls.append(1) or {}))
+    plugin.save_trainable(_model(), tmp_path)
+    assert calls == [1] and not (tmp_path / "trainable.safetensors").exists()
+
+
+def test_round_trip_and_missing_weights(tmp_path):
+    model = _model()
+    plugin = _Tiny({}, Runtime())
+    plugin.save_trainable(model, tmp_path)
+    other = _model()
+    with torch.no_grad():
+        other[1].weight.zero_()
+    plugin.load_trainable(other, tmp_path)
+    torch.testing.assert_close(other[1].weight, model[1].weight)
+    with pytest.raises(FileNotFoundError, match="no trainable weights"):
+        plugin.load_trainable(other, tmp_path / "absent")
