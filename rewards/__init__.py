@@ -17,6 +17,14 @@ _BUILTIN = {
     "format": "mmrl.rewards.reasoning:format_reward",
     "choice": "mmrl.rewards.reasoning:choice",
     "math": "mmrl.rewards.reasoning:math_reward",
+    "clip_score": "mmrl.rewards.image_models:ClipScore",
+    "pickscore": "mmrl.rewards.image_models:PickScore",
+    "hpsv2": "mmrl.rewards.image_models:HPSv2",
+    "aesthetic": "mmrl.rewards.image_models:Aesthetic",
+    "jpeg_compressibility": "mmrl.rewards.image_models:JpegCompressibility",
+    "jpeg_incompressibility": "mmrl.rewards.image_models:JpegIncompressibility",
+    "pref_winrate": "mmrl.rewards.preference:PrefWinRate",
+    "remote": "mmrl.rewards.remote:RemoteReward",
 }
 
 for _name, _target in _BUILTIN.items():
