@@ -104,7 +104,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
-    trainer._resume()
+    trainer.restore_checkpoint()
     metrics = trainer.evaluate()
     if trainer.accelerator.is_main_process:
         for name, value in sorted(metrics.items()):

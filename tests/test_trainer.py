@@ -205,6 +205,6 @@ def test_ema_is_checkpointed_and_used_for_eval(tmp_path):
     assert any(name.startswith("custom_checkpoint") for name in files)
     resumed = Trainer(toy_config(tmp_path, "ema.enabled=true", "ema.update_every=1", "run.max_steps=3",
                                  "run.resume=latest"))
-    resumed._resume()
+    resumed.restore_checkpoint()
     for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
         assert torch.equal(a, b)

@@ -44,7 +44,7 @@ from mmrl.algos import (
     select_kept,
     validate_groups,
 )
-from mmrl.config import TrainConfig, dump_config, to_dict
+from mmrl.config import ConfigError, TrainConfig, dump_config, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
 from mmrl.reward import RewardInput, RewardScorer
 from mmrl.rollout import Rollout, RolloutError
@@ -95,55 +95,36 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        run = config.run
-        self.run_dir = Path(run.output_dir)
-        cpu = run.cpu or _launched_without_accelerators()
-        state = PartialState(cpu=cpu)
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched != state.num_processes:
-            raise RuntimeError(
-                f"launched as {launched} processes but Accelerate formed a group of {state.num_processes}; "
-                "on CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` or torchrun"
-            )
-        self.geometry: BatchGeometry = batch_geometry(config, state.num_processes)
-        self.accelerator = Accelerator(
-            cpu=cpu,
-            mixed_precision=run.mixed_precision,
-            gradient_accumulation_steps=self.geometry.micro_steps,
-            log_with=list(run.trackers) or None,
-            project_dir=str(self.run_dir),
-            step_scheduler_with_optimizer=False,
-        )
+        self.run_dir = Path(config.run.output_dir)
+        self.accelerator, self.geometry = self._build_accelerator()
         acc = self.accelerator
-        if acc.gradient_accumulation_steps != self.geometry.micro_steps:
-            from mmrl.config import ConfigError
-
-            raise ConfigError("gradient_accumulation_steps (Accelerate/DeepSpeed config)",
-                              acc.gradient_accumulation_steps, "'auto': mmrl derives it from the batch geometry")
-        set_seed(derive_seed(run.seed, acc.process_index, 0x5EED) % (2**32))
+        set_seed(derive_seed(config.run.seed, acc.process_index, 0x5EED) % (2**32))
         self.runtime = Runtime(
             device=acc.device,
             process_index=acc.process_index,
             num_processes=acc.num_processes,
-            mixed_precision=run.mixed_precision,
+            mixed_precision=config.run.mixed_precision,
             unwrap=lambda module: acc.unwrap_model(module),
             full_state_dict=lambda module: acc.get_state_dict(module),
             autocast=acc.autocast,
-            seed=run.seed,
+            seed=config.run.seed,
         )
-        self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
-        plugin_class = plugin_registry.get(config.plugin.name)
-        self.plugin: Plugin = plugin_class(config.plugin.config, self.runtime)
+        algorithm = config.algorithm
+        self.estimator = advantage_estimators.get(algorithm.advantage.name)
+        self.policy_loss = policy_losses.get(algorithm.policy_loss.name)
+        self.loss_accepts_chunks = "chunk_ids" in _parameters(self.policy_loss)
+        self.kl_estimator = kl_estimators.get(algorithm.kl_estimator)
+
+        self.plugin: Plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, self.runtime)
         self._configure_action_chunks()
         self.scorer = RewardScorer.from_config(config.rewards)
+        self.weights = self.scorer.weights
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
-            from mmrl.config import ConfigError
-
             raise ConfigError("rollout.layout", "spread",
                               "'contiguous' when a group-wise reward is used on several processes")
         self.train_rows = list(self.plugin.dataset("train"))
         self.eval_rows = list(self.plugin.dataset("eval"))
-        self.stream = PromptStream(len(self.train_rows), seed=run.seed)
+        self.stream = PromptStream(len(self.train_rows), seed=config.run.seed)
 
         policy = self.plugin.policy()
         parameters = list(self.plugin.trainable_parameters(policy))
@@ -160,21 +141,40 @@ class Trainer:
         acc.register_save_state_pre_hook(self._save_policy_hook)
         acc.register_load_state_pre_hook(self._load_policy_hook)
 
-        algorithm = config.algorithm
-        self.estimator = advantage_estimators.get(algorithm.advantage.name)
-        self.loss_accepts_chunks = "chunk_ids" in _parameters(self.policy_loss)
-        self.kl_estimator = kl_estimators.get(algorithm.kl_estimator)
-        self.weights = self.scorer.weights
         self.step = 0
         self.optimizer_steps = 0
         self._stop_requested = False
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
-                                    accelerator=acc, use_trackers=bool(run.trackers))
+                                    accelerator=acc, use_trackers=bool(config.run.trackers))
+
+    def _build_accelerator(self) -> tuple[Accelerator, BatchGeometry]:
+        """The Accelerator, with gradient accumulation set from the batch geometry of this many processes."""
+        run = self.config.run
+        cpu = run.cpu or _launched_without_accelerators()
+        state = PartialState(cpu=cpu)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != state.num_processes:
+            raise RuntimeError(
+                f"launched as {launched} processes but Accelerate formed a group of {state.num_processes}; "
+                "on CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` or torchrun"
+            )
+        geometry = batch_geometry(self.config, state.num_processes)
+        accelerator = Accelerator(
+            cpu=cpu,
+            mixed_precision=run.mixed_precision,
+            gradient_accumulation_steps=geometry.micro_steps,
+            log_with=list(run.trackers) or None,
+            project_dir=str(self.run_dir),
+            step_scheduler_with_optimizer=False,
+        )
+        if accelerator.gradient_accumulation_steps != geometry.micro_steps:
+            raise ConfigError("gradient_accumulation_steps (Accelerate/DeepSpeed config)",
+                              accelerator.gradient_accumulation_steps,
+                              "'auto': mmrl derives it from the batch geometry")
+        return accelerator, geometry
 
     def _configure_action_chunks(self) -> None:
         """Check ``algorithm.action_chunk_size`` against the plugin and fold the chunks into the accumulation."""
-        from mmrl.config import ConfigError
-
         size = self.config.algorithm.action_chunk_size
         if size is None:
             return
@@ -196,7 +196,7 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run (or resume) training to ``run.max_steps``; returns the history and the evaluations."""
         config, acc = self.config, self.accelerator
-        self._resume()
+        self.restore_checkpoint()
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(config))
@@ -642,16 +642,18 @@ class Trainer:
         self.plugin.load_trainable(self.policy, Path(input_dir).parent / "policy")
         models.clear()
 
-    def _resume(self) -> None:
+    def restore_checkpoint(self) -> Path | None:
+        """Load the checkpoint ``run.resume`` names (``latest`` or a path) into this trainer; returns its folder, or
+        None when there is nothing to resume from."""
         resume = self.config.run.resume
         if not resume:
-            return
+            return None
         found = ckpt.resolve(resume, self.run_dir)
         if found is None:
             if self.accelerator.is_main_process:
                 print(f"run.resume=latest: no checkpoint in {self.run_dir / 'checkpoints'} yet; starting at step 0",
                       flush=True)
-            return
+            return None
         state = ckpt.read_state(found)
         ckpt.check_compatible(state["config"], to_dict(self.config), found)
         if state.get("num_processes", 1) != self.accelerator.num_processes and self.accelerator.is_main_process:
@@ -664,6 +666,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {found} at step {self.step}", flush=True)
+        return found
 
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.accelerator.device)
