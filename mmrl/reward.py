@@ -223,6 +223,11 @@ class RewardScorer:
     def _run(self, name: str, fn: Callable[[RewardInput], Any], batch: RewardInput) -> Tensor:
         if not getattr(fn, "groupwise", False):
             return _as_scores(fn(batch), len(batch), name)
+        if batch.group_ids.numel() != len(batch):
+            raise RewardError(
+                f"group-wise reward {name!r} needs the group id of each of the {len(batch)} samples, "
+                f"got {batch.group_ids.numel()}"
+            )
         column = torch.empty(len(batch), dtype=torch.float64)
         ids = batch.group_ids.tolist()
         for group in dict.fromkeys(ids):

@@ -208,3 +208,16 @@ def test_ema_is_checkpointed_and_used_for_eval(tmp_path):
     resumed.restore_checkpoint()
     for a, b in zip(resumed.ema.shadow, trainer.ema.shadow, strict=True):
         assert torch.equal(a, b)
+
+
+def test_async_scoring_trains_exactly_like_synchronous_scoring(tmp_path):
+    """Each rollout chunk is scored in the worker pool while the next is sampled; nothing else changes."""
+    runs = {}
+    for mode in ("false", "true"):
+        trainer = Trainer(toy_config(tmp_path / mode, "run.max_steps=2", "rollout.batch_size=8",
+                                     f"rewards.async_scoring={mode}", "rewards.num_workers=2"))
+        result = trainer.train()
+        runs[mode] = ([r["reward/mean"] for r in result.history], _parameters(trainer))
+    assert runs["true"][0] == runs["false"][0]
+    for name, tensor in runs["false"][1].items():
+        assert torch.equal(runs["true"][1][name], tensor), name

@@ -46,7 +46,7 @@ from mmrl.algos import (
 )
 from mmrl.config import ConfigError, TrainConfig, dump_config, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
-from mmrl.reward import RewardInput, RewardScorer
+from mmrl.reward import RewardInput, RewardScorer, ScoredBatch
 from mmrl.rollout import Rollout, RolloutError
 from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.credit import action_advantages, sample_advantages
@@ -233,6 +233,7 @@ class Trainer:
             if not (config.run.save_every and self.step % config.run.save_every == 0):
                 self.save_checkpoint()
         result.step = self.step
+        self.scorer.close()
         if config.run.trackers:
             acc.end_training()
         acc.wait_for_everyone()
@@ -241,7 +242,7 @@ class Trainer:
     def training_step(self) -> dict[str, float]:
         """One full step: collect (with dynamic sampling), then update. Returns the step's metrics."""
         started = time.perf_counter()
-        timings: dict[str, float] = {"rollout": 0.0, "reward": 0.0, "advantage": 0.0}
+        timings: dict[str, float] = {"rollout": 0.0, "reward": 0.0, "advantage": 0.0}  # seconds per phase
         batch = self._collect(timings)
         train_started = time.perf_counter()
         update_metrics = self._update(batch)
@@ -263,26 +264,22 @@ class Trainer:
         per_prompt = config.eval.samples_per_prompt
         total = len(rows) * per_prompt
         mine = list(range(acc.process_index, total, acc.num_processes))
-        scores = torch.zeros(0, len(self.weights))
-        valid = torch.zeros(0, dtype=torch.bool)
-        rollouts = []
+        rollout: Rollout | None = None
+        scores, valid = torch.zeros(0, len(self.weights)), torch.zeros(0, dtype=torch.bool)
         context = self.ema.swapped_in() if self.ema is not None and config.ema.use_for_eval else nullcontext()
         with context:
             self.policy.eval()
-            for chunk in _chunks(mine, config.rollout.batch_size or len(mine) or 1):
+            if mine:
                 batch = PromptBatch(
-                    rows=[rows[k // per_prompt] for k in chunk],
-                    group_ids=torch.tensor([k // per_prompt for k in chunk], dtype=torch.long),
+                    rows=[rows[k // per_prompt] for k in mine],
+                    group_ids=torch.tensor([k // per_prompt for k in mine], dtype=torch.long),
                     group_size=per_prompt,
-                    seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in chunk]),
+                    seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in mine]),
                     generator=self._generator(EVAL_SEED_TAG, 0),
                     training=False,
                 )
-                rollout = self._checked_rollout(batch)
-                scored = self.scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
-                scores = torch.cat([scores, scored.scores])
-                valid = torch.cat([valid, scored.valid])
-                rollouts.append(rollout)
+                rollout, scored = self._sample_and_score(batch, {})
+                scores, valid = scored.scores, scored.valid
             self.policy.train()
         combined = scores @ self.weights if scores.numel() else torch.zeros(0)
         gathered = gather_object([(scores.tolist(), valid.tolist())])
@@ -296,10 +293,10 @@ class Trainer:
                 metrics[f"eval/{name}_mean"] = float(table[:, k].mean()) if len(table) else math.nan
         metrics["eval/samples"] = float(len(all_scores))
         metrics["time/eval"] = time.perf_counter() - started
-        if config.eval.save_samples and rollouts:
+        if config.eval.save_samples and rollout is not None:
             folder = self.run_dir / "samples" / f"step_{self.step:06d}"
             tag = "eval" if acc.num_processes == 1 else f"eval_rank{acc.process_index}"
-            self.plugin.save_samples(Rollout.concat(rollouts), combined, folder, tag=tag)
+            self.plugin.save_samples(rollout, combined, folder, tag=tag)
         self.writer.write(self.step, metrics)
         return metrics
 
@@ -352,15 +349,9 @@ class Trainer:
                 generator=self._generator(self.step, round_index),
                 training=True,
             )
-            tick = time.perf_counter()
             self.policy.eval()
-            rollout = self._sample(batch)
+            rollout, scored = self._sample_and_score(batch, timings)
             self.policy.train()
-            timings["rollout"] += time.perf_counter() - tick
-
-            tick = time.perf_counter()
-            scored = self.scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
-            timings["reward"] += time.perf_counter() - tick
 
             tick = time.perf_counter()
             advantages, keep, round_metrics = self._credit(rollout, scored.scores, scored.valid)
@@ -397,9 +388,17 @@ class Trainer:
         out.update(self._reduce_means(rollout_means))
         return _TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
 
-    def _sample(self, batch: PromptBatch) -> Rollout:
-        size = self.config.rollout.batch_size or len(batch)
-        parts = []
+    def _sample_and_score(self, batch: PromptBatch, timings: dict[str, float]) -> tuple[Rollout, ScoredBatch]:
+        """Sample ``batch`` in plugin calls of ``rollout.batch_size`` and score it.
+
+        With ``rewards.async_scoring`` each chunk is scored in the reward worker pool while the next chunk is
+        sampled; the scores are the same as synchronous scoring. Group-wise rewards need whole groups, so a
+        scorer with one is always called on the whole batch.
+        """
+        size = self.config.rollout.batch_size or len(batch) or 1
+        overlap = self.config.rewards.async_scoring and not self.scorer.groupwise
+        parts, futures = [], []
+        tick = time.perf_counter()
         for chunk in _chunks(list(range(len(batch))), size):
             index = torch.tensor(chunk, dtype=torch.long)
             sub = PromptBatch(
@@ -407,15 +406,26 @@ class Trainer:
                 group_size=batch.group_size, seeds=batch.seeds[index], generator=batch.generator,
                 training=batch.training,
             )
-            parts.append(self._checked_rollout(sub))
+            part = self._checked_rollout(sub)
+            parts.append(part)
+            if overlap:
+                futures.append(self.scorer.submit(RewardInput(part.rows, part.payload, part.group_ids)))
+        timings["rollout"] = timings.get("rollout", 0.0) + time.perf_counter() - tick
+        tick = time.perf_counter()
         if len(parts) == 1:
-            return parts[0]
-        merged = Rollout.concat(parts)
-        means = WeightedMeans()
-        for part in parts:
-            means.add_all(part.metrics, weight=len(part))
-        merged.metrics = means.means()
-        return merged
+            rollout = parts[0]
+        else:
+            rollout = Rollout.concat(parts)
+            means = WeightedMeans()
+            for part in parts:
+                means.add_all(part.metrics, weight=len(part))
+            rollout.metrics = means.means()
+        if overlap:
+            scored = ScoredBatch.concat([future.result() for future in futures])
+        else:
+            scored = self.scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
+        timings["reward"] = timings.get("reward", 0.0) + time.perf_counter() - tick
+        return rollout, scored
 
     def _checked_rollout(self, batch: PromptBatch) -> Rollout:
         rollout = self.plugin.rollout(self.policy, batch)
