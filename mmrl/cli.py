@@ -112,20 +112,25 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(args: argparse.Namespace) -> int:
-    from mmrl.algos import advantage_estimators, aggregation_modes, kl_estimators, policy_losses
-    from mmrl.plugin import plugin_registry
-    from mmrl.rewards import reward_functions
+# (title, "module:attribute", show descriptions). Plugin-level registries are imported only when listed.
+REGISTRIES = [
+    ("advantage_estimators", "mmrl.algos:advantage_estimators", True),
+    ("policy_losses", "mmrl.algos:policy_losses", True),
+    ("kl_estimators", "mmrl.algos:kl_estimators", True),
+    ("aggregation_modes", "mmrl.algos:aggregation_modes", True),
+    ("plugins", "mmrl.plugin:plugin_registry", False),
+    ("reward_functions", "mmrl.rewards:reward_functions", False),
+    ("pairwise_judges (reward pref_winrate)", "mmrl.rewards.preference:pairwise_judges", True),
+    ("likelihood_estimators (plugin dllm)", "mmrl.plugins.dllm.estimators:likelihood_estimators", True),
+]
 
-    registries = [
-        ("advantage_estimators", advantage_estimators, True),
-        ("policy_losses", policy_losses, True),
-        ("kl_estimators", kl_estimators, True),
-        ("aggregation_modes", aggregation_modes, True),
-        ("plugins", plugin_registry, False),
-        ("reward_functions", reward_functions, False),
-    ]
-    for title, registry, describe in registries:
+
+def _list(args: argparse.Namespace) -> int:
+    import importlib
+
+    for title, location, describe in REGISTRIES:
+        module_name, attribute = location.split(":")
+        registry = getattr(importlib.import_module(module_name), attribute)
         print(f"{title}:")
         for name in registry.names():
             line = f"  {name}"

@@ -160,7 +160,7 @@ DATA_PARAMETERS = frozenset(
 
 
 def callable_options(fn: Callable[..., Any]) -> list[Option]:
-    """Keyword options of ``fn``: its parameters with defaults that are not data tensors.
+    """Keyword options of ``fn``: keyword-only parameters and parameters with defaults, except data tensors.
 
     Help text comes from the ``Args:`` section of the docstring (Hugging Face style). For a class, the options of
     ``__init__`` are returned.
@@ -174,6 +174,8 @@ def callable_options(fn: Callable[..., Any]) -> list[Option]:
             continue
         if parameter.kind is parameter.POSITIONAL_ONLY:
             continue
+        if parameter.kind is parameter.POSITIONAL_OR_KEYWORD and parameter.default is parameter.empty:
+            continue  # a leading data argument (the batch, the model, ...), not an option
         options.append(
             Option(parameter.name, parameter.default, parameter.annotation, help_by_name.get(parameter.name, ""))
         )

@@ -15,7 +15,7 @@ def test_list_shows_every_registry(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     for heading in ["advantage_estimators:", "policy_losses:", "kl_estimators:", "aggregation_modes:", "plugins:",
-                    "reward_functions:"]:
+                    "reward_functions:", "pairwise_judges", "likelihood_estimators"]:
         assert heading in out
     for entry in ["grpo", "dr_grpo", "rloo", "batch_std", "gspo", "reinforce", "k1", "k2", "k3", "token_mean",
                   "seq_mean_token_sum_norm", "toy", "token_accuracy"]:
