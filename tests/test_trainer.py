@@ -221,3 +221,27 @@ def test_async_scoring_trains_exactly_like_synchronous_scoring(tmp_path):
     assert runs["true"][0] == runs["false"][0]
     for name, tensor in runs["false"][1].items():
         assert torch.equal(runs["true"][1][name], tensor), name
+
+
+def test_learning_rate_schedules(tmp_path):
+    """Linear warmup over 4 optimizer steps, then linear or cosine decay to 0 over the remaining ones."""
+    import math
+
+    for scheduler in ("constant", "linear", "cosine"):
+        trainer = Trainer(toy_config(tmp_path / scheduler, "run.max_steps=12", "algorithm.minibatches=1",
+                                     f"optim.scheduler={scheduler}", "optim.warmup_steps=4", "optim.lr=0.1"))
+        assert [trainer._lr(s) for s in range(4)] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+        # 12 optimizer steps in all: after warmup, progress runs over 8 steps.
+        expected = {
+            "constant": [0.1] * 9,
+            "linear": [0.1 * (1 - k / 8) for k in range(9)],
+            "cosine": [0.1 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)],
+        }[scheduler]
+        assert [trainer._lr(4 + k) for k in range(9)] == pytest.approx(expected)
+
+
+def test_metrics_reach_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    Trainer(toy_config(tmp_path, "run.max_steps=2", "run.trackers=[tensorboard]")).train()
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
