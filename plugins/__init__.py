@@ -8,6 +8,7 @@ from mmrl.plugin import plugin_registry
 
 _BUILTIN = {
     "toy": "mmrl.plugins.toy.plugin:ToyPlugin",
+    "flow": "mmrl.plugins.flow.plugin:FlowPlugin",
 }
 
 for _name, _target in _BUILTIN.items():

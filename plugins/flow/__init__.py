@@ -1,5 +1,11 @@
-"""The flow-matching plugin (SD3 / FLUX-style rectified-flow image and video models, Flow-GRPO family).
+"""The flow-matching plugin (SD3 / FLUX-style rectified-flow image models, Flow-GRPO family); docs/flow.md.
 
-This package stays import-light: submodules that need diffusers import it themselves. The sampler math lives in
-:mod:`mmrl.plugins.flow.sde` (pure torch, no diffusers).
+This package stays import-light: nothing here imports diffusers, the modules that need it import it themselves.
+
+- :mod:`mmrl.plugins.flow.sde`: one SDE/ODE step as a Gaussian policy, its log-density and the KL between means.
+- :mod:`mmrl.plugins.flow.schedule`: which denoising steps are stochastic and which are trained.
+- :mod:`mmrl.plugins.flow.adapters`: the ``flow_adapters`` registry and one adapter per model family (sd3, flux).
+- :mod:`mmrl.plugins.flow.plugin`: :class:`~mmrl.plugins.flow.plugin.FlowPlugin` and its config.
+- :mod:`mmrl.plugins.flow.images`: captioned image grids for evaluations.
+- :mod:`mmrl.plugins.flow.testing`: tiny SD3/FLUX pipelines with random weights and local tokenizers.
 """

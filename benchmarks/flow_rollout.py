@@ -1,0 +1,223 @@
+"""Cost of a flow-plugin rollout (SDE sampling with log-probs and stored trajectories) against the plain diffusers
+pipeline sampling the same model with the same steps, batch and decode.
+
+Both sides run the very same modules: the plugin's pipeline object, its transformer with the (zero-initialised)
+LoRA adapter injected, its VAE. Prompt embeddings are computed once and handed to both (the plugin caches them; the
+pipeline gets ``prompt_embeds=``), so text encoding is outside the timed region on both sides. Each side decodes
+the final latents with the VAE to float images (``output_type="pt"``).
+
+Time: ``--warmup`` calls of each side, then ``--repeats`` back-to-back pairs (pipeline, rollout), CUDA synchronised;
+the table gives the median time of each side and the median of the per-pair ratios (robust to machine load that
+drifts during the run). Peak memory:
+
+- CUDA: ``torch.cuda.max_memory_allocated()`` during the call, minus what was allocated before it (the weights);
+- CPU: the high-water mark of bytes held by torch tensors allocated during the call, from the torch profiler's
+  memory events (one extra, untimed call per side), so allocator caching and Python objects are not counted.
+
+Examples::
+
+    # CPU, tiny random SD3 (what docs/performance.md reports)
+    python benchmarks/flow_rollout.py
+    # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
+    python benchmarks/flow_rollout.py --device cuda --size sd35-medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house", "a dog in the snow"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=["sd3", "flux"], default="sd3", help="Model family.")
+    parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
+                        help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="Weights and autocast dtype (default: bf16 on CUDA, fp32 on CPU).")
+    parser.add_argument("--batch", type=int, default=8, help="Images per call.")
+    parser.add_argument("--steps", type=int, default=10, help="Denoising steps (Flow-GRPO rollouts: 10).")
+    parser.add_argument("--resolution", type=int, default=None, help="Pixels (default: 64 tiny, 512 sd35-medium).")
+    parser.add_argument("--cfg", choices=["on", "off"], default=None, help="True CFG (default: the adapter's).")
+    parser.add_argument("--lora-rank", type=int, default=32, help="Rank of the (zero-initialised) LoRA adapter.")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
+    parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
+    return parser.parse_args(argv)
+
+
+def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
+    from mmrl.config import from_dict
+    from mmrl.plugin import Runtime
+    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.testing import save_tiny_pipeline
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    precision = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+    def autocast() -> Any:
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    if args.size == "sd35-medium" and device.type == "cuda":
+        with torch.device(device):  # random init of 2.2B parameters is much faster on the GPU
+            save_tiny_pipeline(args.kind, folder, size=args.size, dtype=None if dtype == torch.float32 else dtype)
+    else:
+        save_tiny_pipeline(args.kind, folder, size=args.size, dtype=None if dtype == torch.float32 else dtype)
+    options = {
+        "model": str(folder), "prompts": PROMPTS, "resolution": args.resolution, "num_steps": args.steps,
+        "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank}, "timestep_fraction": 0.99,
+        "max_sequence_length": 16 if args.size == "tiny" else 256,
+    }
+    if args.cfg is not None:
+        options["cfg"] = args.cfg == "on"
+    config = from_dict(FlowPluginConfig, options, "plugin")
+    runtime = Runtime(device=device, mixed_precision=precision, autocast=autocast)
+    return FlowPlugin(config, runtime)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(call: Callable[[], Any], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    call()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def peak_bytes(call: Callable[[], Any], device: torch.device) -> int:
+    """Extra memory a call needs at its peak (module docstring)."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        call()
+    changes = []
+    for event in profiler.events():
+        amount = event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        if amount:
+            changes.append((event.time_range.start, amount))
+    live = peak = 0
+    for _, amount in sorted(changes):
+        live += amount
+        peak = max(peak, live)
+    return peak
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from mmrl.plugin import PromptBatch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or ("bf16" if str(args.device).startswith("cuda") else "fp32")
+    args.resolution = args.resolution or (64 if args.size == "tiny" else 512)
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory(prefix="flow-bench-") as folder:
+        plugin = build_plugin(args, Path(folder) / "pipeline")
+    policy = plugin.policy().eval()
+    pipeline = plugin.adapter.pipeline
+    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.batch)]
+    batch = PromptBatch(
+        rows=[{"prompt": prompt} for prompt in prompts], group_ids=torch.zeros(args.batch, dtype=torch.long),
+        group_size=args.batch, seeds=torch.arange(args.batch), generator=torch.Generator(), training=True,
+    )
+    conditioning = plugin.conditioning(prompts)
+    embeds = {"prompt_embeds": conditioning["prompt_embeds"], "pooled_prompt_embeds":
+              conditioning["pooled_prompt_embeds"]}
+    if plugin.cfg:
+        negative = plugin.negative_conditioning()
+        embeds["negative_prompt_embeds"] = negative["prompt_embeds"].expand(args.batch, -1, -1)
+        embeds["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"].expand(args.batch, -1)
+    kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
+    if args.kind == "sd3" and not plugin.cfg:
+        kwargs["guidance_scale"] = 1.0  # the SD3 pipeline runs CFG whenever guidance_scale > 1
+
+    def plugin_rollout() -> Any:
+        with torch.no_grad():
+            return plugin.rollout(policy, batch)
+
+    def plain_pipeline() -> Any:
+        generators = [torch.Generator().manual_seed(k) for k in range(args.batch)]
+        with torch.no_grad(), plugin.runtime.autocast():
+            return pipeline(prompt_embeds=embeds["prompt_embeds"], **{k: v for k, v in embeds.items()
+                                                                      if k != "prompt_embeds"},
+                            height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
+                            generator=generators, output_type="pt", **kwargs).images
+
+    results: dict[str, Any] = {
+        "kind": args.kind, "size": args.size, "device": str(device), "dtype": args.dtype, "batch": args.batch,
+        "steps": args.steps, "resolution": args.resolution, "cfg": plugin.cfg, "threads": torch.get_num_threads(),
+        "transformer_parameters": sum(p.numel() for p in policy.parameters()),
+        "trained_steps": plugin.max_actions(),
+    }
+    pipeline_times, rollout_times = [], []
+    for _ in range(args.warmup):
+        plain_pipeline()
+        plugin_rollout()
+    for _ in range(args.repeats):  # interleaved, so that a change of machine load hits both sides
+        pipeline_times.append(seconds(plain_pipeline, device))
+        rollout_times.append(seconds(plugin_rollout, device))
+    results["pipeline_seconds"] = statistics.median(pipeline_times)
+    results["rollout_seconds"] = statistics.median(rollout_times)
+    # The median of the ratios of back-to-back calls: robust to load that drifts during the run.
+    results["time_ratio"] = statistics.median(r / p for r, p in zip(rollout_times, pipeline_times, strict=True))
+    results["time_ratio_of_fastest"] = min(rollout_times) / min(pipeline_times)
+    results["pipeline_peak_bytes"] = peak_bytes(plain_pipeline, device)
+    results["rollout_peak_bytes"] = peak_bytes(plugin_rollout, device)
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    mib = 2**20
+    memory = "CUDA max_memory_allocated above the weights" if results["device"].startswith("cuda") \
+        else "peak live torch tensors (profiler)"
+    header = ("| model | device | dtype | batch x steps | resolution | CFG | plain pipeline | rollout with log-probs "
+              f"| time ratio | peak memory, pipeline | peak memory, rollout |\n|{'---|' * 11}")
+    row = (f"| {results['kind']} {results['size']} | {results['device']} ({results['threads']} threads) | "
+           f"{results['dtype']} | {results['batch']} x {results['steps']} | {results['resolution']} px | "
+           f"{'on' if results['cfg'] else 'off'} | {results['pipeline_seconds']:.3f} s | "
+           f"{results['rollout_seconds']:.3f} s | {results['time_ratio']:.3f} | "
+           f"{results['pipeline_peak_bytes'] / mib:.1f} MiB | {results['rollout_peak_bytes'] / mib:.1f} MiB |")
+    return f"{header}\n{row}\n\nMemory: {memory}."
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Model adapters: what the flow plugin needs to know about one family of diffusers flow pipelines.
+
+An adapter turns a diffusers pipeline into five operations (see :class:`~mmrl.plugins.flow.adapters.base.FlowAdapter`):
+encode prompts, draw initial noise, build the σ schedule, predict the velocity, decode latents to images. The
+plugin's sampler, log-probs, KL, LoRA and checkpointing are shared by every model.
+
+Built-in adapters are registered lazily (listing them does not import diffusers); a new model is one adapter file
+plus one line here, or, from another package, an entry point in the group ``mmrl.flow_adapters``::
+
+    [project.entry-points."mmrl.flow_adapters"]
+    my_model = "my_package.adapter:MyModelAdapter"
+
+docs/flow.md walks through writing one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mmrl.registry import Registry
+
+if TYPE_CHECKING:
+    from mmrl.plugins.flow.adapters.base import FlowAdapter
+
+flow_adapters: Registry[type[FlowAdapter]] = Registry("flow model adapter", entry_point_group="mmrl.flow_adapters")
+
+flow_adapters.register_lazy("sd3", "mmrl.plugins.flow.adapters.sd3:SD3Adapter")
+flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter")
+
+
+def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:
+    """The registered adapter that declares ``class_name`` (a ``model_index.json`` ``_class_name``) among its
+    :attr:`~FlowAdapter.pipeline_classes`."""
+    known: dict[str, Any] = {}
+    for name in flow_adapters.names():
+        adapter = flow_adapters.get(name)
+        for pipeline_class in adapter.pipeline_classes:
+            known[pipeline_class] = name
+            if pipeline_class == class_name:
+                return adapter
+    listed = ", ".join(f"{cls} ({name})" for cls, name in sorted(known.items()))
+    raise ValueError(
+        f"no flow adapter handles pipeline class {class_name!r} of {model}; known: {listed}. "
+        "Set plugin.adapter explicitly or add an adapter (docs/flow.md)"
+    )
+
+
+__all__ = ["adapter_for_pipeline", "flow_adapters"]

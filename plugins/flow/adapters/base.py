@@ -1,0 +1,244 @@
+"""The adapter interface between the flow plugin and one family of diffusers flow-matching pipelines.
+
+An adapter wraps a loaded diffusers pipeline and answers five questions the plugin asks:
+
+=====================  ===================================================================================
+:meth:`encode_prompts`  text → per-prompt conditioning tensors (``{"prompt_embeds": [n, L, D], ...}``)
+:meth:`noise_shape`     the shape of one sample's initial noise, drawn exactly as the pipeline draws it
+:meth:`schedule`        the σ grid and the model timesteps of ``num_steps`` steps, from the pipeline's scheduler
+:meth:`call_transformer` one velocity prediction of the transformer for a batch (the model's own call signature)
+:meth:`decode`          final latents → images ``[N, 3, H, W]`` in [0, 1]
+=====================  ===================================================================================
+
+Everything else (SDE steps and their log-probs, classifier-free guidance, the KL, LoRA, checkpoints) is shared and
+lives in :mod:`mmrl.plugins.flow.plugin`. :meth:`FlowAdapter.velocity` is the one function both the rollout and
+the training forward call for every velocity, so the two compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import warnings
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+Conditioning = dict[str, Tensor]
+"""Per-sample text conditioning: each tensor has the sample axis first (``[n, ...]``)."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+class FlowAdapter(ABC):
+    """One family of diffusers flow pipelines (SD3, FLUX, ...). Subclasses set the class attributes and implement
+    :meth:`encode_prompts`, :meth:`noise_shape` and :meth:`call_transformer`; the defaults of the other methods
+    follow the SD3 pipeline and are overridden where a model differs (FLUX packs its latents).
+
+    Args:
+        pipeline: A loaded diffusers pipeline with ``transformer``, ``vae`` and ``scheduler`` components.
+        device: Where the plugin runs the models.
+    """
+
+    #: Registry name (``plugin.adapter``).
+    name: ClassVar[str]
+    #: ``model_index.json`` ``_class_name`` values this adapter handles (auto-detection).
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    #: Default LoRA target modules (peft suffix match on module names).
+    lora_target_modules: ClassVar[tuple[str, ...]]
+    #: Guidance scale when the config leaves it null.
+    default_guidance_scale: ClassVar[float]
+    #: Whether the model takes true classifier-free guidance (an unconditional pass with a negative prompt).
+    supports_cfg: ClassVar[bool]
+    #: Text length when the config leaves ``max_sequence_length`` null (the pipeline's default).
+    default_max_sequence_length: ClassVar[int]
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        self.pipeline = pipeline
+        self.device = torch.device(device)
+        # A private copy: set_timesteps mutates the scheduler, and the pipeline's own scheduler stays untouched.
+        self.scheduler = copy.deepcopy(pipeline.scheduler)
+        self._schedules: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, model: str, *, dtype: torch.dtype, device: torch.device) -> FlowAdapter:
+        """Load the pipeline at ``model`` (a local folder or a hub id) through diffusers' ``from_pretrained``."""
+        return cls(load_pipeline(model, dtype), device)
+
+    # ------------------------------------------------------------------ components
+    @property
+    def transformer(self) -> nn.Module:
+        return self.pipeline.transformer
+
+    @transformer.setter
+    def transformer(self, module: nn.Module) -> None:
+        self.pipeline.transformer = module
+
+    @property
+    def vae(self) -> nn.Module:
+        return self.pipeline.vae
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def text_encoders(self) -> list[nn.Module]:
+        """The pipeline's text encoders (frozen by the plugin)."""
+        return [module for name, module in self.pipeline.components.items()
+                if name.startswith("text_encoder") and isinstance(module, nn.Module)]
+
+    def resolution_multiple(self) -> int:
+        """Image sides must be multiples of this (VAE downsampling × transformer patch)."""
+        return self.vae_scale_factor * int(getattr(self.transformer.config, "patch_size", 1) or 1)
+
+    # ------------------------------------------------------------------ the five operations
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+        """Encode ``prompts`` with the pipeline's text encoders → tensors with ``len(prompts)`` rows."""
+
+    @abstractmethod
+    def noise_shape(self, resolution: int) -> tuple[int, ...]:
+        """Shape of one sample's initial noise as the pipeline's ``prepare_latents`` draws it (before packing)."""
+
+    def pack(self, noise: Tensor) -> Tensor:
+        """Initial noise ``[N, *noise_shape]`` → the transformer's latent layout (identity unless packed)."""
+        return noise
+
+    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
+        """Transformer layout → VAE latents ``[N, C, h, w]`` (identity unless packed)."""
+        return latents
+
+    def image_seq_len(self, resolution: int) -> int:
+        """Image tokens the transformer sees, for schedulers with resolution-dependent (dynamic) shifting."""
+        side = resolution // self.resolution_multiple()
+        return side * side
+
+    def default_sigmas(self, num_steps: int) -> list[float] | None:
+        """Custom σ grid the pipeline passes to ``set_timesteps`` (None: the scheduler's own spacing)."""
+        return None
+
+    def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
+        """``(sigmas [S+1], timesteps [S])`` float32 on the device: σ from ~1 down to 0 (the last entry) and the
+        timestep value the transformer is given at each step, computed by the pipeline's scheduler exactly as its
+        ``__call__`` does (including FLUX's resolution-dependent shift)."""
+        key = (num_steps, resolution)
+        if key not in self._schedules:
+            config = self.scheduler.config
+            kwargs: dict[str, Any] = {}
+            if config.get("use_dynamic_shifting", False):
+                from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+                kwargs["mu"] = calculate_shift(
+                    self.image_seq_len(resolution), config.get("base_image_seq_len", 256),
+                    config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                    config.get("max_shift", 1.15),
+                )
+            sigmas = None if config.get("use_flow_sigmas", False) else self.default_sigmas(num_steps)
+            if sigmas is None:
+                self.scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+            else:
+                self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", **kwargs)
+            grid = self.scheduler.sigmas.to(torch.float32)
+            timesteps = self.scheduler.timesteps.to(torch.float32)
+            if grid.shape[0] != num_steps + 1 or timesteps.shape[0] != num_steps:
+                raise ValueError(
+                    f"{type(self.scheduler).__name__} gave {timesteps.shape[0]} timesteps for {num_steps} steps; the "
+                    "flow plugin needs a first-order flow-matching scheduler (FlowMatchEulerDiscreteScheduler)"
+                )
+            self._schedules[key] = (grid.to(self.device), timesteps.to(self.device))
+        return self._schedules[key]
+
+    @abstractmethod
+    def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                         guidance_scale: float) -> Tensor:
+        """One transformer call on a batch: ``latents`` in the transformer's layout (already cast to its dtype),
+        ``timesteps [n]`` float32 scheduler timesteps, ``conditioning`` with n rows. Returns the raw velocity.
+        ``guidance_scale`` is for guidance-distilled models (FLUX's guidance embedding); true CFG is done by
+        :meth:`velocity`."""
+
+    def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning, *,
+                 guidance_scale: float, negative: Conditioning | None = None) -> Tensor:
+        """The velocity the sampler steps with, float32 ``[n, ...]``.
+
+        With ``negative`` (one row, the negative prompt) this is true classifier-free guidance as in the diffusers
+        pipelines and Flow-GRPO: one transformer call on ``[uncond; cond]`` and v = v_u + w·(v_c − v_u), the
+        combination done in float32. Rollout and training both come through here.
+        """
+        if negative is None:
+            return self.call_transformer(module, latents, timesteps, conditioning, guidance_scale).float()
+        n = latents.shape[0]
+        both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]), value])
+                for key, value in conditioning.items()}
+        output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                                       both, guidance_scale)
+        uncond, cond = output.float().chunk(2)  # [n, ...] each
+        return uncond + guidance_scale * (cond - uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, resolution: int) -> Tensor:
+        """Final latents (transformer layout) → images ``[N, 3, H, W]`` float32 in [0, 1], as the pipeline's
+        ``output_type="pt"``."""
+        vae = self.vae
+        latents = self.unpack(latents, resolution)
+        latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+def read_model_index(model: str) -> dict[str, Any]:
+    """The pipeline's ``model_index.json`` from a local folder or the hub; one-line FileNotFoundError otherwise."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise FileNotFoundError(f"flow model folder {path} has no model_index.json (not a diffusers pipeline)")
+        return json.loads(index.read_text())
+    if path.exists() or not _HUB_ID.match(model):
+        raise FileNotFoundError(f"flow model {model}: no such pipeline folder (and not a hub id like 'owner/name')")
+    from diffusers import DiffusionPipeline
+
+    try:
+        return dict(DiffusionPipeline.load_config(model))
+    except Exception as error:  # offline, unknown repo, gated repo: all say the same thing to the user
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(f"flow model {model}: not a local folder and not loadable from the hub ({reason})")\
+            from None
+
+
+def check_pipeline_folder(path: Path, index: dict[str, Any]) -> None:
+    """Every model component listed in ``model_index.json`` must have a folder with weights in it."""
+    for component, spec in index.items():
+        if component.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        folder = path / component
+        if not folder.is_dir():
+            raise FileNotFoundError(f"flow model folder {path}: model_index.json lists {component!r} but "
+                                    f"{component}/ is missing")
+        if (folder / "config.json").is_file() and not any(
+            f.name.endswith(_WEIGHT_SUFFIXES) for f in folder.iterdir() if f.is_file()
+        ):
+            raise FileNotFoundError(f"flow model folder {path}: {component}/ has a config.json but no weights "
+                                    "(*.safetensors or *.bin)")
+
+
+def load_pipeline(model: str, dtype: torch.dtype) -> Any:
+    """``DiffusionPipeline.from_pretrained(model)`` in ``dtype`` after checking a local folder is complete."""
+    from diffusers import DiffusionPipeline
+
+    index = read_model_index(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        check_pipeline_folder(path, index)
+        model = str(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # `torch_dtype` is renamed `dtype` in recent diffusers
+        pipeline = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

@@ -1,0 +1,92 @@
+"""FLUX.1 (``FluxPipeline``): a rectified-flow transformer on packed latents (2×2 patches of the 16-channel VAE
+latents become tokens), text from CLIP (pooled) and T5 (sequence), and, for the guidance-distilled FLUX.1-dev, the
+guidance scale given to the model through its guidance embedding instead of a second (unconditional) pass.
+
+Defaults: guidance 3.5 (the FLUX.1-dev default, also used by DanceGRPO, arXiv:2505.07818) and Flow-GRPO's FLUX
+LoRA targets, which add the feed-forward layers of both streams to the attention projections.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+
+
+class FluxAdapter(FlowAdapter):
+    """Adapter for ``FluxPipeline`` (FLUX.1-dev, FLUX.1-schnell and fine-tunes)."""
+
+    name = "flux"
+    pipeline_classes = ("FluxPipeline",)
+    lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                           "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                           "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+    default_guidance_scale = 3.5
+    supports_cfg = False
+    default_max_sequence_length = 512  # FluxPipeline's default
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        super().__init__(pipeline, device)
+        self._ids: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
+
+    def resolution_multiple(self) -> int:
+        return self.vae_scale_factor * 2  # latents are packed in 2×2 patches
+
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+        prompt_embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=max_sequence_length,
+        )
+        # prompt_embeds [n, L, D_t5]; pooled [n, D_clip]
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    def noise_shape(self, resolution: int) -> tuple[int, ...]:
+        side = 2 * (resolution // (self.vae_scale_factor * 2))
+        return (self.transformer.config.in_channels // 4, side, side)
+
+    def pack(self, noise: Tensor) -> Tensor:
+        n, channels, height, width = noise.shape
+        return self.pipeline._pack_latents(noise, n, channels, height, width)  # [n, h/2·w/2, 4C]
+
+    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
+        return self.pipeline._unpack_latents(latents, resolution, resolution, self.vae_scale_factor)
+
+    def image_seq_len(self, resolution: int) -> int:
+        side = resolution // self.resolution_multiple()
+        return side * side
+
+    def default_sigmas(self, num_steps: int) -> list[float]:
+        return np.linspace(1.0, 1 / num_steps, num_steps).tolist()  # as FluxPipeline.__call__
+
+    def _position_ids(self, image_tokens: int, text_tokens: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """FLUX's rotary position ids of the image tokens (row, column) and of the text tokens (zeros), cached."""
+        key = (image_tokens, text_tokens, like.device, like.dtype)
+        if key not in self._ids:
+            side = math.isqrt(image_tokens)  # square images
+            self._ids[key] = (self.pipeline._prepare_latent_image_ids(1, side, side, like.device, like.dtype),
+                              torch.zeros(text_tokens, 3, device=like.device, dtype=like.dtype))
+        return self._ids[key]
+
+    def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                         guidance_scale: float) -> Tensor:
+        n, tokens, _ = latents.shape  # [n, h/2·w/2, 4C]
+        prompt_embeds = conditioning["prompt_embeds"]
+        image_ids, text_ids = self._position_ids(tokens, prompt_embeds.shape[1], latents)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((n,), guidance_scale, device=latents.device, dtype=torch.float32)
+        return module(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,  # FluxPipeline passes σ in the latents' dtype
+            guidance=guidance,
+            pooled_projections=conditioning["pooled_prompt_embeds"],
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]

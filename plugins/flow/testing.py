@@ -1,0 +1,223 @@
+"""Tiny SD3 and FLUX pipelines with random weights and locally built tokenizers, for tests and benchmarks.
+
+Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
+vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
+pipeline folder with ``save_pretrained``, so the plugin loads it through the same ``from_pretrained`` path as a hub
+id::
+
+    folder = save_tiny_pipeline("sd3", tmp_path / "tiny-sd3")
+    plugin = FlowPlugin(FlowPluginConfig(model=str(folder), prompts=["a cat"]), Runtime())
+
+``size="sd35-medium"`` builds the SD3.5-Medium transformer and VAE at full size (random weights; about 2.2B
+parameters) with one-layer text encoders of the real widths, for the rollout benchmark on a GPU: prompt encoding is
+cached by the plugin and kept out of the timed region, so the text encoders' depth does not matter there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_RESOLUTION = 16
+"""Image side of the tiny pipelines (latents are 8×8: the tiny VAE downsamples by 2)."""
+
+# Words the tiny tokenizers know as whole pieces; anything else falls back to characters.
+_WORDS = ("a", "an", "the", "of", "on", "in", "cat", "dog", "red", "blue", "green", "photo", "painting", "house",
+          "tree", "sky", "car", "with", "and", "small", "big")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible map from bytes to printable unicode characters (byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(code) for code in codes), strict=True))
+
+
+def tiny_clip_tokenizer(model_max_length: int = 16) -> Any:
+    """A CLIP tokenizer over single byte-level characters plus a few whole words (with CLIP's ``</w>`` suffix)."""
+    from transformers import CLIPTokenizer
+
+    alphabet = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for token in [*alphabet, *(char + "</w>" for char in alphabet)]:
+        vocab.setdefault(token, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS:
+        # Merge the word left to right: "c a", "ca t</w>" → "cat</w>".
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            merged = pieces[0] + pieces[1]
+            vocab.setdefault(merged, len(vocab))
+            pieces = [merged, *pieces[2:]]
+    merges = list(dict.fromkeys(merges))
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab.setdefault(special, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer(model_max_length: int = 32) -> Any:
+    """A T5 tokenizer on a small Unigram vocabulary: T5's special tokens, letters, digits and a few words."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(f"▁{word}", -3.0) for word in _WORDS]
+    pieces += [(char, -5.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"]
+    pieces += [(f"▁{char}", -6.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def _clip_text_encoder(vocab_size: int, hidden: int, projection: int, layers: int, positions: int,
+                       with_projection: bool) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, projection_dim=projection,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64) if hidden >= 64 else 2,
+        max_position_embeddings=positions, hidden_act="gelu", bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1,
+    )
+    model_class = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return model_class(config)
+
+
+def _t5_encoder(vocab_size: int, d_model: int, layers: int, heads: int, d_ff: int) -> Any:
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=d_model // heads, d_ff=d_ff, num_layers=layers,
+        num_heads=heads, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
+    )
+    return T5EncoderModel(config)
+
+
+def _vae(latent_channels: int, block_out_channels: tuple[int, ...], groups: int, scaling: float,
+         shift: float) -> Any:
+    from diffusers import AutoencoderKL
+
+    blocks = len(block_out_channels)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks, block_out_channels=block_out_channels,
+        layers_per_block=1, latent_channels=latent_channels, norm_num_groups=groups,
+        sample_size=TINY_RESOLUTION * 2, scaling_factor=scaling, shift_factor=shift,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+
+
+def build_sd3_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``StableDiffusion3Pipeline`` with random weights: two CLIP encoders with projection, a T5 encoder, an MMDiT
+    transformer, a VAE and the shift-3 flow-matching scheduler of SD3.5."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if size == "tiny":
+            tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
+            tokenizer_3 = tiny_t5_tokenizer()
+            clip_width, clip_2_width, t5_width, layers = 8, 8, 32, 1
+            transformer = SD3Transformer2DModel(
+                sample_size=TINY_RESOLUTION // 2, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=t5_width,
+                caption_projection_dim=16, pooled_projection_dim=clip_width + clip_2_width, pos_embed_max_size=16,
+            )
+            vae = _vae(4, (8, 16), 4, scaling=1.5305, shift=0.0609)
+        elif size == "sd35-medium":
+            tokenizer, tokenizer_2 = tiny_clip_tokenizer(77), tiny_clip_tokenizer(77)
+            tokenizer_3 = tiny_t5_tokenizer(256)
+            clip_width, clip_2_width, t5_width, layers = 768, 1280, 4096, 1
+            transformer = SD3Transformer2DModel(  # stabilityai/stable-diffusion-3.5-medium transformer config
+                sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+                dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+            )
+            vae = _vae(16, (128, 256, 512, 512), 32, scaling=1.5305, shift=0.0609)
+        else:
+            raise ValueError(f"unknown pipeline size {size!r}; choose 'tiny' or 'sd35-medium'")
+        clip_positions = tokenizer.model_max_length
+        vocab = len(tokenizer)
+        text_encoder = _clip_text_encoder(vocab, clip_width, clip_width, layers, clip_positions, True)
+        text_encoder_2 = _clip_text_encoder(vocab, clip_2_width, clip_2_width, layers, clip_positions, True)
+        text_encoder_3 = _t5_encoder(len(tokenizer_3), t5_width, layers, 4 if size == "tiny" else 64,
+                                     2 * t5_width)
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+
+
+def build_flux_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``FluxPipeline`` with random weights: a CLIP text encoder (pooled output), a T5 encoder, a FLUX transformer
+    with the guidance embedding (as FLUX.1-dev), a VAE and FLUX's dynamically shifted scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    if size != "tiny":
+        raise ValueError(f"unknown FLUX pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+        clip_width, t5_width, latent_channels = 8, 32, 4
+        text_encoder = _clip_text_encoder(len(tokenizer), clip_width, clip_width, 1, tokenizer.model_max_length,
+                                          False)
+        text_encoder_2 = _t5_encoder(len(tokenizer_2), t5_width, 1, 4, 2 * t5_width)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+            guidance_embeds=True, axes_dims_rope=(2, 2, 4),
+        )
+        vae = _vae(latent_channels, (8, 16), 4, scaling=0.3611, shift=0.1159)
+        scheduler = FlowMatchEulerDiscreteScheduler(  # black-forest-labs/FLUX.1-dev scheduler config
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+
+
+BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline}
+
+
+def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
+                       dtype: torch.dtype | None = None) -> Path:
+    """Build the ``kind`` (``"sd3"`` or ``"flux"``) pipeline and ``save_pretrained`` it to ``directory`` (in
+    ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on disk)."""
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown pipeline kind {kind!r}; choose one of {', '.join(BUILDERS)}")
+    directory = Path(directory)
+    pipeline = BUILDERS[kind](seed=seed, size=size)  # on the current default device (see torch.device(...))
+    if dtype is not None:
+        pipeline.to(dtype=dtype)
+    pipeline.to("cpu").save_pretrained(str(directory))
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmrl.plugins.flow.testing {sd3,flux} FOLDER``: write a tiny pipeline for CPU smoke runs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random SD3 or FLUX pipeline folder.")
+    parser.add_argument("kind", choices=sorted(BUILDERS))
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(save_tiny_pipeline(args.kind, args.folder, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

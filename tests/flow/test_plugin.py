@@ -1,0 +1,337 @@
+"""The flow plugin against tiny SD3 and FLUX pipelines, without the trainer: sampling, recomputation, KL, LoRA
+checkpoints, loading errors."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmrl.config import ConfigError
+from mmrl.plugin import Runtime
+from tests.flow.conftest import prompt_batch
+
+MODELS = [("sd3", True), ("sd3", False), ("flux", False)]
+MODEL_IDS = ["sd3-cfg", "sd3-nocfg", "flux"]
+
+
+def _perturb_lora(plugin, scale=0.5, seed=0):
+    """Random LoRA weights (B starts at zero, so a fresh adapter does nothing)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in plugin.policy().named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+def _ratio_deviation(output, part):
+    return float((output.logp - part.old_logp).exp().sub(1).abs().max())
+
+
+@pytest.mark.parametrize(("kind", "cfg"), MODELS, ids=MODEL_IDS)
+def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, kind, cfg):
+    plugin = make_plugin(kind, cfg=cfg)
+    _perturb_lora(plugin)  # a non-trivial policy
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog", "a red car"], 2)).validate()
+    assert rollout.old_logp.shape == rollout.mask.shape == (6, 3)
+    assert rollout.replay["latents"].dtype == rollout.replay["next_latents"].dtype == torch.float32
+    with torch.no_grad():
+        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2], [1, 3]):  # other sizes, orders and companions
+            part = rollout.select(torch.tensor(split))
+            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
+        for column in range(3):  # one denoising step at a time, as with algorithm.action_chunk_size: 1
+            part = rollout.select(torch.tensor([2, 5])).select_actions(torch.tensor([column]))
+            output = plugin.forward(policy, part, need_reference=False, actions=torch.tensor([column]))
+            assert output.logp.shape == (2, 1)
+            assert _ratio_deviation(output, part) < 1e-5
+        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
+        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_fixed_transformer_batches_make_velocities_independent_of_the_batch(make_plugin, kind):
+    plugin = make_plugin(kind, transformer_batch_size=4)
+    _perturb_lora(plugin)
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat", "a dog", "a red car"], 2))
+    replay = rollout.replay
+    with torch.no_grad():
+        whole = plugin._velocity(plugin.policy(), replay["latents"][:, 1], replay["timesteps"][:, 1],
+                                 replay["conditioning"], plugin.guidance_scale)
+        index = torch.tensor([4, 1])
+        part = plugin._velocity(plugin.policy(), replay["latents"][index, 1], replay["timesteps"][index, 1],
+                                {k: v[index] for k, v in replay["conditioning"].items()}, plugin.guidance_scale)
+    assert torch.equal(part, whole[index])  # bit-exact, not merely close
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_kl_to_the_reference_is_zero_at_start_and_grows_with_the_adapter(make_plugin, kind):
+    plugin = make_plugin(kind)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))
+    output = plugin.forward(policy, rollout, need_reference=True)
+    assert output.kl.shape == (4, 3)
+    assert output.kl.abs().max() == 0  # B = 0: the adapter is the identity
+    _perturb_lora(plugin)
+    output = plugin.forward(policy, rollout, need_reference=True)
+    assert (output.kl > 0).all()
+    output.kl.sum().backward()  # the KL carries gradients to the adapter
+    grads = [p.grad for n, p in policy.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():  # the reference pass leaves the adapter enabled
+        assert torch.equal(plugin.forward(policy, rollout, need_reference=False).logp, output.logp.detach())
+    assert not any(module.disable_adapters for module in policy.modules() if hasattr(module, "lora_A"))
+
+
+def test_flow_grpo_kl_is_the_exact_kl_times_the_step_size(make_plugin):
+    """Flow-GRPO's KL divides by 2s² where the exact one divides by 2s²Δ (flow_grpo#22)."""
+    flow_grpo, exact = make_plugin("sd3"), make_plugin("sd3", kl_variance="transition")
+    for plugin in (flow_grpo, exact):
+        _perturb_lora(plugin)
+    rollout = flow_grpo.rollout(flow_grpo.policy(), prompt_batch(["a cat"], 2))
+    with torch.no_grad():
+        a = flow_grpo.forward(flow_grpo.policy(), rollout, need_reference=True).kl
+        b = exact.forward(exact.policy(), rollout, need_reference=True).kl
+    delta = rollout.replay["sigmas"] - rollout.replay["sigmas_next"]
+    torch.testing.assert_close(a, b * delta, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_evaluation_is_the_diffusers_pipeline_ode(make_plugin, kind):
+    plugin = make_plugin(kind, eval_num_steps=5, eval_guidance_scale=3.0)
+    prompts = ["a cat", "a red dog"]
+    batch = prompt_batch(prompts, 1, first_seed=5, training=False)
+    rollout = plugin.rollout(plugin.policy(), batch).validate()
+    assert rollout.num_actions == 0 and rollout.payload["prompts"] == prompts
+    generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
+    with torch.no_grad():
+        expected = plugin.adapter.pipeline(prompts, height=16, width=16, num_inference_steps=5, guidance_scale=3.0,
+                                           generator=generators, output_type="pt", max_sequence_length=8).images
+    torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_shared_initial_noise_is_per_group(make_plugin, kind):
+    batch = prompt_batch(["a cat", "a dog", "a cat"], 3)  # the third group repeats a prompt: noise still differs
+    plugin = make_plugin(kind, share_initial_noise=True)
+    shared = plugin.rollout(plugin.policy(), batch)
+    start = shared.replay["latents"][:, 0].reshape(3, 3, -1)  # x at σ = 1, [group, member, ...]
+    for group in range(3):
+        assert all(torch.equal(start[group, 0], start[group, k]) for k in (1, 2))
+    assert not torch.equal(start[0, 0], start[1, 0]) and not torch.equal(start[0, 0], start[2, 0])
+    assert not torch.equal(shared.replay["next_latents"][0, 0], shared.replay["next_latents"][1, 0])  # SDE noise
+    plugin.config.share_initial_noise = False
+    independent = plugin.rollout(plugin.policy(), batch).replay["latents"][:, 0]
+    assert not torch.equal(independent[0], independent[1])
+
+
+def test_rollout_does_not_depend_on_how_samples_are_batched(make_plugin):
+    plugin = make_plugin("sd3", transformer_batch_size=2, train_steps="random", timestep_fraction=0.5)
+    batch = prompt_batch(["a cat", "a dog"], 2)
+    whole = plugin.rollout(plugin.policy(), batch)
+    halves = [plugin.rollout(plugin.policy(), prompt_batch([prompt], 2, first_seed=100 + 2 * i, first_group=i))
+              for i, prompt in enumerate(["a cat", "a dog"])]
+    for key in ("latents", "next_latents", "step_index"):
+        assert torch.equal(whole.replay[key], torch.cat([h.replay[key] for h in halves]))
+    assert torch.equal(whole.payload["images"], torch.cat([h.payload["images"] for h in halves]))
+
+
+@pytest.mark.parametrize("selection", ["fraction", "random", "window"])
+def test_stored_steps_follow_the_step_selection(make_plugin, selection):
+    plugin = make_plugin("flux", num_steps=6, train_steps=selection, timestep_fraction=0.5, window_size=2,
+                         window_range=[1, 5])
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat", "a dog"], 2))
+    steps = rollout.replay["step_index"]
+    expected_width = {"fraction": 3, "random": 2, "window": 2}[selection]
+    assert steps.shape == rollout.mask.shape == (4, expected_width) and rollout.mask.all()
+    assert plugin.max_actions() == expected_width
+    sigmas, _ = plugin.adapter.schedule(6, 16)
+    assert torch.equal(rollout.replay["sigmas"], sigmas[steps])
+    assert torch.equal(rollout.replay["sigmas_next"], sigmas[steps + 1])
+    if selection == "fraction":
+        assert torch.equal(steps, torch.arange(3).expand(4, 3))
+    if selection == "random":
+        assert steps.max() <= 4  # the last step (5) is never trained
+    if selection == "window":
+        assert (steps[:, 1] == steps[:, 0] + 1).all() and steps.min() >= 1 and steps.max() <= 4
+        assert torch.equal(steps[0], steps[1]) and torch.equal(steps[2], steps[3])
+    # Consecutive trained steps chain: x after step k is x before step k + 1.
+    for n in range(4):
+        for j in range(expected_width - 1):
+            if steps[n, j + 1] == steps[n, j] + 1:
+                assert torch.equal(rollout.replay["next_latents"][n, j], rollout.replay["latents"][n, j + 1])
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_saved_adapter_reproduces_the_policy_and_loads_into_diffusers(make_plugin, kind, tmp_path):
+    trained = make_plugin(kind)
+    _perturb_lora(trained)
+    trained.save_trainable(trained.policy(), tmp_path / "policy")
+    assert (tmp_path / "policy" / "pytorch_lora_weights.safetensors").is_file()
+    rollout = trained.rollout(trained.policy(), prompt_batch(["a cat"], 2))
+    fresh = make_plugin(kind)
+    fresh.load_trainable(fresh.policy(), tmp_path / "policy")
+    with torch.no_grad():
+        expected = trained.forward(trained.policy(), rollout, need_reference=False).logp
+        assert torch.equal(fresh.forward(fresh.policy(), rollout, need_reference=False).logp, expected)
+        # A plain diffusers pipeline loads the same adapter with load_lora_weights.
+        pipeline = type(fresh.adapter.pipeline).from_pretrained(fresh.config.model)
+        pipeline.load_lora_weights(str(tmp_path / "policy"))
+        latents = rollout.replay["latents"][:, 1]
+        conditioning = rollout.replay["conditioning"]
+        timesteps = rollout.replay["timesteps"][:, 1]
+        ours = trained.adapter.call_transformer(trained.policy(), latents, timesteps, conditioning, 3.5)
+        theirs = trained.adapter.call_transformer(pipeline.transformer, latents, timesteps, conditioning, 3.5)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_loading_an_adapter_of_another_rank_fails_clearly(make_plugin, tmp_path):
+    saved = make_plugin("sd3")
+    saved.save_trainable(saved.policy(), tmp_path)
+    other = make_plugin("sd3", lora={"rank": 2, "alpha": 8})
+    with pytest.raises(ValueError, match="rank 4"):
+        other.load_trainable(other.policy(), tmp_path)
+    with pytest.raises(FileNotFoundError, match="pytorch_lora_weights"):
+        other.load_trainable(other.policy(), tmp_path / "absent")
+
+
+def test_adapter_is_saved_from_the_gathered_state_by_the_main_process_only(make_plugin, tmp_path):
+    from safetensors.torch import load_file
+
+    # Under FSDP/ZeRO-3 local parameters are shards: the adapter must come from Runtime.full_state_dict.
+    def gathered(module):
+        return {name: torch.full_like(value, 0.25) if "lora_" in name else value
+                for name, value in module.state_dict().items()}
+
+    plugin = make_plugin("flux", runtime=Runtime(full_state_dict=gathered))
+    plugin.save_trainable(plugin.policy(), tmp_path / "main")
+    saved = load_file(str(tmp_path / "main" / "pytorch_lora_weights.safetensors"))
+    assert len(saved) == sum(1 for name, _ in plugin.policy().named_parameters() if "lora_" in name)
+    assert all(bool((tensor == 0.25).all()) for tensor in saved.values())
+
+    calls = []
+    other = make_plugin("flux", runtime=Runtime(process_index=1, num_processes=2,
+                                                full_state_dict=lambda module: calls.append(1) or {}))
+    other.save_trainable(other.policy(), tmp_path / "other")
+    assert calls == [1] and not (tmp_path / "other").exists()
+
+    incomplete = make_plugin("flux", runtime=Runtime(full_state_dict=lambda module: {}))
+    with pytest.raises(RuntimeError, match="refusing to save the LoRA adapter"):
+        incomplete.save_trainable(incomplete.policy(), tmp_path / "incomplete")
+    assert not (tmp_path / "incomplete").exists()
+
+
+def test_full_fine_tuning_trains_every_transformer_weight_against_a_frozen_copy(make_plugin):
+    plugin = make_plugin("sd3", lora=None, reference_copy=True, cfg=False)
+    policy = plugin.policy()
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in policy.parameters())
+    assert not any(p.requires_grad for p in plugin.adapter.vae.parameters())
+    rollout = plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    assert plugin.forward(policy, rollout, need_reference=True).kl.abs().max() == 0
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert (plugin.forward(policy, rollout, need_reference=True).kl > 0).all()
+    no_copy = make_plugin("sd3", lora=None, cfg=False)
+    with pytest.raises(ConfigError, match="reference_copy"):
+        no_copy.forward(no_copy.policy(), rollout, need_reference=True)
+
+
+def test_mixed_precision_keeps_log_prob_math_and_adapter_in_float32(make_plugin):
+    runtime = Runtime(mixed_precision="bf16", autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    plugin = make_plugin("flux", runtime=runtime, transformer_batch_size=2)
+    policy = plugin.policy()
+    assert {p.dtype for p in policy.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in policy.parameters() if not p.requires_grad} == {torch.bfloat16}
+    _perturb_lora(plugin)
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))
+    assert rollout.old_logp.dtype == rollout.replay["next_latents"].dtype == torch.float32
+    with torch.no_grad():
+        part = rollout.select(torch.tensor([3, 0, 1]))
+        assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
+
+
+def test_cfg_is_refused_for_a_guidance_distilled_model(make_plugin):
+    with pytest.raises(ConfigError, match="plugin.cfg"):
+        make_plugin("flux", cfg=True)
+
+
+def test_resolution_must_fit_the_vae_and_patches(make_plugin):
+    with pytest.raises(ConfigError, match="plugin.resolution"):
+        make_plugin("flux", resolution=18)
+
+
+def test_a_folder_without_weights_fails_with_one_line_naming_it(make_plugin, pipelines, tmp_path):
+    broken = tmp_path / "no-weights"
+    shutil.copytree(pipelines["sd3"], broken)
+    (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        make_plugin("sd3", model=str(broken))
+    message = str(error.value)
+    assert str(broken) in message and "transformer/" in message and "\n" not in message
+    with pytest.raises(FileNotFoundError, match="no such pipeline folder"):
+        make_plugin("sd3", model=str(tmp_path / "missing" / "folder"))
+    (broken / "model_index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        make_plugin("sd3", model=str(broken))
+
+
+def test_adapter_is_detected_from_model_index_and_new_adapters_register(make_plugin):
+    from mmrl.plugins.flow.adapters import flow_adapters
+    from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
+
+    assert make_plugin("sd3").adapter.name == "sd3"
+    assert make_plugin("flux").adapter.name == "flux"
+
+    class ImageStreamOnly(SD3Adapter):  # a "new model" in one class: LoRA on the image stream only
+        name = "sd3-image-stream"
+        lora_target_modules = ("attn.to_q", "attn.to_v")
+
+    flow_adapters.register("sd3-image-stream", ImageStreamOnly)
+    plugin = make_plugin("sd3", adapter="sd3-image-stream")
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in plugin.policy().named_parameters() if "lora_" in n}
+    assert adapted == {"to_q", "to_v"}
+
+
+def test_prompt_embeddings_are_encoded_once_per_prompt(make_plugin):
+    plugin = make_plugin("sd3", embedding_cache_size=2)
+    calls = []
+    encode = plugin.adapter.encode_prompts
+    plugin.adapter.encode_prompts = lambda prompts, length: calls.append(list(prompts)) or encode(prompts, length)
+    first = plugin.conditioning(["a cat", "a dog", "a cat"])
+    again = plugin.conditioning(["a dog", "a cat"])
+    assert calls == [["a cat", "a dog"]]
+    assert torch.equal(again["prompt_embeds"], first["prompt_embeds"][[1, 0]])
+    plugin.conditioning(["a red car"])  # evicts the least recently used ("a dog")
+    plugin.conditioning(["a cat"])
+    plugin.conditioning(["a dog"])
+    assert calls == [["a cat", "a dog"], ["a red car"], ["a dog"]]
+
+
+def test_prompt_files(make_plugin, tmp_path):
+    from mmrl.config import from_dict
+    from mmrl.plugins.flow.plugin import FlowPluginConfig, _load_rows
+
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (folder / "train.txt").write_text("a cat\n\na dog\n")
+    (folder / "test_metadata.jsonl").write_text('{"prompt": "two cats", "count": 2}\n')
+    config = from_dict(FlowPluginConfig, {"model": "unused", "dataset": str(folder)}, "plugin")
+    assert _load_rows(config, "train") == [{"prompt": "a cat"}, {"prompt": "a dog"}]
+    assert _load_rows(config, "eval") == [{"prompt": "two cats", "count": 2}]
+    (folder / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    bad = from_dict(FlowPluginConfig, {"model": "unused", "dataset": str(folder / "bad.jsonl")}, "plugin")
+    with pytest.raises(ValueError, match="line 1"):
+        _load_rows(bad, "train")
+
+
+def test_importing_the_plugin_package_does_not_import_diffusers():
+    code = ("import sys, mmrl.plugins.flow, mmrl.plugins.flow.plugin, mmrl.plugins.flow.adapters\n"
+            "from mmrl.plugin import plugin_registry\n"
+            "assert plugin_registry.get('flow').name == 'flow'\n"
+            "assert 'diffusers' not in sys.modules, 'diffusers imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
