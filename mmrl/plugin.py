@@ -49,6 +49,8 @@ class Runtime:
             ``get_state_dict``). Saving reads weights through it, never from local (possibly sharded) parameters.
         autocast: Returns the mixed-precision autocast context for forward passes.
         seed: The run's base seed.
+        needs_reference: Whether :meth:`Plugin.forward` will be asked for the reference policy (``kl_coef > 0``),
+            so that a plugin keeps a frozen copy only when the KL term needs one.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -61,6 +63,7 @@ class Runtime:
     ).state_dict()
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
     seed: int = 0
+    needs_reference: bool = False
 
     @property
     def is_main_process(self) -> bool:
@@ -203,8 +206,8 @@ class Plugin(ABC):
         if not self.runtime.is_main_process:
             return
         module = self.runtime.unwrap(policy)
-        names = [_clean_name(name) for name, p in module.named_parameters() if p.requires_grad]
-        state = {_clean_name(name): tensor for name, tensor in state.items()}
+        names = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
+        state = {clean_parameter_name(name): tensor for name, tensor in state.items()}
         missing = [name for name in names if name not in state]
         empty = [name for name in names if name in state and state[name].numel() == 0]
         if missing or empty:
@@ -224,7 +227,7 @@ class Plugin(ABC):
             raise FileNotFoundError(f"no trainable weights at {path}")
         state = load_file(str(path))
         module = self.runtime.unwrap(policy)
-        params = {_clean_name(name): p for name, p in module.named_parameters()}
+        params = {clean_parameter_name(name): p for name, p in module.named_parameters()}
         missing = [name for name, p in params.items() if p.requires_grad and name not in state]
         unexpected = [name for name in state if name not in params]
         if missing or unexpected:
@@ -257,8 +260,10 @@ class Plugin(ABC):
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
-def _clean_name(name: str) -> str:
-    """A parameter name without the components FSDP, activation checkpointing and torch.compile insert."""
+def clean_parameter_name(name: str) -> str:
+    """A parameter name without the components FSDP, activation checkpointing and torch.compile insert, so that names
+    from a wrapped module, its unwrapped module and a gathered state dict compare equal. For plugins that override
+    :meth:`Plugin.save_trainable`."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
 
 

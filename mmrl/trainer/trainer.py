@@ -108,6 +108,7 @@ class Trainer:
             full_state_dict=lambda module: acc.get_state_dict(module),
             autocast=acc.autocast,
             seed=config.run.seed,
+            needs_reference=config.algorithm.kl_coef > 0,
         )
         algorithm = config.algorithm
         self.estimator = advantage_estimators.get(algorithm.advantage.name)
@@ -504,7 +505,8 @@ class Trainer:
             max_actions = int(acc.reduce(width, "max").item())
         scale = geometry.backward_passes * acc.num_processes  # undo Accelerate's ÷GA and DDP's mean over processes
         means = WeightedMeans()
-        deviations: list[float] = []
+        deviations: list[float] = []  # max |ratio - 1| of every backward pass before this step's first update
+        steps_before = self.optimizer_steps
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
             order = torch.randperm(
@@ -531,8 +533,8 @@ class Trainer:
                             acc.backward(loss * scale)
                             means.add_all(part_metrics, weight)
                             step_loss += loss.detach().to(torch.float64)
-                            if not deviations:
-                                deviations.append(deviation)  # the very first inner step, before any update
+                            if self.optimizer_steps == steps_before:  # the first mini-batch: no update yet
+                                deviations.append(deviation)
                             if acc.sync_gradients:
                                 self._optimizer_step(means)
                 if not acc.sync_gradients:
@@ -540,7 +542,7 @@ class Trainer:
                 loss_total += float(acc.reduce(step_loss, "sum"))
         out = self._reduce_means(means)
         out["loss/total"] = loss_total / geometry.optimizer_steps_per_step
-        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(deviations[0], device=device), "max"))
+        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(max(deviations), device=device), "max"))
         return out
 
     def _optimizer_step(self, means: WeightedMeans) -> None:

@@ -15,7 +15,7 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
-  same transformer with its LoRA adapter disabled (full fine-tuning: a frozen copy, see ``reference_copy``).
+  same transformer with its LoRA adapter disabled (full fine-tuning: a frozen copy, kept when ``kl_coef > 0``).
 """
 
 from __future__ import annotations
@@ -72,10 +72,6 @@ class FlowPluginConfig:
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
-    )
-    reference_copy: bool = config_field(
-        False, help="Full fine-tuning only: keep a frozen float32 copy of the initial transformer as the KL reference "
-        "(needed when algorithm.kl_coef > 0; ~9 GB more for SD3.5-Medium). LoRA disables the adapter instead.",
     )
     gradient_checkpointing: bool = config_field(False, help="Recompute transformer activations in the backward.")
     resolution: int = config_field(512, minimum=1, help="Image side in pixels (square images).",
@@ -226,7 +222,7 @@ class FlowPlugin(Plugin):
             # Full fine-tuning: float32 master weights (autocast runs the forward in mixed precision).
             transformer.to(torch.float32).requires_grad_(True)
             self.input_dtype = torch.float32
-            if config.reference_copy:
+            if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         else:
             self.input_dtype = runtime.dtype  # the frozen base weights' dtype
@@ -386,14 +382,14 @@ class FlowPlugin(Plugin):
             return
         from peft.utils import get_peft_model_state_dict
 
-        from mmrl.plugin import _clean_name
+        from mmrl.plugin import clean_parameter_name
 
         gathered = self.runtime.full_state_dict(policy)
         if not self.runtime.is_main_process:
             return
         module = self.runtime.unwrap(policy)
-        gathered = {_clean_name(name): tensor for name, tensor in gathered.items()}
-        trainable = [_clean_name(name) for name, p in module.named_parameters() if p.requires_grad]
+        gathered = {clean_parameter_name(name): tensor for name, tensor in gathered.items()}
+        trainable = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
         incomplete = [name for name in trainable if name not in gathered or gathered[name].numel() == 0]
         if incomplete:
             raise RuntimeError(f"refusing to save the LoRA adapter: {len(incomplete)} of its tensors are missing or "
@@ -511,8 +507,8 @@ class FlowPlugin(Plugin):
         """The reference policy: the transformer with its LoRA adapter disabled, or the frozen copy."""
         if self.config.lora is None:
             if self.reference is None:
-                raise ConfigError("plugin.reference_copy", False, "true when algorithm.kl_coef > 0 with full "
-                                  "fine-tuning (plugin.lora: null): the KL needs a frozen copy of the initial model")
+                raise RuntimeError("flow plugin: a reference was requested but Runtime.needs_reference was False "
+                                   "(full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0)")
             yield self.reference
             return
         module = self.runtime.unwrap(policy)

@@ -84,7 +84,8 @@ class ToyPlugin(Plugin):
                     embed_size=config.embed_size, hidden_size=config.hidden_size,
                 ))
         self.model.to(runtime.device)
-        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        # The KL reference: a frozen copy of the initial weights, kept only when the KL term needs it.
+        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval() if runtime.needs_reference else None
         self.splits = make_splits(
             config.task, num_digits=config.num_digits, min_length=config.min_length, max_length=config.max_length,
             train_size=config.train_size, eval_size=config.eval_size, seed=config.data_seed,
@@ -151,6 +152,8 @@ class ToyPlugin(Plugin):
         logp, entropy = self._token_logp(policy, prompt_ids, tokens)  # [N, T] each
         ref_logp = None
         if need_reference:
+            if self.reference is None:
+                raise RuntimeError("toy plugin: a reference was requested but Runtime.needs_reference was False")
             with torch.no_grad():
                 ref_logp, _ = self._token_logp(self.reference, prompt_ids, tokens)
         if actions is not None:

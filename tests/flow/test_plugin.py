@@ -225,7 +225,7 @@ def test_adapter_is_saved_from_the_gathered_state_by_the_main_process_only(make_
 
 
 def test_full_fine_tuning_trains_every_transformer_weight_against_a_frozen_copy(make_plugin):
-    plugin = make_plugin("sd3", lora=None, reference_copy=True, cfg=False)
+    plugin = make_plugin("sd3", runtime=Runtime(needs_reference=True), lora=None, cfg=False)
     policy = plugin.policy()
     assert all(p.requires_grad and p.dtype == torch.float32 for p in policy.parameters())
     assert not any(p.requires_grad for p in plugin.adapter.vae.parameters())
@@ -235,8 +235,9 @@ def test_full_fine_tuning_trains_every_transformer_weight_against_a_frozen_copy(
         for p in policy.parameters():
             p.add_(0.01 * torch.randn_like(p))
     assert (plugin.forward(policy, rollout, need_reference=True).kl > 0).all()
-    no_copy = make_plugin("sd3", lora=None, cfg=False)
-    with pytest.raises(ConfigError, match="reference_copy"):
+    no_copy = make_plugin("sd3", lora=None, cfg=False)  # kl_coef = 0: no copy is kept
+    assert no_copy.reference is None
+    with pytest.raises(RuntimeError, match="needs_reference"):
         no_copy.forward(no_copy.policy(), rollout, need_reference=True)
 
 

@@ -62,7 +62,7 @@ def test_kl_term_starts_at_zero_and_rollout_batch_may_equal_the_micro_batch(trai
 
 
 def test_full_fine_tuning_with_a_reference_copy(train_config, tmp_path):
-    config = train_config("flux", tmp_path, "algorithm.kl_coef=0.01", lora=None, reference_copy=True)
+    config = train_config("flux", tmp_path, "algorithm.kl_coef=0.01", lora=None)
     trainer = Trainer(config)
     before = _snapshot(trainer.plugin.policy())
     history = trainer.train().history

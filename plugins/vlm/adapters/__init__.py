@@ -1,0 +1,76 @@
+"""Model adapters: what the VLM plugin needs to know about one family of vision-language models.
+
+An adapter (:class:`~mmrl.plugins.vlm.adapters.base.VLMAdapter`) names the transformers model class, the box
+coordinate convention the family writes (see :mod:`mmrl.rewards.boxes`), the default LoRA targets and where the vision
+tower lives; the Qwen-style processing (chat template, ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids``,
+per-sample splitting and collation) is shared in the base class. A new family is one adapter file plus one line
+here, or, from another package, an entry point in the group ``mmrl.vlm_adapters``::
+
+    [project.entry-points."mmrl.vlm_adapters"]
+    my_family = "my_package.adapter:MyFamilyAdapter"
+
+Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL is registered
+only when the installed transformers ships it (``transformers.models.qwen3_vl``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mmrl.registry import Registry
+
+if TYPE_CHECKING:
+    from mmrl.plugins.vlm.adapters.base import VLMAdapter
+
+vlm_adapters: Registry[type[VLMAdapter]] = Registry("vlm model adapter", entry_point_group="mmrl.vlm_adapters")
+
+vlm_adapters.register_lazy("qwen2_vl", "mmrl.plugins.vlm.adapters.qwen2_vl:Qwen2VLAdapter")
+vlm_adapters.register_lazy("qwen2_5_vl", "mmrl.plugins.vlm.adapters.qwen2_5_vl:Qwen25VLAdapter")
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+if _has_module("transformers.models.qwen3_vl"):
+    vlm_adapters.register_lazy("qwen3_vl", "mmrl.plugins.vlm.adapters.qwen3_vl:Qwen3VLAdapter")
+
+
+def model_type_of(model: str) -> str:
+    """The ``model_type`` of a checkpoint: read from ``config.json`` of a local folder, else through
+    ``transformers.AutoConfig`` (a hub id; needs the hub or its cache)."""
+    config_path = Path(model) / "config.json"
+    if config_path.is_file():
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    else:
+        from transformers import AutoConfig
+
+        model_type = getattr(AutoConfig.from_pretrained(model), "model_type", None)
+    if not model_type:
+        raise ValueError(f"{model}: its config.json has no model_type; set plugin.family explicitly")
+    return str(model_type)
+
+
+def adapter_for(family: str, model: str) -> type[VLMAdapter]:
+    """The adapter class for ``family`` (a registered name, or ``"auto"``: match ``model``'s ``model_type``
+    against each adapter's :attr:`~VLMAdapter.model_types`)."""
+    if family != "auto":
+        return vlm_adapters.get(family)
+    model_type = model_type_of(model)
+    known = []
+    for name in vlm_adapters.names():
+        adapter = vlm_adapters.get(name)
+        known.extend(f"{t} ({name})" for t in adapter.model_types)
+        if model_type in adapter.model_types:
+            return adapter
+    raise ValueError(f"no VLM adapter handles model_type {model_type!r} of {model}; known: {', '.join(known)}. "
+                     "Set plugin.family or add an adapter (docs/vlm.md)")
+
+
+__all__ = ["adapter_for", "model_type_of", "vlm_adapters"]
