@@ -87,6 +87,9 @@ class PromptBatch:
             laid out over processes and micro-batches (one process and two processes sample the same thing).
         generator: A per-process ``torch.Generator`` on the process's device, for plugins that draw batched noise.
         training: False for evaluation (plugins sample greedily or with their deterministic sampler).
+        step: The training step this batch belongs to (0-based; the step being evaluated for evaluation batches),
+            for schedules that move with training, such as MixGRPO's sliding SDE window.
+        max_steps: The run's ``run.max_steps``, so that such schedules can be expressed as training progress.
     """
 
     rows: list[dict[str, Any]]
@@ -95,6 +98,8 @@ class PromptBatch:
     seeds: Tensor
     generator: torch.Generator
     training: bool = True
+    step: int = 0
+    max_steps: int = 1
 
     def __len__(self) -> int:
         return len(self.rows)

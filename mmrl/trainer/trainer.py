@@ -278,6 +278,8 @@ class Trainer:
                     seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in mine]),
                     generator=self._generator(EVAL_SEED_TAG, 0),
                     training=False,
+                    step=self.step,
+                    max_steps=config.run.max_steps,
                 )
                 rollout, scored = self._sample_and_score(batch, {})
                 scores, valid = scored.scores, scored.valid
@@ -349,6 +351,8 @@ class Trainer:
                 seeds=torch.tensor(plan.seeds, dtype=torch.long),
                 generator=self._generator(self.step, round_index),
                 training=True,
+                step=self.step,
+                max_steps=config.run.max_steps,
             )
             self.policy.eval()
             rollout, scored = self._sample_and_score(batch, timings)
@@ -405,7 +409,7 @@ class Trainer:
             sub = PromptBatch(
                 rows=[batch.rows[i] for i in chunk], group_ids=batch.group_ids[index],
                 group_size=batch.group_size, seeds=batch.seeds[index], generator=batch.generator,
-                training=batch.training,
+                training=batch.training, step=batch.step, max_steps=batch.max_steps,
             )
             part = self._checked_rollout(sub)
             parts.append(part)
