@@ -198,32 +198,41 @@ class Plugin(ABC):
         """Parameters the optimizer updates (default: those with ``requires_grad``)."""
         return (p for p in policy.parameters() if p.requires_grad)
 
+    def gathered_trainable_state(self, policy: nn.Module) -> dict[str, Tensor] | None:
+        """The full weights of every trainable parameter, keyed by :func:`clean_parameter_name`, on the main process
+        (None on the others).
+
+        Call it on every process: the weights are read through :attr:`Runtime.full_state_dict`, a collective under
+        FSDP and ZeRO-3, never from local (possibly sharded) parameters. A trainable tensor missing from the
+        gathered state, or empty, raises instead of returning an incomplete state (peers save empty LoRA adapters
+        under FSDP by reading local shards). Plugins that override :meth:`save_trainable` build on this.
+        """
+        gathered = self.runtime.full_state_dict(policy)
+        if not self.runtime.is_main_process:
+            return None
+        module = self.runtime.unwrap(policy)
+        names = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
+        state = {clean_parameter_name(name): tensor for name, tensor in gathered.items()}
+        incomplete = [name for name in names if name not in state or state[name].numel() == 0]
+        if incomplete:
+            raise RuntimeError(
+                f"refusing to save trainable weights: {len(incomplete)} tensors are missing or empty in the gathered "
+                f"state dict (first: {incomplete[:3]}); the state was not gathered from all shards"
+            )
+        return {name: state[name].detach().cpu().contiguous() for name in names}
+
     def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """Write the trainable weights to ``directory`` (default: ``trainable.safetensors`` with every parameter that
         requires gradients). LoRA plugins override this to save the adapter.
 
-        Called on every process: the weights are read through :attr:`Runtime.full_state_dict`, a collective under
-        FSDP and ZeRO-3, and only the main process writes. A trainable tensor missing from the gathered state, or
-        empty, stops the save with an error rather than writing an incomplete file (peers save empty LoRA
-        adapters under FSDP by reading local shards).
+        Called on every process (see :meth:`gathered_trainable_state`); only the main process writes.
         """
-        state = self.runtime.full_state_dict(policy)
-        if not self.runtime.is_main_process:
+        state = self.gathered_trainable_state(policy)
+        if state is None:
             return
-        module = self.runtime.unwrap(policy)
-        names = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
-        state = {clean_parameter_name(name): tensor for name, tensor in state.items()}
-        missing = [name for name in names if name not in state]
-        empty = [name for name in names if name in state and state[name].numel() == 0]
-        if missing or empty:
-            raise RuntimeError(
-                f"refusing to save trainable weights: {len(missing)} missing and {len(empty)} empty tensors in the "
-                f"gathered state dict (first: {(missing + empty)[:3]}); the state was not gathered from all shards"
-            )
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({name: state[name].detach().cpu().contiguous() for name in names},
-                  str(directory / "trainable.safetensors"))
+        save_file(state, str(directory / "trainable.safetensors"))
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """Load what :meth:`save_trainable` wrote; every trainable tensor must be present."""

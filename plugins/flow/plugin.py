@@ -382,19 +382,11 @@ class FlowPlugin(Plugin):
             return
         from peft.utils import get_peft_model_state_dict
 
-        from mmrl.plugin import clean_parameter_name
-
-        gathered = self.runtime.full_state_dict(policy)
-        if not self.runtime.is_main_process:
+        trainable = self.gathered_trainable_state(policy)
+        if trainable is None:  # not the main process: it only took part in gathering
             return
         module = self.runtime.unwrap(policy)
-        gathered = {clean_parameter_name(name): tensor for name, tensor in gathered.items()}
-        trainable = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
-        incomplete = [name for name in trainable if name not in gathered or gathered[name].numel() == 0]
-        if incomplete:
-            raise RuntimeError(f"refusing to save the LoRA adapter: {len(incomplete)} of its tensors are missing or "
-                               f"empty in the gathered state dict (first: {incomplete[:3]})")
-        state = get_peft_model_state_dict(module, state_dict={name: gathered[name] for name in trainable})
+        state = get_peft_model_state_dict(module, state_dict=trainable)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         type(self.adapter.pipeline).save_lora_weights(

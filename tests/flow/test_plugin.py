@@ -219,7 +219,7 @@ def test_adapter_is_saved_from_the_gathered_state_by_the_main_process_only(make_
     assert calls == [1] and not (tmp_path / "other").exists()
 
     incomplete = make_plugin("flux", runtime=Runtime(full_state_dict=lambda module: {}))
-    with pytest.raises(RuntimeError, match="refusing to save the LoRA adapter"):
+    with pytest.raises(RuntimeError, match="refusing to save trainable weights"):
         incomplete.save_trainable(incomplete.policy(), tmp_path / "incomplete")
     assert not (tmp_path / "incomplete").exists()
 
