@@ -143,7 +143,7 @@ def test_dynamic_sampling_keeps_only_groups_with_spread(tmp_path):
     config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
                         "rollout.dynamic_sampling.max_rounds=6", "run.max_steps=1")
     trainer = Trainer(config)
-    batch = trainer._collect({"rollout": 0.0, "reward": 0.0, "advantage": 0.0})
+    batch = trainer.collector.collect(trainer.policy, trainer.step, {})
     assert len(batch.rollout) == trainer.geometry.local_samples
     assert batch.metrics["samples/rounds"] > 1  # exact match is rare at first: most groups have no spread
     trained = batch.rollout.mask.sum(dim=1) > 0
@@ -156,11 +156,11 @@ def test_dynamic_sampling_pads_when_rounds_run_out(tmp_path):
     config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
                         "rollout.dynamic_sampling.max_rounds=1", "run.max_steps=1")
     trainer = Trainer(config)
-    batch = trainer._collect({"rollout": 0.0, "reward": 0.0, "advantage": 0.0})
+    batch = trainer.collector.collect(trainer.policy, trainer.step, {})
     assert batch.metrics["samples/padded"] > 0
     padded = batch.rollout.mask.sum(dim=1) == 0
     assert int(padded.sum()) == int(batch.metrics["samples/padded"])
-    trainer._update(batch)  # padding takes part without contributing
+    trainer.learner.update(batch, trainer.step)  # padding takes part without contributing
 
 
 @reward_functions.register("test_nan_for_even_samples")
@@ -230,14 +230,14 @@ def test_learning_rate_schedules(tmp_path):
     for scheduler in ("constant", "linear", "cosine"):
         trainer = Trainer(toy_config(tmp_path / scheduler, "run.max_steps=12", "algorithm.minibatches=1",
                                      f"optim.scheduler={scheduler}", "optim.warmup_steps=4", "optim.lr=0.1"))
-        assert [trainer._lr(s) for s in range(4)] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+        assert [trainer.learner.lr(s) for s in range(4)] == pytest.approx([0.025, 0.05, 0.075, 0.1])
         # 12 optimizer steps in all: after warmup, progress runs over 8 steps.
         expected = {
             "constant": [0.1] * 9,
             "linear": [0.1 * (1 - k / 8) for k in range(9)],
             "cosine": [0.1 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)],
         }[scheduler]
-        assert [trainer._lr(4 + k) for k in range(9)] == pytest.approx(expected)
+        assert [trainer.learner.lr(4 + k) for k in range(9)] == pytest.approx(expected)
 
 
 def test_metrics_reach_tensorboard(tmp_path):

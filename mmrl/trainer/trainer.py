@@ -13,7 +13,6 @@ The trainer knows nothing about modalities: it hands :class:`~mmrl.plugin.Prompt
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -32,28 +31,17 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from mmrl import __version__
-from mmrl.algos import (
-    advantage_estimators,
-    aggregate,
-    aggregation_counts,
-    batch_is_full,
-    broadcast_advantages,
-    groups_with_spread,
-    kl_estimators,
-    policy_losses,
-    select_kept,
-    validate_groups,
-)
 from mmrl.config import ConfigError, TrainConfig, dump_config, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
-from mmrl.reward import RewardInput, RewardScorer, ScoredBatch
-from mmrl.rollout import Rollout, RolloutError
+from mmrl.reward import RewardScorer
+from mmrl.rollout import Rollout
 from mmrl.trainer import checkpoint as ckpt
-from mmrl.trainer.credit import action_advantages, sample_advantages
+from mmrl.trainer.collect import Collector
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
-from mmrl.trainer.metrics import MetricsWriter, WeightedMeans, read_metrics
-from mmrl.trainer.sampler import PromptStream, derive_seed, plan_local_batch
+from mmrl.trainer.learn import Learner, chunked_geometry
+from mmrl.trainer.metrics import MetricsWriter, read_metrics
+from mmrl.trainer.sampler import PromptStream, derive_seed
 
 logger = logging.getLogger("mmrl")
 
@@ -75,15 +63,6 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
     stopped_early: bool = False
-
-
-@dataclass
-class _TrainingBatch:
-    """This process's samples for the update phase of one step."""
-
-    rollout: Rollout
-    advantages: torch.Tensor  # [n] or [n, A]
-    metrics: dict[str, float]
 
 
 class Trainer:
@@ -110,14 +89,11 @@ class Trainer:
             seed=config.run.seed,
             needs_reference=config.algorithm.kl_coef > 0,
         )
-        algorithm = config.algorithm
-        self.estimator = advantage_estimators.get(algorithm.advantage.name)
-        self.policy_loss = policy_losses.get(algorithm.policy_loss.name)
-        self.loss_accepts_chunks = "chunk_ids" in _parameters(self.policy_loss)
-        self.kl_estimator = kl_estimators.get(algorithm.kl_estimator)
-
         self.plugin: Plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, self.runtime)
-        self._configure_action_chunks()
+        chunked = chunked_geometry(config, self.plugin, acc.num_processes)
+        if chunked is not None:  # back-propagating action chunks multiplies the backward passes per step
+            self.geometry = chunked
+            acc.gradient_accumulation_steps = chunked.backward_passes
         self.scorer = RewardScorer.from_config(config.rewards)
         self.weights = self.scorer.weights
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
@@ -135,15 +111,16 @@ class Trainer:
         optimizer = torch.optim.AdamW(parameters, lr=optim.lr, betas=tuple(optim.betas),
                                       weight_decay=optim.weight_decay, eps=optim.eps)
         self.policy, self.optimizer = acc.prepare(policy, optimizer)
-        self.parameters = [p for p in self.policy.parameters() if p.requires_grad]
-        self.ema = EMA(self.parameters, config.ema.decay) if config.ema.enabled else None
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.ema = EMA(trainable, config.ema.decay) if config.ema.enabled else None
         if self.ema is not None:
             acc.register_for_checkpointing(self.ema)
         acc.register_save_state_pre_hook(self._save_policy_hook)
         acc.register_load_state_pre_hook(self._load_policy_hook)
 
+        self.collector = Collector(config, acc, self.geometry, self.plugin, self.scorer, self.stream, self.train_rows)
+        self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema)
         self.step = 0
-        self.optimizer_steps = 0
         self._stop_requested = False
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
                                     accelerator=acc, use_trackers=bool(config.run.trackers))
@@ -173,25 +150,6 @@ class Trainer:
                               accelerator.gradient_accumulation_steps,
                               "'auto': mmrl derives it from the batch geometry")
         return accelerator, geometry
-
-    def _configure_action_chunks(self) -> None:
-        """Check ``algorithm.action_chunk_size`` against the plugin and fold the chunks into the accumulation."""
-        size = self.config.algorithm.action_chunk_size
-        if size is None:
-            return
-        if not self.plugin.supports_action_chunks:
-            raise ConfigError("algorithm.action_chunk_size", size,
-                              f"null: plugin {self.config.plugin.name!r} recomputes all actions in one forward")
-        level = self.config.algorithm.policy_loss.options.get("ratio_level", _default_ratio_level(self.policy_loss))
-        if level != "token":
-            raise ConfigError("algorithm.action_chunk_size", size,
-                              f"null with ratio_level {level!r}: chunk and sequence ratios need every action at once")
-        max_actions = self.plugin.max_actions()
-        if max_actions is None:
-            raise ConfigError("algorithm.action_chunk_size", size,
-                              f"null: plugin {self.config.plugin.name!r} declares no action budget (max_actions)")
-        self.geometry = batch_geometry(self.config, self.accelerator.num_processes, max_actions)
-        self.accelerator.gradient_accumulation_steps = self.geometry.backward_passes
 
     # ================================================================== public
     def train(self) -> TrainResult:
@@ -244,16 +202,15 @@ class Trainer:
         """One full step: collect (with dynamic sampling), then update. Returns the step's metrics."""
         started = time.perf_counter()
         timings: dict[str, float] = {"rollout": 0.0, "reward": 0.0, "advantage": 0.0}  # seconds per phase
-        batch = self._collect(timings)
+        batch = self.collector.collect(self.policy, self.step, timings)
         train_started = time.perf_counter()
-        update_metrics = self._update(batch)
+        update_metrics = self.learner.update(batch, self.step)
         timings["train"] = time.perf_counter() - train_started
         elapsed = time.perf_counter() - started
         metrics = {**batch.metrics, **update_metrics}
         metrics.update({f"time/{name}": seconds for name, seconds in timings.items()})
         metrics["time/step"] = elapsed
         metrics["throughput/samples_per_second"] = batch.metrics["samples/generated"] / max(elapsed, 1e-9)
-        metrics["optim/lr"] = self._lr(self.optimizer_steps)
         return metrics
 
     @torch.no_grad()
@@ -276,12 +233,12 @@ class Trainer:
                     group_ids=torch.tensor([k // per_prompt for k in mine], dtype=torch.long),
                     group_size=per_prompt,
                     seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in mine]),
-                    generator=self._generator(EVAL_SEED_TAG, 0),
+                    generator=self.collector.generator(EVAL_SEED_TAG, 0),
                     training=False,
                     step=self.step,
                     max_steps=config.run.max_steps,
                 )
-                rollout, scored = self._sample_and_score(batch, {})
+                rollout, scored = self.collector.sample_and_score(self.policy, batch, {})
                 scores, valid = scored.scores, scored.valid
             self.policy.train()
         combined = scores @ self.weights if scores.numel() else torch.zeros(0)
@@ -316,7 +273,7 @@ class Trainer:
         if acc.is_main_process:
             state = {
                 "step": self.step,
-                "optimizer_steps": self.optimizer_steps,
+                "optimizer_steps": self.learner.optimizer_steps,
                 "stream": self.stream.state_dict(),
                 "num_processes": acc.num_processes,
                 "config": to_dict(self.config),
@@ -325,328 +282,6 @@ class Trainer:
             final = ckpt.commit(self.run_dir, self.step, state, self.config.run.keep_last)
         acc.wait_for_everyone()
         return final
-
-    # ================================================================== collect (steps 1-4)
-    def _collect(self, timings: dict[str, float]) -> _TrainingBatch:
-        config, acc, geometry = self.config, self.accelerator, self.geometry
-        dynamic = config.rollout.dynamic_sampling
-        rounds = dynamic.max_rounds if dynamic.enabled else 1
-        pooled: list[Rollout] = []
-        pooled_adv: list[torch.Tensor] = []
-        pooled_keep: list[torch.Tensor] = []
-        metrics = WeightedMeans()
-        first_round: dict[str, float] = {}
-        used_rounds = 0
-        for round_index in range(rounds):
-            used_rounds += 1
-            plan = plan_local_batch(
-                self.stream, prompts=geometry.prompts, group_size=geometry.group_size,
-                num_processes=acc.num_processes, process_index=acc.process_index,
-                layout=config.rollout.layout, seed=config.run.seed, step=self.step, round_index=round_index,
-            )
-            batch = PromptBatch(
-                rows=[self.train_rows[i] for i in plan.dataset_indices],
-                group_ids=torch.tensor(plan.group_ids, dtype=torch.long),
-                group_size=geometry.group_size,
-                seeds=torch.tensor(plan.seeds, dtype=torch.long),
-                generator=self._generator(self.step, round_index),
-                training=True,
-                step=self.step,
-                max_steps=config.run.max_steps,
-            )
-            self.policy.eval()
-            rollout, scored = self._sample_and_score(batch, timings)
-            self.policy.train()
-
-            tick = time.perf_counter()
-            advantages, keep, round_metrics = self._credit(rollout, scored.scores, scored.valid)
-            timings["advantage"] += time.perf_counter() - tick
-            if round_index == 0:
-                first_round = round_metrics
-            metrics.add_all(round_metrics)
-            pooled.append(rollout)
-            pooled_adv.append(advantages)
-            pooled_keep.append(keep if dynamic.enabled else scored.valid.to(keep.device))
-            if not dynamic.enabled:
-                break
-            kept = torch.cat(pooled_keep).sum().reshape(1).to(acc.device)
-            if batch_is_full(acc.gather(kept), geometry.local_samples):
-                break
-
-        rollout = Rollout.concat(pooled) if len(pooled) > 1 else pooled[0]
-        advantages = _concat_advantages(pooled_adv)
-        keep = torch.cat(pooled_keep)
-        plan = select_kept(keep.cpu(), geometry.local_samples)
-        rollout = rollout.select(plan.indices)
-        advantages = advantages.index_select(0, plan.indices.to(advantages.device))
-        rollout.mask = rollout.mask * (~plan.padded).to(rollout.mask.dtype).to(rollout.mask.device).unsqueeze(1)
-
-        out = metrics.means()
-        out.update({k: v for k, v in first_round.items() if k.startswith("groups/")})
-        generated = float(used_rounds * geometry.samples)
-        padded = acc.reduce(plan.padded.sum().to(acc.device).float(), "sum")
-        out["samples/generated"] = generated
-        out["samples/rounds"] = float(used_rounds)
-        out["samples/padded"] = float(padded)
-        rollout_means = WeightedMeans()
-        rollout_means.add_all(rollout.metrics, prefix="rollout/")
-        out.update(self._reduce_means(rollout_means))
-        return _TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
-
-    def _sample_and_score(self, batch: PromptBatch, timings: dict[str, float]) -> tuple[Rollout, ScoredBatch]:
-        """Sample ``batch`` in plugin calls of ``rollout.batch_size`` and score it.
-
-        With ``rewards.async_scoring`` each chunk is scored in the reward worker pool while the next chunk is
-        sampled; the scores are the same as synchronous scoring. Group-wise rewards need whole groups, so a
-        scorer with one is always called on the whole batch.
-        """
-        size = self.config.rollout.batch_size or len(batch) or 1
-        overlap = self.config.rewards.async_scoring and not self.scorer.groupwise
-        parts, futures = [], []
-        tick = time.perf_counter()
-        for chunk in _chunks(list(range(len(batch))), size):
-            index = torch.tensor(chunk, dtype=torch.long)
-            sub = PromptBatch(
-                rows=[batch.rows[i] for i in chunk], group_ids=batch.group_ids[index],
-                group_size=batch.group_size, seeds=batch.seeds[index], generator=batch.generator,
-                training=batch.training, step=batch.step, max_steps=batch.max_steps,
-            )
-            part = self._checked_rollout(sub)
-            parts.append(part)
-            if overlap:
-                futures.append(self.scorer.submit(RewardInput(part.rows, part.payload, part.group_ids)))
-        timings["rollout"] = timings.get("rollout", 0.0) + time.perf_counter() - tick
-        tick = time.perf_counter()
-        if len(parts) == 1:
-            rollout = parts[0]
-        else:
-            rollout = Rollout.concat(parts)
-            means = WeightedMeans()
-            for part in parts:
-                means.add_all(part.metrics, weight=len(part))
-            rollout.metrics = means.means()
-        if overlap:
-            scored = ScoredBatch.concat([future.result() for future in futures])
-        else:
-            scored = self.scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
-        timings["reward"] = timings.get("reward", 0.0) + time.perf_counter() - tick
-        return rollout, scored
-
-    def _checked_rollout(self, batch: PromptBatch) -> Rollout:
-        rollout = self.plugin.rollout(self.policy, batch)
-        if not isinstance(rollout, Rollout):
-            raise RolloutError(f"plugin {self.config.plugin.name!r} returned {type(rollout).__name__}, not a Rollout")
-        if len(rollout) != len(batch) or not torch.equal(rollout.group_ids.cpu(), batch.group_ids.cpu()):
-            raise RolloutError(
-                f"plugin {self.config.plugin.name!r} returned {len(rollout)} samples whose group_ids differ from "
-                f"the {len(batch)} prompts it was given"
-            )
-        if not rollout.rows:
-            rollout.rows = batch.rows
-        return rollout.validate()
-
-    def _credit(self, rollout: Rollout, scores: torch.Tensor, valid: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Gather, validate groups, compute advantages on the global batch, keep this process's slice."""
-        config, acc = self.config, self.accelerator
-        algorithm = config.algorithm
-        n = len(rollout)
-        device = acc.device
-        g_scores = acc.gather(scores.to(device)).cpu()  # [B, K]
-        g_valid = acc.gather(valid.to(device)).cpu()  # [B]
-        g_groups = acc.gather(rollout.group_ids.to(device)).cpu()  # [B]
-        validate_groups(g_groups, self.geometry.group_size, where="gathered rollout batch")
-        credit = sample_advantages(
-            g_scores, g_valid, g_groups, self.weights, self.estimator, algorithm.advantage.options,
-            order=config.rewards.multi_reward, clip=algorithm.advantage_clip,
-        )
-        start = acc.process_index * n
-        local = slice(start, start + n)
-        advantages: torch.Tensor = credit.advantages[local]  # [n]
-        spread = groups_with_spread(credit.combined, g_groups, tolerance=config.rollout.dynamic_sampling.tolerance)
-        spread[~g_valid] = False
-        keep = spread[local] & g_valid[local]
-
-        local_combined = scores @ self.weights  # [n]
-        per_action = self.plugin.action_rewards(rollout, local_combined)
-        if per_action is not None:
-            width = torch.tensor([per_action.shape[1]], device=device)
-            max_width = int(acc.gather(width).max())
-            padded_rewards = torch.nn.functional.pad(per_action.float(), (0, max_width - per_action.shape[1]))
-            padded_mask = torch.nn.functional.pad(rollout.mask.float(), (0, max_width - rollout.mask.shape[1]))
-            g_rewards = acc.gather(padded_rewards.to(device)).cpu()
-            g_mask = acc.gather((padded_mask * valid.float().unsqueeze(1)).to(device)).cpu()
-            per_action_adv = action_advantages(g_rewards, g_mask, g_groups, self.estimator,
-                                               algorithm.advantage.options, clip=algorithm.advantage_clip)
-            advantages = per_action_adv[local, : per_action.shape[1]]
-            rollout.action_rewards = per_action
-        if rollout.action_advantages is not None:
-            advantages = rollout.action_advantages.float().cpu()
-
-        metrics = _reward_metrics(self.scorer.names, g_scores, g_valid, credit.combined, credit.advantages, g_groups)
-        return advantages.to(device), keep.to(device), metrics
-
-    # ================================================================== update (steps 5-7)
-    def _update(self, batch: _TrainingBatch) -> dict[str, float]:
-        config, acc, geometry = self.config, self.accelerator, self.geometry
-        algorithm = config.algorithm
-        rollout, advantages = batch.rollout, batch.advantages
-        device = acc.device
-        rollout = rollout.to(device)
-        need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        if algorithm.recompute_old_logp:
-            rollout.old_logp = self._recompute_old_logp(rollout)
-        column_chunks: list[torch.Tensor | None] = [None]
-        if algorithm.action_chunk_size is not None:
-            budget = self.plugin.max_actions()
-            rollout = rollout.pad_actions(budget)
-            if advantages.dim() == 2:
-                advantages = torch.nn.functional.pad(advantages, (0, budget - advantages.shape[1]))
-            column_chunks = list(torch.arange(budget).split(algorithm.action_chunk_size))
-        max_actions = algorithm.max_actions or self.plugin.max_actions()
-        if max_actions is None:
-            width = torch.tensor([rollout.num_actions], device=device, dtype=torch.float64)
-            max_actions = int(acc.reduce(width, "max").item())
-        scale = geometry.backward_passes * acc.num_processes  # undo Accelerate's ÷GA and DDP's mean over processes
-        means = WeightedMeans()
-        deviations: list[float] = []  # max |ratio - 1| of every backward pass before this step's first update
-        steps_before = self.optimizer_steps
-        loss_total = 0.0
-        for epoch in range(geometry.inner_epochs):
-            order = torch.randperm(
-                len(rollout), generator=torch.Generator().manual_seed(derive_seed(config.run.seed, self.step, epoch))
-            )
-            for mb in range(geometry.minibatches):
-                indices = order[mb * geometry.minibatch_size:(mb + 1) * geometry.minibatch_size]
-                minibatch = rollout.select(indices)
-                mb_adv = advantages.index_select(0, indices.to(advantages.device))
-                counts = torch.tensor(aggregation_counts(minibatch.mask), dtype=torch.float64, device=device)
-                num_actions, num_sequences = acc.reduce(counts, "sum").tolist()
-                step_loss = torch.zeros((), dtype=torch.float64, device=device)
-                for micro in _chunks(list(range(len(minibatch))), geometry.micro_batch_size):
-                    index = torch.tensor(micro, dtype=torch.long)
-                    part = minibatch.select(index)
-                    part_adv = mb_adv.index_select(0, index.to(mb_adv.device))
-                    lengths = part.mask.to(torch.float64).sum(dim=1)  # [n] active actions of whole rows
-                    for columns in column_chunks:
-                        with acc.accumulate(self.policy):
-                            loss, part_metrics, deviation, weight = self._micro_loss(
-                                part, part_adv, need_reference, num_actions, num_sequences, max_actions, columns,
-                                lengths,
-                            )
-                            acc.backward(loss * scale)
-                            means.add_all(part_metrics, weight)
-                            step_loss += loss.detach().to(torch.float64)
-                            if self.optimizer_steps == steps_before:  # the first mini-batch: no update yet
-                                deviations.append(deviation)
-                            if acc.sync_gradients:
-                                self._optimizer_step(means)
-                if not acc.sync_gradients:
-                    raise RuntimeError("gradient accumulation fell out of step with the micro-batches")
-                loss_total += float(acc.reduce(step_loss, "sum"))
-        out = self._reduce_means(means)
-        out["loss/total"] = loss_total / geometry.optimizer_steps_per_step
-        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(max(deviations), device=device), "max"))
-        return out
-
-    def _optimizer_step(self, means: WeightedMeans) -> None:
-        """Clip, set the scheduled learning rate, step, zero the gradients, update the EMA."""
-        config = self.config
-        if config.optim.max_grad_norm is not None:
-            norm = self.accelerator.clip_grad_norm_(self.parameters, config.optim.max_grad_norm)
-            if norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and reports no norm
-                means.add("optim/grad_norm", float(norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr(self.optimizer_steps)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
-            self.ema.update()
-
-    def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
-                    num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, Any], float, float]:
-        """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, |ratio − 1| max, metric weight)."""
-        algorithm = self.config.algorithm
-        if columns is None:
-            output = self.plugin.forward(self.policy, part, need_reference=need_reference)
-        else:
-            part = part.select_actions(columns)
-            if advantages.dim() == 2:
-                advantages = advantages.index_select(1, columns.to(advantages.device))
-            output = self.plugin.forward(self.policy, part, need_reference=need_reference, actions=columns)
-        logp = output.logp.float()  # [n, A]
-        if logp.shape != part.old_logp.shape:
-            raise RolloutError(
-                f"plugin forward returned logp {tuple(logp.shape)} for a rollout with old_logp "
-                f"{tuple(part.old_logp.shape)}"
-            )
-        options = dict(algorithm.policy_loss.options)
-        if self.loss_accepts_chunks:
-            options["chunk_ids"] = part.chunk_ids
-        per_action, metrics = self.policy_loss(logp, part.old_logp, advantages, part.mask, **options)
-        metrics = {f"policy/{k}": v for k, v in metrics.items()}
-        active = part.mask > 0
-        deviation = float((logp.detach() - part.old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
-        total = per_action
-        if algorithm.kl_coef > 0:
-            kl = output.kl
-            if kl is None:
-                ref = output.ref_logp if output.ref_logp is not None else part.ref_logp
-                if ref is None:
-                    raise RolloutError("kl_coef > 0 but the plugin returned neither kl nor ref_logp")
-                kl = self.kl_estimator(logp, ref.float())
-            total = total + algorithm.kl_coef * kl
-            metrics["policy/kl"] = _masked_mean(kl, part.mask)
-        if output.entropy is not None:
-            metrics["policy/entropy"] = _masked_mean(output.entropy, part.mask)
-            if algorithm.entropy_coef > 0:
-                total = total - algorithm.entropy_coef * output.entropy
-        if part.action_weights is not None:
-            total = total * part.action_weights
-        metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
-        loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
-                         num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
-        return loss, metrics, deviation, float(part.mask.sum())
-
-    @torch.no_grad()
-    def _recompute_old_logp(self, rollout: Rollout) -> torch.Tensor:
-        parts = []
-        for chunk in _chunks(list(range(len(rollout))), self.geometry.micro_batch_size):
-            part = rollout.select(torch.tensor(chunk, dtype=torch.long))
-            parts.append(self.plugin.forward(self.policy, part, need_reference=False).logp.float())
-        return torch.cat(parts)
-
-    def _reduce_means(self, means: WeightedMeans) -> dict[str, float]:
-        """Weighted means over all processes. Metric names may differ between processes (a process whose samples
-        were all padding records none), so the partial sums travel as objects rather than as aligned tensors."""
-        if self.accelerator.num_processes == 1:
-            return means.means()
-        merged = WeightedMeans()
-        for totals, weights in gather_object([(dict(means.totals), dict(means.weights))]):
-            for name, total in totals.items():
-                merged.totals[name] += total
-                merged.weights[name] += weights[name]
-        return merged.means()
-
-    def _lr(self, optimizer_step: int) -> float:
-        optim = self.config.optim
-        total = max(self.config.run.max_steps * self.geometry.optimizer_steps_per_step, 1)
-        if optim.warmup_steps and optimizer_step < optim.warmup_steps:
-            return optim.lr * (optimizer_step + 1) / optim.warmup_steps
-        progress = min(max(optimizer_step - optim.warmup_steps, 0) / max(total - optim.warmup_steps, 1), 1.0)
-        if optim.scheduler == "linear":
-            return optim.lr * (1.0 - progress)
-        if optim.scheduler == "cosine":
-            return optim.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return optim.lr
-
-    def _generator(self, step: int, round_index: int) -> torch.Generator:
-        device = self.accelerator.device
-        generator = torch.Generator(device=device)
-        seed = derive_seed(self.config.run.seed, step, round_index, self.accelerator.process_index)
-        return generator.manual_seed(seed)
 
     # ================================================================== checkpoints and signals (step 9)
     def _save_policy_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
@@ -677,7 +312,7 @@ class Trainer:
                   flush=True)
         self.accelerator.load_state(str(found / "accelerate"))
         self.step = int(state["step"])
-        self.optimizer_steps = int(state["optimizer_steps"])
+        self.learner.optimizer_steps = int(state["optimizer_steps"])
         self.stream.load_state_dict(state["stream"])
         if self.accelerator.is_main_process:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
@@ -717,65 +352,6 @@ def _launched_without_accelerators() -> bool:
     from accelerate.utils import is_cuda_available, is_mps_available, is_xpu_available
 
     return not (is_cuda_available() or is_xpu_available() or is_mps_available())
-
-
-def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
-    for start in range(0, len(items), max(size, 1)):
-        yield items[start:start + size]
-
-
-def _parameters(fn: Any) -> set[str]:
-    return set(inspect.signature(fn).parameters)
-
-
-def _default_ratio_level(fn: Any) -> str:
-    parameter = inspect.signature(fn).parameters.get("ratio_level")
-    return "token" if parameter is None else parameter.default
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    weights = mask.float()
-    return float((values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0))
-
-
-def _concat_advantages(parts: list[torch.Tensor]) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    if all(p.dim() == 1 for p in parts):
-        return torch.cat(parts)
-    width = max(p.shape[1] for p in parts if p.dim() == 2)
-    expanded = [p.unsqueeze(1).expand(-1, width) if p.dim() == 1 else
-                torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
-    return torch.cat(expanded)
-
-
-def _reward_metrics(names: list[str], scores: torch.Tensor, valid: torch.Tensor, combined: torch.Tensor,
-                    advantages: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    good = valid.nonzero().flatten()
-    if good.numel():
-        for k, name in enumerate(names):
-            column = scores[good, k].double()
-            metrics[f"reward/{name}_mean"] = float(column.mean())
-            metrics[f"reward/{name}_std"] = float(column.std(unbiased=False))
-        metrics["reward/mean"] = float(combined[good].double().mean())
-        metrics["reward/std"] = float(combined[good].double().std(unbiased=False))
-        adv = advantages[good].double()
-        metrics["advantage/mean"] = float(adv.mean())
-        metrics["advantage/std"] = float(adv.std(unbiased=False))
-        metrics["advantage/abs_max"] = float(adv.abs().max())
-        spread = groups_with_spread(combined[good], group_ids[good])
-        unique_groups, first = _first_of_groups(group_ids[good])
-        metrics["groups/no_spread_fraction"] = float((~spread[first]).float().mean()) if unique_groups else 0.0
-    metrics["samples/invalid"] = float((~valid).sum())
-    return metrics
-
-
-def _first_of_groups(group_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-    unique, inverse = torch.unique(group_ids, return_inverse=True)
-    first = torch.full((unique.numel(),), group_ids.numel(), dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(group_ids.numel()), reduce="amin")
-    return unique.numel(), first
 
 
 def _flat_scalars(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -41,7 +41,7 @@ def main() -> None:
     trainer = Trainer(config)
     advantages: dict[str, float] = {}
     current_seeds: list[torch.Tensor] = []
-    original_rollout, original_credit = trainer.plugin.rollout, trainer._credit
+    original_rollout, original_credit = trainer.plugin.rollout, trainer.collector.credit
 
     def recording_rollout(policy, batch):
         current_seeds.append(batch.seeds.clone())
@@ -57,7 +57,7 @@ def main() -> None:
         return result
 
     trainer.plugin.rollout = recording_rollout
-    trainer._credit = recording_credit
+    trainer.collector.credit = recording_credit
     result = trainer.train()
     rank = trainer.accelerator.process_index
     record = {"advantages": advantages, "losses": [r["loss/total"] for r in result.history],

@@ -1,0 +1,235 @@
+"""Steps 5–7 of a training step: μ inner epochs over mini-batches, gradient accumulation, the optimizer step, EMA.
+
+The :class:`Learner` turns a :class:`~mmrl.trainer.collect.TrainingBatch` into parameter updates. Each mini-batch
+is one optimizer step; its micro-batches (and, with ``algorithm.action_chunk_size``, column chunks of them) are
+back-propagated one at a time with the step-wide denominators of :func:`mmrl.algos.aggregate`, so the accumulated
+gradient is the gradient of the whole step's loss whatever the micro-batch size or the number of processes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, policy_losses
+from mmrl.config import ConfigError, TrainConfig
+from mmrl.plugin import Plugin
+from mmrl.rollout import Rollout, RolloutError
+from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
+from mmrl.trainer.ema import EMA
+from mmrl.trainer.geometry import BatchGeometry, batch_geometry
+from mmrl.trainer.metrics import WeightedMeans
+from mmrl.trainer.sampler import derive_seed
+
+
+def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) -> BatchGeometry | None:
+    """The batch geometry with ``algorithm.action_chunk_size`` folded in, or None when it is not set.
+
+    Checks that the plugin can recompute a subset of action columns, declares an action budget, and that the
+    policy loss takes token-level ratios (chunk and sequence ratios need every action of a unit at once).
+    """
+    size = config.algorithm.action_chunk_size
+    if size is None:
+        return None
+    name = config.plugin.name
+    if not plugin.supports_action_chunks:
+        raise ConfigError("algorithm.action_chunk_size", size,
+                          f"null: plugin {name!r} recomputes all actions in one forward")
+    loss = policy_losses.get(config.algorithm.policy_loss.name)
+    default = inspect.signature(loss).parameters.get("ratio_level")
+    level = config.algorithm.policy_loss.options.get("ratio_level", "token" if default is None else default.default)
+    if level != "token":
+        raise ConfigError("algorithm.action_chunk_size", size,
+                          f"null with ratio_level {level!r}: chunk and sequence ratios need every action at once")
+    max_actions = plugin.max_actions()
+    if max_actions is None:
+        raise ConfigError("algorithm.action_chunk_size", size,
+                          f"null: plugin {name!r} declares no action budget (max_actions)")
+    return batch_geometry(config, num_processes, max_actions)
+
+
+class Learner:
+    """Applies the policy-gradient updates of one step.
+
+    Args:
+        config: The run's config.
+        accelerator: The run's Accelerator; its gradient-accumulation count must equal
+            ``geometry.backward_passes``.
+        geometry: Batch sizes of the run.
+        plugin: The modality plugin (recomputes log-probs).
+        policy: The prepared (wrapped) trainable module.
+        optimizer: The prepared optimizer.
+        ema: The EMA of the trainable weights, if enabled.
+
+    Attributes:
+        optimizer_steps: Optimizer steps taken so far (the learning-rate schedule is a function of it; saved in
+            every checkpoint).
+    """
+
+    def __init__(self, config: TrainConfig, accelerator: Accelerator, geometry: BatchGeometry, plugin: Plugin,
+                 policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None):
+        self.config = config
+        self.accelerator = accelerator
+        self.geometry = geometry
+        self.plugin = plugin
+        self.policy = policy
+        self.optimizer = optimizer
+        self.ema = ema
+        self.parameters = [p for p in policy.parameters() if p.requires_grad]
+        self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
+        self.loss_accepts_chunks = "chunk_ids" in inspect.signature(self.policy_loss).parameters
+        self.kl_estimator = kl_estimators.get(config.algorithm.kl_estimator)
+        self.optimizer_steps = 0
+
+    def update(self, batch: TrainingBatch, step: int) -> dict[str, float]:
+        """μ inner epochs over ``minibatches`` optimizer steps each; returns the step's policy/optimizer metrics."""
+        config, acc, geometry = self.config, self.accelerator, self.geometry
+        algorithm = config.algorithm
+        device = acc.device
+        rollout, advantages = batch.rollout.to(device), batch.advantages
+        need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
+        if algorithm.recompute_old_logp:
+            rollout.old_logp = self._recompute_old_logp(rollout)
+        column_chunks: list[torch.Tensor | None] = [None]
+        if algorithm.action_chunk_size is not None:
+            budget = self.plugin.max_actions()
+            rollout = rollout.pad_actions(budget)
+            if advantages.dim() == 2:
+                advantages = torch.nn.functional.pad(advantages, (0, budget - advantages.shape[1]))
+            column_chunks = list(torch.arange(budget).split(algorithm.action_chunk_size))
+        max_actions = algorithm.max_actions or self.plugin.max_actions()
+        if max_actions is None:
+            width = torch.tensor([rollout.num_actions], device=device, dtype=torch.float64)
+            max_actions = int(acc.reduce(width, "max").item())
+        scale = geometry.backward_passes * acc.num_processes  # undo Accelerate's ÷GA and DDP's mean over processes
+        means = WeightedMeans()
+        deviations: list[float] = []  # max |ratio - 1| of every backward pass before this step's first update
+        steps_before = self.optimizer_steps
+        loss_total = 0.0
+        for epoch in range(geometry.inner_epochs):
+            seed = derive_seed(config.run.seed, step, epoch)
+            order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(seed))
+            for mb in range(geometry.minibatches):
+                indices = order[mb * geometry.minibatch_size:(mb + 1) * geometry.minibatch_size]
+                minibatch = rollout.select(indices)
+                mb_adv = advantages.index_select(0, indices.to(advantages.device))
+                counts = torch.tensor(aggregation_counts(minibatch.mask), dtype=torch.float64, device=device)
+                num_actions, num_sequences = acc.reduce(counts, "sum").tolist()  # step-wide denominators
+                step_loss = torch.zeros((), dtype=torch.float64, device=device)
+                for micro in chunks(list(range(len(minibatch))), geometry.micro_batch_size):
+                    index = torch.tensor(micro, dtype=torch.long)
+                    part = minibatch.select(index)
+                    part_adv = mb_adv.index_select(0, index.to(mb_adv.device))
+                    lengths = part.mask.to(torch.float64).sum(dim=1)  # [n] active actions of whole rows
+                    for columns in column_chunks:
+                        with acc.accumulate(self.policy):
+                            loss, part_metrics, deviation, weight = self._micro_loss(
+                                part, part_adv, need_reference, num_actions, num_sequences, max_actions, columns,
+                                lengths,
+                            )
+                            acc.backward(loss * scale)
+                            means.add_all(part_metrics, weight)
+                            step_loss += loss.detach().to(torch.float64)
+                            if self.optimizer_steps == steps_before:  # the first mini-batch: no update yet
+                                deviations.append(deviation)
+                            if acc.sync_gradients:
+                                self._optimizer_step(means)
+                if not acc.sync_gradients:
+                    raise RuntimeError("gradient accumulation fell out of step with the micro-batches")
+                loss_total += float(acc.reduce(step_loss, "sum"))
+        out = reduce_means(means, acc.num_processes)
+        out["loss/total"] = loss_total / geometry.optimizer_steps_per_step
+        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(max(deviations), device=device), "max"))
+        out["optim/lr"] = self.lr(self.optimizer_steps)
+        return out
+
+    def lr(self, optimizer_step: int) -> float:
+        """The learning rate of an optimizer step: linear warmup, then constant, linear or cosine decay to 0."""
+        optim = self.config.optim
+        total = max(self.config.run.max_steps * self.geometry.optimizer_steps_per_step, 1)
+        if optim.warmup_steps and optimizer_step < optim.warmup_steps:
+            return optim.lr * (optimizer_step + 1) / optim.warmup_steps
+        progress = min(max(optimizer_step - optim.warmup_steps, 0) / max(total - optim.warmup_steps, 1), 1.0)
+        if optim.scheduler == "linear":
+            return optim.lr * (1.0 - progress)
+        if optim.scheduler == "cosine":
+            return optim.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return optim.lr
+
+    def _optimizer_step(self, means: WeightedMeans) -> None:
+        """Clip, set the scheduled learning rate, step, zero the gradients, update the EMA."""
+        config = self.config
+        if config.optim.max_grad_norm is not None:
+            norm = self.accelerator.clip_grad_norm_(self.parameters, config.optim.max_grad_norm)
+            if norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and reports no norm
+                means.add("optim/grad_norm", float(norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(self.optimizer_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
+            self.ema.update()
+
+    def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
+                    num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, Any], float, float]:
+        """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, max |ratio − 1|, metric weight)."""
+        algorithm = self.config.algorithm
+        if columns is None:
+            output = self.plugin.forward(self.policy, part, need_reference=need_reference)
+        else:
+            part = part.select_actions(columns)
+            if advantages.dim() == 2:
+                advantages = advantages.index_select(1, columns.to(advantages.device))
+            output = self.plugin.forward(self.policy, part, need_reference=need_reference, actions=columns)
+        logp = output.logp.float()  # [n, A]
+        if logp.shape != part.old_logp.shape:
+            raise RolloutError(
+                f"plugin forward returned logp {tuple(logp.shape)} for a rollout with old_logp "
+                f"{tuple(part.old_logp.shape)}"
+            )
+        options = dict(algorithm.policy_loss.options)
+        if self.loss_accepts_chunks:
+            options["chunk_ids"] = part.chunk_ids
+        per_action, metrics = self.policy_loss(logp, part.old_logp, advantages, part.mask, **options)  # [n, A]
+        metrics = {f"policy/{k}": v for k, v in metrics.items()}
+        active = part.mask > 0
+        deviation = float((logp.detach() - part.old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
+        total = per_action
+        if algorithm.kl_coef > 0:
+            kl = output.kl
+            if kl is None:
+                ref = output.ref_logp if output.ref_logp is not None else part.ref_logp
+                if ref is None:
+                    raise RolloutError("kl_coef > 0 but the plugin returned neither kl nor ref_logp")
+                kl = self.kl_estimator(logp, ref.float())
+            total = total + algorithm.kl_coef * kl
+            metrics["policy/kl"] = _masked_mean(kl, part.mask)
+        if output.entropy is not None:
+            metrics["policy/entropy"] = _masked_mean(output.entropy, part.mask)
+            if algorithm.entropy_coef > 0:
+                total = total - algorithm.entropy_coef * output.entropy
+        if part.action_weights is not None:
+            total = total * part.action_weights
+        metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
+        loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
+                         num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
+        return loss, metrics, deviation, float(part.mask.sum())
+
+    @torch.no_grad()
+    def _recompute_old_logp(self, rollout: Rollout) -> torch.Tensor:
+        parts = []
+        for piece in chunks(list(range(len(rollout))), self.geometry.micro_batch_size):
+            part = rollout.select(torch.tensor(piece, dtype=torch.long))
+            parts.append(self.plugin.forward(self.policy, part, need_reference=False).logp.float())
+        return torch.cat(parts)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    weights = mask.float()
+    return float((values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0))
