@@ -245,3 +245,16 @@ def test_metrics_reach_tensorboard(tmp_path):
     Trainer(toy_config(tmp_path, "run.max_steps=2", "run.trackers=[tensorboard]")).train()
     events = list(tmp_path.rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_a_skipped_sample_does_not_give_its_group_a_spread(tmp_path):
+    """Dynamic sampling keeps groups whose *valid* rewards differ; a NaN-skipped member's placeholder 0 is not one."""
+    trainer = Trainer(toy_config(tmp_path, "rollout.dynamic_sampling.enabled=true", "rewards.on_nonfinite=skip"))
+    assert trainer.geometry.group_size == 4
+    rollout = trainer.collector.collect(trainer.policy, 0, {}).rollout.select(torch.arange(8))
+    rollout.group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # two whole groups of 4
+    scores = torch.tensor([[1.0], [1.0], [1.0], [0.0], [1.0], [0.0], [1.0], [0.0]])
+    valid = torch.tensor([True, True, True, False, True, True, True, True])  # sample 3 was skipped
+    advantages, keep, _ = trainer.collector.credit(rollout, scores, valid)
+    assert keep.tolist() == [False] * 4 + [True] * 4
+    assert advantages[:4].abs().sum() == 0
