@@ -5,7 +5,10 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
 - an action is one trained SDE step x_t → x_next of one sample; A = the number of trained steps per sample
   (:mod:`.schedule`: Flow-GRPO's timestep fraction, DanceGRPO's random subset or Flow-GRPO-Fast's window), and
   ``replay["step_index"]`` says which denoising step each column is. Untrained steps are sampled but not stored,
-  so the mask is all ones;
+  so the mask is all ones. ``plugin.credit`` (:mod:`.credit`, docs/credit.md) chooses how the reward is credited
+  to the steps: Flow-GRPO's uniform credit (the default, as above), Chunk-GRPO's chunks, TempFlow-GRPO's branching,
+  MixGRPO's sliding window or BranchGRPO's tree; those set the mask, chunk ids, action weights and per-action
+  rewards of the contract;
 - ``old_logp[n, j]`` is the Gaussian log-density of the sampled x_next (:func:`~.sde.sde_step`, float32);
 - ``replay`` holds, per sample and column, x before the step and the sampled x_next (float32), σ, σ_next and the
   model timestep, plus the sample's prompt embeddings; :meth:`FlowPlugin.forward` recomputes a column's velocity
@@ -25,7 +28,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +37,8 @@ from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
-from mmrl.plugins.flow.schedule import default_window_range, plan_steps, trained_step_count
+from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
+from mmrl.plugins.flow.schedule import StepPlan, default_window_range, trained_step_count
 from mmrl.plugins.flow.sde import SDEStepOutput, diffusion_coefficient, gaussian_kl_between_means, sde_step
 from mmrl.rollout import Rollout, RolloutError
 from mmrl.trainer.sampler import derive_seed
@@ -145,6 +149,7 @@ class FlowPluginConfig:
         "algorithm.micro_batch_size. Null: the batch as it comes.",
         ref="flow_grpo#104, DanceGRPO#57 (batch-dependent kernels break ratio == 1)",
     )
+    credit: CreditConfig = field(default_factory=CreditConfig)
 
     def validate(self, path: str) -> None:
         from mmrl.plugins.flow.adapters import flow_adapters
@@ -153,26 +158,33 @@ class FlowPluginConfig:
             raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
         if self.sde == "cps" and self.noise_level > 1:
             raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in [0, 1] for sde 'cps'")
-        if self.train_steps == "random" and self.num_steps < 2:
-            raise ConfigError(f"{path}.num_steps", self.num_steps, "at least 2 with train_steps 'random'")
-        count = self.num_actions()
-        if count < 1:
-            raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
-                              f"a fraction that trains at least one of the {self.num_steps} steps")
-        if self.train_steps == "window":
-            if self.window_size > self.num_steps:
-                raise ConfigError(f"{path}.window_size", self.window_size, f"at most num_steps ({self.num_steps})")
-            lo, hi = self.resolved_window_range()
-            if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
-                raise ConfigError(f"{path}.window_range", self.window_range,
-                                  f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
+        strategy = credit_strategies.get(self.credit.strategy)
+        if strategy.uses_step_selection:
+            if self.train_steps == "random" and self.num_steps < 2:
+                raise ConfigError(f"{path}.num_steps", self.num_steps, "at least 2 with train_steps 'random'")
+            if self.step_selection_count() < 1:
+                raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
+                                  f"a fraction that trains at least one of the {self.num_steps} steps")
+            if self.train_steps == "window":
+                if self.window_size > self.num_steps:
+                    raise ConfigError(f"{path}.window_size", self.window_size,
+                                      f"at most num_steps ({self.num_steps})")
+                lo, hi = self.resolved_window_range()
+                if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
+                    raise ConfigError(f"{path}.window_range", self.window_range,
+                                      f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
+        strategy(self).validate(self, f"{path}.credit")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
             raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
 
     def num_actions(self) -> int:
-        """A, trained steps per sample."""
+        """A, the width of the action axis (trained steps per sample for 'step'; see the credit strategy)."""
+        return credit_strategies.get(self.credit.strategy)(self).num_actions(self)
+
+    def step_selection_count(self) -> int:
+        """Steps per sample that plugin.train_steps trains (the action budget of 'step' and 'chunk')."""
         return trained_step_count(self.train_steps, self.num_steps, timestep_fraction=self.timestep_fraction,
                                   window_size=self.window_size)
 
@@ -185,7 +197,8 @@ class FlowPluginConfig:
 
 
 class FlowPlugin(Plugin):
-    """Group-relative RL for diffusers flow-matching text-to-image models (Flow-GRPO, DanceGRPO, Flow-GRPO-Fast)."""
+    """Group-relative RL for diffusers flow-matching text-to-image models (Flow-GRPO, DanceGRPO, Flow-GRPO-Fast, and
+    the credit strategies of :mod:`.credit`)."""
 
     name = "flow"
     config_class = FlowPluginConfig
@@ -232,6 +245,10 @@ class FlowPlugin(Plugin):
         self._embeddings: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._negative: dict[str, Tensor] | None = None
         self._rows = {split: _load_rows(config, split) for split in ("train", "eval")}
+        self.credit = credit_strategies.get(config.credit.strategy)(config)
+        #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
+        self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}
+        self._phase = "rollout"
 
     # ------------------------------------------------------------------ contract
     def policy(self) -> nn.Module:
@@ -249,30 +266,52 @@ class FlowPlugin(Plugin):
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         if not batch.training:
             return self._evaluation_rollout(policy, batch)
+        self._phase = "rollout"
+        return self.credit.rollout(self, policy, batch)
+
+    def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
+        """Per-action rewards of the credit strategy ('branch': the sample's reward at its branch point; 'tree': the
+        mean reward of the leaves below each edge), None for one advantage per sample."""
+        return self.credit.action_rewards(rollout, rewards)
+
+    def sigma_grid(self) -> Tensor:
+        """σ of the training schedule, ``[S+1]`` from about 1 down to 0."""
+        return self.adapter.schedule(self.config.num_steps, self.config.resolution)[0]
+
+    @torch.no_grad()
+    def chain_rollout(self, policy: nn.Module, batch: PromptBatch, plan: StepPlan, *, tail: list[int] | None = None,
+                      solver: str = "euler") -> Rollout:
+        """Every sample on its own trajectory (its own noise), SDE where ``plan.stochastic`` says so, the trained
+        steps stored. With ``tail`` (grid indices from :func:`~mmrl.plugins.flow.credit.solvers.tail_grid`) the steps
+        from ``tail[0]`` on are replaced by ``solver`` on that sub-grid (no trained step may lie there)."""
+        from mmrl.plugins.flow.credit.solvers import ode_tail
+
         config = self.config
         n = len(batch)
+        counted = self.model_evaluations["rollout"]
         sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)  # [S+1], [S]
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)  # each [n, ...]
         generators = batch.sample_generators()
         latents = self.initial_noise(batch, generators)  # [n, *latent] float32
-        plan = plan_steps(
-            config.train_steps, config.num_steps, seeds=batch.seeds, group_ids=batch.group_ids,
-            run_seed=self.runtime.seed, timestep_fraction=config.timestep_fraction, window_size=config.window_size,
-            window_range=config.resolved_window_range() if config.train_steps == "window" else None,
-        )
+        last = config.num_steps if tail is None else tail[0]
+        if tail is not None and (bool(plan.stochastic[:, last:].any()) or int(plan.step_index.max()) >= last):
+            raise ValueError(f"the ODE tail from step {last} would cover stochastic or trained steps")
+        keep_means = config.credit.ratio_norm
         device = latents.device
         before = latents.new_zeros(n, plan.num_actions, *latents.shape[1:])  # [n, A, *latent]
         after = torch.zeros_like(before)
+        means = torch.zeros_like(before) if keep_means else None
         old_logp = latents.new_zeros(n, plan.num_actions)  # [n, A]
-        for s in range(config.num_steps):
+        for s in range(last):
             velocity = self._velocity(policy, latents, timesteps[s].expand(n), conditioning, self.guidance_scale)
             sde_rows = plan.stochastic[:, s]  # [n] bool, on the CPU
             if bool(sde_rows.all()):  # Flow-GRPO, DanceGRPO: every sample takes an SDE step
                 out = self._step(velocity, latents, sigmas[s], sigmas[s + 1], stochastic=True, generators=generators)
-                next_latents, step_logp = out.prev_sample, out.log_prob
-            else:  # window mode: SDE inside a sample's window, ODE elsewhere
+                next_latents, step_logp, step_mean = out.prev_sample, out.log_prob, out.mean
+            else:  # windows: SDE inside a sample's window, ODE elsewhere
                 next_latents = torch.empty_like(latents)
+                step_mean = torch.empty_like(latents)
                 step_logp = latents.new_zeros(n)
                 for is_sde in (True, False):
                     rows = (sde_rows == is_sde).nonzero().flatten()
@@ -282,36 +321,108 @@ class FlowPlugin(Plugin):
                     out = self._step(velocity[index], latents[index], sigmas[s], sigmas[s + 1], stochastic=is_sde,
                                      generators=[generators[i] for i in rows.tolist()])
                     next_latents[index] = out.prev_sample
+                    step_mean[index] = out.mean
                     step_logp[index] = out.log_prob
             for column, rows in plan.columns_at(s):  # store the samples whose column `column` is step s
                 index = slice(None) if rows is None else rows.to(device)
                 before[index, column] = latents[index]
                 after[index, column] = next_latents[index]
                 old_logp[index, column] = step_logp[index]
+                if means is not None:
+                    means[index, column] = step_mean[index]
             latents = next_latents
+        if tail is not None and len(tail) > 1:
+            def tail_velocity(x: Tensor, i: int) -> Tensor:
+                return self._velocity(policy, x, timesteps[i].expand(n), conditioning, self.guidance_scale)
+
+            latents = ode_tail(tail_velocity, latents, sigmas, tail, solver)
 
         step_index = plan.step_index.to(device)  # [n, A]
+        return self._training_rollout(
+            batch, prompts, conditioning, latents, before, after, old_logp, means, step_index,
+            mask=torch.ones_like(old_logp), evaluations=self.model_evaluations["rollout"] - counted,
+        )
+
+    @torch.no_grad()
+    def shared_rollout(self, policy: nn.Module, batch: PromptBatch, template: Any) -> Rollout:
+        """The G samples of every group share trajectory prefixes as ``template``
+        (:class:`~mmrl.plugins.flow.credit.sharing.SharedTemplate`) says; every group of ``batch`` must be whole."""
+        from mmrl.plugins.flow.credit.base import grouped_rows
+        from mmrl.plugins.flow.credit.sharing import shared_rollout
+
+        config = self.config
+        n = len(batch)
+        counted = self.model_evaluations["rollout"]
+        sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)
+        prompts = [str(row["prompt"]) for row in batch.rows]
+        conditioning = self.conditioning(prompts)
+        groups, rows = grouped_rows(batch.group_ids)  # [R, G] batch rows of each group's members
+        if rows.shape[1] != template.group_size:
+            raise RolloutError(f"groups of {rows.shape[1]} samples for a template of {template.group_size}")
+        initial = torch.cat([self._group_noise(group) for group in groups])  # [R, *latent]
+        first = rows[:, 0]
+        per_group = {key: value.index_select(0, first.to(value.device)) for key, value in conditioning.items()}
+
+        def velocity(x: Tensor, s: int, group_index: Tensor) -> Tensor:
+            picked = {key: value.index_select(0, group_index.to(value.device)) for key, value in per_group.items()}
+            return self._velocity(policy, x, timesteps[s].expand(x.shape[0]), picked, self.guidance_scale)
+
+        def step(v: Tensor, x: Tensor, s: int, stochastic: bool, generators: Any) -> SDEStepOutput:
+            return self._step(v, x, sigmas[s], sigmas[s + 1], stochastic=stochastic, generators=generators)
+
+        result = shared_rollout(template, initial, batch.seeds[rows], velocity, step,
+                                keep_means=config.credit.ratio_norm)
+        order = rows.flatten().to(initial.device)
+
+        def to_batch(value: Tensor) -> Tensor:  # [R, G, ...] in group order → [n, ...] in batch order
+            out = value.new_empty(n, *value.shape[2:])
+            out[order] = value.reshape(-1, *value.shape[2:])
+            return out
+
+        num_groups = rows.shape[0]
+        expand = (num_groups, *template.step_index.shape)
+        return self._training_rollout(
+            batch, prompts, conditioning, to_batch(result.final), to_batch(result.before), to_batch(result.after),
+            to_batch(result.old_logp), None if result.means is None else to_batch(result.means),
+            to_batch(template.step_index.expand(expand).to(initial.device)),
+            mask=to_batch(template.mask.expand(expand).to(initial)),
+            evaluations=self.model_evaluations["rollout"] - counted,
+        )
+
+    def _training_rollout(self, batch: PromptBatch, prompts: list[str], conditioning: dict[str, Tensor],
+                          final: Tensor, before: Tensor, after: Tensor, old_logp: Tensor, means: Tensor | None,
+                          step_index: Tensor, *, mask: Tensor, evaluations: int) -> Rollout:
+        config = self.config
+        sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)
+        replay = {
+            "latents": before,  # x before each trained step, float32
+            "next_latents": after,  # the sampled x_next: the action, float32
+            "step_index": step_index,  # [n, A] denoising step of each column
+            "sigmas": sigmas[step_index],  # [n, A]
+            "sigmas_next": sigmas[step_index + 1],  # [n, A]
+            "timesteps": timesteps[step_index],  # [n, A]
+            "conditioning": conditioning,  # prompt embeddings, each [n, ...]
+        }
+        if means is not None:
+            replay["means"] = means  # the old transition means, for GRPO-Guard's RatioNorm
+        active = mask > 0
+        trained_sigma = sigmas[step_index][active].mean() if bool(active.any()) else sigmas.new_zeros(())
         return Rollout(
             group_ids=batch.group_ids,
             old_logp=old_logp,
-            mask=torch.ones_like(old_logp),
-            payload={"images": self.adapter.decode(latents, config.resolution), "prompts": prompts},
-            replay={
-                "latents": before,  # x before each trained step, float32
-                "next_latents": after,  # the sampled x_next: the action, float32
-                "step_index": step_index,  # [n, A] denoising step of each column
-                "sigmas": sigmas[step_index],  # [n, A]
-                "sigmas_next": sigmas[step_index + 1],  # [n, A]
-                "timesteps": timesteps[step_index],  # [n, A]
-                "conditioning": conditioning,  # prompt embeddings, each [n, ...]
-            },
-            shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps},
-            metrics={"trained_sigma_mean": float(sigmas[step_index].mean())},
+            mask=mask,
+            payload={"images": self.adapter.decode(final, config.resolution), "prompts": prompts},
+            replay=replay,
+            shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
+                    "credit": config.credit.strategy},
+            metrics={"trained_sigma_mean": float(trained_sigma),
+                     "model_evals_per_sample": evaluations / max(len(batch), 1)},
         )
 
     def _evaluation_rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         """The plain ODE (Euler) with the evaluation steps and guidance, as the diffusers pipeline samples; A = 0."""
         config = self.config
+        self._phase = "evaluation"
         n = len(batch)
         sigmas, timesteps = self.adapter.schedule(config.eval_num_steps, config.resolution)
         prompts = [str(row["prompt"]) for row in batch.rows]
@@ -327,30 +438,70 @@ class FlowPlugin(Plugin):
     def forward(
         self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
     ) -> PolicyOutput:
+        self.credit.forward_check(actions)
+        self._phase = "forward"
         replay = rollout.replay
         width = int(replay["latents"].shape[1])
         columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
         if any(c >= width for c in columns):
             raise RolloutError(f"flow forward asked for action columns {columns} of a rollout with {width} steps")
+        ratio_norm = self.config.credit.ratio_norm
+        if ratio_norm and "means" not in replay:
+            raise RolloutError("credit.ratio_norm needs the old transition means (replay['means']) of the rollout")
+        # Actions that cannot contribute (mask 0: untrained chunks, shared tree edges, padding; weight 0: pruned
+        # edges) keep their old log-prob (ratio 1, no gradient) and cost no transformer call.
+        active = rollout.mask > 0  # [n, len(columns)]
+        if rollout.action_weights is not None:
+            active = active & (rollout.action_weights != 0)
+        if torch.is_grad_enabled() and not bool(active.any()):
+            # Nothing here is trained (e.g. a micro-batch of tree members that share every edge of this column), but
+            # the trainer back-propagates every forward: recompute one action so that the output has a graph through
+            # the policy (its loss is masked to 0, so the gradient is 0).
+            active = active.clone()
+            active[0, 0] = True
         conditioning = replay["conditioning"]
         logps, kls = [], []
-        for column in columns:
-            latents = replay["latents"][:, column]  # [n, *latent]
-            sigma, sigma_next = replay["sigmas"][:, column], replay["sigmas_next"][:, column]  # [n] each
-            timesteps = replay["timesteps"][:, column]  # [n]
-            stored = replay["next_latents"][:, column]  # [n, *latent]
-            velocity = self._velocity(policy, latents, timesteps, conditioning, self.guidance_scale)
+        for k, column in enumerate(columns):
+            old = rollout.old_logp[:, k].detach().float()  # [n]
+            rows = active[:, k]
+            if not bool(rows.any()):
+                logps.append(old)
+                if need_reference:
+                    kls.append(torch.zeros_like(old))
+                continue
+            index = None if bool(rows.all()) else rows.nonzero().flatten()
+            latents = _rows(replay["latents"][:, column], index)  # [m, *latent]
+            sigma = _rows(replay["sigmas"][:, column], index)  # [m]
+            sigma_next = _rows(replay["sigmas_next"][:, column], index)
+            timesteps = _rows(replay["timesteps"][:, column], index)
+            stored = _rows(replay["next_latents"][:, column], index)
+            picked = conditioning if index is None else {key: value.index_select(0, index.to(value.device))
+                                                         for key, value in conditioning.items()}
+            velocity = self._velocity(policy, latents, timesteps, picked, self.guidance_scale)
             out = self._step(velocity, latents, sigma, sigma_next, stochastic=True, prev_sample=stored)
-            logps.append(out.log_prob)
+            logp = out.log_prob
+            if ratio_norm:
+                from mmrl.plugins.flow.credit.guard import ratio_norm_logp
+
+                logp = ratio_norm_logp(logp, _rows(old, index), out.mean, _rows(replay["means"][:, column], index),
+                                       out.std)
+            kl = None
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
-                    ref_velocity = self._velocity(reference, latents, timesteps, conditioning, self.guidance_scale)
+                    ref_velocity = self._velocity(reference, latents, timesteps, picked, self.guidance_scale)
                 ref_mean = self._step(ref_velocity, latents, sigma, sigma_next, stochastic=True,
                                       prev_sample=stored).mean
                 coefficient = diffusion_coefficient(self.config.sde, sigma, sigma_next,
                                                     noise_level=self.config.noise_level)
-                kls.append(gaussian_kl_between_means(out.mean, ref_mean, out.std, variance=self.config.kl_variance,
-                                                     diffusion_coeff=coefficient))
+                kl = gaussian_kl_between_means(out.mean, ref_mean, out.std, variance=self.config.kl_variance,
+                                               diffusion_coeff=coefficient)
+            if index is not None:  # back to all n rows; gradients flow into the computed ones
+                logp = old.index_put((index.to(old.device),), logp.float())
+                if kl is not None:
+                    kl = torch.zeros_like(old).index_put((index.to(old.device),), kl.float())
+            logps.append(logp)
+            if need_reference:
+                kls.append(kl)
         logp = torch.stack(logps, dim=1)  # [n, len(columns)]
         return PolicyOutput(logp=logp, kl=torch.stack(kls, dim=1) if need_reference else None)
 
@@ -451,21 +602,26 @@ class FlowPlugin(Plugin):
         """x at σ = 1, ``[n, *latent]`` float32: one draw per sample from its own generator, as diffusers'
         ``randn_tensor`` draws with a list of generators; with ``share_initial_noise`` one draw per group, seeded
         from (run seed, group id), so the G samples of a prompt share it on every process."""
-        shape = (1, *self.adapter.noise_shape(self.config.resolution))
         if self.config.share_initial_noise and batch.training:
             per_group: dict[int, Tensor] = {}
             for group in batch.group_ids.tolist():
                 if group not in per_group:
-                    generator = torch.Generator().manual_seed(derive_seed(self.runtime.seed, group, _SHARED_NOISE_TAG))
-                    per_group[group] = torch.randn(shape, generator=generator)
-            noise = torch.cat([per_group[group] for group in batch.group_ids.tolist()])
-        else:
-            noise = torch.cat([torch.randn(shape, generator=generator) for generator in generators])
+                    per_group[group] = self._group_noise(group)
+            return torch.cat([per_group[group] for group in batch.group_ids.tolist()])
+        shape = (1, *self.adapter.noise_shape(self.config.resolution))
+        noise = torch.cat([torch.randn(shape, generator=generator) for generator in generators])
         return self.adapter.pack(noise.to(self.runtime.device))
+
+    def _group_noise(self, group: int) -> Tensor:
+        """x at σ = 1 shared by a group, ``[1, *latent]``, drawn from (run seed, group id) only."""
+        shape = (1, *self.adapter.noise_shape(self.config.resolution))
+        generator = torch.Generator().manual_seed(derive_seed(self.runtime.seed, int(group), _SHARED_NOISE_TAG))
+        return self.adapter.pack(torch.randn(shape, generator=generator).to(self.runtime.device))
 
     def _velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: dict[str, Tensor],
                   guidance_scale: float) -> Tensor:
         """float32 velocity ``[n, *latent]``: the one function rollouts and training forwards share."""
+        self.model_evaluations[self._phase] += int(latents.shape[0])
         negative = None
         if self.cfg:
             negative = {key: value.to(self.input_dtype) for key, value in self.negative_conditioning().items()}

@@ -9,7 +9,8 @@ which steps carry a trained action:
 ``"random"`` (DanceGRPO, Xue et al. 2025, arXiv:2505.07818)
     SDE at every step; each sample trains its own random ⌊(S−1)·timestep_fraction⌋ of the steps 0..S−2 (the last
     step is never trained; DanceGRPO uses timestep_fraction 0.6), drawn from the sample's seed.
-``"window"`` (Flow-GRPO-Fast, flow_grpo README; MixGRPO's sliding window is the same idea)
+``"window"`` (Flow-GRPO-Fast, flow_grpo README; MixGRPO's sliding window is the same idea, with a window that moves as
+training progresses: ``plugin.credit.strategy: sliding_window``)
     SDE only inside a window of ``window_size`` consecutive steps, ODE before and after it; the window steps are
     trained. The window starts uniformly in [lo, hi − window_size] (default range [0, S/2), the high-noise half),
     drawn once per group so that all samples of a prompt explore at the same steps.

@@ -1,0 +1,46 @@
+r"""GRPO-Guard's ratio normalisation (RatioNorm), a loss option of every strategy (``credit.ratio_norm: true``).
+
+Wang et al. 2025, "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated Clipping",
+arXiv:2510.22319. For a Gaussian step x' ~ N(μ, s²·I) with per-element log-densities ℓ (averaged over the D latent
+elements, as Flow-GRPO does), x' = μ_old + s·z and d = μ_θ − μ_old:
+
+    ℓ_θ − ℓ_old = mean(z·d)/s − mean(d²)/(2s²).
+
+The second term makes the log-ratio negative on average (the ratio's mean falls below 1, worst at the small-s,
+low-noise steps), so PPO's upper clip rarely binds for positive advantages. RatioNorm removes it and rescales by s:
+
+    log r' = s·(ℓ_θ − ℓ_old) + mean(d²)/(2s) = mean(z·d),
+
+a log-ratio of mean 0 under the sampling policy whose scale no longer depends on the step's noise. It is exactly 0
+on policy (d = 0, ℓ_θ = ℓ_old), and its gradient there is s·∇ℓ_θ (the mean(d²) term has zero gradient at d = 0).
+The same form is used by Flow-Factory's GRPOGuardTrainer and verl-omni's ``grpo_guard`` loss. The paper's second
+ingredient, the per-step gradient reweighting by 1/Δσ, is ``credit.ratio_norm_reweight``
+(:func:`.base.guard_reweighting`).
+
+mmrl's core computes the ratio as exp(logp − old_logp), so the plugin returns
+logp' = old_logp + s·(logp − old_logp) + mean(d²)/(2s) from its forward (gradients flow through logp and μ_θ);
+the old transition means μ_old are stored in ``replay["means"]`` at sampling time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def ratio_norm_logp(logp: Tensor, old_logp: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    """logp' with logp' − old_logp = s·(logp − old_logp) + mean((μ − μ_old)²)/(2s).
+
+    Args:
+        logp: ``[n]`` per-element-mean log-density under the current policy (with gradients).
+        old_logp: ``[n]`` the same under the sampling policy.
+        mean: ``[n, *latent]`` μ_θ (with gradients).
+        old_mean: ``[n, *latent]`` μ_old, stored at sampling time.
+        std: ``[n]`` or ``[n, 1, ..., 1]`` the transition std s (> 0).
+    """
+    n = logp.shape[0]
+    s = std.reshape(n).to(logp.dtype)
+    old = old_logp.detach().to(logp.dtype)
+    mse = (mean - old_mean.detach().to(mean.dtype)).pow(2).reshape(n, -1).mean(dim=1).to(logp.dtype)
+    safe = torch.where(s > 0, s, torch.ones_like(s))  # a deterministic step (std 0) has no ratio: keep it at 1
+    return torch.where(s > 0, old + safe * (logp - old) + mse / (2 * safe), old + 0 * logp)

@@ -1,0 +1,322 @@
+"""The credit strategies' logic without a network (:mod:`mmrl.plugins.flow.credit`): hand-computed values, and the
+closed-form Gaussian model (the exact velocity of Gaussian data, as in test_sde.py) standing in for the transformer.
+
+Data x0 ~ N(m, diag(c²)), x_σ = (1−σ)·x0 + σ·ε, so per dim v(x, σ) = (σ − (1−σ)c²)/S·(x − (1−σ)m) − m with
+S = (1−σ)²c² + σ²: every ODE step is affine in x, which gives independent closed forms for the tests below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmrl.algos import advantage_estimators
+from mmrl.plugins.flow.credit.base import guard_reweighting, noise_aware_weights, transition_std
+from mmrl.plugins.flow.credit.branch import branch_template
+from mmrl.plugins.flow.credit.chunk import (
+    chunk_probabilities,
+    chunks_from_dynamics,
+    chunks_from_sizes,
+    relative_l1,
+    sample_chunk_mask,
+)
+from mmrl.plugins.flow.credit.config import SlidingWindowCreditConfig
+from mmrl.plugins.flow.credit.guard import ratio_norm_logp
+from mmrl.plugins.flow.credit.sharing import shared_rollout
+from mmrl.plugins.flow.credit.sliding_window import window_start
+from mmrl.plugins.flow.credit.solvers import ode_tail, tail_grid
+from mmrl.plugins.flow.credit.tree import node_rewards, tree_template, width_pruning_keep
+from mmrl.plugins.flow.sde import sde_step
+from mmrl.trainer.credit import action_advantages
+
+M = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
+C = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+
+
+def exact_velocity(x, sigma, m=M, c=C):
+    var = (1 - sigma) ** 2 * c**2 + sigma**2
+    return (sigma - (1 - sigma) * c**2) / var * (x - (1 - sigma) * m) - m
+
+
+def gaussian_engine(sigmas, kind="flow_grpo", noise_level=0.7):
+    """The shared-prefix engine's model and step functions for the Gaussian data (float64)."""
+
+    def velocity(x, s, groups):
+        return exact_velocity(x, float(sigmas[s]))
+
+    def step(v, x, s, stochastic, generators):
+        return sde_step(kind if stochastic else "ode", v, x, float(sigmas[s]), float(sigmas[s + 1]),
+                        noise_level=noise_level, generator=generators)
+
+    return velocity, step
+
+
+# ---------------------------------------------------------------------------------------------- per-step weights
+def test_noise_aware_weights_reproduce_tempflow_grpos_constant():
+    # TempFlow-GRPO's code (SD3.5, 10 steps, a = 0.7) multiplies each step's loss by 2.25·std_t, std_t = s_t·√Δ_t.
+    # Our weights are std_t / mean_{t ≤ 8} std_t: the normaliser must come out as that 2.25 (1/2.2522).
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.double()
+    expected = []
+    for t in range(10):  # plain floats, the formula of Flow-GRPO's SDE step
+        sigma, sigma_next = float(sigmas[t]), float(sigmas[t + 1])
+        denominator = float(sigmas[1]) if sigma == 1.0 else sigma
+        expected.append(0.7 * math.sqrt(sigma / (1 - denominator)) * math.sqrt(sigma - sigma_next))
+    weights = noise_aware_weights("flow_grpo", sigmas, 0.7)
+    torch.testing.assert_close(weights, 2.2522 * torch.tensor(expected, dtype=torch.float64), rtol=2e-4, atol=0)
+    assert weights[:9].mean().item() == pytest.approx(1.0)
+    assert (weights[:-1].diff()[1:] < 0).all()  # more weight early, where the noise is large (after step 0)
+
+
+def test_transition_std_matches_sde_step_for_every_kind():
+    sigmas = torch.tensor([1.0, 0.7, 0.4, 0.1, 0.0], dtype=torch.float64)
+    x = torch.zeros(1, 3, dtype=torch.float64)
+    for kind, level in (("flow_grpo", 0.7), ("dance_grpo", 0.3), ("cps", 0.8)):
+        stds = transition_std(kind, sigmas, level)
+        for t in range(4):
+            out = sde_step(kind, x, x, float(sigmas[t]), float(sigmas[t + 1]), noise_level=level, prev_sample=x)
+            assert stds[t].item() == pytest.approx(out.std.item(), rel=1e-12)
+
+
+def test_guard_reweighting_is_one_over_the_step_size_normalised():
+    sigmas = torch.tensor([1.0, 0.8, 0.5, 0.0])  # Δ = 0.2, 0.3, 0.5 → 1/Δ = 5, 10/3, 2; mean of the first two 25/6
+    expected = torch.tensor([5.0, 10 / 3, 2.0], dtype=torch.float64) / (25 / 6)
+    torch.testing.assert_close(guard_reweighting(sigmas), expected)
+
+
+# ---------------------------------------------------------------------------------------------- GRPO-Guard
+def test_ratio_norm_is_the_noise_correlation_and_removes_the_ratio_bias():
+    # Two policies on the Gaussian data: the sampler (velocity of data mean m) and a trained one (mean m + 0.3).
+    # With x' = μ_old + s·z, the normalised log-ratio must be mean(z·d) (d = μ_new − μ_old) for every sample; the
+    # raw per-element log-ratio averages −mean(d²)/(2s²) < 0 over z, the normalised one 0.
+    generator = torch.Generator().manual_seed(0)
+    n, sigma, sigma_next = 20_000, 0.6, 0.45
+    x = torch.randn(n, 3, generator=generator, dtype=torch.float64)
+    v_old, v_new = exact_velocity(x, sigma), exact_velocity(x, sigma, m=M + 0.3)
+    old = sde_step("flow_grpo", v_old, x, sigma, sigma_next, noise_level=0.7, generator=generator)
+    new = sde_step("flow_grpo", v_new, x, sigma, sigma_next, noise_level=0.7, prev_sample=old.prev_sample)
+    s = old.std.reshape(n)
+    z = (old.prev_sample - old.mean) / old.std
+    d = new.mean - old.mean
+    normalised = ratio_norm_logp(new.log_prob, old.log_prob, new.mean, old.mean, old.std) - old.log_prob
+    torch.testing.assert_close(normalised, (z * d).mean(dim=1), rtol=1e-9, atol=1e-12)
+    bias = -(d**2).mean(dim=1) / (2 * s**2)  # [n]
+    raw = new.log_prob - old.log_prob
+    standard_error = normalised.std().item() / math.sqrt(n)
+    assert abs((raw - bias).mean().item()) < 5 * (raw - bias).std().item() / math.sqrt(n)  # E[raw] = the bias ...
+    assert bias.mean().item() < -10 * standard_error  # ... which is far below 0 ...
+    assert abs(normalised.mean().item()) < 5 * standard_error  # ... while the normalised log-ratio is centred
+
+
+def test_ratio_norm_is_exactly_one_on_policy_with_the_scaled_gradient():
+    mean = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    old_mean = mean.detach().clone()
+    std = torch.full((4, 1), 0.3, dtype=torch.float64)
+    action = old_mean + std * torch.randn(4, 6, dtype=torch.float64)
+    logp = (-(action - mean) ** 2 / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).mean(dim=1)
+    old_logp = logp.detach().clone()
+    normalised = ratio_norm_logp(logp, old_logp, mean, old_mean, std)
+    assert torch.equal(normalised.detach() - old_logp, torch.zeros(4, dtype=torch.float64))
+    (grad_normalised,) = torch.autograd.grad(normalised.sum(), mean, retain_graph=True)
+    (grad_plain,) = torch.autograd.grad(logp.sum(), mean)
+    torch.testing.assert_close(grad_normalised, 0.3 * grad_plain)
+    # a deterministic step (std 0, log-prob 0 by convention) keeps ratio 1 instead of dividing by 0
+    deterministic = ratio_norm_logp(logp.detach() + 0.5, old_logp, mean.detach() + 1, old_mean, torch.zeros(4, 1))
+    assert torch.equal(deterministic, old_logp)
+
+
+# ---------------------------------------------------------------------------------------------- branch (TempFlow)
+def test_branch_template_splits_the_group_over_the_points():
+    template = branch_template(4, [0, 2], num_steps=4)
+    # members 0, 1 branch at step 0, members 2, 3 at step 2; before their step they share the trunk (node 0)
+    assert template.node.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2], [2, 2, 3, 3]]
+    assert template.stochastic.tolist() == [[True, False, False, False]] * 2 + [[False, False, True, False]] * 2
+    assert template.step_index.tolist() == [[0, 2]] * 4
+    assert template.mask.tolist() == [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]
+    # evaluations: the trunk up to step 2 (3), then every branch to the end: 2·3 (from step 0) + 2·1 (from step 2)
+    assert template.evaluations() == 3 + 6 + 2
+    with pytest.raises(ValueError, match="evenly"):
+        branch_template(6, [0, 1, 2, 3], num_steps=6)
+
+
+def test_branch_spread_comes_only_from_the_branch_step():
+    # All G members branch at k. After k everything is ODE, an affine map x ↦ A·x + b per dim, so the members'
+    # final values spread with variance (A·std_k)² exactly (A: product of the ODE steps' slopes). Before k the
+    # members are the shared ODE trunk, identical to the bit.
+    sigmas = torch.linspace(1, 0, 9, dtype=torch.float64)
+    num_steps, k, group = 8, 2, 1500
+    velocity, step = gaussian_engine(sigmas)
+    template = branch_template(group, [k], num_steps)
+    initial = torch.randn(1, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    seeds = torch.arange(group).unsqueeze(0) + 10
+    result = shared_rollout(template, initial, seeds, velocity, step)
+    assert result.evaluations == (k + 1) + group * (num_steps - 1 - k)
+    assert (result.before[0, :, 0] == result.before[0, 0, 0]).all()  # the trunk is shared exactly
+    trunk = initial.clone()
+    for t in range(k):  # the trunk is the ODE
+        trunk = trunk - (sigmas[t] - sigmas[t + 1]) * exact_velocity(trunk, float(sigmas[t]))
+    torch.testing.assert_close(result.before[0, 0, 0], trunk[0])
+    slope = torch.ones(3, dtype=torch.float64)
+    for t in range(k + 1, num_steps):  # d(x_{t+1})/d(x_t) of the Euler step, from two probes
+        probe = torch.stack([torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)])
+        moved = probe - (sigmas[t] - sigmas[t + 1]) * exact_velocity(probe, float(sigmas[t]))
+        slope = slope * (moved[1] - moved[0])
+    std_k = sde_step("flow_grpo", trunk, trunk, float(sigmas[k]), float(sigmas[k + 1]), noise_level=0.7,
+                     prev_sample=trunk).std.item()
+    variance = result.final[0].var(dim=0)
+    ratio = variance / (slope * std_k) ** 2
+    assert ((ratio - 1).abs() < 5 * math.sqrt(2 / group)).all(), ratio
+
+
+# ---------------------------------------------------------------------------------------------- tree (BranchGRPO)
+def test_tree_template_by_hand():
+    template = tree_template(4, [0, 2], branching=2, num_steps=4)
+    assert template.node.tolist() == [[0, 0, 0, 0], [0, 0, 1, 1], [1, 1, 2, 2], [1, 1, 3, 3]]
+    assert template.stochastic.all()
+    assert template.step_index.tolist() == [[0, 1, 2]] * 4  # first split .. S − 2
+    assert template.mask.tolist() == [[1, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 1]]
+    assert template.evaluations() == 1 + 2 + 2 + 4
+    splits = tree_template(4, [0, 2], branching=2, num_steps=4, sde_steps="splits")
+    assert splits.step_index.tolist() == [[0, 2]] * 4
+    assert splits.stochastic[0].tolist() == [True, False, True, False]
+    with pytest.raises(ValueError, match="leaves"):
+        tree_template(6, [0, 2], branching=2, num_steps=4)
+
+
+def test_tree_advantages_are_branchgrpos_per_depth_z_scores():
+    # One tree of 4 leaves with rewards 1, 3, 2, 6 (hand-set). BranchGRPO: a node's reward is the mean of its
+    # leaves; advantages are z-scores (unbiased std) among the nodes of one depth; each edge is trained once.
+    template = tree_template(4, [0, 2], branching=2, num_steps=4)
+    rewards = torch.tensor([1.0, 3.0, 2.0, 6.0])
+    nodes = template.node.gather(1, template.step_index)
+    per_action = node_rewards(rewards, torch.zeros(4, dtype=torch.long), nodes)
+    assert per_action.tolist() == [[2, 2, 1], [2, 2, 3], [4, 4, 2], [4, 4, 6]]
+    got = action_advantages(per_action, template.mask, torch.zeros(4, dtype=torch.long),
+                            advantage_estimators["grpo"], {"eps": 0.0}, clip=None)
+    a = 1 / math.sqrt(2)  # depth 1 and 2: nodes 2 and 4 → ∓1/√2
+    b = math.sqrt(14 / 3)  # leaves: mean 3, unbiased std √(14/3)
+    expected = torch.tensor([[-a, -a, -2 / b], [0, 0, 0 / b], [a, a, -1 / b], [0, 0, 3 / b]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_tree_shares_prefixes_and_trains_each_edge_once():
+    sigmas = torch.linspace(1, 0, 7, dtype=torch.float64)
+    velocity, step = gaussian_engine(sigmas, kind="dance_grpo", noise_level=0.3)
+    template = tree_template(8, [0, 2, 4], branching=2, num_steps=6)
+    initial = torch.randn(2, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    result = shared_rollout(template, initial, torch.arange(16).reshape(2, 8), velocity, step)
+    for column, s in enumerate(template.step_index[0].tolist()):
+        nodes = template.node[:, s]
+        for node in nodes.unique().tolist():
+            members = (nodes == node).nonzero().flatten()
+            assert template.mask[members, column].sum() == 1  # one representative trains the edge
+            for r in range(2):  # members of a node share the edge: state before, action, log-prob
+                assert (result.after[r, members, column] == result.after[r, members[0], column]).all()
+                assert (result.old_logp[r, members, column] == result.old_logp[r, members[0], column]).all()
+    assert not torch.equal(result.final[0, 0], result.final[0, 1])  # every leaf is its own image
+    assert not torch.equal(result.final[0], result.final[1])  # trees of different groups differ
+    assert result.evaluations == 2 * (1 + 2 + 2 + 4 + 4 + 8)
+    # ratio == 1 on policy: every stored edge, rescored with the model that sampled it, has its stored log-prob
+    for column, s in enumerate(template.step_index[0].tolist()):
+        before, after = result.before[:, :, column].reshape(16, 3), result.after[:, :, column].reshape(16, 3)
+        rescored = sde_step("dance_grpo", exact_velocity(before, float(sigmas[s])), before, float(sigmas[s]),
+                            float(sigmas[s + 1]), noise_level=0.3, prev_sample=after).log_prob
+        assert torch.equal(rescored, result.old_logp[:, :, column].reshape(16))
+
+
+def test_width_pruning_keeps_the_best_and_the_worst_leaves():
+    rewards = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4])
+    assert width_pruning_keep(rewards, 0.5).nonzero().flatten().tolist() == [0, 1, 5, 6]
+    assert width_pruning_keep(rewards, 0.1).sum() == 2  # at least two
+    assert width_pruning_keep(torch.tensor([1.0, float("nan"), 0.0, 2.0]), 0.5).tolist() == [False, True, False, True]
+
+
+# ---------------------------------------------------------------------------------------------- sliding window
+def test_progressive_window_moves_every_shift_and_rolls_back():
+    options = SlidingWindowCreditConfig(size=4, shift_every=2)
+    starts = [window_start(options, 10, step=t, max_steps=100, run_seed=0) for t in range(16)]
+    assert starts == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 0, 0]  # 7 positions (0..6), then back to 0
+    clipped = SlidingWindowCreditConfig(size=4, shift_every=2, roll_back=False)
+    assert window_start(clipped, 10, step=15, max_steps=100, run_seed=0) == 6
+    spread = SlidingWindowCreditConfig(size=2, shift_every=None, window_range=[0, 5])  # 4 positions over 8 steps
+    assert [window_start(spread, 6, step=t, max_steps=8, run_seed=0) for t in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    randomised = SlidingWindowCreditConfig(size=3, schedule="random", window_range=[1, 8])
+    drawn = [window_start(randomised, 10, step=t, max_steps=100, run_seed=5) for t in range(50)]
+    assert set(drawn) <= set(range(1, 6)) and len(set(drawn)) > 2
+    assert drawn == [window_start(randomised, 10, step=t, max_steps=100, run_seed=5) for t in range(50)]
+
+
+def test_tail_grid_compresses_the_steps_after_the_window():
+    assert tail_grid(6, 10, 0.4) == [6, 8, 10]  # ⌈0.4·4⌉ = 2 steps
+    assert tail_grid(6, 10, 1.0) == [6, 7, 8, 9, 10]
+    assert tail_grid(10, 10, 0.5) == []
+
+
+def _ode_moments(solver, steps, start=0.8):
+    """Exact final mean and variance of the tail from the exact marginal at σ = start (the map is affine)."""
+    sigmas = torch.linspace(start, 0, steps + 1, dtype=torch.float64)
+    probe = torch.stack([torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)])
+    out = ode_tail(lambda x, i: exact_velocity(x, float(sigmas[i])), probe, sigmas, list(range(steps + 1)), solver)
+    slope, intercept = out[1] - out[0], out[0]
+    mean0, var0 = (1 - start) * M, (1 - start) ** 2 * C**2 + start**2
+    return slope * mean0 + intercept, slope**2 * var0
+
+
+def test_dpm_solver_2m_is_second_order_and_euler_first_order():
+    # The exact ODE carries N((1−σ)m, (1−σ)²c² + σ²) at σ = 0.8 to the data N(m, c²). Halving the step must divide the
+    # variance error by ~2 for Euler and by ~4 for DPM-Solver++(2M) (3.1–4.6 at these sizes, still approaching 4),
+    # which also beats Euler by far at equal steps (one model call per step for both).
+    errors = {}
+    for solver in ("euler", "dpm2m"):
+        errors[solver] = []
+        for steps in (32, 64, 128):
+            mean, var = _ode_moments(solver, steps)
+            torch.testing.assert_close(mean, M, rtol=0, atol=1e-10)  # E[v] is exact: the mean never errs
+            errors[solver].append((var / C**2 - 1).abs())
+    for coarse, fine in zip(errors["euler"], errors["euler"][1:], strict=False):
+        assert ((coarse / fine > 1.8) & (coarse / fine < 2.2)).all(), coarse / fine
+    for coarse, fine in zip(errors["dpm2m"], errors["dpm2m"][1:], strict=False):
+        assert ((coarse / fine > 2.8) & (coarse / fine < 5.0)).all(), coarse / fine
+    for second, first in zip(errors["dpm2m"], errors["euler"], strict=True):
+        assert (second < first / 4).all()
+
+
+# ---------------------------------------------------------------------------------------------- chunks
+def test_chunk_ids_from_sizes_and_from_the_relative_l1_change():
+    assert chunks_from_sizes([2, 3], 5).tolist() == [0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="add up"):
+        chunks_from_sizes([2, 2], 5)
+    # D = 4, 5, 6, 7, 8; midpoint shares (D − d/2)/8 = .25, .5625, .6875, .8125, .9375 → ⌊2·share⌋ = 0, 1, 1, 1, 1
+    # equal changes: shares .1, .3, .5, .7, .9 → 0, 0, 1, 1, 1; no change at all: cut the same way
+    dynamics = torch.tensor([[4.0, 1, 1, 1, 1], [1.0, 1, 1, 1, 1], [0.0, 0, 0, 0, 0]])
+    assert chunks_from_dynamics(dynamics, 2).tolist() == [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    # one huge step swallows the others' shares: ids stay consecutive (no empty chunk)
+    assert chunks_from_dynamics(torch.tensor([[0.1, 10.0, 0.1]]), 3).tolist() == [[0, 1, 2]]
+    assert chunks_from_dynamics(torch.tensor([[0.1, 0.1, 10.0, 0.1]]), 4).tolist() == [[0, 0, 1, 2]]
+    before = torch.tensor([[[[1.0, -1.0]]]])  # [N=1, A=1, 1, 2]
+    after = torch.tensor([[[[2.0, -1.0]]]])
+    assert relative_l1(before, after).tolist() == [[0.5]]  # mean|Δ| = 0.5, mean|x| = 1
+
+
+def test_chunk_sampling_follows_the_dynamics():
+    dynamics = torch.tensor([[3.0, 1.0, 1.0, 2.0]])
+    ids = torch.tensor([[0, 0, 1, 1]])
+    torch.testing.assert_close(chunk_probabilities(dynamics, ids, "l1"),
+                               torch.tensor([[2 / 3.5, 1.5 / 3.5]], dtype=torch.float64), rtol=1e-6, atol=0)
+    softmax = torch.tensor([math.exp(2), math.exp(1.5)], dtype=torch.float64)
+    torch.testing.assert_close(chunk_probabilities(dynamics, ids, "softmax"), (softmax / softmax.sum()).unsqueeze(0))
+    # 3 chunks with probabilities .7, .2, .1, one drawn per sample: frequencies over 4000 seeds within 5 std errors
+    n = 4000
+    chunk_ids = torch.tensor([0, 1, 1, 2]).expand(n, 4)
+    probabilities = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64).expand(n, 3)
+    mask = sample_chunk_mask(chunk_ids, probabilities, 0.5, torch.arange(n))
+    assert (mask[:, 1] == mask[:, 2]).all()  # whole chunks
+    assert (torch.stack([mask[:, 0], mask[:, 1], mask[:, 3]], dim=1).sum(dim=1) == 1).all()  # one chunk each
+    frequency = torch.stack([mask[:, 0], mask[:, 1], mask[:, 3]], dim=1).mean(dim=0).double()
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    assert ((frequency - p).abs() < 5 * (p * (1 - p) / n).sqrt()).all(), frequency
