@@ -51,6 +51,8 @@ class Runtime:
         seed: The run's base seed.
         needs_reference: Whether :meth:`Plugin.forward` will be asked for the reference policy (``kl_coef > 0``),
             so that a plugin keeps a frozen copy only when the KL term needs one.
+        ratio_level: The importance-ratio level the policy loss uses (``"token"``, ``"chunk"``, ``"sequence"``;
+            None when unknown, e.g. outside a trainer), so that a plugin providing chunk ids can insist on it.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -64,6 +66,7 @@ class Runtime:
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
     seed: int = 0
     needs_reference: bool = False
+    ratio_level: str | None = None
 
     @property
     def is_main_process(self) -> bool:

@@ -26,6 +26,14 @@ from mmrl.trainer.metrics import WeightedMeans
 from mmrl.trainer.sampler import derive_seed
 
 
+def ratio_level(config: TrainConfig) -> str:
+    """The importance-ratio level of the configured policy loss: its ``ratio_level`` option, else the loss's
+    default, else ``"token"`` (losses without a ratio)."""
+    loss = policy_losses.get(config.algorithm.policy_loss.name)
+    default = inspect.signature(loss).parameters.get("ratio_level")
+    return config.algorithm.policy_loss.options.get("ratio_level", "token" if default is None else default.default)
+
+
 def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) -> BatchGeometry | None:
     """The batch geometry with ``algorithm.action_chunk_size`` folded in, or None when it is not set.
 
@@ -39,9 +47,7 @@ def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) ->
     if not plugin.supports_action_chunks:
         raise ConfigError("algorithm.action_chunk_size", size,
                           f"null: plugin {name!r} recomputes all actions in one forward")
-    loss = policy_losses.get(config.algorithm.policy_loss.name)
-    default = inspect.signature(loss).parameters.get("ratio_level")
-    level = config.algorithm.policy_loss.options.get("ratio_level", "token" if default is None else default.default)
+    level = ratio_level(config)
     if level != "token":
         raise ConfigError("algorithm.action_chunk_size", size,
                           f"null with ratio_level {level!r}: chunk and sequence ratios need every action at once")

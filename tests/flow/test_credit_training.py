@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmrl.config import ConfigError
 from mmrl.rollout import RolloutError
 from mmrl.trainer import Trainer
 
@@ -41,8 +42,10 @@ def test_each_strategy_trains_the_adapter_with_ratio_one(train_config, name, tmp
 
 def test_misconfigurations_fail_with_one_line(train_config, tmp_path):
     chunk, _ = RUNS["chunk"]
-    with pytest.raises(RolloutError, match="action_chunk_size: null"):  # the base config back-propagates per step
+    # The base config keeps token ratios (it back-propagates per step): chunk ids would be silently ignored.
+    with pytest.raises(ConfigError, match="ratio_level"):
         Trainer(train_config("sd3", tmp_path / "a", credit=chunk)).train()
     tree, _ = RUNS["tree"]
     with pytest.raises(RolloutError, match="whole groups"):
         Trainer(train_config("sd3", tmp_path / "b", "rollout.batch_size=3", credit=tree)).train()
+

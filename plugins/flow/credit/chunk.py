@@ -128,6 +128,10 @@ class ChunkCredit(CreditStrategy):
         return config.step_selection_count()
 
     def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        level = plugin.runtime.ratio_level
+        if level is not None and level != "chunk":
+            raise ConfigError("algorithm.policy_loss.ratio_level", level,
+                              "'chunk' with plugin.credit.strategy 'chunk' (one importance ratio per chunk)")
         options = self.credit.chunk
         rollout = plugin.chain_rollout(policy, batch, step_plan(self.config, batch, plugin.runtime.seed))
         dynamics = relative_l1(rollout.replay["latents"], rollout.replay["next_latents"]).cpu()  # [N, A]
