@@ -25,6 +25,9 @@ _BUILTIN = {
     "jpeg_incompressibility": "mmrl.rewards.image_models:JpegIncompressibility",
     "pref_winrate": "mmrl.rewards.preference:PrefWinRate",
     "remote": "mmrl.rewards.remote:RemoteReward",
+    "gsm8k_answer": "mmrl.rewards.math_answers:gsm8k_answer",
+    "countdown": "mmrl.rewards.countdown:countdown",
+    "sudoku": "mmrl.rewards.sudoku:sudoku",
 }
 
 for _name, _target in _BUILTIN.items():

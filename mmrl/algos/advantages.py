@@ -22,7 +22,7 @@ from torch import Tensor
 from mmrl.algos.groups import group_stats
 from mmrl.registry import Registry
 
-advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
+advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator", populate="mmrl.plugins")
 
 
 def _check(rewards: Tensor, group_ids: Tensor) -> None:

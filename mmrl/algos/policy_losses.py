@@ -23,7 +23,9 @@ from torch import Tensor
 from mmrl.algos.ratios import log_ratio
 from mmrl.registry import Registry
 
-policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry("policy loss")
+policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry(
+    "policy loss", populate="mmrl.plugins"  # plugins declare the losses they add (e.g. the dLLM plugin's wd1, spg)
+)
 
 
 def broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:

@@ -1,0 +1,296 @@
+"""Model adapters: what the dLLM plugin needs to know about one family of masked diffusion language models.
+
+An adapter loads a model and its tokenizer through transformers and turns the model into one callable,
+``scorer(input_ids[B, T]) -> logits[B, T, V]`` where **position i scores token i**. That callable is all that
+generation (:mod:`mmrl.plugins.dllm.generation`) and the likelihood estimators
+(:mod:`mmrl.plugins.dllm.estimators`) see. It also owns the special ids: the mask token, the stop tokens that end a
+completion (EOS), the token that fills a completion after its end and the token that left-pads prompts.
+
+=================  =====================================================================================================
+``masked_lm``      Any ``AutoModelForMaskedLM`` (BERT, ModernBERT, RoBERTa, ...; the toy checkpoint). No shift. Pad
+                   positions are hidden from attention and positions are counted from the first real token, so the
+                   logits of a sequence do not depend on how much left padding it carries.
+``llada``          LLaDA / LLaDA-1.5 (``trust_remote_code``). No shift. The original modelling file ignores the
+                   attention mask, so none is passed: left padding (with EOS, as d1 pads) is part of the input. Mask id
+                   126336; EOS 126081 and end-of-turn 126348 both stop a completion.
+``dream``          Dream / DiffuCoder (``trust_remote_code``). The output at position i−1 predicts token i (the model
+                   was adapted from an autoregressive LM); the adapter returns ``cat(logits[:, :1], logits[:, :-1])``
+                   so that position i scores token i, as Dream's own sampler does. A 4-D bidirectional attention mask
+                   and position ids counted from the first real token are passed when a sequence has left padding.
+=================  =====================================================================================================
+
+Adapters are registered in :data:`dllm_adapters`; ``plugin.adapter: auto`` picks one from ``config.json``'s
+``model_type``. Third-party packages register through the entry-point group ``mmrl.dllm_adapters``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.registry import Registry
+
+dllm_adapters: Registry[type[DLLMAdapter]] = Registry("dllm model adapter", entry_point_group="mmrl.dllm_adapters")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DLLMAdapter:
+    """One family of masked diffusion LMs (see the module docstring).
+
+    Args:
+        model: A local folder or a hub id.
+        trust_remote_code: Let transformers run the modelling code shipped with the checkpoint.
+        mask_id: Override of the mask token id (default: the model config's ``mask_token_id``, else the tokenizer's
+            mask token, else the family's constant).
+        stop_ids: Override of the token ids that end a completion (default: the tokenizer's EOS plus the family's
+            extra stop tokens present in the vocabulary).
+        pad_id: Override of the prompt padding id (default: the tokenizer's pad token, else the first stop id).
+    """
+
+    #: Registry name (``plugin.adapter``).
+    name: ClassVar[str]
+    #: ``config.json`` ``model_type`` values this adapter handles (``adapter: auto``).
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether the model takes an attention mask (pad positions are then hidden from every query).
+    supports_attention_mask: ClassVar[bool] = True
+    #: Whether the model's output at position i−1 predicts token i (Dream); the scorer undoes the shift.
+    shifted_logits: ClassVar[bool] = False
+    #: The family's mask id when neither the config nor the tokenizer names one.
+    default_mask_id: ClassVar[int | None] = None
+    #: Stop tokens besides the tokenizer's EOS (used when present in the vocabulary).
+    extra_stop_ids: ClassVar[tuple[int, ...]] = ()
+    #: Default LoRA target module names (suffix match).
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()
+    #: Whether loading needs ``trust_remote_code``.
+    needs_remote_code: ClassVar[bool] = False
+
+    def __init__(self, model: str, *, trust_remote_code: bool = False, mask_id: int | None = None,
+                 stop_ids: Sequence[int] | None = None, pad_id: int | None = None):
+        if self.needs_remote_code and not trust_remote_code:
+            raise ValueError(f"the {self.name} adapter loads modelling code shipped with {model}; set "
+                             "plugin.trust_remote_code: true")
+        self.model_path = str(model)
+        self.trust_remote_code = bool(trust_remote_code)
+        self.tokenizer = self.load_tokenizer()
+        self.model_config = _raw_config(self.model_path)
+        self.mask_id = self._resolve_mask_id(mask_id)
+        self.stop_ids = self._resolve_stop_ids(stop_ids)
+        self.eos_id = self.stop_ids[0]
+        self.pad_id = self._resolve_pad_id(pad_id)
+        if self.pad_id == self.mask_id:
+            raise ValueError(f"pad id {self.pad_id} equals the mask id of {model}; set plugin.pad_token_id to another "
+                             "token (d1 pads with EOS)")
+        if self.mask_id in self.stop_ids:
+            raise ValueError(f"mask id {self.mask_id} is also a stop token of {model}; set plugin.eos_token_ids")
+
+    # ------------------------------------------------------------------ loading
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+
+    def load_model(self, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+        """The model through ``from_pretrained`` (weights in ``dtype``; transformers' default attention when
+        ``attn_implementation`` is None)."""
+        from transformers import AutoModel
+
+        return AutoModel.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code, dtype=dtype,
+                                         **_attention(attn_implementation))
+
+    # ------------------------------------------------------------------ special ids
+    def _resolve_mask_id(self, override: int | None) -> int:
+        candidates = (override, self.model_config.get("mask_token_id"), getattr(self.tokenizer, "mask_token_id", None),
+                      self.default_mask_id)
+        for candidate in candidates:
+            if candidate is not None:
+                return int(candidate)
+        raise ValueError(f"{self.model_path} names no mask token (config mask_token_id, tokenizer mask_token); set "
+                         "plugin.mask_token_id")
+
+    def _resolve_stop_ids(self, override: Sequence[int] | None) -> tuple[int, ...]:
+        if override is not None:
+            if not override:
+                raise ValueError("plugin.eos_token_ids must name at least one token")
+            return tuple(int(i) for i in override)
+        found: list[int] = []
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = self.model_config.get("eos_token_id")
+        if isinstance(eos, (list, tuple)):
+            found.extend(int(i) for i in eos)
+        elif eos is not None:
+            found.append(int(eos))
+        vocab_size = self.vocab_size
+        found.extend(i for i in self.extra_stop_ids if i < vocab_size and i not in found)
+        if not found:
+            raise ValueError(f"{self.model_path} names no EOS token; set plugin.eos_token_ids")
+        return tuple(found)
+
+    def _resolve_pad_id(self, override: int | None) -> int:
+        if override is not None:
+            return int(override)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad) if pad is not None else self.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        size = self.model_config.get("vocab_size") or self.model_config.get("embedding_size")
+        return int(size) if size else len(self.tokenizer)
+
+    # ------------------------------------------------------------------ the scorer
+    def model_logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
+        """The model's raw logits (before any shift), with the attention inputs this family takes."""
+        out = model(input_ids=input_ids)
+        return out if isinstance(out, Tensor) else out.logits
+
+    def logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
+        """``[B, T, V]`` logits with position i scoring token i.
+
+        Shapes:
+            input_ids ``[B, T]`` → ``[B, T, V]``.
+        """
+        logits = self.model_logits(model, input_ids)
+        if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+            raise ValueError(f"{self.name} model returned logits {tuple(logits.shape)} for input ids "
+                             f"{tuple(input_ids.shape)}")
+        if self.shifted_logits:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def scorer(self, model: nn.Module) -> Callable[[Tensor], Tensor]:
+        """``input_ids → logits`` for generation and the likelihood estimators."""
+        return lambda input_ids: self.logits(model, input_ids)
+
+    def describe(self) -> str:
+        return (f"{self.name} adapter: mask {self.mask_id}, stop {list(self.stop_ids)}, pad {self.pad_id}, "
+                f"attention mask {'yes' if self.supports_attention_mask else 'no'}, "
+                f"shifted logits {'yes' if self.shifted_logits else 'no'}")
+
+
+def padding_inputs(input_ids: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(attention_mask, position_ids)`` of left-padded ids: pads hidden, positions counted from the first real
+    token (pad positions get 0; nothing attends to them).
+
+    Shapes:
+        input_ids ``[B, T]`` → ``[B, T]`` long each.
+    """
+    attention = (input_ids != pad_id).long()
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return attention, positions
+
+
+@dllm_adapters.register("masked_lm")
+class MaskedLMAdapter(DLLMAdapter):
+    """Bidirectional masked LMs loaded with ``AutoModelForMaskedLM`` (the toy checkpoint is a ``BertForMaskedLM``)."""
+
+    name = "masked_lm"
+    model_types = ("bert", "roberta", "modernbert", "distilbert", "electra", "deberta-v2", "xlm-roberta")
+    lora_target_modules = ("query", "key", "value", "dense", "Wqkv", "Wo", "Wi")
+
+    def load_model(self, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+        from transformers import AutoModelForMaskedLM
+
+        return AutoModelForMaskedLM.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code,
+                                                    dtype=dtype, **_attention(attn_implementation))
+
+    def model_logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
+        attention, positions = padding_inputs(input_ids, self.pad_id)
+        return model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+
+
+@dllm_adapters.register("llada")
+class LLaDAAdapter(DLLMAdapter):
+    """LLaDA-8B-Base/Instruct and LLaDA-1.5 (Nie et al. 2025, arXiv:2502.09992) through their remote modelling code."""
+
+    name = "llada"
+    model_types = ("llada",)
+    supports_attention_mask = False
+    default_mask_id = 126336
+    extra_stop_ids = (126081, 126348)  # |EOS| and <|eot_id|>
+    needs_remote_code = True
+    # The linear layers of LLaDA's LLaMA-style blocks. d1/wd1/SPG list (q,k,v,o,gate,up,down)_proj, of which only
+    # q_proj, k_proj, v_proj and up_proj exist in LLaDA, so their adapters train those four.
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+
+    def _resolve_pad_id(self, override: int | None) -> int:
+        # d1 sets pad = EOS: LLaDA was fine-tuned with EOS padding and sees the padding (no attention mask).
+        return int(override) if override is not None else self.eos_id
+
+    def _resolve_stop_ids(self, override: Sequence[int] | None) -> tuple[int, ...]:
+        if override is not None:
+            return super()._resolve_stop_ids(override)
+        # |EOS| first: it is also the token that fills a completion after its end (LLaDA's SFT padding).
+        ids = [i for i in self.extra_stop_ids if i < self.vocab_size]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and int(eos) not in ids:
+            ids.append(int(eos))
+        if not ids:
+            raise ValueError(f"{self.model_path} names no EOS token; set plugin.eos_token_ids")
+        return tuple(ids)
+
+    def model_logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
+        return model(input_ids).logits  # the original modelling file ignores attention masks
+
+
+@dllm_adapters.register("dream")
+class DreamAdapter(DLLMAdapter):
+    """Dream-7B and DiffuCoder (remote modelling code): shifted logits, honoured attention masks."""
+
+    name = "dream"
+    model_types = ("Dream", "dream")
+    shifted_logits = True
+    default_mask_id = 151666
+    needs_remote_code = True
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def model_logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
+        attention, positions = padding_inputs(input_ids, self.pad_id)
+        if bool(attention.all()):
+            out = model(input_ids, attention_mask="full")
+        else:  # [B, 1, T, T] bidirectional mask between real tokens
+            pairs = attention.bool().unsqueeze(1).unsqueeze(-2) & attention.bool().unsqueeze(1).unsqueeze(-1)
+            out = model(input_ids, attention_mask=pairs, position_ids=positions)
+        return out if isinstance(out, Tensor) else out.logits
+
+
+def _attention(implementation: str | None) -> dict[str, str]:
+    return {} if implementation is None else {"attn_implementation": implementation}
+
+
+def _raw_config(model: str) -> dict[str, Any]:
+    """``config.json`` as a dict, without running remote code (local folder or hub id)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        return json.loads(config.read_text())
+    from transformers import PretrainedConfig
+
+    data, _ = PretrainedConfig.get_config_dict(model)
+    return data
+
+
+def adapter_for(model: str) -> type[DLLMAdapter]:
+    """The registered adapter whose ``model_types`` contains the ``model_type`` of ``model``'s ``config.json``."""
+    model_type = _raw_config(model).get("model_type")
+    known: dict[str, str] = {}
+    for name in dllm_adapters.names():
+        adapter = dllm_adapters.get(name)
+        for kind in adapter.model_types:
+            known[kind] = name
+            if kind == model_type:
+                return adapter
+    listed = ", ".join(f"{kind} ({name})" for kind, name in sorted(known.items()))
+    raise ValueError(f"no dllm adapter handles model_type {model_type!r} of {model}; known: {listed}. Set "
+                     "plugin.adapter explicitly")
+
+
+__all__ = ["DLLMAdapter", "DTYPES", "DreamAdapter", "LLaDAAdapter", "MaskedLMAdapter", "adapter_for",
+           "dllm_adapters", "padding_inputs"]

@@ -1,0 +1,574 @@
+"""The dLLM plugin: group-relative RL for masked diffusion language models (LLaDA, Dream, tiny masked LMs).
+
+How it maps onto the rollout contract (docs/dllm.md has the long version):
+
+- **An action is the whole completion**, scored by a likelihood estimator (:mod:`mmrl.plugins.dllm.estimators`).
+  ``A = 1`` (``objective: grpo`` or ``wd1``) or ``A = 2`` (``objective: spg``: column 0 the ELBO, column 1 the EUBO).
+  ``old_logp[N, A]`` is the estimate under the sampling policy, divided by the number of real completion tokens for
+  ``grpo`` (so the core's ratio ``exp(logp − old_logp)`` is the length-normalised sequence ELBO ratio), ``mask = 1``.
+- **The mask plan travels with the sample.** At rollout time each sample draws its masks, timesteps and weights
+  (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed; the plan's tensors
+  are stored per sample in ``replay`` (``[N, draws, L]``: the plan's ``[draws, N, L]`` transposed so that the
+  trainer can split it by sample). :meth:`DLLMPlugin.forward` rebuilds the plan of whatever samples a micro-batch
+  holds and scores the current policy, and the reference, with exactly the masks the old policy was scored with:
+  the ratio is exactly 1 on the first inner step, and ``est_θ − est_ref`` has the variance of a difference of
+  antithetic estimates (VRPO, arXiv:2505.19223). The plan is fixed for the step: every inner epoch reuses it (d1
+  redraws a mask per inner iteration and rescores π_old with it; one plan per step keeps ``old_logp`` a constant of
+  the step and the ratio a comparison of the same Monte Carlo noise). A new step draws new plans (new seeds).
+- **The reference** is the policy with its LoRA adapter disabled, or a frozen copy of the initial weights for full
+  fine-tuning, kept only when ``Runtime.needs_reference``. Its estimate uses the same plan and is computed once per
+  step at rollout time (``Rollout.ref_logp``).
+- ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
+  the completion mask (tokens up to and including the first EOS), ``prompt_width`` and the ``step_map`` of the
+  decoder.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+import mmrl.plugins.dllm.objectives  # noqa: F401 — registers the wd1 and spg losses before `algorithm` is validated
+from mmrl.config import ConfigError, config_field
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, clean_parameter_name
+from mmrl.plugins.dllm import toy
+from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters
+from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
+from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate
+from mmrl.rollout import Rollout
+
+OBJECTIVES = ("grpo", "wd1", "spg")
+DEFAULT_ESTIMATORS = {"grpo": "elbo_l", "wd1": "one_step", "spg": "spg_lower"}
+BUILTIN_DATASETS = ("toy_addition",)
+ADAPTER_FILE = "adapter_model.safetensors"
+PLAN_SEED_TAG = 0x91A4  # separates a sample's mask-plan stream from its decoding noise
+# Estimator parameters the plugin sets itself (everything else is an estimator option).
+_ESTIMATOR_DATA = frozenset({"model", "prompt_ids", "completion_ids", "completion_mask", "mask_id", "num_samples",
+                             "generator", "micro_batch"})
+
+
+@dataclass
+class DLLMLoraConfig:
+    """LoRA on the masked diffusion LM (peft). ``plugin.lora: null`` (the default) trains every weight instead."""
+
+    rank: int = config_field(128, minimum=1, help="LoRA rank r.", ref="d1 / wd1 / SPG: 128")
+    alpha: float = config_field(64.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha/r).",
+                                ref="d1 / wd1 / SPG: 64")
+    dropout: float = config_field(
+        0.0, minimum=0.0, maximum=1.0,
+        help="LoRA dropout. Non-zero dropout makes the training forward differ from the rollout's, so the ratio is "
+        "not 1 on the first inner step (d1 uses 0.05).", ref="d1: 0.05",
+    )
+    target_modules: list[str] | None = config_field(
+        None, help="Module-name suffixes to adapt. Null: the adapter's defaults (LLaDA: q_proj, k_proj, v_proj, "
+        "attn_out, ff_proj, up_proj, ff_out).",
+    )
+
+
+@dataclass
+class DLLMPluginConfig:
+    """The ``plugin:`` section of the dLLM plugin. The defaults run the toy world on the bundled checkpoint."""
+
+    # ---------------------------------------------------------------- model
+    model: str | None = config_field(
+        None, help="Local folder or hub id of the model (config.json, weights, tokenizer). Null: the bundled toy "
+        "checkpoint (mmrl/plugins/dllm/assets, made by `python -m mmrl.plugins.dllm.pretrain`).",
+    )
+    adapter: str = config_field(
+        "auto", help="Model family: masked_lm, llada, dream (or a third-party adapter). 'auto' reads config.json's "
+        "model_type.",
+    )
+    trust_remote_code: bool = config_field(False, help="Run modelling code shipped with the checkpoint (LLaDA, Dream).")
+    dtype: Literal["float32", "bfloat16", "float16"] = config_field(
+        "float32", help="Weight dtype of the loaded model (LoRA adapters are float32 either way)."
+    )
+    mask_token_id: int | None = config_field(None, help="Override of the mask token id (null: from the model).")
+    eos_token_ids: list[int] | None = config_field(
+        None, help="Override of the ids that end a completion; the first also fills the completion after its end."
+    )
+    pad_token_id: int | None = config_field(None, help="Override of the prompt left-padding id.")
+    attn_implementation: str | None = config_field(
+        None, help="transformers attention implementation (eager, sdpa, flash_attention_2); null: the library's "
+        "default. The toy model runs faster with eager on CPU.",
+    )
+    lora: DLLMLoraConfig | None = config_field(None, help="LoRA options; null for full fine-tuning.")
+    gradient_checkpointing: bool = config_field(False, help="Enable the model's gradient checkpointing.")
+    # ---------------------------------------------------------------- data
+    dataset: str = config_field(
+        "toy_addition", help="'toy_addition' (the synthetic task of mmrl.plugins.dllm.toy), or a JSONL file of rows "
+        "with a 'prompt' (and the fields rewards read, e.g. 'solution'), or a folder with train.jsonl and test.jsonl.",
+    )
+    eval_dataset: str | None = config_field(None, help="JSONL of held-out rows (default: the folder's test.jsonl).")
+    train_size: int | None = config_field(None, minimum=1, help="toy_addition: training problems (null: all but "
+                                          "the held-out ones); files: keep the first this many rows.")
+    eval_size: int = config_field(500, minimum=1, help="toy_addition: held-out problems; files: at most this many.")
+    data_seed: int = config_field(1234, help="toy_addition: seed of the train/held-out split (the pretraining split).")
+    prompt_template: str = config_field(
+        "{prompt}", help="Python format string applied to each row to make the model's prompt text, e.g. "
+        "'{prompt}\\nAnswer:'. Fields are the row's keys.",
+    )
+    system_prompt: str | None = config_field(None, help="System message when chat_template is on (d1's format "
+                                             "instructions go here or in prompt_template).")
+    chat_template: bool = config_field(False, help="Wrap the prompt in the tokenizer's chat template (instruct "
+                                       "models) with the generation prompt appended.")
+    add_special_tokens: bool = config_field(False, help="Let the tokenizer add its special tokens (BOS) to prompts.")
+    max_prompt_length: int = config_field(256, minimum=1, help="Longer prompts keep their last tokens.",
+                                          ref="d1: 200")
+    # ---------------------------------------------------------------- generation
+    gen_length: int = config_field(toy.GEN_LENGTH, minimum=1, help="Completion length G (mask tokens decoded).",
+                                   ref="d1 / wd1 / SPG: 256")
+    block_length: int = config_field(toy.GEN_LENGTH, minimum=1, help="Semi-autoregressive block length; G must be a "
+                                     "multiple.", ref="LLaDA, d1: 32")
+    steps: int = config_field(toy.GEN_LENGTH, minimum=1, help="Decoding steps over the whole completion; a multiple "
+                              "of G / block_length.", ref="d1 rollouts: 128 for G = 256")
+    temperature: float = config_field(1.0, minimum=0.0, help="Gumbel-max temperature of training rollouts.",
+                                      ref="d1 / wd1 / SPG: 0.9")
+    remasking: Literal["low_confidence", "random"] = config_field(
+        "low_confidence", help="Which masked positions of the block are committed each step.", ref="LLaDA")
+    eval_temperature: float = config_field(0.0, minimum=0.0, help="Temperature of evaluation (0: greedy).")
+    eval_remasking: Literal["low_confidence", "random"] = config_field("low_confidence", help="Remasking of "
+                                                                         "evaluation.")
+    cfg_scale: float = config_field(0.0, minimum=0.0, help="Classifier-free guidance scale of decoding (0: off).")
+    generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
+    # ---------------------------------------------------------------- likelihood and objective
+    objective: Literal["grpo", "wd1", "spg"] = config_field(
+        "grpo", help="What the action log-probs are: 'grpo' (length-normalised ELBO, ratio objectives grpo/gspo), "
+        "'wd1' (sequence estimate, pair with policy_loss wd1 and advantage wd1), 'spg' (ELBO and EUBO columns, "
+        "pair with policy_loss spg and advantage dr_grpo).",
+        ref="wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
+    )
+    estimator: str | None = config_field(
+        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, spg_lower, spg_upper. Null: elbo_l for "
+        "grpo, one_step for wd1, spg_lower for spg.",
+    )
+    num_mc_samples: int = config_field(
+        4, minimum=1, help="Masked forwards per completion (coupled: an even number; one_step without prompt "
+        "masking uses one).", ref="LLaDA likelihood: 128; SPG num_t: 2",
+    )
+    estimator_options: dict[str, Any] = config_field(
+        default_factory=dict, help="Options of the estimator, e.g. {p_mask_prompt: 0.15} for one_step, "
+        "{stratified: false} for elbo_l, {masking: block, block_length: 32} for spg_lower.",
+    )
+    normalize_by_length: bool | None = config_field(
+        None, help="Divide each estimate by the number of real completion tokens. Null: yes for grpo (the ratio of "
+        "length-normalised ELBOs), no for wd1 and spg (their losses weight sequence log-likelihoods).",
+    )
+    spg_beta: float = config_field(1.5, minimum=1.0, help="Rényi order β of SPG's upper bound.",
+                                   ref="SPG: 1.5 GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku")
+    score_micro_batch: int | None = config_field(None, minimum=1, help="Masked rows per forward when scoring "
+                                                 "(null: all at once).")
+
+    def validate(self, path: str) -> None:
+        try:
+            check_schedule(self.gen_length, self.block_length, self.steps)
+        except ValueError as error:
+            key = "block_length" if self.gen_length % self.block_length else "steps"
+            raise ConfigError(f"{path}.{key}", getattr(self, key), str(error)) from None
+        if self.adapter != "auto" and self.adapter not in dllm_adapters:
+            raise ConfigError(f"{path}.adapter", self.adapter, f"auto or one of {', '.join(dllm_adapters.names())}")
+        name = self.resolved_estimator
+        if name not in likelihood_estimators:
+            raise ConfigError(f"{path}.estimator", name, f"one of {', '.join(likelihood_estimators.names())}")
+        allowed = _estimator_options(name)
+        for key, value in self.estimator_options.items():
+            if key not in allowed:
+                listed = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "(none)"
+                raise ConfigError(f"{path}.estimator_options.{key}", value, f"options of estimator {name!r}: {listed}")
+            default = allowed[key]
+            if isinstance(default, bool) != isinstance(value, bool) or (
+                    isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
+                    isinstance(default, str) and not isinstance(value, str)):
+                raise ConfigError(f"{path}.estimator_options.{key}", value, f"a value like {default!r}")
+        if name == "coupled" and self.num_mc_samples % 2:
+            raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
+                              "an even number for the coupled estimator (pairs of complementary masks)")
+        if "{" not in self.prompt_template:
+            raise ConfigError(f"{path}.prompt_template", self.prompt_template, "a format string using a row field, "
+                              "e.g. '{prompt}'")
+        if self.dataset in BUILTIN_DATASETS and self.model is not None and self.adapter not in ("auto", "masked_lm"):
+            raise ConfigError(f"{path}.dataset", self.dataset, "a JSONL file or folder for a non-toy model")
+
+    @property
+    def resolved_estimator(self) -> str:
+        return self.estimator or DEFAULT_ESTIMATORS[self.objective]
+
+    @property
+    def normalized(self) -> bool:
+        return self.objective == "grpo" if self.normalize_by_length is None else self.normalize_by_length
+
+    @property
+    def num_actions(self) -> int:
+        return 2 if self.objective == "spg" else 1
+
+
+def _estimator_options(name: str) -> dict[str, Any]:
+    """``{option: default}`` of a registered estimator, without the arguments the plugin passes itself."""
+    signature = inspect.signature(likelihood_estimators.get(name))
+    return {p.name: p.default for p in signature.parameters.values()
+            if p.name not in _ESTIMATOR_DATA and p.default is not inspect.Parameter.empty}
+
+
+class DLLMPlugin(Plugin):
+    """GRPO (and wd1, SPG) for masked diffusion LMs: block-decoded rollouts scored by ELBO estimators."""
+
+    name = "dllm"
+    config_class = DLLMPluginConfig
+
+    def __init__(self, config: DLLMPluginConfig, runtime: Runtime):
+        super().__init__(config, runtime)
+        model_path = config.model if config.model is not None else str(toy.ASSETS)
+        adapter_class = adapter_for(model_path) if config.adapter == "auto" else dllm_adapters.get(config.adapter)
+        try:
+            self.adapter: DLLMAdapter = adapter_class(
+                model_path, trust_remote_code=config.trust_remote_code, mask_id=config.mask_token_id,
+                stop_ids=config.eos_token_ids, pad_id=config.pad_token_id,
+            )
+        except ValueError as error:
+            raise ConfigError("plugin.model", model_path, str(error)) from None
+        model = self.adapter.load_model(dtype=DTYPES[config.dtype], attn_implementation=config.attn_implementation)
+        model.to(runtime.device)
+        self.reference: nn.Module | None = None
+        if config.lora is None:
+            model.to(torch.float32).requires_grad_(True)  # float32 master weights; autocast runs mixed precision
+            if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
+                self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+        else:
+            self._add_lora(model, config.lora)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = model
+        self.estimator = config.resolved_estimator
+        self._rows = {split: self._load_rows(split) for split in ("train", "eval")}
+
+    # ------------------------------------------------------------------ contract
+    def policy(self) -> nn.Module:
+        return self.model
+
+    def dataset(self, split: str) -> list[dict[str, Any]]:
+        if split not in self._rows:
+            raise KeyError(f"dllm plugin has splits {sorted(self._rows)}, not {split!r}")
+        return self._rows[split]
+
+    def max_actions(self) -> int:
+        return self.config.num_actions
+
+    @torch.no_grad()
+    def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        config, device = self.config, self.runtime.device
+        module = self.runtime.unwrap(policy)
+        prompt_ids, lengths = self.encode_prompts(batch.rows)  # [N, w], [N]
+        completion_ids, step_map = self._decode(module, prompt_ids, batch)
+        real = completion_mask(completion_ids, self.adapter.stop_ids)  # [N, G]
+        completion_ids = torch.where(real.bool(), completion_ids, self.adapter.eos_id)  # EOS after the end
+        texts = self.decode_texts(completion_ids, real)
+        n, width = prompt_ids.shape
+        stops = torch.tensor(self.adapter.stop_ids, device=completion_ids.device)
+        finished = torch.isin(completion_ids, stops).any(dim=1)  # the fill after the end is a stop token too
+        metrics = {"completion_length": float(real.sum(dim=1).float().mean()),
+                   "finished_fraction": float(finished.float().mean())}
+        replay: dict[str, Any] = {
+            "prompt_ids": prompt_ids,
+            "prompt_width": torch.full((n,), width, dtype=torch.long, device=device),
+            "completion_ids": completion_ids,
+            "completion_mask": real,
+            "step_map": step_map,
+        }
+        actions = config.num_actions
+        if not batch.training:  # evaluation: rewards only, nothing is trained
+            zeros = torch.zeros(n, actions, device=device)
+            return Rollout(group_ids=batch.group_ids, old_logp=zeros, mask=zeros.clone(),
+                           payload={"completions": texts}, replay=replay, metrics=metrics)
+        replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds))
+        with self.runtime.autocast():
+            old_logp = self.score(self.adapter.scorer(module), replay)  # [N, A]
+            ref_logp = None
+            if self.runtime.needs_reference:
+                with self._reference_module(policy) as reference:
+                    ref_logp = self.score(self.adapter.scorer(reference), replay)
+        metrics["estimate_mean"] = float(old_logp[:, 0].mean())
+        if actions == 2:
+            metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
+        return Rollout(
+            group_ids=batch.group_ids, old_logp=old_logp.float(),
+            mask=torch.ones(n, actions, device=old_logp.device), payload={"completions": texts}, replay=replay,
+            ref_logp=None if ref_logp is None else ref_logp.float(), metrics=metrics,
+        )
+
+    def forward(
+        self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
+    ) -> PolicyOutput:
+        with self.runtime.autocast():
+            logp = self.score(self.adapter.scorer(policy), rollout.replay)
+            ref_logp = None
+            if need_reference:
+                with torch.no_grad(), self._reference_module(policy) as reference:
+                    ref_logp = self.score(self.adapter.scorer(reference), rollout.replay)
+        return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float())
+
+    # ------------------------------------------------------------------ building blocks
+    def encode_prompts(self, rows: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
+        """Prompt ids left-padded to the longest prompt of ``rows`` (after truncation to ``max_prompt_length``),
+        and the number of real tokens of each.
+
+        Shapes:
+            → ``[N, w]`` long, ``[N]`` long, on the runtime device.
+        """
+        config, tokenizer = self.config, self.adapter.tokenizer
+        texts = []
+        for row in rows:
+            try:
+                text = config.prompt_template.format_map(row)
+            except (KeyError, IndexError, ValueError) as error:
+                raise ValueError(f"plugin.prompt_template {config.prompt_template!r} does not fit the row "
+                                 f"{sorted(row)}: {error}") from None
+            if config.chat_template:
+                messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+                messages.append({"role": "user", "content": text})
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            texts.append(text)
+        encoded = tokenizer(texts, add_special_tokens=config.add_special_tokens)["input_ids"]
+        encoded = [list(ids)[-config.max_prompt_length:] for ids in encoded]
+        if any(not ids for ids in encoded):
+            raise ValueError("a prompt encodes to no tokens; check plugin.prompt_template")
+        width = max(len(ids) for ids in encoded)
+        pad = self.adapter.pad_id
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], dtype=torch.long)
+        lengths = torch.tensor([len(row) for row in encoded], dtype=torch.long)
+        return ids.to(self.runtime.device), lengths.to(self.runtime.device)
+
+    def decode_texts(self, completion_ids: Tensor, real: Tensor) -> list[str]:
+        """The text of each completion up to, not including, its first EOS."""
+        stops = set(self.adapter.stop_ids)
+        texts = []
+        for ids, keep in zip(completion_ids.tolist(), real.tolist(), strict=True):
+            tokens = [token for token, k in zip(ids, keep, strict=True) if k and token not in stops]
+            texts.append(self.adapter.tokenizer.decode(tokens, skip_special_tokens=True))
+        return texts
+
+    def _decode(self, module: nn.Module, prompt_ids: Tensor, batch: PromptBatch) -> tuple[Tensor, Tensor]:
+        config = self.config
+        generators = batch.sample_generators(self.runtime.device)
+        temperature = config.temperature if batch.training else config.eval_temperature
+        remasking = config.remasking if batch.training else config.eval_remasking
+        size = config.generation_batch_size or len(batch) or 1
+        scorer = self.adapter.scorer(module)
+        completions, step_maps = [], []
+        with self.runtime.autocast():
+            for start in range(0, prompt_ids.shape[0], size):
+                part = slice(start, start + size)
+                out = generate(
+                    scorer, prompt_ids[part], mask_id=self.adapter.mask_id, gen_length=config.gen_length,
+                    block_length=config.block_length, steps=config.steps, temperature=temperature,
+                    remasking=remasking, generators=generators[part], cfg_scale=config.cfg_scale,
+                    prompt_mask=prompt_ids[part] != self.adapter.pad_id,
+                )
+                completions.append(out.completion_ids)
+                step_maps.append(out.step_map)
+        return torch.cat(completions), torch.cat(step_maps)
+
+    def draw_plans(self, prompt_ids: Tensor, lengths: Tensor, completion_ids: Tensor, real: Tensor,
+                   seeds: Tensor) -> dict[str, Tensor]:
+        """Each sample's mask plan, drawn from its own seed on the CPU, stored per sample.
+
+        A sample's plan depends on its seed, its completion mask and its prompt length only (prompt masking covers
+        the real prompt tokens, never the left padding), not on the batch it was sampled in.
+
+        Shapes:
+            → ``plan_masked`` bool ``[N, D, L]``, ``plan_weights`` float32 ``[N, D, L]`` and, with prompt
+            masking, ``plan_prompt_masked`` bool ``[N, D, w]`` (``D`` draws).
+        """
+        from mmrl.trainer.sampler import derive_seed
+
+        width = prompt_ids.shape[1]
+        masked, weights, prompt_masked = [], [], []
+        for i, seed in enumerate(seeds.tolist()):
+            generator = torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG))
+            length = int(lengths[i])
+            plan = draw_plan(
+                self.estimator, prompt_ids[i:i + 1, width - length:].cpu(), completion_ids[i:i + 1].cpu(),
+                real[i:i + 1].cpu(), num_samples=self.config.num_mc_samples, generator=generator,
+                **self.config.estimator_options,
+            )
+            masked.append(plan.completion_masked[:, 0])
+            weights.append(plan.weights[:, 0])
+            if plan.prompt_masked is not None:
+                prompt_masked.append(torch.nn.functional.pad(plan.prompt_masked[:, 0], (width - length, 0)))
+        device = completion_ids.device
+        out = {"plan_masked": torch.stack(masked).to(device), "plan_weights": torch.stack(weights).to(device)}
+        if prompt_masked:
+            out["plan_prompt_masked"] = torch.stack(prompt_masked).to(device)
+        return out
+
+    def score(self, scorer: Callable[[Tensor], Tensor], replay: dict[str, Any]) -> Tensor:
+        """The action log-probs of the samples in ``replay`` under ``scorer`` with their stored plans.
+
+        Samples are grouped by prompt width (rollouts of different widths may have been concatenated; their prompts
+        were right-padded with zeros then, and the first ``prompt_width`` columns are the sample's own prompt).
+
+        Shapes:
+            → ``[n, A]`` float32: the ELBO estimate (and, for spg, the EUBO), divided by the number of real completion
+            tokens when ``normalized``.
+        """
+        config = self.config
+        widths = replay["prompt_width"]
+        parts, order = [], []
+        for width in torch.unique(widths).tolist():
+            rows = (widths == width).nonzero().squeeze(-1)
+            prompt = replay["prompt_ids"].index_select(0, rows)[:, :width]
+            completion = replay["completion_ids"].index_select(0, rows)
+            num_tokens = replay["completion_mask"].index_select(0, rows).sum(dim=1).float()
+            prompt_masked = replay.get("plan_prompt_masked")
+            if prompt_masked is not None:
+                prompt_masked = prompt_masked.index_select(0, rows)[:, :, :width].transpose(0, 1).bool()
+            reduction, beta = ("eubo", float(config.estimator_options.get("beta", 1.5))) \
+                if self.estimator == "spg_upper" else ("elbo", 1.0)
+            plan = MaskPlan(
+                completion_masked=replay["plan_masked"].index_select(0, rows).transpose(0, 1).bool(),
+                weights=replay["plan_weights"].index_select(0, rows).transpose(0, 1).float(),
+                num_tokens=num_tokens, prompt_masked=prompt_masked, reduction=reduction, beta=beta,
+                name=self.estimator,
+            )
+            token_logp = plan_token_logprobs(scorer, prompt, completion, plan, mask_id=self.adapter.mask_id,
+                                             micro_batch=config.score_micro_batch)  # [D, n, L]
+            if config.objective == "spg":  # one set of forwards, reduced two ways (SPG's ELBO and EUBO)
+                lower = dataclasses.replace(plan, reduction="elbo")
+                upper = dataclasses.replace(plan, reduction="eubo", beta=config.spg_beta)
+                columns = [lower.reduce(token_logp), upper.reduce(token_logp)]
+            else:
+                columns = [plan.reduce(token_logp)]
+            scores = torch.stack(columns, dim=1)  # [n, A]
+            if config.normalized:
+                scores = scores / num_tokens.clamp(min=1.0).unsqueeze(1)
+            parts.append(scores)
+            order.append(rows)
+        scores = torch.cat(parts)
+        index = torch.cat(order)
+        return scores.index_select(0, torch.argsort(index.to(scores.device)))
+
+    # ------------------------------------------------------------------ reference and LoRA
+    @contextmanager
+    def _reference_module(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """The reference policy: the model with its LoRA adapter disabled, or the frozen copy."""
+        if self.config.lora is None:
+            if self.reference is None:
+                raise RuntimeError("dllm plugin: a reference was requested but Runtime.needs_reference was False "
+                                   "(full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0)")
+            yield self.reference
+            return
+        module = self.runtime.unwrap(policy)
+        _enable_lora(module, False)
+        try:
+            yield module
+        finally:
+            _enable_lora(module, True)
+
+    def _add_lora(self, model: nn.Module, options: DLLMLoraConfig) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = list(options.target_modules or self.adapter.lora_target_modules)
+        model.requires_grad_(False)
+        lora = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout,
+                          target_modules=targets)
+        try:
+            # peft injects the LoRA layers in place (no wrapper: parameter names and the adapter's scorer stay as
+            # they are); transformers' own add_adapter would need a newer peft.
+            inject_adapter_in_model(lora, model, adapter_name="default")
+        except ValueError as error:  # peft: no module matched
+            raise ConfigError("plugin.lora.target_modules", targets,
+                              f"module-name suffixes present in {self.adapter.model_path} ({error})") from None
+        model.peft_config = {"default": lora}  # what peft's state-dict helpers read
+        for parameter in model.parameters():
+            if parameter.requires_grad:  # float32 adapter weights on a half-precision base
+                parameter.data = parameter.data.float()
+
+    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """LoRA: the adapter in peft's format (``adapter_model.safetensors`` + ``adapter_config.json``, loadable with
+        ``PeftModel.from_pretrained``). Full fine-tuning: ``trainable.safetensors`` (the base class).
+
+        Called on every process (the gather is a collective under FSDP and ZeRO-3); only the main process writes."""
+        if self.config.lora is None:
+            super().save_trainable(policy, directory)
+            return
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        gathered = self.runtime.full_state_dict(policy)
+        if not self.runtime.is_main_process:
+            return
+        module = self.runtime.unwrap(policy)
+        gathered = {clean_parameter_name(name): tensor for name, tensor in gathered.items()}
+        trainable = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
+        incomplete = [name for name in trainable if name not in gathered or gathered[name].numel() == 0]
+        if incomplete:
+            raise RuntimeError(f"refusing to save the LoRA adapter: {len(incomplete)} of its tensors are missing or "
+                               f"empty in the gathered state dict (first: {incomplete[:3]})")
+        state = get_peft_model_state_dict(module, state_dict={name: gathered[name] for name in trainable})
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_FILE))
+        module.peft_config["default"].save_pretrained(str(directory))
+
+    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        if self.config.lora is None:
+            super().load_trainable(policy, directory)
+            return
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(directory) / ADAPTER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no LoRA adapter at {path}")
+        module = self.runtime.unwrap(policy)
+        state = load_file(str(path))
+        expected = set(get_peft_model_state_dict(module))
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        set_peft_model_state_dict(module, state, adapter_name="default")
+
+    # ------------------------------------------------------------------ data
+    def _load_rows(self, split: str) -> list[dict[str, Any]]:
+        config = self.config
+        if config.dataset == "toy_addition":
+            return toy.addition_splits(eval_size=config.eval_size, train_size=config.train_size,
+                                       seed=config.data_seed)[split]
+        source = config.dataset if split == "train" else config.eval_dataset
+        path = Path(config.dataset if source is None else source).expanduser()
+        if path.is_dir():
+            path = path / ("train.jsonl" if split == "train" else "test.jsonl")
+        elif split == "eval" and source is None:
+            return []  # a single training file and no eval_dataset: nothing held out
+        if not path.is_file():
+            raise FileNotFoundError(f"dllm plugin: no {split} rows at {path} (plugin.dataset / plugin.eval_dataset)")
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path} line {number}: expected a JSON object with a 'prompt' string")
+            rows.append(row)
+        limit = config.train_size if split == "train" else config.eval_size
+        return rows[:limit] if limit else rows
+
+
+def _enable_lora(module: nn.Module, enabled: bool) -> None:
+    """Switch every LoRA layer of ``module`` on or off (off: the base model, the reference policy)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.enable_adapters(enabled)
+
+
+__all__ = ["DLLMLoraConfig", "DLLMPlugin", "DLLMPluginConfig"]

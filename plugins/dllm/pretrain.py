@@ -1,0 +1,166 @@
+"""Pretrain the toy masked diffusion LM of the dLLM plugin and write the checkpoint in ``assets/``.
+
+The committed checkpoint was made with (2 CPU threads are not needed; one keeps the run bitwise reproducible)::
+
+    python -m mmrl.plugins.dllm.pretrain --output plugins/dllm/assets --seed 0
+
+(the defaults below are the exact settings; ``pretrain.json`` in the output folder records them with the final
+held-out accuracies). The objective is the masked-diffusion SFT loss of LLaDA (Nie et al. 2025, arXiv:2502.09992,
+the MDLM ELBO of Sahoo et al. 2024, arXiv:2406.07524, with the prompt never masked): per example
+``t ~ U(ε, 1)``, every completion position (answer, EOS and EOS padding) masked independently with probability t, and
+
+    loss = (1/G) Σ_{masked i} −log p_θ(x^i | c, x_t) / t,
+
+averaged over the batch. The corpus is :func:`mmrl.plugins.dllm.toy.addition_splits`'s training split with the units
+carry forgotten in ``--wrong-rate`` of the copies of carry problems (see :mod:`mmrl.plugins.dllm.toy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mmrl.plugins.dllm import toy
+from mmrl.plugins.dllm.generation import completion_mask, generate
+
+
+def masked_diffusion_loss(scorer: Any, prompt_ids: torch.Tensor, completion_ids: torch.Tensor, *, mask_id: int,
+                          generator: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
+    """LLaDA's SFT loss on a batch (see the module docstring).
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids ``[B, G]`` → scalar.
+    """
+    batch, length = completion_ids.shape
+    t = (1.0 - eps) * torch.rand(batch, generator=generator) + eps  # [B]
+    masked = torch.rand(batch, length, generator=generator) < t.unsqueeze(1)  # [B, G]
+    inputs = torch.cat([prompt_ids, torch.where(masked, mask_id, completion_ids)], dim=1)
+    logits = scorer(inputs)[:, prompt_ids.shape[1]:].float()  # [B, G, V]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), completion_ids.reshape(-1), reduction="none")
+    per_example = (nll.view(batch, length) * masked / t.unsqueeze(1)).sum(dim=1) / length
+    return per_example.mean()
+
+
+@torch.no_grad()
+def evaluate(scorer: Any, tokenizer: Any, rows: list[dict[str, Any]], *, mask_id: int, stop_ids: tuple[int, ...],
+             batch_size: int = 500) -> dict[str, float]:
+    """Greedy accuracy on ``rows`` (one block, one token per step), split by carry / no carry, and how often the
+    answer is the forgotten-carry one."""
+    correct, forgotten, carry_total, carry_right = 0, 0, 0, 0
+    for start in range(0, len(rows), batch_size):
+        part = rows[start:start + batch_size]
+        prompt_ids, _ = toy.encode_examples(tokenizer, [r["prompt"] for r in part], ["0"] * len(part))
+        out = generate(scorer, prompt_ids, mask_id=mask_id, gen_length=toy.GEN_LENGTH,
+                       block_length=toy.GEN_LENGTH, steps=toy.GEN_LENGTH)
+        keep = completion_mask(out.completion_ids, stop_ids)
+        for row, ids, mask in zip(part, out.completion_ids.tolist(), keep.tolist(), strict=True):
+            text = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+            right = text == row["solution"]
+            correct += right
+            if row["carry"]:
+                carry_total += 1
+                carry_right += right
+                forgotten += text == str(toy.forgotten_carry(row["a"], row["b"]))
+    return {
+        "accuracy": correct / max(len(rows), 1),
+        "carry_accuracy": carry_right / max(carry_total, 1),
+        "no_carry_accuracy": (correct - carry_right) / max(len(rows) - carry_total, 1),
+        "forgotten_carry_rate": forgotten / max(carry_total, 1),
+    }
+
+
+def pretrain(args: argparse.Namespace) -> dict[str, Any]:
+    from mmrl.plugins.dllm.adapters import MaskedLMAdapter
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(tokenizer, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.layers,
+                            num_heads=args.heads, intermediate_size=args.intermediate_size)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(output)  # the adapter reads the tokenizer and config.json from the folder
+    model.config.save_pretrained(output)
+    adapter = MaskedLMAdapter(str(output))
+    scorer = adapter.scorer(model)
+    splits = toy.addition_splits(eval_size=args.eval_size, seed=args.data_seed)
+    train_rows, eval_rows = splits["train"], splits["eval"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    history = []
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        model.train()
+        batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
+        answers = [toy.corpus_answer(row, args.wrong_rate, rng) for row in batch]
+        prompt_ids, completion_ids = toy.encode_examples(tokenizer, [r["prompt"] for r in batch], answers)
+        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * (1 - step / args.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = masked_diffusion_loss(scorer, prompt_ids, completion_ids, mask_id=adapter.mask_id,
+                                     generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            metrics = evaluate(scorer, tokenizer, eval_rows, mask_id=adapter.mask_id, stop_ids=adapter.stop_ids)
+            record = {"step": step, "loss": round(float(loss.detach()), 4),
+                      "seconds": round(time.perf_counter() - started, 1),
+                      **{k: round(v, 4) for k, v in metrics.items()}}
+            history.append(record)
+            print(json.dumps(record), flush=True)
+    model.eval()
+    model.save_pretrained(output)
+    summary = {
+        "command": "python -m mmrl.plugins.dllm.pretrain " + " ".join(
+            f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),
+        "arguments": vars(args),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "held_out": history[-1] if history else {},
+        "history": history,
+        "torch": torch.__version__,
+    }
+    (output / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mmrl.plugins.dllm.pretrain", description=__doc__.splitlines()[0])
+    p.add_argument("--output", default=str(toy.ASSETS), help="checkpoint folder (default: the plugin's assets/)")
+    p.add_argument("--seed", type=int, default=0, help="weights, batches, masks and corpus noise")
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--wrong-rate", type=float, default=0.7,
+                   help="fraction of carry-problem answers with the carry forgotten")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-size", type=int, default=500)
+    p.add_argument("--data-seed", type=int, default=1234, help="the train/held-out split (plugin.data_seed)")
+    p.add_argument("--hidden-size", type=int, default=96)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=192)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the run bitwise reproducible)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if not 0.0 <= args.wrong_rate <= 1.0:
+        raise SystemExit(f"--wrong-rate must be in [0, 1], got {args.wrong_rate}")
+    pretrain(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The dLLM plugin's rollout contract on the bundled toy checkpoint: shared mask plans, ratio 1, references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmrl.config import ConfigError, load_config
+from mmrl.plugin import PromptBatch, Runtime, plugin_registry
+from mmrl.plugins.dllm import toy
+from mmrl.rollout import Rollout
+
+torch.set_num_threads(1)
+
+
+def _config(**plugin):
+    data = {"plugin": {"name": "dllm", "train_size": 64, "eval_size": 16, **plugin},
+            "rewards": {"functions": [{"name": "gsm8k_answer"}]}}
+    return load_config(data).plugin.config
+
+
+def _plugin(runtime: Runtime | None = None, **plugin):
+    return plugin_registry.get("dllm")(_config(**plugin), runtime or Runtime())
+
+
+def _batch(rows, seeds, training=True):
+    n = len(rows)
+    return PromptBatch(rows=rows, group_ids=torch.arange(n) // 2, group_size=2, seeds=torch.tensor(seeds),
+                       generator=torch.Generator(), training=training)
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    return _plugin()
+
+
+@pytest.fixture(scope="module")
+def rows(plugin):
+    return plugin.dataset("train")[:6]
+
+
+def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
+    rollout = plugin.rollout(plugin.policy(), _batch(rows, list(range(100, 106)))).validate()
+    n, g = len(rows), plugin.config.gen_length
+    assert rollout.old_logp.shape == (n, 1) and torch.equal(rollout.mask, torch.ones(n, 1))
+    assert rollout.replay["completion_ids"].shape == (n, g)
+    assert rollout.replay["plan_masked"].shape == (n, 4, g)  # per sample: [N, draws, L]
+    assert (rollout.replay["step_map"] >= 0).all()
+    assert len(rollout.payload["completions"]) == n
+    # The plan only masks and scores real completion tokens.
+    real = rollout.replay["completion_mask"].bool().unsqueeze(1)
+    assert not (rollout.replay["plan_masked"] & ~real).any()
+    assert not ((rollout.replay["plan_weights"] != 0) & ~real).any()
+    # forward() on the whole rollout and on a shuffled subset reproduces old_logp exactly.
+    full = plugin.forward(plugin.policy(), rollout, need_reference=False).logp
+    assert torch.equal(full, rollout.old_logp)
+    part = rollout.select(torch.tensor([4, 1, 3]))
+    assert torch.equal(plugin.forward(plugin.policy(), part, need_reference=False).logp, part.old_logp)
+
+
+def test_a_sample_is_the_same_alone_or_in_a_batch_with_other_prompt_widths(plugin, rows):
+    long_rows = [r for r in plugin.dataset("train") if len(r["prompt"]) == 6][:2]
+    short_row = next(r for r in plugin.dataset("train") if len(r["prompt"]) == 4)
+    together = plugin.rollout(plugin.policy(), _batch([*long_rows, short_row, short_row], [1, 2, 3, 4]))
+    alone = plugin.rollout(plugin.policy(), _batch([short_row, short_row], [3, 4]))
+    assert together.replay["prompt_ids"].shape[1] == 6 and alone.replay["prompt_ids"].shape[1] == 4
+    for key in ("completion_ids", "completion_mask", "plan_masked", "plan_weights"):
+        assert torch.equal(together.replay[key][2:], alone.replay[key]), key
+    assert torch.allclose(together.old_logp[2:], alone.old_logp, atol=1e-6)  # left padding is hidden
+    # Rollouts of different prompt widths concatenate (prompts right-padded with zeros) and still replay exactly.
+    pooled = Rollout.concat([alone, together])
+    assert pooled.replay["prompt_ids"].shape[1] == 6
+    assert torch.equal(plugin.forward(plugin.policy(), pooled, need_reference=False).logp, pooled.old_logp)
+
+
+def test_one_step_estimate_matches_a_direct_forward(rows):
+    # Independent formula: every completion token masked, one forward, Σ log softmax at the real tokens.
+    plugin = _plugin(estimator="one_step", normalize_by_length=False)
+    rollout = plugin.rollout(plugin.policy(), _batch(rows[:4], [5, 6, 7, 8]))
+    prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
+    real = rollout.replay["completion_mask"].bool()
+    inputs = torch.cat([prompt, torch.where(real, plugin.adapter.mask_id, completion)], dim=1)
+    attention = (inputs != plugin.adapter.pad_id).long()
+    with torch.no_grad():
+        logits = plugin.model(input_ids=inputs, attention_mask=attention,
+                              position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    logp = logits[:, prompt.shape[1]:].log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    expected = (logp * real).sum(dim=1)
+    assert torch.allclose(rollout.old_logp[:, 0], expected, atol=1e-5)
+
+
+def test_grpo_scores_are_length_normalised_and_spg_returns_both_bounds(rows):
+    grpo = _plugin(estimator="one_step")
+    raw = _plugin(estimator="one_step", normalize_by_length=False)
+    a = grpo.rollout(grpo.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    b = raw.rollout(raw.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    lengths = a.replay["completion_mask"].sum(1).float()
+    assert torch.allclose(a.old_logp[:, 0] * lengths, b.old_logp[:, 0], atol=1e-5)
+    # With one draw of weight 1 per token the EUBO is (1/β)·log p^β = log p per token: both columns agree.
+    spg = _plugin(objective="spg", estimator="one_step")
+    c = spg.rollout(spg.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    assert c.old_logp.shape == (4, 2) and spg.max_actions() == 2
+    assert torch.allclose(c.old_logp[:, 0], c.old_logp[:, 1], atol=1e-5)
+    d = _plugin(objective="spg", num_mc_samples=6)
+    e = d.rollout(d.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    assert not torch.allclose(e.old_logp[:, 0], e.old_logp[:, 1])
+    assert torch.equal(d.forward(d.policy(), e, need_reference=False).logp, e.old_logp)
+
+
+def test_reference_is_scored_with_the_same_plan():
+    full = _plugin(runtime=Runtime(needs_reference=True))
+    rows = full.dataset("train")[:4]
+    rollout = full.rollout(full.policy(), _batch(rows, [1, 2, 3, 4]))
+    assert torch.equal(rollout.ref_logp, rollout.old_logp)  # the frozen copy equals the policy at the start
+    with torch.no_grad():
+        for p in full.policy().parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = full.forward(full.policy(), rollout, need_reference=True)
+    assert torch.equal(out.ref_logp, rollout.ref_logp)
+    assert not torch.equal(out.logp, rollout.old_logp)
+    with pytest.raises(RuntimeError, match="needs_reference"):
+        _plugin().forward(full.policy(), rollout, need_reference=True)
+
+
+def test_lora_trains_the_adapter_only_and_its_reference_is_the_adapter_off_model(tmp_path):
+    lora = _plugin(runtime=Runtime(needs_reference=True), lora={"rank": 4, "alpha": 8.0})
+    trainable = [name for name, p in lora.policy().named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    rows = lora.dataset("train")[:4]
+    with torch.no_grad():
+        for name, p in lora.policy().named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+    rollout = lora.rollout(lora.policy(), _batch(rows, [1, 2, 3, 4]))
+    base = _plugin()  # the checkpoint without any adapter scores the stored completions with the stored plans
+    assert torch.allclose(rollout.ref_logp, base.forward(base.policy(), rollout, need_reference=False).logp,
+                          atol=1e-6)
+    assert not torch.allclose(rollout.old_logp, rollout.ref_logp)
+    lora.save_trainable(lora.policy(), tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").is_file() and (tmp_path / "adapter_config.json").is_file()
+    again = _plugin(lora={"rank": 4, "alpha": 8.0})
+    again.load_trainable(again.policy(), tmp_path)
+    assert torch.equal(again.forward(again.policy(), rollout, need_reference=False).logp, rollout.old_logp)
+
+
+def test_evaluation_rollouts_are_greedy_and_train_nothing(plugin, rows):
+    a = plugin.rollout(plugin.policy(), _batch(rows[:4], [1, 2, 3, 4], training=False))
+    b = plugin.rollout(plugin.policy(), _batch(rows[:4], [9, 8, 7, 6], training=False))
+    assert a.payload["completions"] == b.payload["completions"]
+    assert float(a.mask.sum()) == 0.0 and "plan_masked" not in a.replay
+
+
+def test_config_errors_name_the_key():
+    cases = [
+        ({"block_length": 3}, "plugin.block_length"),
+        ({"gen_length": 8, "block_length": 4, "steps": 3}, "plugin.steps"),
+        ({"estimator": "elbo_x"}, "plugin.estimator"),
+        ({"estimator": "elbo_l", "estimator_options": {"p_mask_prompt": 0.1}}, "plugin.estimator_options"),
+        ({"estimator": "one_step", "estimator_options": {"p_mask_prompt": "high"}}, "plugin.estimator_options"),
+        ({"estimator": "coupled", "num_mc_samples": 3}, "plugin.num_mc_samples"),
+        ({"adapter": "gpt"}, "plugin.adapter"),
+        ({"objective": "ppo"}, "plugin.objective"),
+        ({"prompt_template": "no fields"}, "plugin.prompt_template"),
+    ]
+    for options, key in cases:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            _config(**options)
+
+
+def test_files_dataset_and_prompt_template(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"prompt": "2+2", "solution": "4"}\n{"prompt": "3+4", "solution": "7"}\n')
+    (folder / "test.jsonl").write_text('{"prompt": "1+1", "solution": "2"}\n')
+    plugin = _plugin(dataset=str(folder), prompt_template="{prompt}=")
+    assert [r["prompt"] for r in plugin.dataset("train")] == ["2+2", "3+4"]
+    ids, lengths = plugin.encode_prompts(plugin.dataset("eval"))
+    assert plugin.adapter.tokenizer.decode(ids[0]) == "1+1=" and lengths.tolist() == [4]
+    bad = _plugin(dataset=str(folder), prompt_template="{question}")
+    with pytest.raises(ValueError, match="prompt_template"):
+        bad.encode_prompts(bad.dataset("train"))
+
+
+def test_bundled_checkpoint_is_the_default():
+    assert (toy.ASSETS / "model.safetensors").is_file() and (toy.ASSETS / "tokenizer.json").is_file()
+    plugin = _plugin()
+    assert plugin.adapter.name == "masked_lm"
+    assert (plugin.adapter.mask_id, plugin.adapter.stop_ids, plugin.adapter.pad_id) == (1, (2,), 0)

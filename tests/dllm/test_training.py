@@ -1,0 +1,72 @@
+"""The dLLM plugin end to end through ``mmrl.trainer.Trainer`` on the bundled toy checkpoint (CPU, 1-2 steps)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.trainer import Trainer
+
+torch.set_num_threads(1)
+
+BASE = {
+    "plugin": {"name": "dllm", "attn_implementation": "eager", "train_size": 256, "eval_size": 8,
+               "num_mc_samples": 2},
+    "run": {"max_steps": 2, "seed": 0, "progress": False, "save_every": 0},
+    "rollout": {"prompts_per_step": 4, "group_size": 4},
+    "algorithm": {"inner_epochs": 2, "micro_batch_size": 8},
+    "optim": {"lr": 1e-3},
+    "rewards": {"functions": [{"name": "gsm8k_answer"}]},
+    "eval": {"at_start": False, "num_prompts": 4},
+}
+
+
+def _train(tmp_path, *overrides: str):
+    trainer = Trainer(load_config(BASE, [f"run.output_dir={tmp_path}", *overrides]))
+    before = {name: p.detach().clone() for name, p in trainer.plugin.policy().named_parameters()}
+    result = trainer.train()
+    changed = {name for name, p in trainer.plugin.policy().named_parameters() if not torch.equal(before[name], p)}
+    return trainer, result, changed
+
+
+def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path):
+    # One inner epoch: each step's single update happens after the loss is computed, so the KL of step 1 is 0.
+    trainer, result, changed = _train(tmp_path, "algorithm.kl_coef=0.04", "algorithm.inner_epochs=1")
+    history = result.history
+    assert [record["step"] for record in history] == [1, 2]
+    for record in history:
+        assert record["loss/first_step_ratio_deviation"] < 1e-5
+        assert "reward/gsm8k_answer_mean" in record and "rollout/estimate_mean" in record
+    assert history[0]["policy/kl"] == pytest.approx(0.0, abs=1e-7)  # the reference is the policy at step 1
+    assert history[1]["policy/kl"] > 0
+    assert changed  # the weights moved
+    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "trainable.safetensors").is_file()
+    samples = (tmp_path / "samples" / "step_000002" / "eval.jsonl").read_text().splitlines()
+    assert len(samples) == 4 and "output" in json.loads(samples[0])
+
+
+def test_wd1_and_spg_objectives_train(tmp_path):
+    _, wd1, changed = _train(tmp_path / "wd1", "run.max_steps=1", "plugin.objective=wd1",
+                             "plugin.estimator_options.p_mask_prompt=0.15", "algorithm.advantage=wd1",
+                             "algorithm.policy_loss=wd1")
+    record = wd1.history[0]
+    assert record["loss/first_step_ratio_deviation"] < 1e-5 and "policy/weight_abs_mean" in record and changed
+    _, spg, changed = _train(tmp_path / "spg", "run.max_steps=1", "plugin.objective=spg",
+                             "algorithm.advantage=dr_grpo", "algorithm.policy_loss=spg",
+                             "algorithm.aggregation=seq_mean_token_sum")
+    record = spg.history[0]
+    assert record["loss/first_step_ratio_deviation"] < 1e-5 and "policy/bound_gap" in record and changed
+
+
+def test_lora_with_a_kl_to_the_adapter_off_model(tmp_path):
+    trainer, result, changed = _train(tmp_path, "run.max_steps=1", "plugin.lora={rank: 4, alpha: 8.0}",
+                                      "plugin.estimator=coupled", "algorithm.kl_coef=0.01")
+    record = result.history[0]
+    assert record["loss/first_step_ratio_deviation"] < 1e-5
+    assert record["policy/ratio_max"] > 1.0 + 1e-6  # the second inner epoch is off-policy: the ratio moves
+    assert 0.0 < record["policy/kl"] < 1e-2
+    assert changed and all("lora_" in name for name in changed)
+    assert (tmp_path / "checkpoints" / "step-00000001" / "policy" / "adapter_model.safetensors").is_file()

@@ -1,0 +1,139 @@
+"""The dLLM task rewards: GSM8K/MATH answers, Countdown, Sudoku — hand-made cases and fuzzing with any text."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards import reward_functions
+from mmrl.rewards.countdown import InvalidExpression, countdown, countdown_score, evaluate_expression, extract_equation
+from mmrl.rewards.math_answers import extract_final_answer, gsm8k_answer
+from mmrl.rewards.sudoku import parse_grid, sudoku, sudoku_score
+
+
+def _batch(texts, **columns):
+    rows = [{key: values[i] for key, values in columns.items()} for i in range(len(texts))]
+    return RewardInput(rows=rows, payload={"completions": list(texts)})
+
+
+# ---------------------------------------------------------------------------------------------------- GSM8K / MATH
+@pytest.mark.parametrize(("text", "answer"), [
+    ("so the total is \\boxed{\\frac{3}{4}} dollars", "\\frac{3}{4}"),
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+    ("<reasoning>12 * 3 = 36</reasoning>\n<answer>\n36\n</answer>", "36"),
+    ("First 3 + 4 = 7, then 7 * 2 = 14.", "14"),
+    ("The answer is 1,234.5 meters", "1,234.5"),
+    ("#### 5\n and \\boxed{6}", "6"),  # \boxed{} wins over ####
+    ("no number here", None),
+    ("", None),
+])
+def test_final_answer_extraction(text, answer):
+    assert extract_final_answer(text) == answer
+
+
+def test_gsm8k_answer_checks_numeric_equivalence():
+    references = ["Janet sells 16 - 3 - 4 = 9 duck eggs.\n#### 18", "#### 0.5", "\\boxed{\\frac{1}{2}}", "72",
+                  "#### 1,000", "42"]
+    texts = ["She makes 9 * 2 = $18 every day.", "<answer>1/2</answer>", "The answer is 0.5", "#### 72.0",
+             "\\boxed{1000}", "The answer is 41, not 42... no, 43"]
+    scores = gsm8k_answer(_batch(texts, solution=references))
+    assert scores == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert reward_functions.get("gsm8k_answer") is gsm8k_answer
+    assert gsm8k_answer(_batch(["7"], solution=[7])) == [1.0]  # numeric references work too
+
+
+# ---------------------------------------------------------------------------------------------------- Countdown
+def test_expression_parser_is_exact_and_rejects_anything_else():
+    assert evaluate_expression("(3 + 5) * 2 - 7 / 7") == (Fraction(15), [3, 5, 2, 7, 7])
+    assert evaluate_expression("7 / 2")[0] == Fraction(7, 2)
+    assert evaluate_expression("2 × [3 − 1] ÷ 4")[0] == Fraction(1)
+    assert evaluate_expression("6 \\times 4 \\div 3")[0] == Fraction(8)
+    for bad in ("3 ** 2", "__import__('os')", "2 +", "(1 + 2", "1 / 0", "-3 + 5", "3.5 * 2", "", "1" * 13,
+                "(" * 40 + "1" + ")" * 40, "x + 1"):
+        with pytest.raises(InvalidExpression):
+            evaluate_expression(bad)
+
+
+@pytest.mark.parametrize(("text", "numbers", "target", "score"), [
+    ("<answer>(25 - 5) * 3</answer>", [25, 5, 3], 60, 1.0),
+    ("<answer>3 * (25 - 5) = 60</answer>", [3, 25, 5], 60, 1.0),
+    ("60 = 3*(25-5)", [25, 5, 3], 60, 1.0),
+    ("So we get 25 * 3 - 5 - 10 at the end", [25, 3, 5, 10], 60, 1.0),
+    ("<answer>(25 - 5) * 3</answer>", [25, 5, 3], 61, 0.1),   # wrong value
+    ("<answer>25 * 3 - 15</answer>", [25, 5, 3], 60, 0.1),    # 15 is not a given number
+    ("<answer>(25 - 5) * 3 * 3</answer>", [25, 5, 3], 180, 0.1),  # 3 used twice
+    ("<answer>25 - 5</answer>", [25, 5, 3], 20, 0.1),         # 3 unused (require_all)
+    ("I give up", [25, 5, 3], 60, 0.0),
+    ("<answer>import os</answer>", [25, 5, 3], 60, 0.1),
+])
+def test_countdown_by_hand(text, numbers, target, score):
+    assert countdown_score(text, numbers, target, format_score=0.1) == score
+
+
+def test_countdown_options_and_columns():
+    texts = ["<answer>25 - 5</answer>", "<answer>50 / 4 * 8</answer>", "nothing"]
+    batch = _batch(texts, numbers=[[25, 5, 3], "4 8 50", [1, 2]], target=[20, 100, 3])
+    assert countdown(batch) == [0.0, 1.0, 0.0]
+    assert countdown(batch, require_all=False, format_score=0.1) == [1.0, 1.0, 0.0]
+    with pytest.raises(RewardError, match="target"):
+        countdown(_batch(["1+1"], numbers=[[1, 1]], target=["two"]))
+    assert extract_equation("<answer>\\boxed{2 \\times 3}</answer>") == "2 * 3"
+
+
+# ---------------------------------------------------------------------------------------------------- Sudoku
+PUZZLE = "1030" "0001" "3000" "0203"   # 0 = empty; 10 empty cells
+SOLUTION = "1432" "2341" "3124" "4213"
+
+
+def test_sudoku_partial_credit_counts_only_the_empty_cells():
+    perfect = "<answer>\n1432\n2341\n3124\n4213\n</answer>"
+    with_separators = "<answer>1 4 3 2 | 2 3 4 1 | 3 1 2 4 | 4 2 1 3</answer>"
+    assert sudoku_score(perfect, PUZZLE, SOLUTION) == 1.0
+    # Change two empty cells (positions 1 and 4) and one given cell (position 0): 8 of 10 empty cells right.
+    grid = list(SOLUTION)
+    grid[0], grid[1], grid[4] = "4", "1", "1"
+    assert sudoku_score("".join(grid), PUZZLE, SOLUTION) == pytest.approx(8 / 10)
+    assert sudoku_score(with_separators, PUZZLE, SOLUTION) == 1.0
+    assert sudoku_score("The puzzle 1030000130000203 becomes 1432234131244213", PUZZLE, SOLUTION) == 1.0
+    assert sudoku_score("1432 2341", PUZZLE, SOLUTION) == 0.0  # malformed: too few cells
+    assert sudoku_score("no digits", PUZZLE, SOLUTION) == 0.0
+    assert parse_grid("1.3_ 0001 3000 0203", 16) == "1030000130000203"
+
+
+def test_sudoku_reads_columns_and_rejects_bad_datasets():
+    batch = _batch(["1432234131244213", ""], puzzle=[PUZZLE, "1.3..0013...0203".replace("1.3..", "1.3.0")],
+                   solution=[SOLUTION, SOLUTION])
+    assert sudoku(batch) == [1.0, 0.0]
+    with pytest.raises(RewardError, match="16 or 81"):
+        sudoku(_batch(["x"], puzzle=["123"], solution=[SOLUTION]))
+    with pytest.raises(RewardError, match="contradicts"):
+        sudoku(_batch(["x"], puzzle=["2" + PUZZLE[1:]], solution=[SOLUTION]))
+    nine = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+    puzzle9 = "".join("0" if i % 3 == 0 else ch for i, ch in enumerate(nine))
+    assert sudoku(_batch([nine], puzzle=[puzzle9], solution=[nine])) == [1.0]
+
+
+# ---------------------------------------------------------------------------------------------------- fuzzing
+ANY_TEXT = st.one_of(
+    st.text(max_size=300),
+    st.text(alphabet="0123456789+-*/×÷()[]{}=.,%$# \n<>/answerboxed\\frac", max_size=300),
+    st.lists(st.sampled_from(["<answer>", "</answer>", "\\boxed{", "}", "####", "=", "(", ")", "12", "3/4", "-",
+                              "\n", " ", "1.5", "9" * 30, "\\frac{1}{0}", "÷", "[", "]"]),
+             max_size=40).map("".join),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=ANY_TEXT)
+def test_rewards_never_raise_and_stay_in_range(text):
+    scores = (
+        gsm8k_answer(_batch([text, text], solution=["#### 12", "\\boxed{\\frac{3}{4}}"]))
+        + countdown(_batch([text], numbers=[[3, 4, 5]], target=[12]), format_score=0.1)
+        + sudoku(_batch([text], puzzle=[PUZZLE], solution=[SOLUTION]))
+    )
+    assert all(math.isfinite(s) and 0.0 <= s <= 1.0 for s in scores)
