@@ -12,6 +12,7 @@ _BUILTIN = {
     "toy": "mmrl.plugins.toy.plugin:ToyPlugin",
     "flow": "mmrl.plugins.flow.plugin:FlowPlugin",
     "dllm": "mmrl.plugins.dllm.plugin:DLLMPlugin",
+    "vlm": "mmrl.plugins.vlm.plugin:VLMPlugin",
 }
 
 for _name, _target in _BUILTIN.items():

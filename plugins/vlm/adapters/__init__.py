@@ -31,14 +31,17 @@ vlm_adapters.register_lazy("qwen2_vl", "mmrl.plugins.vlm.adapters.qwen2_vl:Qwen2
 vlm_adapters.register_lazy("qwen2_5_vl", "mmrl.plugins.vlm.adapters.qwen2_5_vl:Qwen25VLAdapter")
 
 
-def _has_module(name: str) -> bool:
+def _transformers_has_model(name: str) -> bool:
+    """Whether the installed transformers ships ``transformers.models.<name>``, without importing transformers."""
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec("transformers")
     except (ImportError, ValueError):
         return False
+    locations = list(getattr(spec, "submodule_search_locations", None) or []) if spec is not None else []
+    return any((Path(location) / "models" / name / "__init__.py").is_file() for location in locations)
 
 
-if _has_module("transformers.models.qwen3_vl"):
+if _transformers_has_model("qwen3_vl"):
     vlm_adapters.register_lazy("qwen3_vl", "mmrl.plugins.vlm.adapters.qwen3_vl:Qwen3VLAdapter")
 
 

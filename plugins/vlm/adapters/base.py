@@ -1,0 +1,481 @@
+"""The adapter interface between the VLM plugin and one family of transformers vision-language models.
+
+The base class implements the Qwen-VL way of feeding images, shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL:
+
+======================  ==========================================================================================
+:meth:`load_images`     paths / PIL images → RGB images resized by smart_resize within [min_pixels, max_pixels]
+                        (``qwen_vl_utils.process_vision_info`` when it imports, an equivalent built-in otherwise)
+:meth:`encode`          chat texts + images → one :data:`PromptInputs` per prompt, from one batched processor call
+                        whose ``pixel_values`` rows are split per prompt by ``image_grid_thw`` (:func:`split_images`)
+:meth:`image_features`  a frozen vision tower's output per prompt, computed once and reused by every pass
+:meth:`collate`         prompts (+ completions) of any samples → model inputs: prompts left-padded, completions
+                        right-padded, pixel rows concatenated in sample order, ``image_grid_thw`` stacked
+:meth:`generate`        HF generate over the collated prompts, each distinct prompt prefilled once for its samples
+:meth:`completion_logits` logits of the positions that predict the completion tokens only (``logits_to_keep``)
+:meth:`completion_hidden` the same positions' hidden states and the LM head, for the fused head
+:meth:`vision_tower`    the vision encoder module, wherever this transformers version keeps it
+======================  ==========================================================================================
+
+Because every sample carries its own pixel rows and grid, G copies of a prompt are G references to the same
+per-prompt tensors and a micro-batch of any composition collates correctly: the "flat repeat of pixel rows" bug of
+batch sizes > 1 (R1-V#4) cannot happen.
+
+A family adapter (one file) sets the class attributes and overrides what its model does differently.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+PromptInputs = dict[str, Tensor]
+"""One prompt, unpadded: ``input_ids [P]``, ``mm_token_type_ids [P]`` (transformers 5.x), ``image_grid_thw
+[images, 3]`` and either ``pixel_values [rows, D]`` (the patch rows of its images, in order) or ``image_embeds
+[image tokens, hidden]`` (the frozen vision tower's output for them, see :meth:`VLMAdapter.image_features`)."""
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class VLMAdapter:
+    """One family of vision-language models (see the module docstring).
+
+    Args:
+        model: A local folder or a hub id (``from_pretrained``).
+        min_pixels: Lower bound on each image's resized area.
+        max_pixels: Upper bound on each image's resized area.
+    """
+
+    #: Registry name (``plugin.family``).
+    name: ClassVar[str]
+    #: ``config.json`` ``model_type`` values this adapter handles (``family: auto``).
+    model_types: ClassVar[tuple[str, ...]]
+    #: The transformers class, looked up on the ``transformers`` package.
+    model_class: ClassVar[str]
+    #: The coordinate convention of the boxes this family writes (a :data:`mmrl.rewards.boxes.CONVENTIONS` name).
+    box_convention: ClassVar[str]
+    #: Default LoRA target module names (suffix match), all in the language model.
+    lora_target_modules: ClassVar[tuple[str, ...]] = DEFAULT_LORA_TARGETS
+    #: Attribute paths of the vision tower, tried in order (transformers moved it from ``visual`` to
+    #: ``model.visual`` in 4.52).
+    vision_attributes: ClassVar[tuple[str, ...]] = ("model.visual", "visual")
+    #: Module names matching this regular expression belong to the vision tower (excluded from LoRA by default).
+    vision_module_pattern: ClassVar[str] = r".*(^|\.)visual(\.|$).*"
+    #: Whether the model takes precomputed image features (transformers' ``mm_encoder_outputs``) as the only output
+    #: of its vision tower, so that a frozen tower can run once per prompt (:meth:`image_features`).
+    supports_feature_cache: ClassVar[bool] = True
+    #: Whether :meth:`generate` may prefill each distinct prompt once and copy its KV cache (and M-RoPE offsets,
+    #: ``model.model.rope_deltas``) to the prompt's samples.
+    supports_shared_prefill: ClassVar[bool] = True
+    #: Vision placeholder and delimiter tokens (see :meth:`suppressed_token_ids`).
+    vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                "<|vision_end|>", "<|vision_pad|>")
+
+    def __init__(self, model: str, *, min_pixels: int, max_pixels: int):
+        if min_pixels > max_pixels:
+            raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
+        self.model_path = str(model)
+        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.processor = self.load_processor()
+        self.tokenizer = self.processor.tokenizer
+        image_processor = self.processor.image_processor
+        self.patch_size = int(getattr(image_processor, "patch_size", 14))
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def transformers_class(cls) -> type[nn.Module]:
+        """The model class; a clear error when the installed transformers lacks it."""
+        import transformers
+
+        model_class = getattr(transformers, cls.model_class, None)
+        if model_class is None:
+            raise ImportError(f"vlm family {cls.name!r} needs transformers.{cls.model_class}, which transformers "
+                              f"{transformers.__version__} does not have; upgrade transformers")
+        return model_class
+
+    def load_model(self, *, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+        """The model through ``from_pretrained`` (weights in ``dtype``)."""
+        return self.transformers_class().from_pretrained(
+            self.model_path, dtype=dtype, attn_implementation=attn_implementation
+        )
+
+    def load_processor(self) -> Any:
+        """``AutoProcessor.from_pretrained`` with the image bounds set to [min_pixels, max_pixels]."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(self.model_path)
+        image_processor = processor.image_processor
+        image_processor.size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        for key, value in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)):
+            if hasattr(image_processor, key):  # transformers 4.x reads these attributes
+                setattr(image_processor, key, value)
+        return processor
+
+    # ------------------------------------------------------------------ images
+    @property
+    def image_factor(self) -> int:
+        """Resized image sides are multiples of this (patch size × spatial merge)."""
+        return self.patch_size * self.merge_size
+
+    def resized_size(self, image_size: Sequence[float]) -> tuple[int, int]:
+        """``(width, height)`` the processor resizes an image of ``image_size`` ``(width, height)`` to."""
+        from mmrl.rewards.boxes import qwen_resized_size
+
+        return qwen_resized_size(image_size, factor=self.image_factor, min_pixels=self.min_pixels,
+                                 max_pixels=self.max_pixels)
+
+    def load_images(self, images: Sequence[Any], *, use_qwen_vl_utils: bool | None = None) -> list[Any]:
+        """Open (paths) and resize (smart_resize within the pixel bounds) the images of one prompt.
+
+        Args:
+            images: Paths (``str`` / ``Path``, ``file://`` URLs) or PIL images.
+            use_qwen_vl_utils: Route through ``qwen_vl_utils.process_vision_info`` (True), the built-in equivalent
+                (False), or the former when it imports (None). Both give the same images.
+        """
+        if not images:
+            return []
+        if use_qwen_vl_utils is None:
+            use_qwen_vl_utils = _qwen_vl_utils() is not None
+        if use_qwen_vl_utils:
+            process_vision_info = _qwen_vl_utils()
+            if process_vision_info is None:
+                raise ImportError("qwen_vl_utils is not importable (it also needs torchvision); pip install "
+                                  "qwen-vl-utils or let the plugin use its built-in loader")
+            content = [{"type": "image", "image": _image_reference(image), "min_pixels": self.min_pixels,
+                        "max_pixels": self.max_pixels} for image in images]
+            loaded, _ = process_vision_info([{"role": "user", "content": content}], image_patch_size=self.patch_size)
+            return list(loaded)
+        return [self._load_image(image) for image in images]
+
+    def _load_image(self, image: Any) -> Any:
+        from PIL import Image
+
+        opened = image if isinstance(image, Image.Image) else Image.open(_local_path(image))
+        rgb = _to_rgb(opened)
+        width, height = self.resized_size(rgb.size)
+        return rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+    # ------------------------------------------------------------------ prompts
+    def messages(self, question: str, num_images: int, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        """The chat of one prompt: an optional system message, then the user turn with its images first."""
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        content.append({"type": "text", "text": question})
+        chat: list[dict[str, Any]] = []
+        if system_prompt:
+            chat.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+        chat.append({"role": "user", "content": content})
+        return chat
+
+    def chat_text(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text: the processor's chat template with the assistant turn opened."""
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]]) -> list[PromptInputs]:
+        """Run the processor once on a batch of prompts and split its output per prompt.
+
+        Args:
+            texts: Chat texts (:meth:`chat_text`), one per prompt.
+            images: The loaded images of each prompt (:meth:`load_images`), in the order they appear in its text.
+
+        Returns:
+            One :data:`PromptInputs` per prompt (unpadded token ids and that prompt's own pixel rows and grid).
+        """
+        if len(texts) != len(images):
+            raise ValueError(f"encode: {len(texts)} texts but {len(images)} image lists")
+        flat = [image for group in images for image in group]
+        batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
+                               return_tensors="pt")
+        attention = batch["attention_mask"].bool()  # [B, P]
+        counts = [len(group) for group in images]
+        if flat:
+            vision = split_images(batch["pixel_values"], batch["image_grid_thw"], counts)
+        else:
+            vision = [(torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)) for _ in counts]
+        prompts = []
+        for i, (pixels, grid) in enumerate(vision):
+            keep = attention[i]
+            prompt: PromptInputs = {"input_ids": batch["input_ids"][i][keep]}
+            if "mm_token_type_ids" in batch:
+                prompt["mm_token_type_ids"] = batch["mm_token_type_ids"][i][keep]
+            prompt["pixel_values"] = pixels
+            prompt["image_grid_thw"] = grid
+            prompts.append(prompt)
+        return prompts
+
+    def image_features(self, model: nn.Module, prompts: Sequence[PromptInputs]) -> list[PromptInputs]:
+        """The prompts with ``pixel_values`` replaced by ``image_embeds``, the vision tower's output (one batched
+        call; no gradients). Valid for every pass of a step while the tower is frozen: the same features then feed
+        generation, the old and reference log-probs and the training forward, so the tower runs once per prompt
+        rather than once per sample and pass."""
+        with_images = [p for p in prompts if p["image_grid_thw"].numel()]
+        if not with_images:
+            return [{k: v for k, v in p.items() if k != "pixel_values"} for p in prompts]
+        hf_model = _base_model(model)
+        device = next(hf_model.parameters()).device
+        pixels = torch.cat([p["pixel_values"] for p in with_images]).to(device)  # [Σ rows, D]
+        grids = torch.cat([p["image_grid_thw"] for p in with_images]).to(device)  # [Σ images, 3]
+        with torch.no_grad():
+            output = hf_model.get_image_features(pixels, grids, return_dict=True)
+        per_image = list(output.pooler_output)  # one [tokens_k, hidden] per image
+        result = []
+        for prompt in prompts:
+            updated = {k: v for k, v in prompt.items() if k != "pixel_values"}
+            count = int(prompt["image_grid_thw"].shape[0])
+            taken, per_image = per_image[:count], per_image[count:]
+            updated["image_embeds"] = torch.cat(taken) if taken else torch.zeros(0, 0)
+            result.append(updated)
+        return result
+
+    # ------------------------------------------------------------------ batching
+    def collate(self, prompts: Sequence[PromptInputs], completions: Sequence[Tensor] | None = None,
+                device: torch.device | str | None = None) -> tuple[dict[str, Tensor], int]:
+        """Model inputs for samples given as per-sample prompts and (optionally) completion token ids.
+
+        Prompts are left-padded to the longest prompt P and completions right-padded to the longest completion C,
+        so ``input_ids[:, P:]`` are the completion tokens of every sample. Pixel rows are concatenated in sample
+        order and grids stacked, which is the order the model assigns image features to image tokens.
+
+        Returns:
+            ``(inputs, P)``: ``inputs`` holds ``input_ids [n, P + C]``, ``attention_mask``, ``mm_token_type_ids``
+            (when the prompts carry it; 0 over completions) and, when any sample has an image, ``image_grid_thw``
+            with ``pixel_values`` or, for prompts carrying ``image_embeds``, transformers' ``mm_encoder_outputs``.
+        """
+        if not prompts:
+            raise ValueError("collate needs at least one sample")
+        if completions is not None and len(completions) != len(prompts):
+            raise ValueError(f"collate: {len(prompts)} prompts but {len(completions)} completions")
+        device = torch.device(device) if device is not None else prompts[0]["input_ids"].device
+        pad = nn.utils.rnn.pad_sequence
+        ids = [p["input_ids"].to(device) for p in prompts]
+        ones = [torch.ones_like(t) for t in ids]
+        input_ids = pad(ids, batch_first=True, padding_value=self.pad_token_id, padding_side="left")  # [n, P]
+        attention = pad(ones, batch_first=True, padding_value=0, padding_side="left")  # [n, P]
+        width = int(input_ids.shape[1])
+        has_types = all("mm_token_type_ids" in p for p in prompts)
+        token_types = None
+        if has_types:
+            token_types = pad([p["mm_token_type_ids"].to(device) for p in prompts], batch_first=True,
+                              padding_value=0, padding_side="left")  # [n, P]
+        if completions is not None:
+            tokens = [c.to(device=device, dtype=input_ids.dtype) for c in completions]
+            completion_ids = pad(tokens, batch_first=True, padding_value=self.pad_token_id)  # [n, C]
+            completion_mask = pad([torch.ones_like(t) for t in tokens], batch_first=True, padding_value=0)
+            input_ids = torch.cat([input_ids, completion_ids], dim=1)
+            attention = torch.cat([attention, completion_mask.to(attention.dtype)], dim=1)
+            if token_types is not None:
+                token_types = torch.cat([token_types, torch.zeros_like(completion_ids, dtype=token_types.dtype)],
+                                        dim=1)
+        inputs: dict[str, Tensor] = {"input_ids": input_ids, "attention_mask": attention}
+        if token_types is not None:
+            inputs["mm_token_type_ids"] = token_types
+        with_images = [p for p in prompts if p["image_grid_thw"].numel()]
+        if with_images:
+            inputs["image_grid_thw"] = torch.cat([p["image_grid_thw"].to(device) for p in with_images])  # [Σ images, 3]
+            if all("image_embeds" in p for p in with_images):
+                from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+                embeds = torch.cat([p["image_embeds"].to(device) for p in with_images])  # [Σ image tokens, hidden]
+                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(embeds,))}
+            else:
+                inputs["pixel_values"] = torch.cat([p["pixel_values"].to(device) for p in with_images])  # [Σ rows, D]
+        return inputs, width
+
+    def generate(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
+                 share_prefill: bool = True, device: torch.device | str | None = None) -> tuple[Tensor, int]:
+        """HF ``generate`` on the collated prompts: ``(sequences [n, P + C'], P)``.
+
+        Samples that share a prompt (the same :data:`PromptInputs` object, as the G copies of a group do) share its
+        prefill: with ``share_prefill`` each distinct prompt but its last token runs through the model once, the KV
+        cache and M-RoPE offsets are copied to its samples, and ``generate`` continues from there, so the prompt
+        (image tokens included) is computed once per group instead of G times. The sampling distribution is the same
+        up to float rounding; log-probs are recomputed by teacher forcing anyway.
+        """
+        inputs, width = self.collate(prompts, device=device)
+        positions: dict[int, int] = {}
+        for prompt in prompts:
+            positions.setdefault(id(prompt), len(positions))
+        unique = list({id(p): p for p in prompts}.values())
+        text_last = "mm_token_type_ids" not in inputs or not bool(inputs["mm_token_type_ids"][:, -1].any())
+        if not (share_prefill and self.supports_shared_prefill and len(unique) < len(prompts) and text_last):
+            return model.generate(**inputs, generation_config=generation_config), width
+        hf_model = _base_model(model)
+        unique_inputs, _ = self.collate(unique, device=inputs["input_ids"].device)
+        per_token = ("input_ids", "attention_mask", "mm_token_type_ids")
+        prefix = {key: value[:, :-1] if key in per_token else value for key, value in unique_inputs.items()}
+        output = model(**prefix, use_cache=True)
+        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+        index = torch.tensor([positions[id(p)] for p in prompts], device=inputs["input_ids"].device)  # [n]
+        cache.batch_select_indices(index)
+        backbone = getattr(hf_model, "model", None)
+        if getattr(backbone, "rope_deltas", None) is not None:
+            backbone.rope_deltas = backbone.rope_deltas[index]
+        name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+        rest = {key: value for key, value in inputs.items() if key not in ("pixel_values", "mm_encoder_outputs")}
+        return model.generate(**rest, **{name: cache}, generation_config=generation_config), width
+
+    def completion_logits(self, model: nn.Module, inputs: dict[str, Tensor], num_completion: int) -> Tensor:
+        """Logits ``[n, C, V]`` of the positions that predict the last ``num_completion`` tokens of ``inputs``.
+
+        Only the last C + 1 hidden states go through the LM head (``logits_to_keep``); the last one predicts past
+        the sequence and is dropped.
+        """
+        if num_completion < 1:
+            raise ValueError("completion_logits needs at least one completion token")
+        output = model(**inputs, logits_to_keep=num_completion + 1, use_cache=False)
+        logits = output.logits  # [n, C + 1, V]
+        if logits.shape[1] != num_completion + 1:  # a model that ignores logits_to_keep returns every position
+            logits = logits[:, -(num_completion + 1):]
+        return logits[:, :-1]
+
+    def completion_hidden(self, model: nn.Module, inputs: dict[str, Tensor], num_completion: int
+                          ) -> tuple[Tensor, nn.Module]:
+        """Final hidden states ``[n, C, H]`` of the positions that predict the last ``num_completion`` tokens, and
+        the LM head module, for :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax`.
+
+        The call goes through ``model`` itself (so DDP sees it) with the LM head swapped for an identity for its
+        duration: the model's "logits" are then its hidden states, and no ``[n, C, V]`` tensor is built.
+        """
+        if num_completion < 1:
+            raise ValueError("completion_hidden needs at least one completion token")
+        hf_model = _base_model(model)
+        head = hf_model.get_output_embeddings()
+        name = next((child for child, module in hf_model.named_children() if module is head), None)
+        if head is None or name is None:
+            raise AttributeError(f"{type(hf_model).__name__} has no LM head child module to fuse; set "
+                                 "plugin.fused_lm_head: false")
+        setattr(hf_model, name, nn.Identity())
+        try:
+            output = model(**inputs, logits_to_keep=num_completion + 1, use_cache=False)
+        finally:
+            setattr(hf_model, name, head)
+        hidden = output.logits  # [n, C + 1, H]: the identity head returned the hidden states
+        if hidden.shape[1] != num_completion + 1:
+            hidden = hidden[:, -(num_completion + 1):]
+        weight = head.weight
+        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.numel() == 0:
+            raise RuntimeError(f"the LM head's weight has shape {tuple(weight.shape)} outside the model call (sharded "
+                               "by FSDP or ZeRO-3?); set plugin.fused_lm_head: false")
+        return hidden[:, :-1], head
+
+    # ------------------------------------------------------------------ modules
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        """The vision encoder of ``model`` (a transformers model, possibly inside a peft wrapper)."""
+        return find_submodule(_base_model(model), self.vision_attributes, what=f"{self.name} vision tower")
+
+    def suppressed_token_ids(self) -> list[int]:
+        """Token ids a completion must never contain: the image/video placeholders and vision delimiters. A sampled
+        ``<|image_pad|>`` would be taken for an image slot when the completion is fed back ("Image features and
+        image tokens do not match"). The plugin removes them from sampling and from the scored distribution alike."""
+        vocab = self.tokenizer.get_vocab()
+        ids = {int(vocab[token]) for token in self.vision_tokens if token in vocab}
+        for name in ("image_token_id", "video_token_id"):
+            value = getattr(self.processor, name, None)
+            if isinstance(value, int):
+                ids.add(value)
+        return sorted(ids)
+
+    def generation_eos_ids(self, model: nn.Module) -> list[int]:
+        """Token ids that end a completion: the tokenizer's EOS and the checkpoint's generation EOS ids."""
+        ids: list[int] = []
+        config = getattr(_base_model(model), "generation_config", None)
+        configured = getattr(config, "eos_token_id", None)
+        for value in ([configured] if isinstance(configured, int) else list(configured or [])):
+            ids.append(int(value))
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return sorted(set(ids))
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def split_images(pixel_values: Tensor, image_grid_thw: Tensor, images_per_sample: Sequence[int]
+                 ) -> list[tuple[Tensor, Tensor]]:
+    """Split a processor's concatenated ``pixel_values`` per sample.
+
+    Image k owns ``prod(image_grid_thw[k])`` consecutive patch rows, and sample i owns the next
+    ``images_per_sample[i]`` images.
+
+    Returns:
+        ``[(pixel_values_i [rows_i, D], image_grid_thw_i [images_i, 3])]``, one pair per sample.
+    """
+    if sum(images_per_sample) != image_grid_thw.shape[0]:
+        raise ValueError(f"split_images: {image_grid_thw.shape[0]} image grids for {sum(images_per_sample)} images")
+    rows_per_image = image_grid_thw.prod(-1).tolist()  # [images]
+    if sum(rows_per_image) != pixel_values.shape[0]:
+        raise ValueError(f"split_images: grids describe {sum(rows_per_image)} patch rows, pixel_values has "
+                         f"{pixel_values.shape[0]}")
+    result = []
+    image, row = 0, 0
+    for count in images_per_sample:
+        rows = int(sum(rows_per_image[image:image + count]))
+        result.append((pixel_values[row:row + rows], image_grid_thw[image:image + count]))
+        image += count
+        row += rows
+    return result
+
+
+def find_submodule(module: nn.Module, paths: Sequence[str], *, what: str) -> nn.Module:
+    """The first ``module.<path>`` of ``paths`` that exists and is a module; a clear error otherwise."""
+    for path in paths:
+        found: Any = module
+        for part in path.split("."):
+            found = getattr(found, part, None)
+            if found is None:
+                break
+        if isinstance(found, nn.Module):
+            return found
+    raise AttributeError(f"cannot find the {what} on {type(module).__name__}: tried {', '.join(paths)}")
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP and peft wrappers."""
+    model = getattr(model, "module", model)
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+_QWEN_VL_UTILS: list[Any] = []
+
+
+def _qwen_vl_utils() -> Any:
+    """``qwen_vl_utils.process_vision_info``, or None when it does not import (it needs torchvision)."""
+    if not _QWEN_VL_UTILS:
+        try:
+            from qwen_vl_utils import process_vision_info
+        except Exception:  # noqa: BLE001 — a broken torchvision raises arbitrary errors at import
+            process_vision_info = None
+        _QWEN_VL_UTILS.append(process_vision_info)
+    return _QWEN_VL_UTILS[0]
+
+
+def _image_reference(image: Any) -> Any:
+    if isinstance(image, Path):
+        return str(image)
+    return image
+
+
+def _local_path(image: Any) -> str:
+    text = str(image)
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
+def _to_rgb(image: Any) -> Any:
+    """RGB; transparent images are composited on white (as qwen-vl-utils does)."""
+    from PIL import Image
+
+    if image.mode == "RGBA":
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image, mask=image.split()[3])
+        return background
+    return image.convert("RGB")
+
+
+__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "split_images"]

@@ -1,0 +1,611 @@
+"""The VLM plugin: GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) through transformers.
+
+How it maps onto the rollout contract (docs/vlm.md has the long version):
+
+- an action is one completion token; A = the longest completion of the rollout (at most ``max_new_tokens``, which
+  :meth:`VLMPlugin.max_actions` returns); the mask covers each completion up to and including its EOS;
+- ``old_logp`` comes from a teacher-forced pass after ``generate`` through the very function :meth:`forward` uses
+  (:meth:`VLMPlugin.token_logp`: the same collation, image tensors, temperature and selective log-softmax), not from
+  generate's scores, so the first inner step has ratio 1;
+- ``payload["completions"]`` holds the decoded completions (special tokens kept unless ``skip_special_tokens``:
+  Qwen2-VL's box tokens are special tokens);
+- ``replay`` holds, per sample and as lists of tensors (prompts and images differ in size), the prompt token ids,
+  ``mm_token_type_ids``, ``image_grid_thw``, the prompt's own ``pixel_values`` rows — or, with the vision tower
+  frozen, its ``image_embeds`` (the tower runs once per prompt and rollout, ``cache_image_features``) — and the
+  completion token ids;
+  :meth:`forward` collates any subset of samples (prompts left-padded, completions right-padded, pixel rows
+  concatenated in sample order). The G copies of a prompt share its tensors, so the repeat is per image by
+  construction, for any batch size and mixed image sizes;
+- generation is HF ``generate``, batched over prompts of different image sizes (each prompt prefilled once for its
+  G samples, ``share_prompt_prefill``) and seeded from the batch's sample seeds: a rollout is reproducible for a
+  seed, but unlike the toy plugin it depends on the batch composition (sampling draws from one RNG stream for the
+  whole batch). Evaluation decodes greedily;
+- the KL reference is the same model with its LoRA adapter disabled; with full fine-tuning it is a frozen copy of
+  ``plugin.model``, loaded only when the run needs a reference (``Runtime.needs_reference``, i.e. kl_coef > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.config import ConfigError, config_field
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.rollout import Rollout, RolloutError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names: PeftModel.from_pretrained(base, folder) loads it
+ADAPTER_CONFIG = "adapter_config.json"
+R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> "
+               "tags.")
+"""The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
+
+REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_grid_thw")
+
+
+@dataclass
+class VLMLoraConfig:
+    """LoRA on the language model (peft). ``plugin.lora: null`` fine-tunes all weights instead."""
+
+    rank: int = config_field(64, minimum=1, help="LoRA rank r.", ref="VLM-R1 LoRA runs: r = 64 (vlm.md §5)")
+    alpha: float = config_field(128.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha / r).",
+                                ref="VLM-R1 LoRA runs: alpha = 128")
+    dropout: float = config_field(
+        0.0, minimum=0.0, maximum=0.99, help="LoRA dropout. Anything above 0 makes the training forward differ from "
+        "the rollout's (dropout is off while sampling), so the first-step ratio is no longer exactly 1.",
+    )
+    target_modules: list[str] | None = config_field(
+        None, help="Module-name suffixes to adapt. Null: the language model's q/k/v/o and gate/up/down projections. "
+        "The vision tower is excluded while freeze_vision is true.",
+    )
+
+
+@dataclass
+class ShapesDataConfig:
+    """The synthetic coloured-shapes dataset (:func:`mmrl.plugins.vlm.data.make_shapes`)."""
+
+    train_size: int = config_field(256, minimum=1, help="Training rows.")
+    eval_size: int = config_field(32, minimum=0, help="Evaluation rows (drawn after the training rows).")
+    seed: int = config_field(0, help="Seed of the images and questions (independent of the run seed).")
+    tasks: list[Literal["grounding", "counting"]] = config_field(
+        default_factory=lambda: ["grounding"],
+        help="Questions to ask, alternating: 'grounding' (where is the red circle? one box) and/or 'counting' (how "
+        "many squares?). Rewards do not dispatch on the task, so pick the ones your rewards score.",
+    )
+    min_side: int = config_field(56, minimum=28, help="Smallest image width or height in pixels.")
+    max_side: int = config_field(160, minimum=28, help="Largest image width or height in pixels.")
+    max_objects: int = config_field(4, minimum=1, help="Most shapes of the asked kind in one image.")
+    directory: str | None = config_field(
+        None, help="Write the PNGs and train/eval JSONL here (reused while the options match) and train from the "
+        "files. Null: keep the images in memory.",
+    )
+
+    def validate(self, path: str) -> None:
+        if self.max_side < self.min_side:
+            raise ConfigError(f"{path}.max_side", self.max_side, f"an integer >= min_side ({self.min_side})")
+        if not self.tasks:
+            raise ConfigError(f"{path}.tasks", self.tasks, "a non-empty list of 'grounding' and 'counting'")
+
+
+@dataclass
+class VLMDataConfig:
+    """Where the prompts come from: JSONL files (docs/vlm.md) or the synthetic shapes generator."""
+
+    train: str | None = config_field(None, help="Training JSONL (image, problem, solution, task per line).")
+    eval: str | None = config_field(None, help="Evaluation JSONL; null: no held-out rows.")
+    image_root: str | None = config_field(
+        None, help="Folder that relative image paths are resolved against (default: each JSONL file's folder).",
+    )
+    synthetic: ShapesDataConfig | None = config_field(
+        None, help="Generate coloured-shapes images and questions instead of reading files, e.g. "
+        "{train_size: 64, eval_size: 8, tasks: [grounding]}.",
+    )
+
+    def validate(self, path: str) -> None:
+        if (self.train is None) == (self.synthetic is None):
+            raise ConfigError(f"{path}.train", self.train, "exactly one of train (a JSONL file) and synthetic")
+        if self.synthetic is not None and (self.eval is not None or self.image_root is not None):
+            raise ConfigError(f"{path}.eval", self.eval, "null with synthetic data (its eval rows are generated)")
+
+
+@dataclass
+class VLMPluginConfig:
+    """The ``plugin:`` section of the VLM plugin (``name: vlm``)."""
+
+    model: str = config_field(help="A checkpoint folder or hub id, e.g. Qwen/Qwen2.5-VL-3B-Instruct.")
+    data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
+    family: str = config_field(
+        "auto", help="Model adapter: qwen2_vl, qwen2_5_vl, qwen3_vl (when transformers has it) or another "
+        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
+    )
+    tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] | None = config_field(
+        None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
+        "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
+        "auto", help="Weight dtype. 'auto': the mixed-precision dtype for the frozen base under LoRA (adapters stay "
+        "float32), float32 master weights for full fine-tuning.",
+    )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = config_field(
+        "sdpa", help="Attention kernel passed to from_pretrained (flash_attention_2 needs the flash-attn package).",
+    )
+    lora: VLMLoraConfig | None = config_field(
+        default_factory=VLMLoraConfig, help="LoRA options; null for full fine-tuning.",
+    )
+    freeze_vision: bool = config_field(
+        True, help="Keep the vision tower (ViT and merger) frozen: excluded from LoRA, or requires_grad off under full "
+        "fine-tuning.", ref="VLM-R1 freezes 'visual'; vLLM has no ViT LoRA (vlm.md §4)",
+    )
+    gradient_checkpointing: bool = config_field(False, help="Recompute activations in the backward (memory lever).")
+    min_pixels: int = config_field(4 * 28 * 28, minimum=1, help="Lower bound on each image's resized area.",
+                                   ref="qwen-vl-utils default 3,136")
+    max_pixels: int = config_field(
+        512 * 28 * 28, minimum=1, help="Upper bound on each image's resized area: the biggest memory lever.",
+        ref="R1-V / Visual-RFT: 401,408 (= 512·28²); PR1: 1,000,000; VLM-R1 REC: 12,845,056",
+    )
+    max_new_tokens: int = config_field(256, minimum=1, help="Completion budget; the action axis A is at most this.")
+    temperature: float = config_field(1.0, minimum=0.0, exclusive_minimum=True,
+                                      help="Sampling temperature; log-probs divide the logits by it too.",
+                                      ref="R1-V, VLM-R1, TRL: 1.0")
+    top_p: float = config_field(1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0,
+                                help="Nucleus sampling (1 disables). Log-probs stay those of the full tempered "
+                                "distribution, as in TRL.", ref="PR1 (vLLM): 0.9")
+    top_k: int = config_field(0, minimum=0, help="Top-k sampling (0 disables).", ref="PR1 (vLLM): 50")
+    system_prompt: str | None = config_field(None, help="Optional system message before every prompt.")
+    prompt_template: str = config_field(
+        "{question}", help="The user text; {question} is the row's prompt. R1 format: '{question} Output the thinking "
+        "process in <think> </think> and final answer in <answer> </answer> tags.'", ref="R1-V, VLM-R1",
+    )
+    skip_special_tokens: bool = config_field(
+        False, help="Drop special tokens when decoding completions. Keep false for Qwen2-VL grounding: its "
+        "<|box_start|> tokens are special. The final EOS is always dropped.",
+    )
+    cache_image_features: bool = config_field(
+        True, help="With the vision tower frozen, run it once per prompt per rollout and feed its features to "
+        "generation, the old/reference log-prob passes and the training forward (instead of once per sample and "
+        "pass). Exact: a frozen tower's output does not change within a step. Ignored when freeze_vision is false "
+        "and for families whose adapter cannot take precomputed features (Qwen3-VL).",
+    )
+    share_prompt_prefill: bool = config_field(
+        True, help="Generation prefills each distinct prompt once and copies its KV cache to the prompt's G samples "
+        "(the prompt, image tokens included, is computed once per group instead of G times).",
+    )
+    fused_lm_head: bool = config_field(
+        True, help="Apply the LM head inside the chunked log-softmax (from the final hidden states), so the [N, C, V] "
+        "logits never exist as a whole; the backward recomputes each chunk. Set false under FSDP or ZeRO-3, where "
+        "the head's weight is sharded outside the model call.",
+    )
+    logprob_chunk_size: int | None = config_field(
+        256, minimum=1, help="Sequence positions per float32 chunk of the selective log-softmax (null: all at once).",
+    )
+    entropy: bool = config_field(True, help="Compute per-token entropy (logged; trains with algorithm.entropy_coef).")
+
+    def validate(self, path: str) -> None:
+        from mmrl.plugins.vlm.adapters import vlm_adapters
+
+        if self.family != "auto" and self.family not in vlm_adapters:
+            raise ConfigError(f"{path}.family", self.family, f"'auto' or one of {', '.join(vlm_adapters.names())}")
+        if self.min_pixels > self.max_pixels:
+            raise ConfigError(f"{path}.max_pixels", self.max_pixels, f"at least min_pixels ({self.min_pixels})")
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
+        except ValueError:
+            fields = {"<malformed>"}
+        if fields != {"question"}:
+            raise ConfigError(f"{path}.prompt_template", self.prompt_template,
+                              "a template using {question} and no other {field} (write {{ }} for braces)")
+
+
+class VLMPlugin(Plugin):
+    """Group-relative RL for vision-language models with perception and reasoning rewards."""
+
+    name = "vlm"
+    config_class = VLMPluginConfig
+
+    def __init__(self, config: VLMPluginConfig, runtime: Runtime):
+        super().__init__(config, runtime)
+        from mmrl.plugins.vlm.adapters import adapter_for
+
+        if config.tiny_model is not None and not Path(config.model).exists():
+            from mmrl.plugins.vlm.testing import build_tiny_model
+
+            build_tiny_model(config.tiny_model, config.model)
+        self.adapter = adapter_for(config.family, config.model)(
+            config.model, min_pixels=config.min_pixels, max_pixels=config.max_pixels
+        )
+        self.weight_dtype = self._weight_dtype()
+        model = self.adapter.load_model(dtype=self.weight_dtype, attn_implementation=config.attn_implementation)
+        model.to(runtime.device)
+        if config.lora is None:
+            model.requires_grad_(True)
+            if config.freeze_vision:
+                self.adapter.vision_tower(model).requires_grad_(False)
+        else:
+            model = self._add_lora(model, config.lora)
+        if config.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model
+        self.cache_features = (config.cache_image_features and config.freeze_vision
+                               and self.adapter.supports_feature_cache)
+        self.eos_ids = self.adapter.generation_eos_ids(model)
+        self.suppressed_ids = [i for i in self.adapter.suppressed_token_ids() if i not in self.eos_ids]
+        self._reference: nn.Module | None = None
+        if config.lora is None and runtime.needs_reference:
+            self._reference = self._load_reference()
+        self._rows = self._load_rows()
+
+    # ------------------------------------------------------------------ contract
+    def policy(self) -> nn.Module:
+        return self.model
+
+    def dataset(self, split: str) -> list[dict[str, Any]]:
+        if split not in self._rows:
+            raise KeyError(f"vlm plugin has splits {sorted(self._rows)}, not {split!r}")
+        return self._rows[split]
+
+    def max_actions(self) -> int:
+        return self.config.max_new_tokens
+
+    @torch.no_grad()
+    def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        model = self.runtime.unwrap(policy)
+        prompts = self.encode_rows(batch.rows, batch.group_ids, model=model if self.cache_features else None)
+        sequences, width = self._generate(model, prompts, batch)  # [n, P + C'], P
+        generated = sequences[:, width:]  # [n, C']
+        lengths = completion_lengths(generated, self.eos_ids)  # [n]
+        completions = [generated[i, : int(length)] for i, length in enumerate(lengths.tolist())]
+        texts = self.decode(completions)
+        if not batch.training:  # evaluation rollouts are scored, never trained: no log-probs
+            empty = torch.zeros(len(batch), 0, device=self.runtime.device)
+            return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
+                           payload={"completions": texts})
+        num_actions = int(lengths.max())
+        mask = (torch.arange(num_actions, device=lengths.device) < lengths.unsqueeze(1)).float()  # [n, A]
+        old_logp, _ = self.token_logp(model, prompts, completions, num_actions, with_entropy=False)
+        replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
+        replay["completion_ids"] = completions
+        image_tokens = [float(p["image_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2 for p in prompts]
+        return Rollout(
+            group_ids=batch.group_ids,
+            old_logp=old_logp,
+            mask=mask.to(old_logp.device),
+            payload={"completions": texts},
+            replay=replay,
+            metrics={
+                "completion_length": float(lengths.float().mean()),
+                "completion_clipped": float(completion_clipped(generated, lengths, self.eos_ids).float().mean()),
+                "prompt_length": float(sum(len(p["input_ids"]) for p in prompts) / len(prompts)),
+                "image_tokens": sum(image_tokens) / len(image_tokens),
+            },
+        )
+
+    def forward(
+        self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
+    ) -> PolicyOutput:
+        if actions is not None:
+            raise RolloutError("the vlm plugin recomputes all tokens in one forward; leave action_chunk_size null")
+        prompts = replay_prompts(rollout.replay)
+        completions = rollout.replay["completion_ids"]
+        width = rollout.num_actions
+        ref_logp = None
+        if need_reference:  # first: its temporaries are freed before the policy's activations are kept for backward
+            with torch.no_grad(), self.reference_model(policy) as reference:
+                ref_logp, _ = self.token_logp(reference, prompts, completions, width, with_entropy=False)
+        logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy)
+        return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
+
+    # ------------------------------------------------------------------ log-probs
+    def token_logp(self, model: nn.Module, prompts: Sequence[dict[str, Tensor]], completions: Sequence[Tensor],
+                   width: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-prob (and entropy) of every completion token, teacher-forced: ``[n, width]`` float32 each.
+
+        The one function behind both ``old_logp`` (rollout) and the training forward. Samples are collated
+        (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.collate`); only the C positions that predict completion
+        tokens reach the LM head, which :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax` applies chunk by
+        chunk together with the tempered log-softmax (``fused_lm_head``; otherwise the model's logits go through
+        :func:`~mmrl.plugins.vlm.logprobs.selective_log_softmax`). Columns past a sample's completion (and past C)
+        are 0 (masked out).
+        """
+        from mmrl.plugins.vlm.logprobs import fused_head_log_softmax, selective_log_softmax
+
+        inputs, prompt_width = self.adapter.collate(prompts, completions, device=self.runtime.device)
+        num_completion = int(inputs["input_ids"].shape[1]) - prompt_width
+        if num_completion > width:
+            raise RolloutError(f"vlm replay holds completions of {num_completion} tokens for a rollout of {width} "
+                               "actions")
+        tokens = inputs["input_ids"][:, prompt_width:]  # [n, C]
+        suppress = torch.tensor(self.suppressed_ids, dtype=torch.long, device=tokens.device)
+        options = dict(temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size,
+                       with_entropy=with_entropy, suppress=suppress)
+        if self.config.fused_lm_head:
+            with self.runtime.autocast():
+                hidden, head = self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]
+            logp, entropy = fused_head_log_softmax(hidden, head.weight, head.bias, tokens, **options)
+        else:
+            with self.runtime.autocast():
+                logits = self.adapter.completion_logits(model, inputs, num_completion)  # [n, C, V]
+            logp, entropy = selective_log_softmax(logits, tokens, **options)
+        padding = inputs["attention_mask"][:, prompt_width:] == 0  # [n, C]: right padding of shorter completions
+        logp = nn.functional.pad(logp.float().masked_fill(padding, 0.0), (0, width - num_completion))  # [n, width]
+        if entropy is not None:
+            entropy = nn.functional.pad(entropy.float().masked_fill(padding, 0.0), (0, width - num_completion))
+        return logp, entropy
+
+    @contextmanager
+    def reference_model(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """The KL reference: the policy with its LoRA adapter disabled, or (full fine-tuning) a frozen copy of the
+        initial checkpoint, loaded from ``plugin.model`` at construction when ``runtime.needs_reference`` (else on
+        the first forward that asks for it)."""
+        module = self.runtime.unwrap(policy)
+        if self.config.lora is not None:
+            with module.disable_adapter():
+                yield module
+            return
+        if self._reference is None:  # runtime.needs_reference was False, yet the KL is asked for
+            self._reference = self._load_reference()
+        yield self._reference
+
+    # ------------------------------------------------------------------ prompts and completions
+    def encode_rows(self, rows: Sequence[dict[str, Any]], group_ids: Tensor | None = None, *,
+                    model: nn.Module | None = None) -> list[dict[str, Tensor]]:
+        """Per-sample prompt inputs of ``rows``; rows of one group are encoded once and share their tensors.
+
+        With ``model`` the images are also run through its (frozen) vision tower once per prompt, and the prompts
+        carry ``image_embeds`` instead of ``pixel_values``.
+        """
+        keys = list(range(len(rows))) if group_ids is None else [int(g) for g in group_ids.tolist()]
+        first: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        unique = [rows[i] for i in first.values()]
+        images = [self.adapter.load_images(row_images(row)) for row in unique]
+        texts = [self.adapter.chat_text(self.adapter.messages(self.question(row), len(group),
+                                                              self.config.system_prompt))
+                 for row, group in zip(unique, images, strict=True)]
+        encoded = self.adapter.encode(texts, images)
+        for row, prompt in zip(unique, encoded, strict=True):
+            _check_resized_size(row, prompt, self.adapter.patch_size)
+        if model is not None:
+            with self.runtime.autocast():
+                encoded = self.adapter.image_features(model, encoded)
+        index = {key: position for position, key in enumerate(first)}
+        return [encoded[index[key]] for key in keys]
+
+    def question(self, row: dict[str, Any]) -> str:
+        if "prompt" not in row:
+            raise KeyError(f"vlm dataset row has no 'prompt' (keys: {sorted(row)})")
+        return self.config.prompt_template.format(question=row["prompt"])
+
+    def decode(self, completions: Sequence[Tensor]) -> list[str]:
+        """Completion texts; a final EOS token is dropped, other special tokens per ``skip_special_tokens``."""
+        eos = set(self.eos_ids)
+        texts = []
+        for tokens in completions:
+            ids = tokens.tolist()
+            if ids and ids[-1] in eos:
+                ids = ids[:-1]
+            texts.append(self.adapter.tokenizer.decode(ids, skip_special_tokens=self.config.skip_special_tokens))
+        return texts
+
+    def generation_config(self, training: bool) -> Any:
+        """A fresh ``GenerationConfig`` with every setting that shapes the sampling distribution given explicitly:
+        the checkpoint's own generation_config.json (Qwen's sets a repetition penalty and top-k/top-p) must not
+        leak in, or the sampled tokens would not follow the tempered softmax that the log-probs score. Vision
+        placeholder tokens are suppressed (the log-probs exclude them too). Training samples with
+        ``temperature``/``top_p``/``top_k``; evaluation decodes greedily."""
+        from transformers import GenerationConfig
+
+        config = self.config
+        settings: dict[str, Any] = dict(max_new_tokens=config.max_new_tokens, eos_token_id=self.eos_ids,
+                                        pad_token_id=self.adapter.pad_token_id, num_beams=1, repetition_penalty=1.0,
+                                        suppress_tokens=self.suppressed_ids or None, use_cache=True)
+        if training:
+            settings.update(do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+        else:
+            settings.update(do_sample=False)
+        return GenerationConfig(**settings)
+
+    def _generate(self, model: nn.Module, prompts: Sequence[dict[str, Tensor]], batch: PromptBatch
+                  ) -> tuple[Tensor, int]:
+        """Batched HF generate under :meth:`generation_config` (:meth:`VLMAdapter.generate`: a prompt's samples
+        share its prefill), seeded from the batch's sample seeds (one seed for the call: HF sampling draws the whole
+        batch from one RNG stream)."""
+        from mmrl.plugins.vlm.adapters.base import _base_model
+        from mmrl.trainer.sampler import derive_seed
+
+        generation_config = self.generation_config(batch.training)
+        hf_model = _base_model(model)
+        saved = hf_model.generation_config
+        device = torch.device(self.runtime.device)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        try:
+            # generate() fills unset fields from model.generation_config; swap in ours so nothing is inherited.
+            hf_model.generation_config = generation_config
+            with torch.random.fork_rng(devices=devices), self.runtime.autocast():
+                torch.manual_seed(derive_seed(*batch.seeds.tolist()))
+                return self.adapter.generate(model, prompts, generation_config, device=self.runtime.device,
+                                             share_prefill=self.config.share_prompt_prefill)
+        finally:
+            hf_model.generation_config = saved
+
+    # ------------------------------------------------------------------ samples, checkpoints
+    def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
+        """``{tag}.jsonl``: prompt, image paths, task, solution, output and reward of each sample."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{tag}.jsonl"
+        with path.open("w") as handle:
+            for i, row in enumerate(rollout.rows):
+                images = [image if isinstance(image, str) else "<in-memory image>" for image in row_images(row)]
+                record = {"prompt": row.get("prompt"), "image": images, "task": row.get("task"),
+                          "solution": row.get("solution"), "output": rollout.payload["completions"][i],
+                          "reward": float(rewards[i])}
+                handle.write(json.dumps(record, default=str) + "\n")
+        return [path]
+
+    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """LoRA: the adapter in peft's format (``PeftModel.from_pretrained(base, directory)`` loads it). Full
+        fine-tuning: every trainable weight in ``trainable.safetensors`` (the base class).
+
+        Called on every process: the weights are read from ``Runtime.full_state_dict`` (a collective under FSDP and
+        ZeRO-3) and only the main process writes; missing or empty tensors stop the save."""
+        if self.config.lora is None:
+            super().save_trainable(policy, directory)
+            return
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        trainable = self.gathered_trainable_state(policy)  # a collective: every process calls it
+        if trainable is None:
+            return
+        module = self.runtime.unwrap(policy)
+        state = get_peft_model_state_dict(module, state_dict=trainable)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
+        module.peft_config["default"].save_pretrained(str(directory))
+
+    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        if self.config.lora is None:
+            super().load_trainable(policy, directory)
+            return
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        path = directory / ADAPTER_WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(f"no LoRA adapter at {path}")
+        module = self.runtime.unwrap(policy)
+        config_path = directory / ADAPTER_CONFIG
+        if config_path.is_file():
+            saved = json.loads(config_path.read_text())
+            lora = self.config.lora
+            if saved.get("r") != lora.rank or float(saved.get("lora_alpha", lora.alpha)) != float(lora.alpha):
+                raise ValueError(f"{directory} holds a LoRA of rank {saved.get('r')} and alpha "
+                                 f"{saved.get('lora_alpha')}; this run has rank {lora.rank} and alpha {lora.alpha}")
+        state = load_file(str(path))
+        expected = set(get_peft_model_state_dict(module))
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        set_peft_model_state_dict(module, state, adapter_name="default")
+
+    # ------------------------------------------------------------------ building blocks
+    def _weight_dtype(self) -> torch.dtype:
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.config.dtype != "auto":
+            return names[self.config.dtype]
+        return self.runtime.dtype if self.config.lora is not None else torch.float32
+
+    def _load_reference(self) -> nn.Module:
+        """A frozen copy of the initial checkpoint (full fine-tuning's KL reference), read from ``plugin.model``:
+        the initial weights even when the run resumes from a checkpoint."""
+        reference = self.adapter.load_model(dtype=self.weight_dtype,
+                                            attn_implementation=self.config.attn_implementation)
+        return reference.to(self.runtime.device).requires_grad_(False).eval()
+
+    def _add_lora(self, model: nn.Module, lora: VLMLoraConfig) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        targets = list(lora.target_modules or self.adapter.lora_target_modules)
+        peft_config = LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+            exclude_modules=self.adapter.vision_module_pattern if self.config.freeze_vision else None,
+        )
+        try:
+            return get_peft_model(model, peft_config)
+        except ValueError as error:
+            raise ConfigError("plugin.lora.target_modules", targets,
+                              f"module names present in the language model ({error})") from None
+
+    def _load_rows(self) -> dict[str, list[dict[str, Any]]]:
+        from mmrl.plugins.vlm import data as vlm_data
+
+        config = self.config.data
+        if config.synthetic is not None:
+            shapes = config.synthetic
+            options = dict(seed=shapes.seed, tasks=list(shapes.tasks), min_side=shapes.min_side,
+                           max_side=shapes.max_side, max_objects=shapes.max_objects)
+            if shapes.directory is None:
+                rows = vlm_data.make_shapes(shapes.train_size + shapes.eval_size, **options)
+                splits = {"train": rows[: shapes.train_size], "eval": rows[shapes.train_size:]}
+            else:
+                folder = Path(shapes.directory)
+                manifest = folder / "manifest.json"
+                wanted = {**asdict(shapes), "directory": None}
+                if not manifest.is_file() or json.loads(manifest.read_text()) != wanted:
+                    vlm_data.write_shapes_dataset(folder, train_size=shapes.train_size, eval_size=shapes.eval_size,
+                                                  **options)
+                    manifest.write_text(json.dumps(wanted))
+                splits = {"train": vlm_data.load_jsonl(folder / "train.jsonl"),
+                          "eval": vlm_data.load_jsonl(folder / "eval.jsonl") if shapes.eval_size else []}
+        else:
+            splits = {"train": vlm_data.load_jsonl(config.train, image_root=config.image_root),
+                      "eval": vlm_data.load_jsonl(config.eval, image_root=config.image_root) if config.eval else []}
+        return {split: vlm_data.attach_sizes(rows, self.adapter.resized_size) for split, rows in splits.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def completion_lengths(tokens: Tensor, eos_ids: Sequence[int]) -> Tensor:
+    """``[n]`` number of tokens of each completion up to and including its first EOS (all of them without one)."""
+    is_eos = torch.isin(tokens, torch.tensor(list(eos_ids), device=tokens.device))  # [n, C]
+    width = tokens.shape[1]
+    positions = torch.arange(width, device=tokens.device).expand_as(tokens)
+    first = torch.where(is_eos, positions, torch.full_like(positions, width)).min(dim=1).values  # [n]
+    return torch.clamp(first + 1, max=width)
+
+
+def completion_clipped(tokens: Tensor, lengths: Tensor, eos_ids: Sequence[int]) -> Tensor:
+    """``[n]`` True for completions that ran out of budget without an EOS."""
+    last = tokens.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)  # [n]
+    return ~torch.isin(last, torch.tensor(list(eos_ids), device=tokens.device))
+
+
+def replay_prompts(replay: dict[str, Any]) -> list[dict[str, Tensor]]:
+    """Per-sample prompt inputs stored in a rollout's replay (lists of tensors, one entry per sample)."""
+    missing = [key for key in ("input_ids", "image_grid_thw", "completion_ids") if key not in replay]
+    if "pixel_values" not in replay and "image_embeds" not in replay:
+        missing.append("pixel_values or image_embeds")
+    if missing:
+        raise RolloutError(f"vlm rollout replay lacks {missing}; it was not produced by the vlm plugin")
+    keys = [key for key in REPLAY_PROMPT_KEYS if key in replay]
+    return [dict(zip(keys, values, strict=True)) for values in zip(*(replay[key] for key in keys), strict=True)]
+
+
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """The images of a row as a list (``image`` may be one path or PIL image, or a list of them)."""
+    images = row.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], patch_size: int) -> None:
+    """The rows' ``resized_size`` (computed with smart_resize for the qwen2_5_vl box convention) must be what the
+    processor produced; otherwise box rewards would rescale with the wrong frame."""
+    expected = row.get("resized_size")
+    grid = prompt["image_grid_thw"]
+    if expected is None or grid.numel() == 0:
+        return
+    actual = [int(grid[0, 2]) * patch_size, int(grid[0, 1]) * patch_size]
+    if [int(v) for v in expected] != actual:
+        raise RuntimeError(f"row resized_size {list(expected)} differs from the processor's {actual} (width, height); "
+                           "the row was prepared for other min_pixels/max_pixels")
+
+
+__all__ = ["R1_TEMPLATE", "VLMDataConfig", "VLMLoraConfig", "VLMPlugin", "VLMPluginConfig", "ShapesDataConfig",
+           "completion_lengths", "replay_prompts", "row_images"]

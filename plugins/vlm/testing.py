@@ -1,0 +1,203 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL) checkpoints built offline, for tests, benchmarks and the toy run.
+
+Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
+words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
+(4·28² to 16·28² pixels by default); the model is built from its config classes with random weights. Everything is
+written with ``save_pretrained`` so that the plugin loads it the way users load real checkpoints::
+
+    python -m mmrl.plugins.vlm.testing qwen2_5_vl runs/vlm/tiny-qwen2_5_vl
+
+Sizes (about 105k parameters): text hidden 32, intermediate 64, 2 layers, 4 heads, 2 KV heads, M-RoPE sections
+[2, 1, 1] (their sum is head_dim / 2); vision depth 2, width 32, 4 heads, 14-pixel patches merged 2×2 (16-pixel
+patches for Qwen3-VL), merger output = text hidden size. A 100×80 image becomes a 6×8 patch grid, 12 image tokens.
+``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen's chat layout (``<|im_start|>role\\n...<|im_end|>``); each image becomes
+``<|vision_start|><|image_pad|><|vision_end|>``."""
+
+_CORPUS = (
+    "Where is the red circle? Where is the green square? Where is the blue triangle? Where is the yellow circle? "
+    "How many squares are there in the image? How many circles are there? How many triangles are there? "
+    "Output the thinking process in <think> </think> and final answer in <answer> </answer> tags. "
+    "<think> I see a red circle at the top left. </think> <answer> {\"bbox_2d\": [12, 34, 56, 78], "
+    "\"label\": \"red circle\"} </answer> <answer> 3 </answer> [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] (10,20),(30,40) "
+    "You are a helpful assistant. Please provide the bounding box coordinate of the region this sentence describes. "
+    "Answer the question with a number. system user assistant image object box"
+)
+
+
+def build_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with the Qwen special tokens (EOS ``<|im_end|>``, PAD
+    ``<|endoftext|>``), trained on a small fixed corpus; deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([_CORPUS] * 8, trainer)
+    return Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          unk_token=None)
+
+
+def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
+    """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
+    import transformers
+
+    patch_size = 16 if family == "qwen3_vl" else 14
+    image_processor = transformers.Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
+                                                         patch_size=patch_size, merge_size=2)
+    if family == "qwen3_vl":
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        return transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                             video_processor=Qwen3VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    processor_class = transformers.Qwen2VLProcessor if family == "qwen2_vl" else transformers.Qwen2_5_VLProcessor
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer,
+                           video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    # text width, MLP width, layers, heads, KV heads, M-RoPE sections (sum = head_dim / 2), vision width and depth
+    "tiny": dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, mrope=[2, 1, 1], vision=32, depth=2),
+    "small": dict(hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, mrope=[8, 4, 4], vision=128,
+                  depth=4),
+}
+"""Model sizes: ``tiny`` (~105k parameters, tests) and ``small`` (a few million, benchmarks where compute should
+dominate Python overhead)."""
+
+
+def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
+    """The model config of a tiny ``family`` model whose vocabulary and special ids match ``tokenizer``."""
+    import transformers
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(SIZES)}")
+    dims = SIZES[size]
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+        num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    hidden, width, depth, heads = dims["hidden"], dims["vision"], dims["depth"], dims["heads"]
+    fullatt = [depth - 1]
+    special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if family == "qwen2_vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": dims["mrope"]}
+        vision = dict(depth=depth, embed_dim=width, hidden_size=hidden, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+    if family == "qwen2_5_vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": dims["mrope"]}
+        vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=4, out_hidden_size=hidden,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=fullatt, in_channels=3)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+    if family == "qwen3_vl":
+        text.update(head_dim=hidden // heads, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "mrope_section": dims["mrope"],
+                                                               "mrope_interleaved": True})
+        vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=4,
+                      out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=fullatt, in_channels=3)
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
+                     max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
+    """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
+
+    The folder is written under a temporary name and renamed into place, so concurrent builders (several
+    processes on first use) never leave a half-written checkpoint; an existing folder is left untouched.
+
+    Returns:
+        ``directory`` as a Path.
+    """
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
+    config = tiny_config(family, tokenizer, size)
+    model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+                   "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}.get(family)
+    if model_class is None:
+        model_class = transformers.Qwen3VLForConditionalGeneration
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                                                            bos_token_id=tokenizer.pad_token_id)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        try:
+            os.replace(staging, directory)
+        except OSError:
+            if not (directory / "config.json").is_file():  # not a concurrent builder that won the race
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mmrl.plugins.vlm.testing",
+                                     description="Build a tiny random VLM checkpoint for offline runs.")
+    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.family, args.directory, seed=args.seed, size=args.size)
+    print(f"tiny {args.family} checkpoint in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

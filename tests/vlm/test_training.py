@@ -1,0 +1,129 @@
+"""GRPO end to end through mmrl.trainer.Trainer on tiny Qwen2-VL and Qwen2.5-VL: batch > 1, G >= 2, mixed image
+sizes, registry rewards, LoRA and full fine-tuning, the KL term, checkpoints, and the recipes under configs/vlm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mmrl.config import load_config
+from mmrl.reward import reward_functions
+from mmrl.trainer import Trainer
+from mmrl.trainer.checkpoint import list_checkpoints
+from tests.vlm.conftest import plugin_options
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+
+
+def completion_digits(batch) -> list[float]:
+    """A test-only reward with spread on random text (fraction of characters that are digits), so that a tiny random
+    model gets non-zero advantages: format and iou are 0 on its outputs."""
+    texts = batch.payload["completions"]
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in texts]
+
+
+reward_functions.register("test_completion_digits", completion_digits)
+
+
+def _config(tmp_path, model, family, **plugin_overrides):
+    options = plugin_options(model, **plugin_overrides)
+    return load_config({
+        "plugin": {"name": "vlm", **options},
+        "run": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "seed": 0, "progress": False, "cpu": True},
+        "rollout": {"prompts_per_step": 3, "group_size": 2, "batch_size": 4},
+        "algorithm": {"micro_batch_size": 4, "kl_coef": 0.04, "minibatches": 1},
+        "optim": {"lr": 5.0e-2},
+        "rewards": {"functions": [
+            {"name": "format"},
+            {"name": "iou", "args": {"convention": family}},
+            {"name": "test_completion_digits"},
+        ]},
+        "eval": {"at_start": False, "num_prompts": 2},
+    })
+
+
+def _snapshot(module):
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def test_two_grpo_steps_with_lora(tmp_path, tiny_models, family):
+    """3 prompts x G=2 with mixed image sizes, sampled in rollout chunks of 4 and trained in shuffled micro-batches
+    of 4 (a different composition): ratio 1 on the first inner step, KL 0 at step 1, LoRA weights move, the base
+    model and the vision tower do not."""
+    trainer = Trainer(_config(tmp_path, tiny_models[family], family))
+    plugin = trainer.plugin
+    before = _snapshot(plugin.model)
+    result = trainer.train()
+    assert [record["step"] for record in result.history] == [1, 2]
+    for record in result.history:
+        assert record["loss/first_step_ratio_deviation"] < 1e-5, record["loss/first_step_ratio_deviation"]
+        assert record["samples/generated"] == 6.0
+        assert {"reward/format_mean", "reward/iou_mean", "policy/entropy"} <= set(record)
+    assert abs(result.history[0]["policy/kl"]) < 1e-6  # the reference equals the policy before any update
+    assert result.history[1]["policy/kl"] > 0  # and moves once the adapter has been updated
+    after = _snapshot(plugin.model)
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert changed and all("lora_" in name for name in changed)
+    assert any("lora_A" in name for name in changed) and any("lora_B" in name for name in changed)
+    tower = {name for name, _ in plugin.model.named_parameters() if ".visual." in name}
+    assert tower and not tower & set(changed)
+    (checkpoint,) = list_checkpoints(tmp_path / "run")
+    assert (checkpoint / "policy" / "adapter_model.safetensors").is_file()
+    samples = [json.loads(line) for line in next((tmp_path / "run" / "samples").rglob("eval.jsonl")).open()]
+    assert len(samples) == 2 and {"prompt", "output", "solution", "reward"} <= set(samples[0])
+
+
+def test_full_finetuning_trains_the_language_model_only(tmp_path, tiny_models):
+    """lora: null with freeze_vision: the language model moves, the vision tower does not; the KL reference is a
+    frozen copy kept because kl_coef > 0; the checkpoint holds exactly the trainable weights."""
+    trainer = Trainer(_config(tmp_path, tiny_models["qwen2_vl"], "qwen2_vl", lora=None))
+    plugin = trainer.plugin
+    assert plugin._reference is not None
+    before = _snapshot(plugin.model)
+    result = trainer.train()
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
+    assert abs(result.history[0]["policy/kl"]) < 1e-6
+    after = _snapshot(plugin.model)
+    vision = {name for name in before if name.startswith("model.visual.")}
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert vision and not vision & changed
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in changed
+    reference = dict(plugin._reference.named_parameters())
+    assert all(torch.equal(reference[name], before[name]) for name in before)  # the reference never trains
+    from safetensors.torch import load_file
+
+    (checkpoint,) = list_checkpoints(tmp_path / "run")
+    saved = load_file(str(checkpoint / "policy" / "trainable.safetensors"))
+    assert saved and not any(name.startswith("model.visual.") for name in saved)
+
+
+def test_every_vlm_recipe_validates_offline():
+    recipes = sorted(CONFIGS.glob("*.yaml"))
+    assert {p.name for p in recipes} >= {"qwen25vl_3b_grounding.yaml", "qwen25vl_counting.yaml", "toy_grounding.yaml"}
+    for recipe in recipes:
+        config = load_config(recipe)
+        assert config.plugin.name == "vlm"
+        assert config.algorithm.kl_estimator == "k3" and config.algorithm.kl_coef > 0
+    # The overrides that the counting recipe's comments suggest (one GPU with LoRA; synthetic counting data).
+    counting = CONFIGS / "qwen25vl_counting.yaml"
+    lora = load_config(counting, ["plugin.lora.rank=64", "plugin.lora.alpha=128", "plugin.dtype=bfloat16",
+                                  "optim.lr=1e-5", "rollout.prompts_per_step=4"]).plugin.config
+    assert lora.lora is not None and lora.lora.rank == 64 and lora.dtype == "bfloat16"
+    synthetic = load_config(counting, ["plugin.data={synthetic: {tasks: [counting], train_size: 20000}}"])
+    assert synthetic.plugin.config.data.train is None
+    assert synthetic.plugin.config.data.synthetic.tasks == ["counting"]
+
+
+def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
+    """configs/vlm/toy_grounding.yaml as written (tiny model built on first use), shortened to one step."""
+    model = tmp_path / "tiny"
+    config = load_config(CONFIGS / "toy_grounding.yaml", [
+        f"plugin.model={model}", f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1", "run.progress=false",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "plugin.max_new_tokens=6", "eval.num_prompts=2",
+    ])
+    result = Trainer(config).train()
+    assert (model / "config.json").is_file()
+    assert result.history[0]["loss/first_step_ratio_deviation"] < 1e-5
+    assert "eval/iou_mean" in result.evaluations[1]
