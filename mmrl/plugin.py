@@ -53,6 +53,15 @@ class Runtime:
             so that a plugin keeps a frozen copy only when the KL term needs one.
         ratio_level: The importance-ratio level the policy loss uses (``"token"``, ``"chunk"``, ``"sequence"``;
             None when unknown, e.g. outside a trainer), so that a plugin providing chunk ids can insist on it.
+        needs_old_logp: Whether the trainer reads :attr:`Rollout.old_logp` of training rollouts. The trainer sets it
+            False exactly when each rollout batch is consumed by one optimizer step on the weights that sampled it
+            (``algorithm.inner_epochs == 1``, ``algorithm.minibatches == 1``, ``algorithm.recompute_old_logp``
+            off): the old log-probs then equal the training forward's, so a plugin may skip the pass that computes
+            them and return ``old_logp=None``; the core then uses the detached training log-probs (ratio ≡ 1,
+            clipping inactive, the same gradient). Micro-batches and action chunks of that one optimizer step all
+            see the same weights, so they do not matter. True (the default) outside a trainer; a plugin that
+            returns None while it is True fails the rollout check. A plugin whose own :meth:`Plugin.forward`
+            reads ``old_logp`` keeps computing them.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -67,6 +76,7 @@ class Runtime:
     seed: int = 0
     needs_reference: bool = False
     ratio_level: str | None = None
+    needs_old_logp: bool = True
 
     @property
     def is_main_process(self) -> bool:
@@ -167,7 +177,8 @@ class Plugin(ABC):
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         """Sample one trajectory per row of ``batch`` (under ``torch.no_grad``) and return them as a rollout whose
         ``group_ids`` equal ``batch.group_ids``. ``old_logp`` must come from the same computation as
-        :meth:`forward`, so that the ratio is exactly 1 on the first inner step."""
+        :meth:`forward`, so that the ratio is exactly 1 on the first inner step. It may be None for evaluation
+        batches, and for training batches when :attr:`Runtime.needs_old_logp` is False."""
 
     @abstractmethod
     def forward(

@@ -12,8 +12,9 @@ flow                    one SDE denoising step (x_t → x_{t−1})        number
 dllm                    the whole completion, scored by an ELBO       1 (a sequence-level score)
 ======================  ==========================================  =====================================
 
-The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-action extras; it never looks
-inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs). Everything in
+The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-action extras (``old_logp`` may be
+None when the trainer does not need it, see :attr:`mmrl.plugin.Runtime.needs_old_logp`; ``mask`` fixes A); it never
+looks inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs). Everything in
 ``payload`` and ``replay`` is per sample: tensors have N as their first dimension and lists have N items, so the
 core can split, shuffle and concatenate rollouts without knowing the modality. Values shared by all samples (a
 timestep grid, a guidance scale) go in ``shared``. When rollouts of different widths are concatenated (dynamic
@@ -44,7 +45,10 @@ class Rollout:
 
     Attributes:
         group_ids: ``[N]`` int64, the group (prompt) of each sample; the trainer checks it against the batch.
-        old_logp: ``[N, A]`` float32, log-prob of each action under the policy that sampled it.
+        old_logp: ``[N, A]`` float32, log-prob of each action under the policy that sampled it; None when the
+            plugin skipped computing them because the run does not need them
+            (:attr:`mmrl.plugin.Runtime.needs_old_logp` False: the learner then uses the detached training
+            log-probs) or for evaluation rollouts.
         mask: ``[N, A]`` float32, 1 for actions that are trained, 0 for padding or untrained steps.
         payload: Per-sample outputs that rewards read, e.g. ``{"images": [N,3,H,W]}`` or
             ``{"completions": list[str]}``.
@@ -62,7 +66,7 @@ class Rollout:
     """
 
     group_ids: Tensor
-    old_logp: Tensor
+    old_logp: Tensor | None
     mask: Tensor
     payload: dict[str, Any] = field(default_factory=dict)
     replay: dict[str, Any] = field(default_factory=dict)
@@ -80,26 +84,28 @@ class Rollout:
 
     @property
     def num_actions(self) -> int:
-        return int(self.old_logp.shape[1])
+        return int(self.mask.shape[1])
 
     def validate(self) -> Rollout:
         """Check every shape and length against N and A; raise :class:`RolloutError` naming the first offender."""
         if self.group_ids.dim() != 1:
             raise RolloutError(f"rollout.group_ids must be [N], got shape {tuple(self.group_ids.shape)}")
         n = len(self)
-        if self.old_logp.dim() != 2 or self.old_logp.shape[0] != n:
-            raise RolloutError(f"rollout.old_logp must be [N={n}, A], got shape {tuple(self.old_logp.shape)}")
-        if self.mask.shape != self.old_logp.shape:
-            raise RolloutError(
-                f"rollout.mask must match old_logp {tuple(self.old_logp.shape)}, got {tuple(self.mask.shape)}"
-            )
-        if not torch.isfinite(self.old_logp[self.mask > 0]).all():
-            raise RolloutError("rollout.old_logp holds NaN or infinite values on unmasked actions")
+        if self.mask.dim() != 2 or self.mask.shape[0] != n:
+            raise RolloutError(f"rollout.mask must be [N={n}, A], got shape {tuple(self.mask.shape)}")
+        if self.old_logp is not None:
+            if self.old_logp.shape != self.mask.shape:
+                raise RolloutError(
+                    f"rollout.old_logp must match mask [N, A] = {tuple(self.mask.shape)}, got "
+                    f"{tuple(self.old_logp.shape)}"
+                )
+            if not torch.isfinite(self.old_logp[self.mask > 0]).all():
+                raise RolloutError("rollout.old_logp holds NaN or infinite values on unmasked actions")
         for name in ACTION_FIELDS:
             value = getattr(self, name)
-            if value is not None and value.shape != self.old_logp.shape:
+            if value is not None and value.shape != self.mask.shape:
                 raise RolloutError(
-                    f"rollout.{name} must be [N, A] = {tuple(self.old_logp.shape)}, got {tuple(value.shape)}"
+                    f"rollout.{name} must be [N, A] = {tuple(self.mask.shape)}, got {tuple(value.shape)}"
                 )
         for section in ("payload", "replay"):
             _check_per_sample(getattr(self, section), n, f"rollout.{section}")
@@ -118,12 +124,9 @@ class Rollout:
     def select_actions(self, columns: Tensor) -> Rollout:
         """The same samples restricted to the action columns ``columns`` (``old_logp``, ``mask`` and the optional
         per-action fields are sliced; ``payload`` and ``replay`` are per sample and stay whole)."""
-        columns = columns.to(self.old_logp.device)
-        updates: dict[str, Any] = {
-            "old_logp": self.old_logp.index_select(1, columns),
-            "mask": self.mask.index_select(1, columns),
-        }
-        for name in ACTION_FIELDS:
+        columns = columns.to(self.mask.device)
+        updates: dict[str, Any] = {"mask": self.mask.index_select(1, columns)}
+        for name in ("old_logp", *ACTION_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 updates[name] = value.index_select(1, columns.to(value.device))
@@ -162,8 +165,8 @@ class Rollout:
         if extra == 0:
             return self
         pad = torch.nn.functional.pad
-        updates: dict[str, Any] = {"old_logp": pad(self.old_logp, (0, extra)), "mask": pad(self.mask, (0, extra))}
-        for name in ACTION_FIELDS:
+        updates: dict[str, Any] = {"mask": pad(self.mask, (0, extra))}
+        for name in ("old_logp", *ACTION_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 updates[name] = pad(value, (0, extra))

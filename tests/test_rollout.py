@@ -61,3 +61,25 @@ def test_concat_refuses_optional_fields_set_in_only_some_rollouts():
     second.chunk_ids = None
     with pytest.raises(RolloutError, match="chunk_ids"):
         Rollout.concat([first, second])
+
+
+def test_old_logp_may_be_missing_and_every_operation_keeps_it_missing():
+    """Runtime.needs_old_logp False lets a plugin return old_logp=None; the mask then fixes the action axis."""
+    rollout = _rollout(4, 3)
+    rollout.old_logp = None
+    assert rollout.validate() is rollout and rollout.num_actions == 3
+    assert rollout.select([2, 1]).old_logp is None
+    sliced = rollout.select_actions(torch.tensor([0, 2]))
+    assert sliced.old_logp is None and sliced.mask.shape == (4, 2) and sliced.num_actions == 2
+    padded = rollout.pad_actions(5)
+    assert padded.old_logp is None and padded.mask.shape == (4, 5) and padded.chunk_ids.shape == (4, 5)
+    other = _rollout(2, 5, offset=10)
+    other.old_logp = None
+    joined = Rollout.concat([rollout, other])
+    assert joined.old_logp is None and joined.mask.shape == (6, 5) and joined.mask[:4, 3:].sum() == 0
+    assert rollout.to("cpu").old_logp is None
+    with pytest.raises(RolloutError, match="old_logp is set in some rollouts and missing in others"):
+        Rollout.concat([rollout, _rollout(2, 3, offset=10)])
+    rollout.chunk_ids = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(RolloutError, match=r"chunk_ids must be \[N, A\] = \(4, 3\)"):
+        rollout.validate()

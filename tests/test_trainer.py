@@ -84,6 +84,86 @@ def test_action_chunks_do_not_change_the_gradient(tmp_path, mode):
         torch.testing.assert_close(chunked[name], whole[name], rtol=1e-4, atol=1e-7)
 
 
+def _without_old_logp(trainer, *, shift=None):
+    """Make the trainer's toy plugin return training rollouts with ``old_logp=None`` (or, with ``shift``, with its
+    old_logp moved by that much, to show that the comparison below can tell a wrong old policy apart)."""
+    original = trainer.plugin.rollout
+
+    def rollout(policy, batch):
+        result = original(policy, batch)
+        if batch.training:
+            result.old_logp = None if shift is None else result.old_logp + shift
+        return result
+
+    trainer.plugin.rollout = rollout
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.micro_batch_size=4",),
+        ("algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean_token_mean", "algorithm.micro_batch_size=8"),
+        ("algorithm.action_chunk_size=2", "algorithm.micro_batch_size=8", "algorithm.kl_coef=0.1"),
+        ("rewards.functions=[{name: exact_match}, {name: token_accuracy}]", "rollout.dynamic_sampling.enabled=true",
+         "rollout.dynamic_sampling.max_rounds=3"),
+    ],
+    ids=["grpo+micro-batches", "gspo", "action-chunks+kl", "dynamic-sampling"],
+)
+def test_training_without_old_logp_matches_training_with_it(tmp_path, overrides):
+    """μ = 1 and one mini-batch: every sample trains one optimizer step on the weights that sampled it, so the
+    learner's substitute old_logp = logp.detach() gives the same parameters as the plugin's computed old_logp."""
+    common = ("run.max_steps=4", "optim.lr=3e-2", *overrides)
+    computed = Trainer(toy_config(tmp_path / "computed", *common))
+    assert computed.runtime.needs_old_logp is False and computed.plugin.runtime.needs_old_logp is False
+    computed.train()
+    skipped = _without_old_logp(Trainer(toy_config(tmp_path / "skipped", *common)))
+    result = skipped.train()
+    wrong = _without_old_logp(Trainer(toy_config(tmp_path / "wrong", *common)), shift=0.3)
+    wrong.train()
+    initial = _parameters(Trainer(toy_config(tmp_path / "initial", *common)))
+    expected, got, off = _parameters(computed), _parameters(skipped), _parameters(wrong)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(expected[name], initial[name]) for name in expected)  # it trained
+    # A wrong old policy (ratio e^-0.3 < 1 - ε: clipped for negative advantages) gives other parameters.
+    assert any((off[name] - expected[name]).abs().max() > 1e-3 for name in expected)
+    for record in result.history:
+        assert record["loss/first_step_ratio_deviation"] == 0.0  # by construction without old_logp
+        assert record["policy/clip_fraction"] == 0.0
+
+
+def test_needs_old_logp_only_for_several_optimizer_steps_per_rollout_or_an_explicit_recompute(tmp_path):
+    from mmrl.trainer.learn import needs_old_logp
+
+    assert Trainer(toy_config(tmp_path / "one", "algorithm.micro_batch_size=4")).runtime.needs_old_logp is False
+    assert Trainer(toy_config(tmp_path / "epochs", "algorithm.inner_epochs=2")).runtime.needs_old_logp is True
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.minibatches=2")) is True
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true")) is True
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.action_chunk_size=2")) is False
+
+
+@pytest.mark.parametrize("override", ["algorithm.inner_epochs=2", "algorithm.minibatches=2"])
+def test_a_plugin_that_skips_old_logp_when_they_are_needed_is_named(tmp_path, override):
+    trainer = _without_old_logp(Trainer(toy_config(tmp_path, override)))
+    with pytest.raises(RolloutError, match="plugin 'toy' returned old_logp=None but this run needs them"):
+        trainer.train()
+
+
+def test_evaluation_rollouts_may_omit_old_logp_in_any_run(tmp_path):
+    trainer = Trainer(toy_config(tmp_path, "algorithm.inner_epochs=2", "eval.at_start=false"))
+    original = trainer.plugin.rollout
+
+    def rollout(policy, batch):
+        result = original(policy, batch)
+        if not batch.training:
+            result.old_logp = None
+        return result
+
+    trainer.plugin.rollout = rollout
+    assert "eval/reward_mean" in trainer.evaluate()
+
+
 def test_action_chunks_need_the_token_ratio_level(tmp_path):
     from mmrl.config import ConfigError
 

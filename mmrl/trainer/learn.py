@@ -34,6 +34,18 @@ def ratio_level(config: TrainConfig) -> str:
     return config.algorithm.policy_loss.options.get("ratio_level", "token" if default is None else default.default)
 
 
+def needs_old_logp(config: TrainConfig) -> bool:
+    """Whether the learner reads the rollout's ``old_logp`` (:attr:`mmrl.plugin.Runtime.needs_old_logp`).
+
+    False exactly when every rollout batch is consumed by one optimizer step on the weights that sampled it: one
+    inner epoch, one mini-batch, and no ``recompute_old_logp`` (which asks for a separate old-policy pass). The
+    micro-batches and action chunks of that step accumulate gradients on unchanged weights, so the old log-probs
+    equal the detached training log-probs and the learner substitutes those for a missing ``old_logp``.
+    """
+    algorithm = config.algorithm
+    return algorithm.inner_epochs > 1 or algorithm.minibatches > 1 or algorithm.recompute_old_logp
+
+
 def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) -> BatchGeometry | None:
     """The batch geometry with ``algorithm.action_chunk_size`` folded in, or None when it is not set.
 
@@ -194,18 +206,20 @@ class Learner:
                 advantages = advantages.index_select(1, columns.to(advantages.device))
             output = self.plugin.forward(self.policy, part, need_reference=need_reference, actions=columns)
         logp = output.logp.float()  # [n, A]
-        if logp.shape != part.old_logp.shape:
+        if logp.shape != part.mask.shape:
             raise RolloutError(
-                f"plugin forward returned logp {tuple(logp.shape)} for a rollout with old_logp "
-                f"{tuple(part.old_logp.shape)}"
+                f"plugin forward returned logp {tuple(logp.shape)} for a rollout of {tuple(part.mask.shape)} actions"
             )
+        # Without old_logp (Runtime.needs_old_logp False: one optimizer step on the sampling weights) the old
+        # policy is the current one: ratio ≡ 1, and the deviation below is 0 by construction.
+        old_logp = part.old_logp if part.old_logp is not None else logp.detach()  # [n, A]
         options = dict(algorithm.policy_loss.options)
         if self.loss_accepts_chunks:
             options["chunk_ids"] = part.chunk_ids
-        per_action, metrics = self.policy_loss(logp, part.old_logp, advantages, part.mask, **options)  # [n, A]
+        per_action, metrics = self.policy_loss(logp, old_logp, advantages, part.mask, **options)  # [n, A]
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
         active = part.mask > 0
-        deviation = float((logp.detach() - part.old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
+        deviation = float((logp.detach() - old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
         total = per_action
         if algorithm.kl_coef > 0:
             kl = output.kl

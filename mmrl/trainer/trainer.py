@@ -39,7 +39,7 @@ from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.collect import Collector
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
-from mmrl.trainer.learn import Learner, chunked_geometry, ratio_level
+from mmrl.trainer.learn import Learner, chunked_geometry, needs_old_logp, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
 from mmrl.trainer.sampler import PromptStream, derive_seed
 
@@ -89,6 +89,7 @@ class Trainer:
             seed=config.run.seed,
             needs_reference=config.algorithm.kl_coef > 0,
             ratio_level=ratio_level(config),
+            needs_old_logp=needs_old_logp(config),
         )
         self.plugin: Plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, self.runtime)
         chunked = chunked_geometry(config, self.plugin, acc.num_processes)
