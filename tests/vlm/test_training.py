@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.config import load_config
+from mmrl.config import load_config, to_dict
 from mmrl.reward import reward_functions
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import list_checkpoints
@@ -77,8 +77,9 @@ def test_two_grpo_steps_with_lora(tmp_path, tiny_models, family):
 
 def test_full_finetuning_trains_the_language_model_only(tmp_path, tiny_models):
     """lora: null with freeze_vision: the language model moves, the vision tower does not; the KL reference is a
-    frozen copy kept because kl_coef > 0; the checkpoint holds exactly the trainable weights."""
-    trainer = Trainer(_config(tmp_path, tiny_models["qwen2_vl"], "qwen2_vl", lora=None))
+    frozen copy kept because kl_coef > 0; the checkpoint holds exactly the trainable weights. The old_logp pass is
+    forced so that the first-step ratio check compares the rollout's log-probs with the training forward's."""
+    trainer = Trainer(_config(tmp_path, tiny_models["qwen2_vl"], "qwen2_vl", lora=None, force_old_logp_pass=True))
     plugin = trainer.plugin
     assert plugin._reference is not None
     before = _snapshot(plugin.model)
@@ -127,3 +128,53 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
     assert (model / "config.json").is_file()
     assert result.history[0]["loss/first_step_ratio_deviation"] < 1e-5
     assert "eval/iou_mean" in result.evaluations[1]
+
+
+def _count_rollout_passes(trainer):
+    """Wrap the plugin so that ``counts["rollout"]`` counts teacher-forced passes made inside rollout() (old_logp)
+    and ``counts["other"]`` those made elsewhere (KL reference, training forward)."""
+    plugin, counts, inside = trainer.plugin, {"rollout": 0, "other": 0}, []
+    original_rollout, original_logp = plugin.rollout, plugin.token_logp
+
+    def rollout(policy, batch):
+        inside.append(True)
+        try:
+            return original_rollout(policy, batch)
+        finally:
+            inside.pop()
+
+    def token_logp(*args, **kwargs):
+        counts["rollout" if inside else "other"] += 1
+        return original_logp(*args, **kwargs)
+
+    plugin.rollout, plugin.token_logp = rollout, token_logp
+    return counts
+
+
+def test_one_optimizer_step_per_rollout_skips_the_old_logp_pass(tmp_path, tiny_models):
+    """μ = 1, one mini-batch: the rollout runs no teacher-forced pass (old_logp=None, the core uses the detached
+    training log-probs) and trains to the same weights as with the pass forced; with μ = 2 the pass runs again."""
+    family, model = "qwen2_5_vl", tiny_models["qwen2_5_vl"]
+    fast = Trainer(_config(tmp_path / "fast", model, family))
+    assert fast.runtime.needs_old_logp is False
+    fast_counts = _count_rollout_passes(fast)
+    before = _snapshot(fast.plugin.model)
+    fast_result = fast.train()
+    # 2 steps x 6 samples in micro-batches of 4: the reference and the training forward run twice per step each.
+    assert fast_counts == {"rollout": 0, "other": 8}
+    assert all(r["loss/first_step_ratio_deviation"] == 0.0 for r in fast_result.history)
+    forced = Trainer(_config(tmp_path / "forced", model, family, force_old_logp_pass=True))
+    forced_counts = _count_rollout_passes(forced)
+    forced_result = forced.train()
+    assert forced_counts == {"rollout": 4, "other": 8}  # rollout chunks of 4: two old_logp passes per step
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in forced_result.history)
+    fast_after, forced_after = _snapshot(fast.plugin.model), _snapshot(forced.plugin.model)
+    assert any(not torch.equal(before[name], fast_after[name]) for name in before)
+    for name in fast_after:
+        torch.testing.assert_close(fast_after[name], forced_after[name], rtol=1e-4, atol=1e-5)
+    assert [r["reward/mean"] for r in fast_result.history] == [r["reward/mean"] for r in forced_result.history]
+    epochs = Trainer(load_config(to_dict(_config(tmp_path / "epochs", model, family)), ["algorithm.inner_epochs=2"]))
+    assert epochs.runtime.needs_old_logp is True
+    epochs_counts = _count_rollout_passes(epochs)
+    epochs.train()
+    assert epochs_counts["rollout"] == 4
