@@ -5,7 +5,10 @@ process writes ``rank{r}.json`` with the advantage of each sample it trained (ke
 depends only on its global index) and the per-step losses; the main process also writes the final parameters
 to ``params.pt``.
 
-    python tests/distributed/record_toy.py OUT_DIR [key=value overrides...]
+    python tests/distributed/record_toy.py OUT_DIR [--drop-old-logp] [key=value overrides...]
+
+``--drop-old-logp`` makes the plugin return training rollouts with ``old_logp=None`` (allowed when the run's
+``Runtime.needs_old_logp`` is False), so that the learner substitutes the detached training log-probs.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def constant_on_rank_1(batch):
 
 def main() -> None:
     out = Path(sys.argv[1])
-    config = toy_config(out / "run", *sys.argv[2:])
+    drop_old_logp = "--drop-old-logp" in sys.argv[2:]
+    config = toy_config(out / "run", *[arg for arg in sys.argv[2:] if arg != "--drop-old-logp"])
     trainer = Trainer(config)
     advantages: dict[str, float] = {}
     current_seeds: list[torch.Tensor] = []
@@ -45,7 +49,10 @@ def main() -> None:
 
     def recording_rollout(policy, batch):
         current_seeds.append(batch.seeds.clone())
-        return original_rollout(policy, batch)
+        rollout = original_rollout(policy, batch)
+        if drop_old_logp and batch.training:
+            rollout.old_logp = None
+        return rollout
 
     def recording_credit(rollout, scores, valid):
         result = original_credit(rollout, scores, valid)

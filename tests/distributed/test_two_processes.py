@@ -73,6 +73,16 @@ def test_two_processes_match_one(tmp_path, single, layout, config_file):
 
 
 @pytest.mark.slow
+def test_two_processes_without_old_logp_match_one_with_it(tmp_path, single):
+    """Runtime.needs_old_logp is False here (μ = 1, one mini-batch): two processes whose rollouts omit old_logp
+    (the learner uses the detached training log-probs) train like one process that computes them."""
+    double = _run(tmp_path, 2, *COMMON, "--drop-old-logp", "rollout.layout=contiguous")
+    assert double["losses"] == pytest.approx(single["losses"], abs=1e-6)
+    for name, tensor in single["params"].items():
+        torch.testing.assert_close(double["params"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_does_not_hang_when_one_process_filters_everything(tmp_path):
     """Process 1's groups never have spread (a constant reward there); process 0 keeps sampling alongside it and
     both pad after the bounded rounds instead of waiting on each other."""
