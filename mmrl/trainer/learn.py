@@ -208,7 +208,7 @@ class Learner:
         logp = output.logp.float()  # [n, A]
         if logp.shape != part.mask.shape:
             raise RolloutError(
-                f"plugin forward returned logp {tuple(logp.shape)} for a rollout of {tuple(part.mask.shape)} actions"
+                f"plugin forward returned logp {tuple(logp.shape)} for a rollout whose mask is {tuple(part.mask.shape)}"
             )
         # Without old_logp (Runtime.needs_old_logp False: one optimizer step on the sampling weights) the old
         # policy is the current one: ratio ≡ 1, and the deviation below is 0 by construction.
