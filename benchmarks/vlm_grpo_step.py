@@ -15,9 +15,15 @@ generation and logging included). Time is reported as wall time and as the proce
 (``time.process_time``), which machine load from other jobs barely affects (with one torch thread it is the work the
 step does). Known differences that remain:
 
-- mmrl always recomputes ``old_logp`` with a teacher-forced pass after generation (the rollout contract; it makes
-  ratio == 1 exact and serves μ > 1); TRL skips that pass when it generates every optimizer step with μ = 1 and
-  uses the detached current log-probs instead. mmrl therefore runs one more no-grad forward per step.
+- Neither side runs an old-policy pass here: with one optimizer step per generation and μ = 1, TRL uses the detached
+  current log-probs, and mmrl's trainer sets ``Runtime.needs_old_logp`` False, so the vlm plugin skips its
+  teacher-forced ``old_logp`` pass and the core uses ``logp.detach()`` (ratio 1, the same gradient). Both run
+  generation, one no-grad reference pass (β > 0) and the training forward. (Before issue 8's change mmrl always ran
+  the extra pass: about 14% of its step on the small model.)
+- mmrl runs the frozen vision tower once per prompt and prefills each prompt once for its G samples
+  (``cache_image_features``, ``share_prompt_prefill``); TRL encodes and prefills all P·G rows in every pass.
+- Under ``--full`` mmrl keeps the vision tower frozen (``freeze_vision``); the benchmark freezes it on the TRL side
+  too before training, so both optimise the same weights.
 - TRL reads images from a ``datasets.Dataset`` (PNG-encoded, decoded per step); mmrl's rows hold PIL images.
 - mmrl suppresses all vision placeholder tokens in sampling; TRL suppresses the image token only.
 - TRL gets a processor whose tokenizer pads on the left by default (see ``run_trl``; it fails on mixed image sizes
@@ -84,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU).")
     parser.add_argument("--no-feature-cache", action="store_true",
                         help="mmrl: re-run the frozen vision tower in every pass (plugin.cache_image_features false).")
+    parser.add_argument("--force-old-logp-pass", action="store_true",
+                        help="mmrl: run the teacher-forced old_logp pass although mu = 1 and one mini-batch do not "
+                        "need it (plugin.force_old_logp_pass), to measure what skipping it saves.")
     parser.add_argument("--json", default=None, help="Also write the results here.")
     parser.add_argument("--side", choices=["mmrl", "trl"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -176,7 +185,7 @@ def run_mmrl(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": 1.0, "lora": None if args.full else {"rank": 8, "alpha": 16.0},
             "dtype": "bfloat16" if args.device == "cuda" and not args.full else "auto",
             "freeze_vision": True, "gradient_checkpointing": args.gradient_checkpointing,
-            "cache_image_features": not args.no_feature_cache,
+            "cache_image_features": not args.no_feature_cache, "force_old_logp_pass": args.force_old_logp_pass,
             "prompt_template": TEMPLATE,
             "data": {"synthetic": {"train_size": 64, "eval_size": 0, "tasks": ["grounding"], "seed": 0}},
         },
@@ -360,6 +369,8 @@ def table(results: dict[str, Any]) -> str:
     mode = "full fine-tuning" if settings["full"] else "LoRA r=8"
     if settings.get("no_feature_cache"):
         mode += ", mmrl without the image-feature cache"
+    if settings.get("force_old_logp_pass"):
+        mode += ", mmrl with the old_logp pass forced"
     summary = (f"\n\n{settings['size']} {settings['family']}, {mode}, {settings['prompts']} prompts x "
                f"G={settings['group']}, max_new_tokens {settings['max_new_tokens']}, beta {settings['beta']}, "
                f"{settings['attn']} attention, {settings['device']}, {settings['threads']} thread(s). "
