@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo shapes test lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -23,6 +23,11 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/mmrl train configs/toy.yaml
+
+# The shapes world (docs/shapes.md): Flow-GRPO on a tiny text-to-image model, offline on the CPU, then the report.
+shapes: install
+	$(VENV)/bin/mmrl train configs/flow/shapes.yaml
+	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes
 
 test: install
 	$(PY) -m pytest -q

@@ -17,4 +17,11 @@ def _packages() -> list[str]:
     return sorted(packages)
 
 
-setup(packages=_packages(), package_data={"mmrl.plugins": ["*/assets/*"], "mmrl.rewards": ["*/assets/*"]})
+# Bundled checkpoints and data: plugins/<name>/assets/ (the dLLM toy model) and the shapes world's pipeline folder.
+PACKAGE_DATA = {
+    "mmrl.plugins": ["*/assets/*"],
+    "mmrl.rewards": ["*/assets/*"],
+    "mmrl.plugins.flow.shapes": ["assets/*/*", "assets/*/*/*"],
+}
+
+setup(packages=_packages(), package_data=PACKAGE_DATA)

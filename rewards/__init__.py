@@ -28,6 +28,7 @@ _BUILTIN = {
     "gsm8k_answer": "mmrl.rewards.math_answers:gsm8k_answer",
     "countdown": "mmrl.rewards.countdown:countdown",
     "sudoku": "mmrl.rewards.sudoku:sudoku",
+    "shapes": "mmrl.rewards.shapes:ShapesReward",
 }
 
 for _name, _target in _BUILTIN.items():

@@ -20,6 +20,11 @@ PROBE = (
     "from mmrl.plugin import plugin_registry\n"
     "from mmrl.rewards import reward_functions\n"
     "assert 'toy' in plugin_registry and 'token_accuracy' in reward_functions\n"
+    "from pathlib import Path\n"
+    "plugins = Path(mmrl.plugins.__file__).parent\n"
+    "for asset in ('dllm/assets/model.safetensors', 'flow/shapes/assets/data/test_metadata.jsonl',\n"
+    "              'flow/shapes/assets/pipeline/transformer/diffusion_pytorch_model.safetensors'):\n"
+    "    assert (plugins / asset).is_file(), f'bundled asset missing from the install: {asset}'\n"
     "print(mmrl.__file__); print(mmrl.plugins.__file__); print(mmrl.rewards.__file__)\n"
 )
 

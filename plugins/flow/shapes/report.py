@@ -1,0 +1,155 @@
+"""Summarise a shapes-world run: the reward curve, the grids before and after, the held-out score per task.
+
+``python -m mmrl.plugins.flow.shapes.report RUN_DIR`` (after ``mmrl train configs/flow/shapes.yaml``) reads the run
+folder the trainer wrote (``metrics.jsonl``, ``samples/step_*/eval.png`` and ``eval.jsonl``) and adds
+
+- ``reward_curve.png``: the mean training reward of every step (and its moving average), with the held-out
+  evaluations as points;
+- ``grid_before.png`` / ``grid_after.png``: copies of the first and last evaluation grids (held-out prompts, each
+  captioned with its shapes score);
+- ``summary.json``: the held-out score before and after, per task, and the wall-clock of the run,
+
+and prints the held-out score before and after. ``--export DIR`` also writes small copies of the three pictures
+(the docs' images/shapes folder holds those of a real run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mmrl.trainer.metrics import read_metrics
+
+
+def _eval_folders(run: Path) -> list[Path]:
+    folders = sorted(p for p in (run / "samples").glob("step_*") if (p / "eval.jsonl").is_file())
+    if len(folders) < 2:
+        raise FileNotFoundError(f"{run}: expected evaluations at the start and the end under samples/step_*/")
+    return folders
+
+
+def _task_of(run: Path) -> dict[str, str]:
+    """prompt → task, from the evaluation dataset the run used (its config.yaml)."""
+    import yaml
+
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    plugin = config.get("plugin", {})
+    source = plugin.get("eval_dataset") or plugin.get("dataset")
+    if not source:
+        return {}
+    path = Path(source)
+    if path.is_dir():
+        path = path / "test_metadata.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["prompt"]: row.get("task", "all") for row in rows}
+
+
+def _per_task(records: list[dict[str, Any]], tasks: dict[str, str]) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for record in records:
+        groups.setdefault(tasks.get(record["prompt"], "other"), []).append(float(record["reward"]))
+    out = {task: sum(values) / len(values) for task, values in sorted(groups.items())}
+    out["all"] = sum(float(r["reward"]) for r in records) / len(records)
+    return out
+
+
+def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "shapes world: Flow-GRPO") -> Path:
+    """The reward-curve PNG from metrics.jsonl records."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError("the shapes report draws its reward curve with matplotlib: pip install 'mmrl[plots]' "
+                          "(or pip install matplotlib)") from error
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["reward/mean"]) for r in metrics if r.get("reward/mean") is not None]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in metrics if r.get("eval/reward_mean") is not None]
+    figure, axis = plt.subplots(figsize=(5.0, 3.2), dpi=100)
+    if train:
+        steps, values = zip(*train, strict=True)
+        axis.plot(steps, values, color="tab:blue", alpha=0.35, linewidth=1, label="training reward (batch mean)")
+        window = max(1, len(values) // 10)
+        smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                  for i in range(len(values))]
+        axis.plot(steps, smooth, color="tab:blue", linewidth=2, label=f"moving average ({window} steps)")
+    if evals:
+        steps, values = zip(*evals, strict=True)
+        axis.plot(steps, values, "o-", color="tab:red", linewidth=1.5, label="held-out prompts (eval sampler)")
+    axis.set_xlabel("step")
+    axis.set_ylabel("shapes score")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
+    """Write the pictures and summary.json into ``run`` (and ``export``); return the summary."""
+    run = Path(run)
+    metrics = read_metrics(run / "metrics.jsonl")
+    folders = _eval_folders(run)
+    first, last = folders[0], folders[-1]
+    tasks = _task_of(run)
+    before = _per_task([json.loads(x) for x in (first / "eval.jsonl").read_text().splitlines()], tasks)
+    after = _per_task([json.loads(x) for x in (last / "eval.jsonl").read_text().splitlines()], tasks)
+    curve = plot_rewards(metrics, run / "reward_curve.png")
+    shutil.copyfile(first / "eval.png", run / "grid_before.png")
+    shutil.copyfile(last / "eval.png", run / "grid_after.png")
+    step_times = [r["time/step"] for r in metrics if r.get("time/step") is not None]
+    eval_times = [r["time/eval"] for r in metrics if r.get("time/eval") is not None]
+    summary = {
+        "run": str(run),
+        "steps": int(last.name.split("_")[-1]),
+        "held_out_before": before,
+        "held_out_after": after,
+        "train_seconds": round(sum(step_times), 1),
+        "eval_seconds": round(sum(eval_times), 1),
+    }
+    (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if export is not None:
+        export = Path(export)
+        export.mkdir(parents=True, exist_ok=True)
+        for name, source in (("grid_before.png", run / "grid_before.png"), ("grid_after.png", run / "grid_after.png"),
+                             ("reward_curve.png", curve)):
+            _small_copy(source, export / name)
+    return summary
+
+
+def _small_copy(source: Path, target: Path) -> None:
+    """A palette PNG copy (the grids have few colours), so the docs' images stay small."""
+    from PIL import Image
+
+    with Image.open(source) as image:
+        image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(target, optimize=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mmrl.plugins.flow.shapes.report",
+                                     description="Reward curve, grids and held-out summary of a shapes-world run.")
+    parser.add_argument("run", type=Path, help="The run folder (run.output_dir).")
+    parser.add_argument("--export", type=Path, help="Also write small copies of the pictures here.")
+    args = parser.parse_args(argv)
+    summary = report(args.run, args.export)
+    before, after = summary["held_out_before"], summary["held_out_after"]
+    print(f"held-out shapes score: {before['all']:.3f} before -> {after['all']:.3f} after "
+          f"{summary['steps']} steps ({after['all'] - before['all']:+.3f})")
+    for task in sorted(set(before) - {"all"}):
+        print(f"  {task:14s} {before[task]:.3f} -> {after.get(task, float('nan')):.3f}")
+    print(f"wrote {args.run / 'reward_curve.png'}, {args.run / 'grid_before.png'}, {args.run / 'grid_after.png'}, "
+          f"{args.run / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""``shapes``: a rule-based, GenEval-like checker of the shapes world's images (docs/shapes.md).
+
+It reads pixels only, with no model: every pixel is classified against the world's palette, the coloured pixels
+are grouped into objects, each object gets a shape, and the objects are checked against the requirements that the
+dataset row carries as structured metadata (``row["objects"]``, ``row["relation"]``, see
+:mod:`mmrl.plugins.flow.shapes.world`); the prompt text is never parsed.
+
+Detection (per image of side H × W; the thresholds scale with the image area, quoted here for 32 × 32)
+    1. Pixel colours: a pixel belongs to palette colour k when k is its nearest palette colour (RGB, Euclidean) and
+       the distance is at most ``max_color_distance`` (80: half the distance between the two closest palette
+       colours, red and yellow, so the assignment is unique). Background pixels and blends (anti-aliased or blurry
+       edges, mixtures of two colours) are left out.
+    2. Objects: 4-connected components of the pixels of one colour, kept when their area is at least
+       ``min_area_fraction`` · H · W (16 px), their bounding box at most 0.6 · side on each axis (19 px) and their
+       aspect ratio (long / short side of the box) at most 1.6.
+    3. Shape: the component is compared with three templates drawn in its own bounding box (pixel centres inside
+       the inscribed ellipse, the full box, the inscribed apex-up isosceles triangle), by IoU. It is a *square*
+       when IoU(square) ≥ 0.92 (it fills 92% of its box), otherwise a *circle* or a *triangle*, whichever IoU is
+       higher, when that IoU is at least 0.6; otherwise it has no shape and is ignored. Every rendering of the world
+       is classified correctly (tested over thousands of random layouts).
+    4. Position: the object's centroid (mean pixel centre), its box width w and height h.
+
+Score (GenEval's partial credit as Flow-GRPO trains on it, made exact for this world)
+    For each object requirement i (shape s_i, colour c_i, count n_i) with m_i detected objects of shape s_i (any
+    colour) and k_i of them of colour c_i:
+
+    - count:  q = max(0, 1 − |n_i − m_i| / n_i)     (present in the right number: extra objects of the shape cost);
+    - colour: q = min(k_i, n_i) / n_i                 (that many of them have the right colour).
+
+    With a relation (``objects[0]`` *rel* ``objects[1]``), one more requirement:
+
+    - position: q = 1 if some detected object matching objects[0] (shape and colour) and some matching objects[1]
+      satisfy the relation, else 0. With centroids (x right, y down), A is *above* B when
+      y_B − y_A ≥ (h_A + h_B) / 4 (half their mean height), *below* when y_A − y_B ≥ (h_A + h_B) / 4, *left of*
+      when x_B − x_A ≥ (w_A + w_B) / 4 and *right of* when x_A − x_B ≥ (w_A + w_B) / 4; the other axis is free, as
+      in GenEval.
+
+    The score is the mean of the requirement scores, in [0, 1]: a single object has 2 requirements, two objects 4,
+    a position prompt 5. With ``strict: true`` it is GenEval's accuracy instead: 1 when every requirement scores 1,
+    else 0. Objects of shapes that the row does not mention are not penalised (GenEval does not either).
+
+    Examples: "a red circle" drawn as a blue circle scores (1 + 0) / 2 = 0.5; as two red circles (0 + 1) / 2 = 0.5;
+    "a red circle above a blue square" with both objects right but side by side scores 4 / 5 = 0.8.
+
+Malformed images are scored, never raised on: a blank, grey, noisy or any-size image simply has no (or few) objects.
+Images with non-finite pixels score NaN, the convention of every image reward (``rewards.on_nonfinite`` decides, see
+:mod:`mmrl.rewards.images`). A dataset row without ``objects`` is a configuration error and raises a
+:class:`~mmrl.reward.RewardError` naming the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mmrl.plugins.flow.shapes.world import BACKGROUND, PALETTE, RELATIONS, SHAPES
+from mmrl.reward import Reward, RewardError, RewardInput
+from mmrl.rewards.images import read_images
+
+COLOR_NAMES = tuple(PALETTE)
+SQUARE_IOU = 0.92
+MIN_SHAPE_IOU = 0.6
+MAX_SIDE_FRACTION = 0.6
+MAX_ASPECT = 1.6
+MIN_AREA_FRACTION = 16 / 1024
+
+
+@dataclass(frozen=True)
+class Detected:
+    """One object found in an image: its shape and colour names, centroid (x right, y down) and box size."""
+
+    shape: str
+    color: str
+    cx: float
+    cy: float
+    width: int
+    height: int
+    area: int
+
+
+# ---------------------------------------------------------------------------------------------------------- detection
+def classify_pixels(image: np.ndarray, max_color_distance: float = 80.0) -> np.ndarray:
+    """``[H, W]`` int: the index in ``COLOR_NAMES`` of each pixel of a ``[H, W, 3]`` uint8 image, or −1 for the
+    background, blends and anything farther than ``max_color_distance`` from its nearest palette colour."""
+    colors = np.array([BACKGROUND, *(PALETTE[name] for name in COLOR_NAMES)], dtype=np.float64)  # [1 + K, 3]
+    pixels = image.astype(np.float64)
+    distance = np.sqrt(((pixels[:, :, None, :] - colors[None, None]) ** 2).sum(-1))  # [H, W, 1 + K]
+    nearest = distance.argmin(-1)
+    close = distance.min(-1) <= max_color_distance
+    return np.where(close & (nearest > 0), nearest - 1, -1)
+
+
+def connected_components(labels: np.ndarray) -> np.ndarray:
+    """``[H, W]`` int component ids (0 where ``labels`` is −1) of the 4-connected regions of equal label: every
+    pixel takes the largest id of its region, propagated until nothing changes."""
+    height, width = labels.shape
+    active = labels >= 0
+    ids = np.where(active, np.arange(1, height * width + 1).reshape(height, width), 0)
+    while True:
+        new = ids.copy()
+        same_down = active[1:] & (labels[1:] == labels[:-1])  # pixel (i+1, j) and (i, j) in one region
+        same_right = active[:, 1:] & (labels[:, 1:] == labels[:, :-1])
+        new[1:] = np.where(same_down, np.maximum(new[1:], ids[:-1]), new[1:])
+        new[:-1] = np.where(same_down, np.maximum(new[:-1], ids[1:]), new[:-1])
+        new[:, 1:] = np.where(same_right, np.maximum(new[:, 1:], ids[:, :-1]), new[:, 1:])
+        new[:, :-1] = np.where(same_right, np.maximum(new[:, :-1], ids[:, 1:]), new[:, :-1])
+        if np.array_equal(new, ids):
+            return ids
+        ids = new
+
+
+def _templates(height: int, width: int) -> dict[str, np.ndarray]:
+    y = (np.arange(height) + 0.5)[:, None]
+    x = (np.arange(width) + 0.5)[None, :]
+    return {
+        "circle": ((x - width / 2) / (width / 2)) ** 2 + ((y - height / 2) / (height / 2)) ** 2 <= 1,
+        "square": np.ones((height, width), dtype=bool),
+        "triangle": np.abs(x - width / 2) <= (y / height) * (width / 2),
+    }
+
+
+def shape_of(mask: np.ndarray) -> str | None:
+    """The shape of a component given as its bounding-box crop ``[h, w]`` bool (see the module docstring)."""
+    ious = {}
+    for name, template in _templates(*mask.shape).items():
+        ious[name] = float((mask & template).sum() / max((mask | template).sum(), 1))
+    if ious["square"] >= SQUARE_IOU:
+        return "square"
+    best = max(("circle", "triangle"), key=lambda name: ious[name])
+    return best if ious[best] >= MIN_SHAPE_IOU else None
+
+
+def detect(image: np.ndarray, max_color_distance: float = 80.0,
+           min_area_fraction: float = MIN_AREA_FRACTION) -> list[Detected]:
+    """The objects of a ``[H, W, 3]`` uint8 image."""
+    height, width = image.shape[:2]
+    labels = classify_pixels(image, max_color_distance)
+    ids = connected_components(labels)
+    flat = ids.ravel()
+    areas = np.bincount(flat, minlength=1)
+    min_area = max(1.0, min_area_fraction * height * width)
+    found = []
+    for component in np.nonzero(areas >= min_area)[0]:
+        if component == 0:
+            continue
+        ys, xs = np.nonzero(ids == component)
+        y0, y1, x0, x1 = int(ys.min()), int(ys.max()), int(xs.min()), int(xs.max())
+        box_h, box_w = y1 - y0 + 1, x1 - x0 + 1
+        if box_h > MAX_SIDE_FRACTION * height or box_w > MAX_SIDE_FRACTION * width:
+            continue
+        if max(box_h, box_w) > MAX_ASPECT * min(box_h, box_w):
+            continue
+        shape = shape_of(ids[y0:y1 + 1, x0:x1 + 1] == component)
+        if shape is None:
+            continue
+        color = COLOR_NAMES[int(labels[ys[0], xs[0]])]
+        found.append(Detected(shape, color, float(xs.mean() + 0.5), float(ys.mean() + 0.5), box_w, box_h,
+                              int(areas[component])))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------- scoring
+def relation_satisfied(relation: str, a: Detected, b: Detected) -> bool:
+    """Whether ``a`` is ``relation`` ``b`` (centroids, the margins of the module docstring)."""
+    if relation == "above":
+        return b.cy - a.cy >= (a.height + b.height) / 4
+    if relation == "below":
+        return a.cy - b.cy >= (a.height + b.height) / 4
+    if relation == "left of":
+        return b.cx - a.cx >= (a.width + b.width) / 4
+    if relation == "right of":
+        return a.cx - b.cx >= (a.width + b.width) / 4
+    raise RewardError(f"reward 'shapes': unknown relation {relation!r}; one of {', '.join(RELATIONS)}")
+
+
+def requirement_scores(row: dict[str, Any], found: Sequence[Detected]) -> list[tuple[str, float]]:
+    """``[(name, score in [0, 1]), ...]``: the requirements of ``row`` (module docstring) scored on ``found``."""
+    scores = []
+    objects = row["objects"]
+    for i, spec in enumerate(objects):
+        shape, color, count = spec["shape"], spec["color"], int(spec.get("count", 1))
+        of_shape = [item for item in found if item.shape == shape]
+        matching = sum(item.color == color for item in of_shape)
+        scores.append((f"count[{i}]", max(0.0, 1.0 - abs(count - len(of_shape)) / count)))
+        scores.append((f"color[{i}]", min(matching, count) / count))
+    relation = row.get("relation")
+    if relation is not None:
+        a_spec, b_spec = objects[0], objects[1]
+        a_found = [item for item in found if (item.shape, item.color) == (a_spec["shape"], a_spec["color"])]
+        b_found = [item for item in found if (item.shape, item.color) == (b_spec["shape"], b_spec["color"])]
+        holds = any(relation_satisfied(relation, a, b) for a in a_found for b in b_found if a is not b)
+        scores.append(("position", 1.0 if holds else 0.0))
+    return scores
+
+
+def score_row(row: dict[str, Any], found: Sequence[Detected], strict: bool = False) -> float:
+    """The partial-credit score (or, ``strict``, the 0/1 accuracy) of one image's objects for ``row``."""
+    values = [value for _, value in requirement_scores(row, found)]
+    if strict:
+        return float(all(value == 1.0 for value in values))
+    return float(sum(values) / len(values))
+
+
+def check_row(row: dict[str, Any], index: int) -> None:
+    """Raise a one-line RewardError unless ``row`` carries the world's structured requirements."""
+    objects = row.get("objects")
+    where = f"reward 'shapes': dataset row {index} ({row.get('prompt', '')!r})"
+    if not isinstance(objects, list) or not objects:
+        raise RewardError(f"{where} has no 'objects' list (the shapes world's rows carry their requirements; "
+                          "write them with `python -m mmrl.plugins.flow.shapes.world FOLDER`)")
+    for spec in objects:
+        if not isinstance(spec, dict) or spec.get("shape") not in SHAPES or spec.get("color") not in PALETTE:
+            raise RewardError(f"{where}: object {spec!r} needs a shape in {SHAPES} and a colour in {COLOR_NAMES}")
+        if int(spec.get("count", 1)) < 1:
+            raise RewardError(f"{where}: object {spec!r} needs a count >= 1")
+    relation = row.get("relation")
+    if relation is not None and (relation not in RELATIONS or len(objects) != 2):
+        raise RewardError(f"{where}: relation {relation!r} needs one of {RELATIONS} and exactly two objects")
+
+
+class ShapesReward(Reward):
+    """GenEval-like partial credit of the shapes world (module docstring): presence and count, colour, position."""
+
+    def __init__(self, strict: bool = False, max_color_distance: float = 80.0,
+                 min_area_fraction: float = MIN_AREA_FRACTION, output: str = "images"):
+        """Options (the config's ``args``).
+
+        Args:
+            strict: Score GenEval's 0/1 accuracy (every requirement met) instead of the partial credit.
+            max_color_distance: A pixel farther than this (RGB, 0–255 units) from its nearest palette colour is
+                ignored.
+            min_area_fraction: Components smaller than this fraction of the image are ignored (16 px at 32 × 32).
+            output: Payload entry holding the images.
+        """
+        if not max_color_distance > 0:
+            raise RewardError(f"reward 'shapes': max_color_distance must be > 0, got {max_color_distance!r}")
+        if not 0 <= min_area_fraction < 1:
+            raise RewardError(f"reward 'shapes': min_area_fraction must be in [0, 1), got {min_area_fraction!r}")
+        self.strict = bool(strict)
+        self.max_color_distance = float(max_color_distance)
+        self.min_area_fraction = float(min_area_fraction)
+        self.output = output
+
+    def __call__(self, batch: RewardInput) -> Tensor:
+        for index, row in enumerate(batch.rows):
+            check_row(row, index)
+        images = read_images(batch, self.output, "shapes")
+        scores = torch.zeros(len(batch), dtype=torch.float64)
+        for i, row in enumerate(batch.rows):
+            if not bool(images.finite[i]):
+                continue  # NaN below
+            found = detect(images.numpy(i), self.max_color_distance, self.min_area_fraction)
+            scores[i] = score_row(row, found, self.strict)
+        return images.nan_where_invalid(scores)

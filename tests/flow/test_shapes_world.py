@@ -1,0 +1,198 @@
+"""The shapes world (docs/shapes.md): exact rendering, the prompt grammar, the held-out split, the committed dataset
+and checkpoint, the identity VAE, and the CI short version of the main job (a few Flow-GRPO steps from the committed
+checkpoint that raise the reward)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.plugins.flow.shapes import world
+from mmrl.plugins.flow.shapes.world import Placed, make_row, render, shape_mask
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "plugins" / "flow" / "shapes" / "assets"
+PIPELINE = ASSETS / "pipeline"
+DATA = ASSETS / "data"
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+def test_shapes_have_exact_geometry():
+    # A size-10 circle centred on a pixel corner: the pixel centres within radius 5.
+    circle = shape_mask("circle", 16.0, 16.0, 10.0)
+    ys, xs = np.nonzero(circle)
+    assert ((xs + 0.5 - 16) ** 2 + (ys + 0.5 - 16) ** 2 <= 25).all()
+    assert circle.sum() == 80 and (xs.min(), xs.max(), ys.min(), ys.max()) == (11, 20, 11, 20)
+    # Square: side 0.85 * 10 = 8.5 around 16 → pixel centres 11.75..20.25 → columns/rows 12..19.
+    square = shape_mask("square", 16.0, 16.0, 10.0)
+    assert square.sum() == 64 and square[12:20, 12:20].all()
+    # Triangle: apex at y = 11, base at y = 21, half base 5.75; row widths grow downwards.
+    triangle = shape_mask("triangle", 16.0, 16.0, 10.0)
+    widths = triangle.sum(axis=1)[triangle.any(axis=1)]
+    assert (np.diff(widths) >= 0).all() and widths[0] <= 2 and widths[-1] >= 10
+    image = render([Placed("circle", "red", 8, 8, 10), Placed("triangle", "blue", 24, 24, 10)])
+    assert image.dtype == np.uint8 and image.shape == (32, 32, 3)
+    colours = {tuple(pixel) for pixel in image.reshape(-1, 3)}
+    assert colours == {world.BACKGROUND, world.PALETTE["red"], world.PALETTE["blue"]}  # no blends
+
+
+def test_layouts_satisfy_their_rows_and_depend_only_on_the_seed():
+    rng = np.random.default_rng(0)
+    for row in world.training_rows()[::7] + world.split()["test"]:
+        placed = world.layout(row, rng)
+        assert len(placed) == sum(spec["count"] for spec in row["objects"])
+        for a, b in itertools.combinations(placed, 2):
+            (aw, ah), (bw, bh) = a.half_extent(), b.half_extent()
+            assert abs(a.cx - b.cx) >= aw + bw + world.GAP or abs(a.cy - b.cy) >= ah + bh + world.GAP
+        for item in placed:
+            hw, hh = item.half_extent()
+            assert hw <= item.cx <= world.RESOLUTION - hw and hh <= item.cy <= world.RESOLUTION - hh
+        if row["relation"]:
+            assert world.relation_holds(row["relation"], placed[0], placed[1])
+    rows = world.split()["test"]
+    first = world.sample_images(rows, np.random.default_rng(5))
+    assert np.array_equal(first, world.sample_images(rows, np.random.default_rng(5)))
+    assert not np.array_equal(first, world.sample_images(rows, np.random.default_rng(6)))
+
+
+# ------------------------------------------------------------------------------------------------ prompts and split
+def test_prompt_grammar():
+    assert make_row("single_object", [("red", "circle", 1)])["prompt"] == "a red circle"
+    assert make_row("counting", [("blue", "triangle", 3)])["prompt"] == "three blue triangles"
+    assert make_row("two_object", [("red", "circle", 1), ("green", "square", 1)])["prompt"] == \
+        "a red circle and a green square"
+    row = make_row("position", [("yellow", "square", 1), ("red", "triangle", 1)], "left of")
+    assert row == {"prompt": "a yellow square to the left of a red triangle", "task": "position",
+                   "objects": [{"shape": "square", "color": "yellow", "count": 1},
+                               {"shape": "triangle", "color": "red", "count": 1}], "relation": "left of"}
+    every = world.training_rows() + [row for rows in world.all_rows()["held_out"].values() for row in rows]
+    assert {word for row in every for word in row["prompt"].split()} == set(world.WORDS)
+
+
+def test_held_out_compositions_never_occur_in_training():
+    rows = world.all_rows()
+    assert {task: len(r) for task, r in rows["train"].items()} == \
+        {"single_object": 9, "two_object": 36, "counting": 18, "position": 288}
+    assert {task: len(r) for task, r in rows["held_out"].items()} == \
+        {"single_object": 3, "two_object": 12, "counting": 6, "position": 96}
+
+    def pair(row):
+        return frozenset((spec["color"], spec["shape"]) for spec in row["objects"])
+
+    train_pairs = {pair(row) for row in rows["train"]["two_object"] + rows["train"]["position"]}
+    held_pairs = {pair(row) for row in rows["held_out"]["two_object"] + rows["held_out"]["position"]}
+    assert len(train_pairs) == 36 and len(held_pairs) == 12 and not train_pairs & held_pairs
+    # ... but every object type, colour pair and shape pair of a held-out pair is seen in training.
+    seen_objects = {(spec["color"], spec["shape"]) for row in world.training_rows() for spec in row["objects"]}
+    assert seen_objects == set(world.object_types())
+    for held in held_pairs:
+        (c1, s1), (c2, s2) = sorted(held)
+        assert any({s for _, s in p} == {s1, s2} for p in train_pairs)
+        assert any({c for c, _ in p} == {c1, c2} for p in train_pairs)
+    train_counts = {(row["objects"][0]["color"], row["objects"][0]["shape"], row["objects"][0]["count"])
+                    for row in rows["train"]["counting"]}
+    for row in rows["held_out"]["counting"]:
+        spec = row["objects"][0]
+        assert (spec["color"], spec["shape"], spec["count"]) not in train_counts
+        assert (spec["color"], spec["shape"], 5 - spec["count"]) in train_counts  # the other count is trained
+    train_prompts = {row["prompt"] for row in world.training_rows()}
+    assert not train_prompts & {row["prompt"] for rows_ in rows["held_out"].values() for row in rows_}
+
+
+def test_dataset_files_are_the_committed_ones():
+    files = world.split()
+    assert [len(files["train"]), len(files["test"])] == [135, 45]
+    for name, rows in files.items():
+        committed = [json.loads(line) for line in (DATA / f"{name}_metadata.jsonl").read_text().splitlines()]
+        assert committed == rows, f"{name}: regenerate with python -m mmrl.plugins.flow.shapes.world {DATA}"
+    tasks = [row["task"] for row in files["test"]]
+    assert {task: tasks.count(task) for task in world.TASKS} == \
+        {"single_object": 3, "two_object": 12, "counting": 6, "position": 24}
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def test_tokenizers_know_every_word_and_the_vae_is_the_identity():
+    from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
+    from mmrl.plugins.flow.shapes.model import identity_vae, word_t5_tokenizer, word_tokenizer
+
+    clip, t5 = word_tokenizer(), word_t5_tokenizer()
+    for word in world.WORDS:
+        assert clip.tokenize(word) == [word + "</w>"]
+        assert t5.tokenize(word) == ["\u2581" + word]
+    longest = max((row["prompt"] for row in world.training_rows()), key=lambda p: len(p.split()))
+    assert len(clip(longest).input_ids) <= clip.model_max_length  # BOS + words + EOS fit
+
+    class Pipe:  # what the adapter's decode reads
+        vae = identity_vae()
+        scheduler = None
+
+    images = torch.from_numpy(world.sample_images(world.split()["test"], np.random.default_rng(0)))
+    pixels = images.permute(0, 3, 1, 2).float() / 255
+    vae = Pipe.vae
+    latents = vae.encode(pixels * 2 - 1, return_dict=False)[0] * vae.config.scaling_factor
+    assert torch.allclose(latents, pixels * 2 - 1, atol=1e-6)  # latent = 2 * pixel - 1
+    decoded = SD3Adapter(Pipe(), torch.device("cpu")).decode(latents, world.RESOLUTION)
+    assert torch.equal((decoded * 255).round(), (pixels * 255).round())
+
+
+def test_committed_checkpoint_loads_in_the_flow_plugin_as_sd3(tmp_path):
+    from mmrl.config import from_dict
+    from mmrl.plugin import Runtime
+    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.shapes.model import encode_prompts
+
+    files = sorted(p.relative_to(PIPELINE).as_posix() for p in PIPELINE.rglob("*") if p.is_file())
+    assert "model_index.json" in files and "transformer/diffusion_pytorch_model.safetensors" in files
+    assert sum((PIPELINE / f).stat().st_size for f in files) < 8 * 2**20  # a few MB
+    config = from_dict(FlowPluginConfig, {"model": str(PIPELINE), "dataset": str(DATA), "resolution": 32,
+                                          "max_sequence_length": 12}, "plugin")
+    plugin = FlowPlugin(config, Runtime())
+    assert plugin.adapter.name == "sd3" and plugin.adapter.vae_scale_factor == 1
+    assert len(plugin.dataset("train")) == 135 and plugin.dataset("eval")[0]["objects"]
+    prompts = ["a red circle above a blue square", "three green triangles"]
+    mine = encode_prompts(plugin.adapter.pipeline, prompts)
+    theirs = plugin.conditioning(prompts)
+    for key in theirs:  # pretraining conditions the model exactly as the plugin does
+        assert torch.equal(mine[key], theirs[key])
+
+
+# ------------------------------------------------------------------------------------------------ the main job, short
+def test_short_main_job_trains_from_the_checkpoint_and_reports(tmp_path):
+    """A few steps of the main job's recipe from the committed checkpoint on four training prompts: the trainer
+    evaluates before and after, the weights move, and the report writes the score per task, the grids and the
+    reward curve. (Whether the reward rises is the main job's question, see docs/shapes.md: in so few steps it does
+    not, so this test checks the path, not the improvement.)"""
+    from mmrl.config import load_config
+    from mmrl.plugins.flow.shapes import report
+    from mmrl.trainer import Trainer
+
+    rows = [row for row in world.split()["train"] if row["task"] == "position"][:4]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    config = load_config(ROOT / "configs" / "flow" / "shapes.yaml", [
+        f"plugin.model={PIPELINE}", f"plugin.dataset={prompts}", f"plugin.eval_dataset={prompts}",
+        f"run.output_dir={run}", "run.max_steps=2", "run.save_every=0", "run.progress=false",
+        "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.batch_size=8", "algorithm.micro_batch_size=8",
+        "plugin.transformer_batch_size=8", "eval.every=0", "eval.samples_per_prompt=1",
+    ])
+    trainer = Trainer(config)
+    before = {name: value.detach().clone() for name, value in trainer.policy.named_parameters() if value.requires_grad}
+    result = trainer.train()
+    assert sorted(result.evaluations) == [0, 2]
+    moved = [name for name, value in trainer.policy.named_parameters() if value.requires_grad
+             and not torch.equal(value.detach(), before[name])]
+    assert any(record["advantage/abs_max"] > 0 for record in result.history), "no reward spread in 2 steps"
+    assert moved, "no trainable weight changed in 2 steps"
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-4 for record in result.history)
+    summary = report.report(run)
+    assert summary["held_out_before"]["all"] == pytest.approx(result.evaluations[0]["eval/reward_mean"])
+    assert summary["held_out_after"]["all"] == pytest.approx(result.evaluations[2]["eval/reward_mean"])
+    assert set(summary["held_out_before"]) == {"position", "all"}
+    for name in ("reward_curve.png", "grid_before.png", "grid_after.png", "summary.json"):
+        assert (run / name).stat().st_size > 0
