@@ -295,4 +295,35 @@ def clean_parameter_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
 
 
+PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""peft's adapter file name: ``PeftModel.from_pretrained(base, folder)`` loads a folder written by
+:func:`save_peft_adapter`."""
+
+
+def save_peft_adapter(module: nn.Module, trainable: dict[str, Tensor], directory: str | Path) -> None:
+    """Write the LoRA adapter of a peft-wrapped ``module`` in peft's format (``adapter_model.safetensors`` and
+    ``adapter_config.json``), from ``trainable`` (the gathered trainable state, see
+    :meth:`Plugin.gathered_trainable_state`). For plugins that override :meth:`Plugin.save_trainable`."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(module, state_dict=trainable)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state.items()},
+              str(directory / PEFT_ADAPTER_WEIGHTS))
+    module.peft_config["default"].save_pretrained(str(directory))
+
+
+def load_adapter_state(module: nn.Module, state: dict[str, Tensor], source: str | Path) -> None:
+    """Load ``state`` (peft's adapter names) into the ``default`` adapter of a peft-wrapped ``module``; every adapter
+    tensor must be present and nothing else, else a ``KeyError`` names ``source`` and the first differences."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    expected = set(get_peft_model_state_dict(module))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise KeyError(f"{source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    set_peft_model_state_dict(module, state, adapter_name="default")
+
+
 plugin_registry: Registry[type[Plugin]] = Registry("plugin", entry_point_group="mmrl.plugins", populate="mmrl.plugins")

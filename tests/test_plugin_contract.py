@@ -77,3 +77,33 @@ def test_round_trip_and_missing_weights(tmp_path):
     torch.testing.assert_close(other[1].weight, model[1].weight)
     with pytest.raises(FileNotFoundError, match="no trainable weights"):
         plugin.load_trainable(other, tmp_path / "absent")
+
+
+def test_peft_adapter_round_trip_and_key_check(tmp_path):
+    """save_peft_adapter writes peft's format (PeftModel.from_pretrained reads it back to the same weights) and
+    load_adapter_state refuses a state whose adapter names differ, naming the source."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from mmrl.plugin import PEFT_ADAPTER_WEIGHTS, load_adapter_state, save_peft_adapter
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"], init_lora_weights=False)
+    trained = get_peft_model(model(), lora)
+    trainable = {name: p.detach().clone() for name, p in trained.named_parameters() if p.requires_grad}
+    save_peft_adapter(trained, trainable, tmp_path)
+    assert (tmp_path / PEFT_ADAPTER_WEIGHTS).is_file() and (tmp_path / "adapter_config.json").is_file()
+    reloaded = PeftModel.from_pretrained(model(), tmp_path)
+    x = torch.randn(3, 4)
+    assert torch.allclose(reloaded(x), trained(x))
+
+    fresh = get_peft_model(model(), LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"]))
+    state = load_file(str(tmp_path / PEFT_ADAPTER_WEIGHTS))
+    load_adapter_state(fresh, state, tmp_path)
+    assert torch.allclose(fresh(x), trained(x))
+    state.pop(sorted(state)[0])
+    with pytest.raises(KeyError, match="missing"):
+        load_adapter_state(fresh, state, "the/source")

@@ -36,11 +36,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 import mmrl.plugins.dllm.objectives  # noqa: F401 — registers the wd1 and spg losses before `algorithm` is validated
 from mmrl.config import ConfigError, config_field
-from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, clean_parameter_name
+from mmrl.plugin import (
+    PEFT_ADAPTER_WEIGHTS,
+    Plugin,
+    PolicyOutput,
+    PromptBatch,
+    Runtime,
+    load_adapter_state,
+    save_peft_adapter,
+)
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
@@ -50,7 +59,6 @@ from mmrl.rollout import Rollout
 OBJECTIVES = ("grpo", "wd1", "spg")
 DEFAULT_ESTIMATORS = {"grpo": "elbo_l", "wd1": "one_step", "spg": "spg_lower"}
 BUILTIN_DATASETS = ("toy_addition",)
-ADAPTER_FILE = "adapter_model.safetensors"
 PLAN_SEED_TAG = 0x91A4  # separates a sample's mask-plan stream from its decoding noise
 # Estimator parameters the plugin sets itself (everything else is an estimator option).
 _ESTIMATOR_DATA = frozenset({"model", "prompt_ids", "completion_ids", "completion_mask", "mask_id", "num_samples",
@@ -499,42 +507,18 @@ class DLLMPlugin(Plugin):
         if self.config.lora is None:
             super().save_trainable(policy, directory)
             return
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        gathered = self.runtime.full_state_dict(policy)
-        if not self.runtime.is_main_process:
-            return
-        module = self.runtime.unwrap(policy)
-        gathered = {clean_parameter_name(name): tensor for name, tensor in gathered.items()}
-        trainable = [clean_parameter_name(name) for name, p in module.named_parameters() if p.requires_grad]
-        incomplete = [name for name in trainable if name not in gathered or gathered[name].numel() == 0]
-        if incomplete:
-            raise RuntimeError(f"refusing to save the LoRA adapter: {len(incomplete)} of its tensors are missing or "
-                               f"empty in the gathered state dict (first: {incomplete[:3]})")
-        state = get_peft_model_state_dict(module, state_dict={name: gathered[name] for name in trainable})
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_FILE))
-        module.peft_config["default"].save_pretrained(str(directory))
+        trainable = self.gathered_trainable_state(policy)  # a collective: every process calls it
+        if trainable is not None:
+            save_peft_adapter(self.runtime.unwrap(policy), trainable, directory)
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         if self.config.lora is None:
             super().load_trainable(policy, directory)
             return
-        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        path = Path(directory) / ADAPTER_FILE
+        path = Path(directory) / PEFT_ADAPTER_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(f"no LoRA adapter at {path}")
-        module = self.runtime.unwrap(policy)
-        state = load_file(str(path))
-        expected = set(get_peft_model_state_dict(module))
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        set_peft_model_state_dict(module, state, adapter_name="default")
+        load_adapter_state(self.runtime.unwrap(policy), load_file(str(path)), path)
 
     # ------------------------------------------------------------------ data
     def _load_rows(self, split: str) -> list[dict[str, Any]]:

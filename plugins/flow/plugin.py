@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
-from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, load_adapter_state
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import StepPlan, default_window_range, trained_step_count
 from mmrl.plugins.flow.sde import SDEStepOutput, diffusion_coefficient, gaussian_kl_between_means, sde_step
@@ -549,7 +549,6 @@ class FlowPlugin(Plugin):
         if self.config.lora is None:
             super().load_trainable(policy, directory)
             return
-        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
         from safetensors import safe_open
         from safetensors.torch import load_file
 
@@ -567,11 +566,7 @@ class FlowPlugin(Plugin):
         prefix = "transformer."
         state = {name[len(prefix):]: tensor for name, tensor in load_file(str(path)).items()
                  if name.startswith(prefix)}
-        expected = set(get_peft_model_state_dict(module))
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        set_peft_model_state_dict(module, state, adapter_name="default")
+        load_adapter_state(module, state, path)
 
     # ------------------------------------------------------------------ building blocks
     def conditioning(self, prompts: Sequence[str]) -> dict[str, Tensor]:

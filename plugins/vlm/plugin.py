@@ -41,11 +41,18 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
-from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.plugin import (
+    PEFT_ADAPTER_WEIGHTS,
+    Plugin,
+    PolicyOutput,
+    PromptBatch,
+    Runtime,
+    load_adapter_state,
+    save_peft_adapter,
+)
 from mmrl.rollout import Rollout, RolloutError
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names: PeftModel.from_pretrained(base, folder) loads it
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = "adapter_config.json"  # written by peft next to PEFT_ADAPTER_WEIGHTS
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> "
                "tags.")
 """The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
@@ -475,31 +482,20 @@ class VLMPlugin(Plugin):
         if self.config.lora is None:
             super().save_trainable(policy, directory)
             return
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
         trainable = self.gathered_trainable_state(policy)  # a collective: every process calls it
-        if trainable is None:
-            return
-        module = self.runtime.unwrap(policy)
-        state = get_peft_model_state_dict(module, state_dict=trainable)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
-        module.peft_config["default"].save_pretrained(str(directory))
+        if trainable is not None:
+            save_peft_adapter(self.runtime.unwrap(policy), trainable, directory)
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         if self.config.lora is None:
             super().load_trainable(policy, directory)
             return
-        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        path = directory / ADAPTER_WEIGHTS
+        path = directory / PEFT_ADAPTER_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(f"no LoRA adapter at {path}")
-        module = self.runtime.unwrap(policy)
         config_path = directory / ADAPTER_CONFIG
         if config_path.is_file():
             saved = json.loads(config_path.read_text())
@@ -507,12 +503,7 @@ class VLMPlugin(Plugin):
             if saved.get("r") != lora.rank or float(saved.get("lora_alpha", lora.alpha)) != float(lora.alpha):
                 raise ValueError(f"{directory} holds a LoRA of rank {saved.get('r')} and alpha "
                                  f"{saved.get('lora_alpha')}; this run has rank {lora.rank} and alpha {lora.alpha}")
-        state = load_file(str(path))
-        expected = set(get_peft_model_state_dict(module))
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        set_peft_model_state_dict(module, state, adapter_name="default")
+        load_adapter_state(self.runtime.unwrap(policy), load_file(str(path)), path)
 
     # ------------------------------------------------------------------ building blocks
     def _weight_dtype(self) -> torch.dtype:

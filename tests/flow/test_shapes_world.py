@@ -60,6 +60,18 @@ def test_layouts_satisfy_their_rows_and_depend_only_on_the_seed():
     assert not np.array_equal(first, world.sample_images(rows, np.random.default_rng(6)))
 
 
+def test_slots_by_count_and_relation():
+    # 32 px: quarter 8, middle 16.
+    assert world.slots(1) == [(16.0, 16.0)]
+    assert world.slots(2) == world.slots(2, "left of") == [(8.0, 16.0), (24.0, 16.0)]
+    assert world.slots(2, "right of") == [(24.0, 16.0), (8.0, 16.0)]
+    assert world.slots(2, "above") == [(16.0, 8.0), (16.0, 24.0)]
+    assert world.slots(2, "below") == [(16.0, 24.0), (16.0, 8.0)]
+    assert world.slots(3) == [(8.0, 8.0), (24.0, 8.0), (16.0, 24.0)]
+    with pytest.raises(ValueError, match="1 to 3 objects"):
+        world.slots(4)
+
+
 # ------------------------------------------------------------------------------------------------ prompts and split
 def test_prompt_grammar():
     assert make_row("single_object", [("red", "circle", 1)])["prompt"] == "a red circle"

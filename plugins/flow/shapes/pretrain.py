@@ -31,6 +31,7 @@ import copy
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, conf
     pipeline.save_pretrained(str(staging))
     summary = {
         "command": "python -m mmrl.plugins.flow.shapes.pretrain " + " ".join(argv if argv is not None else
-                                                                            __import__("sys").argv[1:]),
+                                                                            sys.argv[1:]),
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "model": config.to_dict(),
         "seconds": round(elapsed, 1),
