@@ -73,6 +73,34 @@ def test_slots_by_count_and_relation():
 
 
 # ------------------------------------------------------------------------------------------------ prompts and split
+def test_corrupted_captions_change_exactly_one_attribute_and_fail_the_reward():
+    from mmrl.rewards.shapes import detect, score_row
+
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for row in world.split()["train"]:
+        for _ in range(4):
+            wrong = world.corrupt_row(row, rng)
+            kinds.add(wrong["corruption"])
+            changed = [(a, b) for a, b in zip(row["objects"], wrong["objects"], strict=True) if a != b]
+            if wrong["corruption"] == "relation":
+                assert not changed and wrong["relation"] == world.OPPOSITE[row["relation"]]
+            else:
+                assert len(changed) == 1 and wrong["relation"] == row["relation"]
+                (before, after), = changed
+                field = {"color": "color", "shape": "shape", "count": "count"}[wrong["corruption"]]
+                assert [k for k in before if before[k] != after[k]] == [field]
+            assert wrong["prompt"] == row["prompt"]  # the caption stays; the picture is wrong
+            image = render(world.layout(wrong, rng))
+            assert score_row(row, detect(image)) < 1.0, (row["prompt"], wrong)
+    assert kinds == set(world.CORRUPTIONS)
+    single = make_row("single_object", [("red", "circle", 1)])
+    counts = {world.corrupt_row(single, np.random.default_rng(seed))["objects"][0]["count"] for seed in range(40)}
+    assert counts == {1, 2}  # a single object is drawn twice or not miscounted at all
+    repeat = [world.corrupt_row(row, np.random.default_rng(7)) for row in world.split()["test"]]
+    assert repeat == [world.corrupt_row(row, np.random.default_rng(7)) for row in world.split()["test"]]
+
+
 def test_prompt_grammar():
     assert make_row("single_object", [("red", "circle", 1)])["prompt"] == "a red circle"
     assert make_row("counting", [("blue", "triangle", 3)])["prompt"] == "three blue triangles"
@@ -173,6 +201,31 @@ def test_committed_checkpoint_loads_in_the_flow_plugin_as_sd3(tmp_path):
         assert torch.equal(mine[key], theirs[key])
 
 
+def test_pretraining_script_writes_a_loadable_pipeline_and_continues_from_it(tmp_path):
+    """Two tiny stages of the pretraining script: a fresh model, then ``--init`` from it with caption noise; each
+    folder loads as an SD3 pipeline and its pretrain.json records the run (the second one also the first)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from mmrl.plugins.flow.shapes import pretrain
+
+    quick = ["--steps", "2", "--batch-size", "4", "--eval-every", "0", "--eval-steps", "1", "--eval-samples", "1",
+             "--threads", "1", "--no-progress", "--log-every", "0", "--layers", "1"]
+    first, second = tmp_path / "stage1", tmp_path / "stage2"
+    assert pretrain.main(["--out", str(first), *quick]) == 0
+    assert pretrain.main(["--out", str(second), "--init", str(first), "--caption-noise", "0.5", *quick]) == 0
+    record = json.loads((second / "pretrain.json").read_text())
+    assert record["args"]["caption_noise"] == 0.5 and record["model"]["layers"] == 1
+    assert record["previous_stage"]["args"]["caption_noise"] == 0.0
+    assert [entry["step"] for entry in record["log"]] == [2]
+    pipeline = StableDiffusion3Pipeline.from_pretrained(second)
+    assert len(pipeline.transformer.transformer_blocks) == 1
+    assert not (tmp_path / "stage2.tmp").exists() and not (tmp_path / "stage2.old").exists()
+    with pytest.raises(SystemExit, match="no pretrain.json"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--init", str(tmp_path), *quick])
+    with pytest.raises(SystemExit, match="caption-noise"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--caption-noise", "1.5", *quick])
+
+
 # ------------------------------------------------------------------------------------------------ the main job, short
 def test_short_main_job_trains_from_the_checkpoint_and_reports(tmp_path):
     """A few steps of the main job's recipe from the committed checkpoint on four training prompts: the trainer
@@ -208,3 +261,11 @@ def test_short_main_job_trains_from_the_checkpoint_and_reports(tmp_path):
     assert set(summary["held_out_before"]) == {"position", "all"}
     for name in ("reward_curve.png", "grid_before.png", "grid_after.png", "summary.json"):
         assert (run / name).stat().st_size > 0
+
+
+def test_report_refuses_a_run_whose_total_reward_is_not_the_shapes_score(tmp_path):
+    from mmrl.plugins.flow.shapes.report import _check_rewards
+
+    _check_rewards({"rewards": {"functions": [{"name": "shapes", "weight": 1.0}]}}, tmp_path)
+    with pytest.raises(ValueError, match=r"rewards.functions \[shapes\] alone; it has \['shapes', 'shape_fidelity'\]"):
+        _check_rewards({"rewards": {"functions": [{"name": "shapes"}, {"name": "shape_fidelity"}]}}, tmp_path)

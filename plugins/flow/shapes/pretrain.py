@@ -1,13 +1,18 @@
 """Pretrain the shapes world's text-to-image model with flow matching and write the pipeline folder.
 
-The committed checkpoint (``plugins/flow/shapes/assets/pipeline``) was made with::
+The committed checkpoint (``plugins/flow/shapes/assets/pipeline``) was made in two stages::
 
-    python -m mmrl.plugins.flow.shapes.pretrain --out plugins/flow/shapes/assets/pipeline --threads 1
+    python -m mmrl.plugins.flow.shapes.pretrain --out /tmp/shapes-stage1 --steps 3000 --threads 1
+    python -m mmrl.plugins.flow.shapes.pretrain --init /tmp/shapes-stage1 \
+        --out plugins/flow/shapes/assets/pipeline --caption-noise 0.5 --steps 4000 --lr 5e-4 --warmup 100 \
+        --eval-every 1000 --threads 1
 
-(3,000 steps of 64 images, 26 minutes on one core of a shared 2-core machine; ``pretrain.json`` in the folder
-records the exact arguments, the loss and the held-out scores along the way, and the wall-clock). Runs are
-deterministic for a seed and a thread count on one machine and torch build. The folder is rewritten (atomically)
-at every evaluation, so a long run can be stopped and its last evaluated weights used.
+(3,000 steps of 64 images with exact captions, then 4,000 with half of the captions wrong in one attribute; 26 + 33
+minutes on one core of a shared 2-core machine). ``pretrain.json`` in the folder records each stage's exact
+arguments, its loss and held-out scores along the way and its wall-clock (the first stage under
+``previous_stage``). Runs are deterministic for a seed and a thread count on one machine and torch build. The
+folder is rewritten (atomically) at every evaluation, so a long run can be stopped and its last evaluated weights
+used; ``--init`` continues from such a folder.
 
 Objective: rectified flow as SD3 trains it (Esser et al. 2024, arXiv:2403.03206): per image x0 (the pixels as
 latents z = 2p − 1, through the pipeline's identity VAE), σ ~ logit-normal(0, 1), ε ~ N(0, I),
@@ -15,7 +20,10 @@ x_σ = (1 − σ)·x0 + σ·ε, and the transformer (given timestep 1000·σ) re
 squared error. The text encoders are trained with it, and 10% of the prompts are replaced by the empty prompt so
 that classifier-free guidance works (the plugin's negative prompt is ""). Images are rendered on the fly: every
 example draws a task uniformly, then one of the task's training compositions (:func:`world.training_rows`), then a
-random layout, so no held-out composition is ever seen. AdamW with a linear warm-up, gradient clipping at 1, and an
+random layout, so no held-out composition is ever seen. With ``--caption-noise p``, each image is drawn with
+probability p from :func:`world.corrupt_row` of its row (one colour, shape, count or relation changed) while the
+caption stays: captions that are sometimes wrong, as alt-text is, make a model that can draw each prompt but does so
+only part of the time. AdamW with a linear warm-up, gradient clipping at 1, and an
 exponential moving average of the weights, which is what is saved.
 
 Every ``--eval-every`` steps the EMA model samples the held-out prompts (and as many training prompts) with the
@@ -64,8 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-samples", type=int, default=2, help="Samples per evaluation prompt.")
     parser.add_argument("--log-every", type=int, default=100, help="Steps between loss lines (0: none).")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--patch-size", type=int, default=ModelConfig.patch_size, help="Transformer patch side.")
-    parser.add_argument("--layers", type=int, default=ModelConfig.layers, help="Transformer joint blocks.")
+    parser.add_argument("--patch-size", type=int, default=ModelConfig.patch_size,
+                        help="Transformer patch side (with --init: the folder's).")
+    parser.add_argument("--layers", type=int, default=ModelConfig.layers,
+                        help="Transformer joint blocks (with --init: the folder's).")
+    parser.add_argument("--caption-noise", type=float, default=0.0,
+                        help="Share of images drawn from a caption with one attribute wrong (world.corrupt_row).")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="Continue from this pipeline folder (written by this script) instead of a fresh model.")
     return parser
 
 
@@ -91,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    config = ModelConfig(patch_size=args.patch_size, layers=args.layers)
-    pipeline = build_pipeline(config, seed=args.seed)
+    if not 0.0 <= args.caption_noise < 1.0:
+        raise SystemExit(f"--caption-noise must be in [0, 1), got {args.caption_noise}")
+    previous = None
+    if args.init is not None:
+        pipeline, config, previous = _load(args.init)
+    else:
+        config = ModelConfig(patch_size=args.patch_size, layers=args.layers)
+        pipeline = build_pipeline(config, seed=args.seed)
     trained = {"transformer": pipeline.transformer, "text_encoder": pipeline.text_encoder,
                "text_encoder_2": pipeline.text_encoder_2, "text_encoder_3": pipeline.text_encoder_3}
     parameters = [p for module in trained.values() for p in module.parameters()]
@@ -118,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     running = math.nan
     for step in bar:
         rows = [_pick(rng, by_task, tasks) for _ in range(args.batch_size)]
-        images = torch.from_numpy(world.sample_images(rows, rng)).permute(0, 3, 1, 2).float() / 255
+        # With caption noise, some images are drawn from a row with one attribute changed; the caption stays.
+        drawn = [world.corrupt_row(row, rng) if args.caption_noise and rng.random() < args.caption_noise else row
+                 for row in rows]
+        images = torch.from_numpy(world.sample_images(drawn, rng)).permute(0, 3, 1, 2).float() / 255
         prompts = ["" if rng.random() < args.drop_prompt else row["prompt"] for row in rows]
         with torch.no_grad():
             x0 = pixels_to_latents(pipeline, images)
@@ -156,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             log.append(record)
             tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
             # The EMA weights are the checkpoint; writing it at every evaluation keeps a long run's progress.
-            _write(pipeline, args, argv, config, log, time.perf_counter() - started)
+            _write(pipeline, args, argv, config, log, time.perf_counter() - started, previous)
             _swap(pipeline, swapped)
 
     elapsed = time.perf_counter() - started
@@ -165,10 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _load(folder: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
+    """A pipeline folder written by this script: the pipeline, its model config and its ``pretrain.json``."""
+    from diffusers import StableDiffusion3Pipeline
+
+    record_path = Path(folder) / "pretrain.json"
+    if not record_path.is_file():
+        raise SystemExit(f"--init {folder}: no pretrain.json there; give a pipeline folder written by this script")
+    record = json.loads(record_path.read_text())
+    pipeline = StableDiffusion3Pipeline.from_pretrained(str(folder))
+    return pipeline, ModelConfig(**record["model"]), record
+
+
 def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, config: ModelConfig,
-           log: list[dict[str, Any]], elapsed: float) -> None:
+           log: list[dict[str, Any]], elapsed: float, previous: dict[str, Any] | None = None) -> None:
     """Save the pipeline (with the EMA weights swapped in) and ``pretrain.json`` into ``args.out``, atomically:
-    a sibling temporary folder, then a rename."""
+    a sibling temporary folder, then a rename. ``previous`` (the ``pretrain.json`` of an ``--init`` folder) is kept
+    in it, so the record lists every stage of the checkpoint."""
     import shutil
 
     target = Path(args.out)
@@ -185,6 +221,8 @@ def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, conf
         "machine": platform.machine(),
         "log": log,
     }
+    if previous is not None:
+        summary["previous_stage"] = previous
     (staging / "pretrain.json").write_text(json.dumps(summary, indent=1) + "\n")
     previous = target.with_name(target.name + ".old")
     shutil.rmtree(previous, ignore_errors=True)

@@ -44,6 +44,11 @@ Held-out compositions (:func:`split`)
     nor in any relation or order). Likewise 6 of the 24 (colour, shape, count) combinations and 3 of the 12 single
     objects are held out; every held-out object type is still seen in training in other prompts.
 
+Wrong captions (:func:`corrupt_row`)
+    For pretraining, a row can be copied with exactly one attribute changed (an object's colour or shape, a count off
+    by one, the relation reversed) and that copy drawn under the original caption: the pretraining script's
+    ``--caption-noise`` share of images, which makes the model draw a prompt right only part of the time.
+
 Files (:func:`write_dataset`, committed in ``assets/data``): ``train_metadata.jsonl`` (135 rows: 9 single, 18
 counting, 36 two-object, 72 position: two relations per training pair) is the RL training set, and
 ``test_metadata.jsonl`` (45 rows: 3, 6, 12, 24 of the held-out prompts) the evaluation set: both with the same task
@@ -237,6 +242,47 @@ def sample_images(rows: Sequence[dict[str, Any]], rng: np.random.Generator,
                   resolution: int = RESOLUTION) -> np.ndarray:
     """``[N, R, R, 3]`` uint8: one random rendering of each row."""
     return np.stack([render(layout(row, rng, resolution), resolution) for row in rows])
+
+
+# ---------------------------------------------------------------------------------------------------------- captions
+CORRUPTIONS = ("color", "shape", "count", "relation")
+"""The ways a pretraining caption can be wrong about its image (:func:`corrupt_row`)."""
+OPPOSITE = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
+
+
+def corrupt_row(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """A copy of ``row`` with exactly one attribute changed, to draw an image that its caption gets wrong.
+
+    Pretraining captions are imperfect as alt-text is (Betker et al. 2023, "Improving Image Generation with Better
+    Captions"): drawing some images from a corrupted row leaves the pretrained model able to draw each prompt right
+    but doing so only part of the time, which is what GenEval measures and what RL improves. One kind of error is
+    drawn uniformly among those that apply to the row (:data:`CORRUPTIONS`):
+
+    - ``color``: one object (all instances of a counted one) gets another colour;
+    - ``shape``: one object gets another shape;
+    - ``count``: a counted object is drawn once more or once less (1 to 3), a single object twice;
+    - ``relation``: the relation is reversed (above ↔ below, left of ↔ right of).
+    """
+    objects = [dict(spec) for spec in row["objects"]]
+    relation = row.get("relation")
+    kinds = ["color", "shape"]
+    if len(objects) == 1:
+        kinds.append("count")
+    if relation is not None:
+        kinds.append("relation")
+    kind = kinds[int(rng.integers(len(kinds)))]
+    target = objects[int(rng.integers(len(objects)))]
+    if kind == "color":
+        target["color"] = [c for c in COLORS if c != target["color"]][int(rng.integers(len(COLORS) - 1))]
+    elif kind == "shape":
+        target["shape"] = [s for s in SHAPES if s != target["shape"]][int(rng.integers(len(SHAPES) - 1))]
+    elif kind == "count":
+        count = int(target.get("count", 1))
+        options = [n for n in (count - 1, count + 1) if 1 <= n <= 3]
+        target["count"] = options[int(rng.integers(len(options)))]
+    else:
+        relation = OPPOSITE[relation]
+    return {**row, "objects": objects, "relation": relation, "corruption": kind}
 
 
 # ---------------------------------------------------------------------------------------------------------- split
