@@ -31,11 +31,22 @@ def _eval_folders(run: Path) -> list[Path]:
     return folders
 
 
+def _check_rewards(config: dict[str, Any], run: Path) -> None:
+    """The grids and eval.jsonl carry the run's total reward: it is the shapes score only when ``shapes`` is the
+    run's one reward (a dense companion such as ``shape_fidelity`` would be added into it)."""
+    functions = config.get("rewards", {}).get("functions", [])
+    names = [item.get("name") if isinstance(item, dict) else item for item in functions]
+    if names != ["shapes"]:
+        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so the run must "
+                         f"have rewards.functions [shapes] alone; it has {names}")
+
+
 def _task_of(run: Path) -> dict[str, str]:
     """prompt → task, from the evaluation dataset the run used (its config.yaml)."""
     import yaml
 
     config = yaml.safe_load((run / "config.yaml").read_text())
+    _check_rewards(config, run)
     plugin = config.get("plugin", {})
     source = plugin.get("eval_dataset") or plugin.get("dataset")
     if not source:
