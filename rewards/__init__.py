@@ -29,6 +29,7 @@ _BUILTIN = {
     "countdown": "mmrl.rewards.countdown:countdown",
     "sudoku": "mmrl.rewards.sudoku:sudoku",
     "shapes": "mmrl.rewards.shapes:ShapesReward",
+    "shape_fidelity": "mmrl.rewards.shapes:ShapeFidelityReward",
 }
 
 for _name, _target in _BUILTIN.items():

@@ -175,3 +175,59 @@ def test_registered_and_configurable():
     assert config.rewards.functions[0].args["max_color_distance"] == 60
     with pytest.raises(RewardError, match="max_color_distance"):
         ShapesReward(max_color_distance=0)
+
+
+# ------------------------------------------------------------------------------------------------ shape_fidelity
+def fidelity(rows, images) -> list[float]:
+    from mmrl.rewards.shapes import ShapeFidelityReward
+
+    batch = torch.stack([torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images])
+    return ShapeFidelityReward()(RewardInput(rows=list(rows), payload={"images": batch})).tolist()
+
+
+def box_fill(image: np.ndarray) -> float:
+    """Coloured pixels over the pixels of their bounding box: a region's IoU with the square template of its box,
+    counted directly."""
+    coloured = (image != 255).any(-1)
+    ys, xs = np.nonzero(coloured)
+    return coloured.sum() / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+
+
+def test_shape_fidelity_by_hand():
+    red_square = make_row("single_object", [("red", "square", 1)])
+    square = render([obj("square", "red", 16, 16)])
+    disc = render([obj("circle", "red", 16, 16)])
+    wrong_colour = render([obj("square", "blue", 16, 16)])
+    assert fidelity([red_square] * 3, [square, disc, wrong_colour]) == pytest.approx([1.0, box_fill(disc), 0.0])
+    assert box_fill(disc) == pytest.approx(math.pi / 4, abs=0.05)  # a disc fills about π/4 of its box
+    assert scores([red_square], [disc]) == [0.0]  # where `shapes` gives nothing, fidelity still ranks the blob
+    # a red circle and a blue square with the square missing: (IoU of the circle + 0) / 2; the circle is exact
+    one = render([obj("circle", "red", 8, 16)])
+    assert fidelity([CIRCLE_AND_SQUARE], [one]) == pytest.approx([0.5], abs=0.03)
+    # two red circles with one drawn: the best IoU over the count
+    assert fidelity([TWO_RED_CIRCLES], [one]) == pytest.approx([0.5], abs=0.03)
+    assert fidelity([TWO_RED_CIRCLES], [render([obj("circle", "red", 8, 8), obj("circle", "red", 24, 24)])]) \
+        == pytest.approx([1.0], abs=0.05)
+
+
+def test_shape_fidelity_is_one_for_every_rendering_of_squares_and_high_for_the_rest():
+    rng = np.random.default_rng(3)
+    rows = world.split()["train"]
+    values = fidelity(rows, world.sample_images(rows, rng))
+    assert min(values) > 0.85
+    square_rows = [row for row in rows if all(spec["shape"] == "square" for spec in row["objects"])]
+    assert fidelity(square_rows, world.sample_images(square_rows, rng)) == pytest.approx([1.0] * len(square_rows))
+
+
+def test_shape_fidelity_malformed_input():
+    from mmrl.rewards.shapes import ShapeFidelityReward
+
+    images = torch.full((2, 3, 32, 32), float("nan"))
+    images[1] = 0.5
+    out = ShapeFidelityReward()(RewardInput(rows=[RED_CIRCLE, RED_CIRCLE], payload={"images": images}))
+    assert math.isnan(out[0]) and out[1] == 0.0
+    with pytest.raises(RewardError, match="reward 'shape_fidelity': dataset row 0"):
+        ShapeFidelityReward()(RewardInput(rows=[{"prompt": "x"}], payload={"images": images[:1]}))
+    with pytest.raises(RewardError, match="max_color_distance"):
+        ShapeFidelityReward(max_color_distance=0)
+    assert isinstance(build_reward("shape_fidelity", {}), ShapeFidelityReward)
