@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Config overrides applied to the base recipe for every strategy (e.g. optim.lr=0.01).")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "flow_credit")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="Train nothing: write the table and plot of the records of these results.json files "
+                        "(runs of different seeds made in parallel, one process each) into --out.")
     return parser.parse_args(argv)
 
 
@@ -85,7 +88,9 @@ def strategy_overrides(name: str, config: dict[str, Any], steps: int, tree_advan
     if name == "step":
         credit: dict[str, Any] = {"strategy": "step"}
     elif name == "chunk":
-        trained = int(num_steps * fraction)
+        # The steps plugin.train_steps trains: the window of Flow-GRPO-Fast recipes, else the first fraction.
+        trained = int(plugin.get("window_size", 3)) if plugin.get("train_steps") == "window" \
+            else int(num_steps * fraction)
         sizes = [1] + [2] * ((trained - 1) // 2) + ([1] if (trained - 1) % 2 else [])  # small chunks at high noise
         credit = {"strategy": "chunk", "chunk": {"sizes": sizes}}
         policy = algorithm.get("policy_loss", "grpo")
@@ -231,24 +236,37 @@ def summarise(records: list[dict[str, Any]], strategies: list[str]) -> list[dict
 BYTES = 500_000  # jpeg_compressibility = −bytes / 500 000: a reward gain of 2e-6 is one JPEG byte saved per image
 
 
-def markdown_table(rows: list[dict[str, Any]], seeds: int) -> str:
+def reward_unit(base: dict[str, Any]) -> tuple[str, float, int]:
+    """How the table reports reward gains: (unit, scale, decimals). JPEG compressibility in bytes per image (its raw
+    values are tiny), any other reward as it is."""
+    names = [f.get("name") if isinstance(f, dict) else f for f in base.get("rewards", {}).get("functions", [])]
+    if names == ["jpeg_compressibility"]:
+        return "bytes/image", BYTES, 1
+    return "reward", 1.0, 3
+
+
+def markdown_table(rows: list[dict[str, Any]], seeds: int, unit: tuple[str, float, int] = ("bytes/image", BYTES, 1)
+                   ) -> str:
+    name, scale, digits = unit
+    raw = 6 if name == "bytes/image" else 3
     lines = [
         "| strategy | prompts/step | transformer evals/step | forward-equivalents/step | s/step | eval reward at "
-        f"start | final eval reward | final gain, bytes/image (mean of {seeds} seed(s) [min, max]) | best gain, "
-        "bytes/image |",
+        f"start | final eval reward | final gain, {name} (mean of {seeds} seed(s) [min, max]) | best gain, "
+        f"{name} |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        gain, low, high, best = (f"{scale * row[key]:+.{digits}f}" for key in ("gain", "gain_min", "gain_max",
+                                                                                "best_gain"))
         lines.append(
             f"| {row['strategy']} | {row['prompts_per_step']} | {row['evaluations_per_step']:.0f} | "
-            f"{row['forward_equivalents_per_step']:.0f} | {row['seconds_per_step']:.2f} | {row['start_reward']:.6f} | "
-            f"{row['final_reward']:.6f} | {BYTES * row['gain']:+.1f} [{BYTES * row['gain_min']:+.1f}, "
-            f"{BYTES * row['gain_max']:+.1f}] | {BYTES * row['best_gain']:+.1f} |"
+            f"{row['forward_equivalents_per_step']:.0f} | {row['seconds_per_step']:.2f} | "
+            f"{row['start_reward']:.{raw}f} | {row['final_reward']:.{raw}f} | {gain} [{low}, {high}] | {best} |"
         )
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], strategies: list[str], path: Path) -> str | None:
+def plot(records: list[dict[str, Any]], strategies: list[str], path: Path, title: str, ylabel: str) -> str | None:
     try:
         import matplotlib
     except ImportError:
@@ -268,17 +286,53 @@ def plot(records: list[dict[str, Any]], strategies: list[str], path: Path) -> st
         axes[1].plot(work, reward, marker="o", label=name)
     axes[0].set_xlabel("training wall-clock (s)")
     axes[1].set_xlabel("transformer forward-equivalents (rollout + 3 x train)")
-    axes[0].set_ylabel("eval reward (JPEG compressibility)")
+    axes[0].set_ylabel(ylabel)
     axes[1].legend()
-    figure.suptitle("Flow credit strategies, tiny random SD3 (not the shapes world)")
+    figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return matplotlib.__version__
 
 
+def merge(args: argparse.Namespace) -> int:
+    """``--merge``: one table and plot from the records of several results.json files (same strategies and recipe)."""
+    from mmrl.config.loader import read_yaml
+
+    results = [json.loads(Path(path).read_text()) for path in args.merge]
+    strategies = [row["strategy"] for row in results[0]["rows"]]
+    configs = {result["args"]["config"] for result in results}
+    if len(configs) != 1 or any([row["strategy"] for row in r["rows"]] != strategies for r in results):
+        raise SystemExit(f"--merge: the files must share one recipe and strategy list; got recipes {sorted(configs)}")
+    records = [record for result in results for record in result["records"]]
+    seeds = sorted({record["seed"] for record in records})
+    args.config = Path(configs.pop())
+    base = read_yaml(args.config)
+    return _write_results(args, base, records, strategies, seeds, results[0]["calibration"])
+
+
+def _write_results(args: argparse.Namespace, base: dict[str, Any], records: list[dict[str, Any]],
+                   strategies: list[str], seeds: list[int], calibration: dict[str, float]) -> int:
+    rows = summarise(records, strategies)
+    unit = reward_unit(base)
+    table = markdown_table(rows, len(seeds), unit)
+    rewards = ", ".join(str(f.get("name") if isinstance(f, dict) else f) for f in base["rewards"]["functions"])
+    title = f"Flow credit strategies, {Path(str(args.config)).stem} ({len(seeds)} seed(s))"
+    args.out.mkdir(parents=True, exist_ok=True)
+    version = plot(records, strategies, args.out / "flow_credit.png", title, f"eval reward ({rewards})")
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "calibration": calibration, "rows": rows,
+              "records": records, "matplotlib": version, "torch": torch.__version__,
+              "threads": torch.get_num_threads()}
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    print(f"wrote {args.out / 'results.json'}" + (f" and {args.out / 'flow_credit.png'}" if version else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from mmrl.config.loader import apply_overrides, read_yaml
@@ -307,16 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(train_one(base, name, seed, prompts[name], args, scratch / f"{name}-{seed}"))
                 print(f"{name} seed {seed}: {time.perf_counter() - started:.0f} s, eval rewards "
                       f"{[round(e['reward'], 4) for e in records[-1]['evals']]}", flush=True)
-    rows = summarise(records, args.strategies)
-    table = markdown_table(rows, len(args.seeds))
-    version = plot(records, args.strategies, args.out / "flow_credit.png")
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "calibration": calibration, "rows": rows,
-              "records": records, "matplotlib": version, "torch": torch.__version__,
-              "threads": torch.get_num_threads()}
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    print(table)
-    print(f"wrote {args.out / 'results.json'}" + (f" and {args.out / 'flow_credit.png'}" if version else ""))
-    return 0
+    return _write_results(args, base, records, args.strategies, args.seeds, calibration)
 
 
 if __name__ == "__main__":
