@@ -236,11 +236,15 @@ def summarise(records: list[dict[str, Any]], strategies: list[str]) -> list[dict
 BYTES = 500_000  # jpeg_compressibility = −bytes / 500 000: a reward gain of 2e-6 is one JPEG byte saved per image
 
 
+def reward_names(base: dict[str, Any]) -> list[str]:
+    """The names of a recipe's reward functions (entries are names or ``{name: ..., ...}``)."""
+    return [str(f.get("name") if isinstance(f, dict) else f) for f in base.get("rewards", {}).get("functions", [])]
+
+
 def reward_unit(base: dict[str, Any]) -> tuple[str, float, int]:
     """How the table reports reward gains: (unit, scale, decimals). JPEG compressibility in bytes per image (its raw
     values are tiny), any other reward as it is."""
-    names = [f.get("name") if isinstance(f, dict) else f for f in base.get("rewards", {}).get("functions", [])]
-    if names == ["jpeg_compressibility"]:
+    if reward_names(base) == ["jpeg_compressibility"]:
         return "bytes/image", BYTES, 1
     return "reward", 1.0, 3
 
@@ -316,7 +320,7 @@ def _write_results(args: argparse.Namespace, base: dict[str, Any], records: list
     rows = summarise(records, strategies)
     unit = reward_unit(base)
     table = markdown_table(rows, len(seeds), unit)
-    rewards = ", ".join(str(f.get("name") if isinstance(f, dict) else f) for f in base["rewards"]["functions"])
+    rewards = ", ".join(reward_names(base))
     title = f"Flow credit strategies, {Path(str(args.config)).stem} ({len(seeds)} seed(s))"
     args.out.mkdir(parents=True, exist_ok=True)
     version = plot(records, strategies, args.out / "flow_credit.png", title, f"eval reward ({rewards})")

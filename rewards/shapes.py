@@ -124,32 +124,36 @@ def _templates(height: int, width: int) -> dict[str, np.ndarray]:
     }
 
 
-def shape_of(mask: np.ndarray) -> str | None:
-    """The shape of a component given as its bounding-box crop ``[h, w]`` bool (see the module docstring)."""
-    ious = {}
-    for name, template in _templates(*mask.shape).items():
-        ious[name] = float((mask & template).sum() / max((mask | template).sum(), 1))
+def template_ious(mask: np.ndarray) -> dict[str, float]:
+    """IoU of a region, given as its bounding-box crop ``[h, w]`` bool, with each shape's template drawn in its box."""
+    return {name: float((mask & template).sum() / max((mask | template).sum(), 1))
+            for name, template in _templates(*mask.shape).items()}
+
+
+def shape_from_ious(ious: dict[str, float]) -> str | None:
+    """The shape of a region from its :func:`template_ious` (step 3 of the module docstring), or None."""
     if ious["square"] >= SQUARE_IOU:
         return "square"
     best = max(("circle", "triangle"), key=lambda name: ious[name])
     return best if ious[best] >= MIN_SHAPE_IOU else None
 
 
+def shape_of(mask: np.ndarray) -> str | None:
+    """The shape of a component given as its bounding-box crop ``[h, w]`` bool (see the module docstring)."""
+    return shape_from_ious(template_ious(mask))
+
+
 @dataclass(frozen=True)
 class Component:
     """A candidate object: one colour's connected region that passes the size and aspect filters, cropped to its
-    box (``mask [h, w]`` bool), with its colour name, centroid and area."""
+    box (``mask [h, w]`` bool), with its colour name, centroid, area and :func:`template_ious`."""
 
     mask: np.ndarray
     color: str
     cx: float
     cy: float
     area: int
-
-    def ious(self) -> dict[str, float]:
-        """IoU of the region with each shape's template drawn in its box."""
-        return {name: float((self.mask & template).sum() / max((self.mask | template).sum(), 1))
-                for name, template in _templates(*self.mask.shape).items()}
+    ious: dict[str, float]
 
 
 def components(image: np.ndarray, max_color_distance: float = 80.0,
@@ -172,8 +176,9 @@ def components(image: np.ndarray, max_color_distance: float = 80.0,
             continue
         if max(box_h, box_w) > MAX_ASPECT * min(box_h, box_w):
             continue
-        found.append(Component(ids[y0:y1 + 1, x0:x1 + 1] == component, COLOR_NAMES[int(labels[ys[0], xs[0]])],
-                               float(xs.mean() + 0.5), float(ys.mean() + 0.5), int(areas[component])))
+        mask = ids[y0:y1 + 1, x0:x1 + 1] == component
+        found.append(Component(mask, COLOR_NAMES[int(labels[ys[0], xs[0]])], float(xs.mean() + 0.5),
+                               float(ys.mean() + 0.5), int(areas[component]), template_ious(mask)))
     return found
 
 
@@ -182,7 +187,7 @@ def detect(image: np.ndarray, max_color_distance: float = 80.0,
     """The objects of a ``[H, W, 3]`` uint8 image."""
     found = []
     for item in components(image, max_color_distance, min_area_fraction):
-        shape = shape_of(item.mask)
+        shape = shape_from_ious(item.ious)
         if shape is not None:
             box_h, box_w = item.mask.shape
             found.append(Detected(shape, item.color, item.cx, item.cy, box_w, box_h, item.area))
@@ -248,8 +253,40 @@ def check_row(row: dict[str, Any], index: int, reward: str = "shapes") -> None:
         raise RewardError(f"{where}: relation {relation!r} needs one of {RELATIONS} and exactly two objects")
 
 
-class ShapesReward(Reward):
+class _RowPixelReward(Reward):
+    """What ``shapes`` and ``shape_fidelity`` share: the detector's options, the row check and the per-image loop
+    (non-finite images score NaN); a subclass scores one finite ``[H, W, 3]`` uint8 image for its row."""
+
+    name = ""
+
+    def __init__(self, max_color_distance: float, min_area_fraction: float, output: str):
+        if not max_color_distance > 0:
+            raise RewardError(f"reward {self.name!r}: max_color_distance must be > 0, got {max_color_distance!r}")
+        if not 0 <= min_area_fraction < 1:
+            raise RewardError(f"reward {self.name!r}: min_area_fraction must be in [0, 1), got "
+                              f"{min_area_fraction!r}")
+        self.max_color_distance = float(max_color_distance)
+        self.min_area_fraction = float(min_area_fraction)
+        self.output = output
+
+    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
+        raise NotImplementedError
+
+    def __call__(self, batch: RewardInput) -> Tensor:
+        for index, row in enumerate(batch.rows):
+            check_row(row, index, self.name)
+        images = read_images(batch, self.output, self.name)
+        scores = torch.zeros(len(batch), dtype=torch.float64)
+        for i, row in enumerate(batch.rows):
+            if bool(images.finite[i]):  # the others score NaN below
+                scores[i] = self.score_image(row, images.numpy(i))
+        return images.nan_where_invalid(scores)
+
+
+class ShapesReward(_RowPixelReward):
     """GenEval-like partial credit of the shapes world (module docstring): presence and count, colour, position."""
+
+    name = "shapes"
 
     def __init__(self, strict: bool = False, max_color_distance: float = 80.0,
                  min_area_fraction: float = MIN_AREA_FRACTION, output: str = "images"):
@@ -262,26 +299,11 @@ class ShapesReward(Reward):
             min_area_fraction: Components smaller than this fraction of the image are ignored (16 px at 32 × 32).
             output: Payload entry holding the images.
         """
-        if not max_color_distance > 0:
-            raise RewardError(f"reward 'shapes': max_color_distance must be > 0, got {max_color_distance!r}")
-        if not 0 <= min_area_fraction < 1:
-            raise RewardError(f"reward 'shapes': min_area_fraction must be in [0, 1), got {min_area_fraction!r}")
+        super().__init__(max_color_distance, min_area_fraction, output)
         self.strict = bool(strict)
-        self.max_color_distance = float(max_color_distance)
-        self.min_area_fraction = float(min_area_fraction)
-        self.output = output
 
-    def __call__(self, batch: RewardInput) -> Tensor:
-        for index, row in enumerate(batch.rows):
-            check_row(row, index)
-        images = read_images(batch, self.output, "shapes")
-        scores = torch.zeros(len(batch), dtype=torch.float64)
-        for i, row in enumerate(batch.rows):
-            if not bool(images.finite[i]):
-                continue  # NaN below
-            found = detect(images.numpy(i), self.max_color_distance, self.min_area_fraction)
-            scores[i] = score_row(row, found, self.strict)
-        return images.nan_where_invalid(scores)
+    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
+        return score_row(row, detect(image, self.max_color_distance, self.min_area_fraction), self.strict)
 
 
 # ---------------------------------------------------------------------------------------------------------- fidelity
@@ -290,12 +312,12 @@ def fidelity_row(row: dict[str, Any], items: Sequence[Component]) -> float:
     values = []
     for spec in row["objects"]:
         shape, color, count = spec["shape"], spec["color"], int(spec.get("count", 1))
-        ious = sorted((item.ious()[shape] for item in items if item.color == color), reverse=True)[:count]
+        ious = sorted((item.ious[shape] for item in items if item.color == color), reverse=True)[:count]
         values.append(sum(ious) / count)
     return float(sum(values) / len(values))
 
 
-class ShapeFidelityReward(Reward):
+class ShapeFidelityReward(_RowPixelReward):
     """A dense companion of ``shapes`` for training: how closely the regions of each requested colour match the
     requested shape, so that a blob that is *almost* a square already earns more than a round one.
 
@@ -309,26 +331,12 @@ class ShapeFidelityReward(Reward):
     makes the training signal smoother, the way reward shaping adds a dense term to a sparse goal.
     """
 
+    name = "shape_fidelity"
+
     def __init__(self, max_color_distance: float = 80.0, min_area_fraction: float = MIN_AREA_FRACTION,
                  output: str = "images"):
         """Options (the config's ``args``): as :class:`ShapesReward` (without ``strict``)."""
-        if not max_color_distance > 0:
-            raise RewardError(f"reward 'shape_fidelity': max_color_distance must be > 0, got {max_color_distance!r}")
-        if not 0 <= min_area_fraction < 1:
-            raise RewardError(f"reward 'shape_fidelity': min_area_fraction must be in [0, 1), got "
-                              f"{min_area_fraction!r}")
-        self.max_color_distance = float(max_color_distance)
-        self.min_area_fraction = float(min_area_fraction)
-        self.output = output
+        super().__init__(max_color_distance, min_area_fraction, output)
 
-    def __call__(self, batch: RewardInput) -> Tensor:
-        for index, row in enumerate(batch.rows):
-            check_row(row, index, "shape_fidelity")
-        images = read_images(batch, self.output, "shape_fidelity")
-        scores = torch.zeros(len(batch), dtype=torch.float64)
-        for i, row in enumerate(batch.rows):
-            if not bool(images.finite[i]):
-                continue  # NaN below
-            scores[i] = fidelity_row(row, components(images.numpy(i), self.max_color_distance,
-                                                     self.min_area_fraction))
-        return images.nan_where_invalid(scores)
+    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
+        return fidelity_row(row, components(image, self.max_color_distance, self.min_area_fraction))
