@@ -1,6 +1,6 @@
 """The shapes world (docs/shapes.md): exact rendering, the prompt grammar, the held-out split, the committed dataset
-and checkpoint, the identity VAE, and the CI short version of the main job (a few Flow-GRPO steps from the committed
-checkpoint that raise the reward)."""
+and checkpoint, the identity VAE, the latent autoencoder and its script, the pretraining script, and the CI short
+version of the main job (Flow-GRPO steps from the committed checkpoint that raise the reward)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def test_committed_checkpoint_loads_in_the_flow_plugin_as_sd3(tmp_path):
     config = from_dict(FlowPluginConfig, {"model": str(PIPELINE), "dataset": str(DATA), "resolution": 32,
                                           "max_sequence_length": 12}, "plugin")
     plugin = FlowPlugin(config, Runtime())
-    assert plugin.adapter.name == "sd3" and plugin.adapter.vae_scale_factor == 1
+    assert plugin.adapter.name == "sd3" and plugin.adapter.vae_scale_factor == 4
     assert len(plugin.dataset("train")) == 135 and plugin.dataset("eval")[0]["objects"]
     prompts = ["a red circle above a blue square", "three green triangles"]
     mine = encode_prompts(plugin.adapter.pipeline, prompts)
@@ -201,63 +201,117 @@ def test_committed_checkpoint_loads_in_the_flow_plugin_as_sd3(tmp_path):
         assert torch.equal(mine[key], theirs[key])
 
 
+def test_autoencoder_script_trains_calibrates_and_saves(tmp_path):
+    """A few steps of the autoencoder script: the loss falls, the saved folder loads with a 4x downsampling, and the
+    calibration puts the latents of the world's renderings at mean 0 and deviation 1 (recomputed here)."""
+    from diffusers import AutoencoderTiny
+
+    from mmrl.plugins.flow.shapes import autoencoder
+
+    folder = tmp_path / "vae"
+    assert autoencoder.main(["--out", str(folder), "--steps", "30", "--width", "8", "--batch-size", "8",
+                             "--no-progress"]) == 0
+    record = json.loads((folder / "autoencoder.json").read_text())
+    vae = AutoencoderTiny.from_pretrained(folder)
+    assert vae.config.latent_channels == 8 and len(vae.config.encoder_block_out_channels) == 3
+    assert record["scaling_factor"] == pytest.approx(vae.config.scaling_factor)
+    x = torch.from_numpy(world.sample_images(world.training_rows()[:64], np.random.default_rng(5)))
+    with torch.no_grad():
+        z = vae.encoder(x.permute(0, 3, 1, 2).float() / 255 * 2 - 1)  # [64, 8, 8, 8]
+    assert z.shape == (64, 8, 8, 8)
+    scaled = (z - vae.config.shift_factor) * vae.config.scaling_factor
+    assert abs(scaled.mean().item()) < 0.2 and scaled.std().item() == pytest.approx(1.0, abs=0.2)
+
+    fresh = autoencoder.build_autoencoder(width=8)
+    torch.manual_seed(0)
+    log = autoencoder.train_autoencoder(fresh, steps=200, batch_size=8, progress=False)
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"], log
+
+
+def test_committed_autoencoder_reconstructs_what_the_reward_reads():
+    """The committed checkpoint's autoencoder: held-out renderings, encoded and decoded, still score (nearly) 1 with
+    the shapes reward, also with latent noise of a tenth of the latents' deviation."""
+    from diffusers import AutoencoderTiny
+
+    from mmrl.plugins.flow.shapes.autoencoder import reconstruction_scores
+
+    vae = AutoencoderTiny.from_pretrained(PIPELINE / "vae")
+    scores = reconstruction_scores(vae, world.split()["test"], samples=2)
+    assert scores["reconstruction"] >= 0.97 and scores["reconstruction_noisy"] >= 0.95, scores
+
+
 def test_pretraining_script_writes_a_loadable_pipeline_and_continues_from_it(tmp_path):
-    """Two tiny stages of the pretraining script: a fresh model, then ``--init`` from it with caption noise; each
-    folder loads as an SD3 pipeline and its pretrain.json records the run (the second one also the first)."""
+    """Two tiny stages of the pretraining script on a tiny autoencoder: a fresh model, then ``--init`` from it with
+    caption noise; each folder loads as an SD3 pipeline and its pretrain.json records the run (the second one also
+    the first, and the autoencoder's record)."""
     from diffusers import StableDiffusion3Pipeline
 
-    from mmrl.plugins.flow.shapes import pretrain
+    from mmrl.plugins.flow.shapes import autoencoder, pretrain
 
+    vae = tmp_path / "vae"
+    assert autoencoder.main(["--out", str(vae), "--steps", "2", "--width", "8", "--batch-size", "4",
+                             "--no-progress"]) == 0
     quick = ["--steps", "2", "--batch-size", "4", "--eval-every", "0", "--eval-steps", "1", "--eval-samples", "1",
              "--threads", "1", "--no-progress", "--log-every", "0", "--layers", "1"]
     first, second = tmp_path / "stage1", tmp_path / "stage2"
-    assert pretrain.main(["--out", str(first), *quick]) == 0
+    assert pretrain.main(["--out", str(first), "--vae", str(vae), *quick]) == 0
     assert pretrain.main(["--out", str(second), "--init", str(first), "--caption-noise", "0.5", *quick]) == 0
     record = json.loads((second / "pretrain.json").read_text())
     assert record["args"]["caption_noise"] == 0.5 and record["model"]["layers"] == 1
+    assert record["model"]["vae"] == "tiny" and record["model"]["latent_channels"] == 8
+    assert record["autoencoder"]["args"]["steps"] == 2
     assert record["previous_stage"]["args"]["caption_noise"] == 0.0
     assert [entry["step"] for entry in record["log"]] == [2]
     pipeline = StableDiffusion3Pipeline.from_pretrained(second)
     assert len(pipeline.transformer.transformer_blocks) == 1
+    assert pipeline.transformer.config.in_channels == 8 and pipeline.transformer.config.sample_size == 8
     assert not (tmp_path / "stage2.tmp").exists() and not (tmp_path / "stage2.old").exists()
     with pytest.raises(SystemExit, match="no pretrain.json"):
         pretrain.main(["--out", str(tmp_path / "x"), "--init", str(tmp_path), *quick])
     with pytest.raises(SystemExit, match="caption-noise"):
-        pretrain.main(["--out", str(tmp_path / "x"), "--caption-noise", "1.5", *quick])
+        pretrain.main(["--out", str(tmp_path / "x"), "--vae", str(vae), "--caption-noise", "1.5", *quick])
+    with pytest.raises(SystemExit, match="--vae is required"):
+        pretrain.main(["--out", str(tmp_path / "x"), *quick])
+    with pytest.raises(SystemExit, match="no autoencoder.json"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--vae", str(tmp_path), *quick])
+    with pytest.raises(SystemExit, match="--vae is for a fresh model"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--init", str(first), "--vae", str(vae), *quick])
 
 
 # ------------------------------------------------------------------------------------------------ the main job, short
-def test_short_main_job_trains_from_the_checkpoint_and_reports(tmp_path):
-    """A few steps of the main job's recipe from the committed checkpoint on four training prompts: the trainer
-    evaluates before and after, the weights move, and the report writes the score per task, the grids and the
-    reward curve. (Whether the reward rises is the main job's question, see docs/shapes.md: in so few steps it does
-    not, so this test checks the path, not the improvement.)"""
+def test_short_main_job_raises_the_reward_and_reports(tmp_path):
+    """The main job's recipe, short: 25 steps (constant learning rate) on eight training prompts of the position
+    task (the one the pretrained model gets least right), evaluated on the same prompts × 16 samples before and
+    after. The score rises by more than 0.03: for the default seed 0 it goes 0.500 -> 0.586 (measured while writing
+    this test; seeds 1 and 2 gave +0.086 and -0.010, so a rise in 25 steps is likely but not certain for every seed,
+    and the test pins the seed). The weights move, the first mini-batch of every step is on policy (ratio 1), and
+    the report writes the score per task, the grids and the reward curve."""
     from mmrl.config import load_config
     from mmrl.plugins.flow.shapes import report
     from mmrl.trainer import Trainer
 
-    rows = [row for row in world.split()["train"] if row["task"] == "position"][:4]
+    rows = [row for row in world.split()["train"] if row["task"] == "position"][:8]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     run = tmp_path / "run"
     config = load_config(ROOT / "configs" / "flow" / "shapes.yaml", [
         f"plugin.model={PIPELINE}", f"plugin.dataset={prompts}", f"plugin.eval_dataset={prompts}",
-        f"run.output_dir={run}", "run.max_steps=2", "run.save_every=0", "run.progress=false",
-        "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.batch_size=8", "algorithm.micro_batch_size=8",
-        "plugin.transformer_batch_size=8", "eval.every=0", "eval.samples_per_prompt=1",
+        f"run.output_dir={run}", "run.max_steps=25", "run.seed=0", "run.save_every=0", "run.progress=false",
+        "optim.scheduler=constant", "eval.every=0", "eval.samples_per_prompt=16",
     ])
     trainer = Trainer(config)
     before = {name: value.detach().clone() for name, value in trainer.policy.named_parameters() if value.requires_grad}
     result = trainer.train()
-    assert sorted(result.evaluations) == [0, 2]
+    assert sorted(result.evaluations) == [0, 25]
+    start, end = result.evaluations[0]["eval/reward_mean"], result.evaluations[25]["eval/reward_mean"]
+    assert end > start + 0.03, f"score on the training prompts {start:.3f} -> {end:.3f} in 25 steps"
     moved = [name for name, value in trainer.policy.named_parameters() if value.requires_grad
              and not torch.equal(value.detach(), before[name])]
-    assert any(record["advantage/abs_max"] > 0 for record in result.history), "no reward spread in 2 steps"
-    assert moved, "no trainable weight changed in 2 steps"
+    assert moved, "no trainable weight changed"
     assert all(record["loss/first_step_ratio_deviation"] < 1e-4 for record in result.history)
     summary = report.report(run)
-    assert summary["held_out_before"]["all"] == pytest.approx(result.evaluations[0]["eval/reward_mean"])
-    assert summary["held_out_after"]["all"] == pytest.approx(result.evaluations[2]["eval/reward_mean"])
+    assert summary["held_out_before"]["all"] == pytest.approx(start)
+    assert summary["held_out_after"]["all"] == pytest.approx(end)
     assert set(summary["held_out_before"]) == {"position", "all"}
     for name in ("reward_curve.png", "grid_before.png", "grid_after.png", "summary.json"):
         assert (run / name).stat().st_size > 0

@@ -1,9 +1,9 @@
-"""The shapes world's text-to-image model: a small ``StableDiffusion3Pipeline`` in pixel space, built from diffusers'
-and transformers' own classes so that the flow plugin loads it exactly as it loads SD3.5 (``from_pretrained`` on a
+"""The shapes world's text-to-image model: a small latent ``StableDiffusion3Pipeline``, built from diffusers' and
+transformers' own classes so that the flow plugin loads it exactly as it loads SD3.5 (``from_pretrained`` on a
 pipeline folder, the ``sd3`` adapter).
 
 =================  ================================================================================================
-transformer        ``SD3Transformer2DModel`` (MMDiT): 32×32×3 pixels in 4×4 patches (64 image tokens), width 64
+transformer        ``SD3Transformer2DModel`` (MMDiT) on 8×8×8 latents in 2×2 patches (16 image tokens), width 64
                    (2 heads × 32), 4 joint blocks, RMS q/k norm as SD3.5
 text encoders      two ``CLIPTextModelWithProjection`` (width 32, 2 layers, 12 positions), as SD3's CLIP-L and
                    CLIP-G: their penultimate hidden states are concatenated (64 wide) and their projected EOS
@@ -13,19 +13,24 @@ text encoders      two ``CLIPTextModelWithProjection`` (width 32, 2 layers, 12 p
 tokenizers         ``CLIPTokenizer`` (twice) with byte-pair merges learnt here on the world's 24 words and a
                    ``T5TokenizerFast`` on a Unigram vocabulary of the same words; letters are the fallback, nothing
                    is downloaded
-VAE                ``AutoencoderTiny`` configured and weighted as an exact identity between pixels and "latents":
-                   latent z = 2·pixel − 1 in [-1, 1] (see :func:`identity_vae`)
-scheduler          ``FlowMatchEulerDiscreteScheduler`` (rectified flow, shift 1: 32×32 images need no shift)
+VAE                ``AutoencoderTiny`` (TAESD's class), 32×32×3 pixels ↔ 8×8×8 latents, trained on the world's
+                   renderings by :mod:`~mmrl.plugins.flow.shapes.autoencoder` before the flow model, with
+                   ``shift_factor``/``scaling_factor`` that give the latents unit variance as SD3's do
+scheduler          ``FlowMatchEulerDiscreteScheduler`` (rectified flow, shift 1: 8×8 latents need no shift)
 =================  ================================================================================================
 
-Why an identity VAE: at 32×32 the transformer can work on pixels directly (4×4 patches give as few tokens as a
-latent model would), so no autoencoder has to be trained, decoding is free, and the reward sees exactly what the
-flow produced. ``AutoencoderTiny`` is used because its decoder has no normalisation layer, so an exact identity is
-possible with two 3×3 convolutions whose only non-zero taps are the centres: the adapter's decode computes
-u = z / scaling_factor (scaling_factor 20, so |u| ≤ 0.05 and TAESD's input clamp tanh(u/3)·3 changes u by less than
-5·10⁻⁶), the first convolution maps u to (20u, −20u) = (z, −z), ReLU, and the last one returns
-(ReLU(z) − ReLU(−z)) / 2 + 1/2 = (z + 1) / 2, the pixel in [0, 1], which diffusers maps to [-1, 1] and the adapter
-back to [0, 1]. Its encoder is the exact inverse (two linear convolutions).
+Why a latent model. The first version worked on pixels through an exact identity "VAE" (:func:`identity_vae`,
+still available with ``ModelConfig(vae="identity")``): no autoencoder to train and the reward sees exactly what the
+flow made. It pretrained to the same scores, but RL could not improve it: what separates its squares from its
+circles is a dozen corner pixels, which the policy gradient over 3,072 dimensions of SDE noise barely sees
+(docs/shapes.md). In the latent model an object is a few latent pixels that the decoder renders as a whole shape.
+
+The identity VAE: ``AutoencoderTiny``'s decoder has no normalisation layer, so an exact identity is possible with
+two 3×3 convolutions whose only non-zero taps are the centres: the adapter's decode computes u = z / scaling_factor
+(scaling_factor 20, so |u| ≤ 0.05 and TAESD's input clamp tanh(u/3)·3 changes u by less than 5·10⁻⁶), the first
+convolution maps u to (20u, −20u) = (z, −z), ReLU, and the last one returns (ReLU(z) − ReLU(−z)) / 2 + 1/2 =
+(z + 1) / 2, the pixel in [0, 1], which diffusers maps to [-1, 1] and the adapter back to [0, 1]. Its encoder is
+the exact inverse (two linear convolutions).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mmrl.plugins.flow.shapes.autoencoder import build_autoencoder
 from mmrl.plugins.flow.shapes.world import RESOLUTION, WORDS
 
 VAE_SCALE = 20.0
@@ -48,12 +54,31 @@ class ModelConfig:
     width_per_head: int = 32
     heads: int = 2
     layers: int = 4
-    patch_size: int = 4
+    patch_size: int = 2
     text_width: int = 32
     text_layers: int = 2
     text_positions: int = 12
     t5_layers: int = 1
     scheduler_shift: float = 1.0
+    vae: str = "tiny"
+    """``"tiny"``: a learned ``AutoencoderTiny`` (:mod:`~mmrl.plugins.flow.shapes.autoencoder`); ``"identity"``:
+    the exact pixel identity (:func:`identity_vae`), the transformer then works on pixels."""
+    vae_width: int = 32
+    vae_levels: int = 3
+    """Resolutions of the learned autoencoder: it downsamples by 2^(levels − 1)."""
+    latent_channels: int = 8
+
+    def __post_init__(self) -> None:
+        if self.vae not in ("tiny", "identity"):
+            raise ValueError(f"ModelConfig.vae must be 'tiny' or 'identity', got {self.vae!r}")
+
+    @property
+    def latent_side(self) -> int:
+        return RESOLUTION if self.vae == "identity" else RESOLUTION // 2 ** (self.vae_levels - 1)
+
+    @property
+    def channels(self) -> int:
+        return 3 if self.vae == "identity" else self.latent_channels
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,8 +188,10 @@ def identity_vae() -> Any:
     return vae
 
 
-def build_pipeline(config: ModelConfig | None = None, seed: int = 0) -> Any:
-    """A ``StableDiffusion3Pipeline`` with freshly initialised transformer and text encoders (module docstring)."""
+def build_pipeline(config: ModelConfig | None = None, seed: int = 0, vae: Any = None) -> Any:
+    """A ``StableDiffusion3Pipeline`` with freshly initialised transformer and text encoders (module docstring);
+    ``vae`` is a trained autoencoder (:mod:`~mmrl.plugins.flow.shapes.autoencoder`), or a fresh one is built from
+    ``config`` (the pixel identity with ``config.vae == "identity"``)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     config = config or ModelConfig()
@@ -178,15 +205,19 @@ def build_pipeline(config: ModelConfig | None = None, seed: int = 0) -> Any:
         encoder_3 = t5_encoder(len(tokenizer_3), config)
         inner = config.width_per_head * config.heads
         transformer = SD3Transformer2DModel(
-            sample_size=RESOLUTION, patch_size=config.patch_size, in_channels=3, out_channels=3,
+            sample_size=config.latent_side, patch_size=config.patch_size, in_channels=config.channels,
+            out_channels=config.channels,
             num_layers=config.layers, attention_head_dim=config.width_per_head, num_attention_heads=config.heads,
             joint_attention_dim=2 * config.text_width, caption_projection_dim=inner,
-            pooled_projection_dim=2 * config.text_width, pos_embed_max_size=RESOLUTION // config.patch_size,
+            pooled_projection_dim=2 * config.text_width, pos_embed_max_size=config.latent_side // config.patch_size,
             qk_norm="rms_norm",
         )
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=config.scheduler_shift)
+        if vae is None:
+            vae = identity_vae() if config.vae == "identity" else build_autoencoder(
+                config.vae_width, config.latent_channels, config.vae_levels)
     return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=scheduler, vae=identity_vae(),
+        transformer=transformer, scheduler=scheduler, vae=vae,
         text_encoder=encoder, tokenizer=tokenizer, text_encoder_2=encoder_2, tokenizer_2=tokenizer_2,
         text_encoder_3=encoder_3, tokenizer_3=tokenizer_3,
     )

@@ -1,21 +1,23 @@
 """Pretrain the shapes world's text-to-image model with flow matching and write the pipeline folder.
 
-The committed checkpoint (``plugins/flow/shapes/assets/pipeline``) was made in two stages::
+The committed checkpoint (``plugins/flow/shapes/assets/pipeline``) was made by::
 
-    python -m mmrl.plugins.flow.shapes.pretrain --out /tmp/shapes-stage1 --steps 3000 --threads 1
-    python -m mmrl.plugins.flow.shapes.pretrain --init /tmp/shapes-stage1 \
-        --out plugins/flow/shapes/assets/pipeline --caption-noise 0.5 --steps 4000 --lr 5e-4 --warmup 100 \
-        --eval-every 1000 --threads 1
+    python -m mmrl.plugins.flow.shapes.autoencoder --out /tmp/shapes-vae
+    python -m mmrl.plugins.flow.shapes.pretrain --vae /tmp/shapes-vae --out plugins/flow/shapes/assets/pipeline \
+        --caption-noise 0.5 --steps 4000 --eval-every 1000 --threads 1
 
-(3,000 steps of 64 images with exact captions, then 4,000 with half of the captions wrong in one attribute; 26 + 33
-minutes on one core of a shared 2-core machine). ``pretrain.json`` in the folder records each stage's exact
-arguments, its loss and held-out scores along the way and its wall-clock (the first stage under
-``previous_stage``). Runs are deterministic for a seed and a thread count on one machine and torch build. The
-folder is rewritten (atomically) at every evaluation, so a long run can be stopped and its last evaluated weights
-used; ``--init`` continues from such a folder.
+(the autoencoder first, :mod:`~mmrl.plugins.flow.shapes.autoencoder`; then 4,000 steps of 64 images, half of them
+drawn from a caption with one attribute wrong; 8 + 22 minutes on one core each of a 2-core machine).
+``pretrain.json`` in the folder records the exact arguments, the loss and held-out scores along the way, the
+wall-clock and the autoencoder's own record (and, after ``--init``, the previous stage's record under
+``previous_stage``). Runs are deterministic for a seed and a thread count on one machine and torch build, and the
+learning rate is constant after warm-up, so the folder a longer run writes at step k is the folder of a
+``--steps k`` run. The folder is rewritten (atomically) at every evaluation, so a long run can be stopped and its
+last evaluated weights used; ``--init`` continues from such a folder. ``--vae identity`` builds the first, pixel-space
+model instead (docs/shapes.md, "History").
 
-Objective: rectified flow as SD3 trains it (Esser et al. 2024, arXiv:2403.03206): per image x0 (the pixels as
-latents z = 2p − 1, through the pipeline's identity VAE), σ ~ logit-normal(0, 1), ε ~ N(0, I),
+Objective: rectified flow as SD3 trains it (Esser et al. 2024, arXiv:2403.03206): per image x0 (its latents through
+the pipeline's frozen autoencoder, shifted and scaled to unit variance), σ ~ logit-normal(0, 1), ε ~ N(0, I),
 x_σ = (1 − σ)·x0 + σ·ε, and the transformer (given timestep 1000·σ) regresses the velocity ε − x0 with a mean
 squared error. The text encoders are trained with it, and 10% of the prompts are replaced by the empty prompt so
 that classifier-free guidance works (the plugin's negative prompt is ""). Images are rendered on the fly: every
@@ -76,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="Transformer patch side (with --init: the folder's).")
     parser.add_argument("--layers", type=int, default=ModelConfig.layers,
                         help="Transformer joint blocks (with --init: the folder's).")
+    parser.add_argument("--vae", default=None,
+                        help="A fresh model's autoencoder: a folder written by python -m "
+                             "mmrl.plugins.flow.shapes.autoencoder, or 'identity' for a pixel-space model (with "
+                             "--init: the folder's own).")
     parser.add_argument("--caption-noise", type=float, default=0.0,
                         help="Share of images drawn from a caption with one attribute wrong (world.corrupt_row).")
     parser.add_argument("--init", type=Path, default=None,
@@ -107,12 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     if not 0.0 <= args.caption_noise < 1.0:
         raise SystemExit(f"--caption-noise must be in [0, 1), got {args.caption_noise}")
-    previous = None
+    if args.init is not None and args.vae is not None:
+        raise SystemExit("--vae is for a fresh model; with --init the folder's autoencoder is kept")
+    previous, autoencoder_record = None, None
     if args.init is not None:
         pipeline, config, previous = _load(args.init)
     else:
-        config = ModelConfig(patch_size=args.patch_size, layers=args.layers)
-        pipeline = build_pipeline(config, seed=args.seed)
+        config, vae, autoencoder_record = _autoencoder(args)
+        config.patch_size, config.layers = args.patch_size, args.layers
+        pipeline = build_pipeline(config, seed=args.seed, vae=vae)
+    autoencoder_record = previous.get("autoencoder") if previous is not None else autoencoder_record
+    pipeline.vae.eval().requires_grad_(False)  # the autoencoder is trained before, by its own script
     trained = {"transformer": pipeline.transformer, "text_encoder": pipeline.text_encoder,
                "text_encoder_2": pipeline.text_encoder_2, "text_encoder_3": pipeline.text_encoder_3}
     parameters = [p for module in trained.values() for p in module.parameters()]
@@ -179,13 +190,35 @@ def main(argv: list[str] | None = None) -> int:
             log.append(record)
             tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
             # The EMA weights are the checkpoint; writing it at every evaluation keeps a long run's progress.
-            _write(pipeline, args, argv, config, log, time.perf_counter() - started, previous)
+            _write(pipeline, args, argv, config, log, time.perf_counter() - started, previous, autoencoder_record)
             _swap(pipeline, swapped)
 
     elapsed = time.perf_counter() - started
     print(f"wrote {args.out} in {elapsed / 60:.1f} min; held-out shapes score "
           f"{log[-1]['held_out/all']:.3f} (eval sampler: {args.eval_steps} steps, CFG {args.eval_guidance})")
     return 0
+
+
+def _autoencoder(args: argparse.Namespace) -> tuple[ModelConfig, Any, dict[str, Any] | None]:
+    """A fresh model's config, its trained autoencoder (None for the pixel identity) and the autoencoder's record
+    (``autoencoder.json``), from ``--vae``."""
+    from diffusers import AutoencoderTiny
+
+    if args.vae is None:
+        raise SystemExit("--vae is required for a fresh model: a folder written by python -m "
+                         "mmrl.plugins.flow.shapes.autoencoder, or 'identity'")
+    if args.vae == "identity":
+        return ModelConfig(vae="identity"), None, None
+    folder = Path(args.vae)
+    if not (folder / "autoencoder.json").is_file():
+        raise SystemExit(f"--vae {folder}: no autoencoder.json there; give a folder written by python -m "
+                         "mmrl.plugins.flow.shapes.autoencoder, or 'identity'")
+    vae = AutoencoderTiny.from_pretrained(str(folder))
+    record = json.loads((folder / "autoencoder.json").read_text())
+    levels = len(vae.config.encoder_block_out_channels)
+    config = ModelConfig(vae="tiny", vae_width=vae.config.encoder_block_out_channels[0], vae_levels=levels,
+                         latent_channels=vae.config.latent_channels)
+    return config, vae, record
 
 
 def _load(folder: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
@@ -201,7 +234,8 @@ def _load(folder: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
 
 
 def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, config: ModelConfig,
-           log: list[dict[str, Any]], elapsed: float, previous: dict[str, Any] | None = None) -> None:
+           log: list[dict[str, Any]], elapsed: float, previous: dict[str, Any] | None = None,
+           autoencoder: dict[str, Any] | None = None) -> None:
     """Save the pipeline (with the EMA weights swapped in) and ``pretrain.json`` into ``args.out``, atomically:
     a sibling temporary folder, then a rename. ``previous`` (the ``pretrain.json`` of an ``--init`` folder) is kept
     in it, so the record lists every stage of the checkpoint."""
@@ -221,6 +255,8 @@ def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, conf
         "machine": platform.machine(),
         "log": log,
     }
+    if autoencoder is not None:
+        summary["autoencoder"] = autoencoder
     if previous is not None:
         summary["previous_stage"] = previous
     (staging / "pretrain.json").write_text(json.dumps(summary, indent=1) + "\n")
