@@ -1,5 +1,5 @@
 # Two commands from a fresh clone (Python >= 3.10 and pip are all you need):
-#   make demo   -- install into .venv and run the main job
+#   make demo   -- install into .venv and run the main job (Flow-GRPO in the shapes world, docs/shapes.md)
 #   make test   -- install into .venv and run the test suite
 # torch and torchvision are installed first with TORCH_SPEC; override it for your platform or CUDA version, e.g.
 #   make test TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cpu"
@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
-.PHONY: install demo shapes test lint clean
+.PHONY: install demo shapes toy test lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -21,13 +21,17 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
+# The main job, the shapes world (docs/shapes.md): Flow-GRPO on a tiny text-to-image model, offline on the CPU,
+# then the report (score per task before/after, image grids, reward curve in runs/flow/shapes).
 demo: install
-	$(VENV)/bin/mmrl train configs/toy.yaml
-
-# The shapes world (docs/shapes.md): Flow-GRPO on a tiny text-to-image model, offline on the CPU, then the report.
-shapes: install
 	$(VENV)/bin/mmrl train configs/flow/shapes.yaml
 	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes
+
+shapes: demo
+
+# The reference plugin: GRPO on digit reversal, about a minute on a CPU.
+toy: install
+	$(VENV)/bin/mmrl train configs/toy.yaml
 
 test: install
 	$(PY) -m pytest -q
