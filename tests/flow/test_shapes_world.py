@@ -101,6 +101,18 @@ def test_corrupted_captions_change_exactly_one_attribute_and_fail_the_reward():
     assert repeat == [world.corrupt_row(row, np.random.default_rng(7)) for row in world.split()["test"]]
 
 
+def test_caption_noise_replaces_about_its_share_of_rows_and_keeps_their_captions():
+    rows = world.split()["train"]
+    rng = np.random.default_rng(3)
+    state = rng.bit_generator.state
+    assert world.with_caption_noise(rows, 0.0, rng) == rows
+    assert rng.bit_generator.state == state  # no noise: no draw, so the pretraining stream is unchanged
+    drawn = world.with_caption_noise(rows * 20, 0.5, rng)  # 2,700 rows
+    share = sum("corruption" in row for row in drawn) / len(drawn)
+    assert abs(share - 0.5) < 0.04, share
+    assert [row["prompt"] for row in drawn] == [row["prompt"] for row in rows * 20]
+
+
 def test_prompt_grammar():
     assert make_row("single_object", [("red", "circle", 1)])["prompt"] == "a red circle"
     assert make_row("counting", [("blue", "triangle", 3)])["prompt"] == "three blue triangles"
@@ -226,6 +238,9 @@ def test_autoencoder_script_trains_calibrates_and_saves(tmp_path):
     torch.manual_seed(0)
     log = autoencoder.train_autoencoder(fresh, steps=200, batch_size=8, progress=False)
     assert log[-1]["loss"] < 0.5 * log[0]["loss"], log
+    for bad in ({"steps": 0}, {"steps": 5, "caption_noise": 1.0}, {"steps": 5, "latent_noise": -0.1}):
+        with pytest.raises(ValueError, match="train_autoencoder"):
+            autoencoder.train_autoencoder(fresh, progress=False, **bad)
 
 
 def test_committed_autoencoder_reconstructs_what_the_reward_reads():

@@ -24,6 +24,7 @@ standard deviation (SD3's convention: the flow model sees (z − shift)·scale, 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -50,12 +51,15 @@ def build_autoencoder(width: int = 32, latent_channels: int = 8, levels: int = 3
     )
 
 
+def pixels(rows: list[dict[str, Any]], rng: np.random.Generator) -> torch.Tensor:
+    """``[N, 3, R, R]`` renderings of ``rows`` (a random layout each) in [0, 1]."""
+    return torch.from_numpy(world.sample_images(rows, rng)).permute(0, 3, 1, 2).float() / 255
+
+
 def _draw(rows: list[dict[str, Any]], count: int, caption_noise: float, rng: np.random.Generator) -> torch.Tensor:
     """``[count, 3, R, R]`` renderings in [0, 1] of random ``rows`` (one attribute changed with ``caption_noise``)."""
     picked = [rows[int(rng.integers(len(rows)))] for _ in range(count)]
-    picked = [world.corrupt_row(row, rng) if caption_noise and rng.random() < caption_noise else row
-              for row in picked]
-    return torch.from_numpy(world.sample_images(picked, rng)).permute(0, 3, 1, 2).float() / 255
+    return pixels(world.with_caption_noise(picked, caption_noise, rng), rng)
 
 
 def train_autoencoder(vae: Any, *, steps: int, batch_size: int = 32, lr: float = 3e-3, latent_noise: float = 0.05,
@@ -63,6 +67,11 @@ def train_autoencoder(vae: Any, *, steps: int, batch_size: int = 32, lr: float =
                       progress: bool = True) -> list[dict[str, float]]:
     """Train ``vae`` in place on renderings of the training compositions (module docstring); returns the loss
     every 100 steps as ``{"step", "loss"}`` records."""
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"train_autoencoder: steps and batch_size must be >= 1, got {steps} and {batch_size}")
+    if latent_noise < 0 or not 0 <= caption_noise < 1:
+        raise ValueError(f"train_autoencoder: latent_noise must be >= 0 and caption_noise in [0, 1), got "
+                         f"{latent_noise} and {caption_noise}")
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
     rows = world.training_rows()
@@ -85,7 +94,8 @@ def train_autoencoder(vae: Any, *, steps: int, batch_size: int = 32, lr: float =
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        running = loss.item() if math.isnan(running) else 0.98 * running + 0.02 * loss.item()
+        value = loss.item()
+        running = value if math.isnan(running) else 0.98 * running + 0.02 * value
         bar.set_postfix(loss=f"{running:.4f}")
         if step % 100 == 0 or step == steps:
             log.append({"step": step, "loss": running})
@@ -114,7 +124,7 @@ def reconstruction_scores(vae: Any, rows: list[dict[str, Any]], *, samples: int 
 
     rng = np.random.default_rng(seed)
     repeated = [row for row in rows for _ in range(samples)]
-    x = torch.from_numpy(world.sample_images(repeated, rng)).permute(0, 3, 1, 2).float() / 255
+    x = pixels(repeated, rng)
     z = vae.encoder(x * 2 - 1)
     noisy = z + 0.1 * z.std() * torch.randn(z.shape, generator=torch.Generator().manual_seed(seed))
     out = {}
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                             latent_noise=args.latent_noise, caption_noise=args.caption_noise, seed=args.seed,
                             progress=args.progress)
     record: dict[str, Any] = {"command": "python -m mmrl.plugins.flow.shapes.autoencoder " + " ".join(
-        argv if argv is not None else __import__("sys").argv[1:]), "args": {
+        argv if argv is not None else sys.argv[1:]), "args": {
         key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}}
     record.update(calibrate(vae))
     record.update(reconstruction_scores(vae, world.split()["test"]))

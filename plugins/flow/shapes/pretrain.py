@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mmrl.plugins.flow.shapes import world
+from mmrl.plugins.flow.shapes.autoencoder import pixels
 from mmrl.plugins.flow.shapes.model import ModelConfig, build_pipeline, encode_prompts, pixels_to_latents
 
 
@@ -115,14 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--caption-noise must be in [0, 1), got {args.caption_noise}")
     if args.init is not None and args.vae is not None:
         raise SystemExit("--vae is for a fresh model; with --init the folder's autoencoder is kept")
-    previous, autoencoder_record = None, None
+    previous = None
     if args.init is not None:
         pipeline, config, previous = _load(args.init)
+        autoencoder_record = previous.get("autoencoder")
     else:
         config, vae, autoencoder_record = _autoencoder(args)
-        config.patch_size, config.layers = args.patch_size, args.layers
         pipeline = build_pipeline(config, seed=args.seed, vae=vae)
-    autoencoder_record = previous.get("autoencoder") if previous is not None else autoencoder_record
     pipeline.vae.eval().requires_grad_(False)  # the autoencoder is trained before, by its own script
     trained = {"transformer": pipeline.transformer, "text_encoder": pipeline.text_encoder,
                "text_encoder_2": pipeline.text_encoder_2, "text_encoder_3": pipeline.text_encoder_3}
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in bar:
         rows = [_pick(rng, by_task, tasks) for _ in range(args.batch_size)]
         # With caption noise, some images are drawn from a row with one attribute changed; the caption stays.
-        drawn = [world.corrupt_row(row, rng) if args.caption_noise and rng.random() < args.caption_noise else row
-                 for row in rows]
-        images = torch.from_numpy(world.sample_images(drawn, rng)).permute(0, 3, 1, 2).float() / 255
+        images = pixels(world.with_caption_noise(rows, args.caption_noise, rng), rng)
         prompts = ["" if rng.random() < args.drop_prompt else row["prompt"] for row in rows]
         with torch.no_grad():
             x0 = pixels_to_latents(pipeline, images)
@@ -207,8 +205,9 @@ def _autoencoder(args: argparse.Namespace) -> tuple[ModelConfig, Any, dict[str, 
     if args.vae is None:
         raise SystemExit("--vae is required for a fresh model: a folder written by python -m "
                          "mmrl.plugins.flow.shapes.autoencoder, or 'identity'")
+    sizes = {"patch_size": args.patch_size, "layers": args.layers}
     if args.vae == "identity":
-        return ModelConfig(vae="identity"), None, None
+        return ModelConfig(vae="identity", **sizes), None, None
     folder = Path(args.vae)
     if not (folder / "autoencoder.json").is_file():
         raise SystemExit(f"--vae {folder}: no autoencoder.json there; give a folder written by python -m "
@@ -217,7 +216,7 @@ def _autoencoder(args: argparse.Namespace) -> tuple[ModelConfig, Any, dict[str, 
     record = json.loads((folder / "autoencoder.json").read_text())
     levels = len(vae.config.encoder_block_out_channels)
     config = ModelConfig(vae="tiny", vae_width=vae.config.encoder_block_out_channels[0], vae_levels=levels,
-                         latent_channels=vae.config.latent_channels)
+                         latent_channels=vae.config.latent_channels, **sizes)
     return config, vae, record
 
 

@@ -285,6 +285,15 @@ def corrupt_row(row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]
     return {**row, "objects": objects, "relation": relation, "corruption": kind}
 
 
+def with_caption_noise(rows: Sequence[dict[str, Any]], caption_noise: float,
+                       rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The rows to draw for ``rows``: each replaced, with probability ``caption_noise``, by its :func:`corrupt_row`
+    (the caption, ``row["prompt"]``, is the original's either way)."""
+    if not caption_noise:
+        return list(rows)
+    return [corrupt_row(row, rng) if rng.random() < caption_noise else row for row in rows]
+
+
 # ---------------------------------------------------------------------------------------------------------- split
 def object_types() -> list[tuple[str, str]]:
     """The 12 (colour, shape) object types."""
