@@ -302,7 +302,7 @@ def test_short_main_job_raises_the_reward_and_reports(tmp_path):
     certain for every seed, and the test pins the seed). The weights move, the first mini-batch of every step is on
     policy (ratio 1), and the report writes the score per task, the grids and the reward curve."""
     from mmrl.config import load_config
-    from mmrl.plugins.flow.shapes import report
+    from mmrl.plugins.flow.shapes import report, requirements
     from mmrl.trainer import Trainer
 
     rows = [row for row in world.split()["train"] if row["task"] == "position"][:8]
@@ -326,6 +326,10 @@ def test_short_main_job_raises_the_reward_and_reports(tmp_path):
     assert all(record["loss/first_step_ratio_deviation"] < 1e-4 for record in result.history)
     summary = report.report(run)
     assert summary["held_out_before"]["all"] == pytest.approx(start)
+    breakdown = requirements.compare(run, samples=1)
+    assert set(breakdown["before"]) == set(breakdown["after"]) == {"position", "all"}
+    assert breakdown["after"]["position"]["images"] == 8.0 and "position" in breakdown["after"]["position"]
+    assert json.loads((run / "requirements.json").read_text())["checkpoint"] == "step-00000025"
     assert summary["held_out_after"]["all"] == pytest.approx(end)
     assert set(summary["held_out_before"]) == {"position", "all"}
     for name in ("reward_curve.png", "grid_before.png", "grid_after.png", "summary.json"):
@@ -338,3 +342,64 @@ def test_report_refuses_a_run_whose_total_reward_is_not_the_shapes_score(tmp_pat
     _check_rewards({"rewards": {"functions": [{"name": "shapes", "weight": 1.0}]}}, tmp_path)
     with pytest.raises(ValueError, match=r"rewards.functions \[shapes\] alone; it has \['shapes', 'shape_fidelity'\]"):
         _check_rewards({"rewards": {"functions": [{"name": "shapes"}, {"name": "shape_fidelity"}]}}, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------- requirement means
+def test_requirement_means_tells_the_requirements_apart():
+    """Exact renderings meet every requirement; a relation drawn reversed under the original caption loses the
+    position requirement only (its score is 4/5), so the position task's means are count 1, colour 1, position 1/2,
+    all right 1/2, score (1 + 0.8) / 2."""
+    from mmrl.plugins.flow.shapes.autoencoder import pixels
+    from mmrl.plugins.flow.shapes.requirements import requirement_means
+
+    rows = world.split()["test"]
+    position = next(row for row in rows if row["task"] == "position")
+    single = next(row for row in rows if row["task"] == "single_object")
+    reverse = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
+    flipped = {**position, "relation": reverse[position["relation"]]}
+    images = pixels([position, flipped, single], np.random.default_rng(0))
+    means = requirement_means([position, position, single], images)
+    assert means["position"] == pytest.approx({"count": 1.0, "color": 1.0, "position": 0.5, "all_right": 0.5,
+                                               "score": 0.9, "images": 2.0})
+    assert means["single_object"] == pytest.approx({"count": 1.0, "color": 1.0, "all_right": 1.0, "score": 1.0,
+                                                    "images": 1.0})
+    assert means["all"]["images"] == 3.0 and means["all"]["position"] == 0.5
+    assert means["all"]["score"] == pytest.approx((1.0 + 0.8 + 1.0) / 3)
+    with pytest.raises(ValueError, match="2 rows for 3 images"):
+        requirement_means([position, single], images)
+    with pytest.raises(ValueError, match="non-finite"):
+        requirement_means([position, position, single], images.clone().index_fill_(0, torch.tensor([1]), float("nan")))
+
+
+def test_trained_weights_load_into_the_pipeline(tmp_path):
+    """A LoRA saved by the flow plugin changes the pipeline's transformer once loaded; a folder without weights
+    is refused with a one-line error naming both formats."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from mmrl.plugins.flow.plugin import LORA_WEIGHTS
+    from mmrl.plugins.flow.shapes.requirements import _load_trained
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(str(PIPELINE))
+    transformer = pipeline.transformer
+    side = transformer.config.sample_size
+    x = torch.randn(1, transformer.config.in_channels, side, side)
+    text = torch.randn(1, 24, transformer.config.joint_attention_dim)
+    pooled = torch.randn(1, transformer.config.pooled_projection_dim)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        base = transformer(x, text, pooled, t).sample
+    trained = StableDiffusion3Pipeline.from_pretrained(str(PIPELINE)).transformer
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
+    with torch.no_grad():
+        for name, value in trained.named_parameters():
+            if "lora_B" in name:
+                value.normal_(0.0, 0.1)
+    folder = tmp_path / "policy"
+    StableDiffusion3Pipeline.save_lora_weights(str(folder), transformer_lora_layers=get_peft_model_state_dict(trained),
+                                               weight_name=LORA_WEIGHTS)
+    _load_trained(pipeline, folder)
+    with torch.no_grad():
+        assert not torch.allclose(pipeline.transformer(x, text, pooled, t).sample, base)
+    with pytest.raises(FileNotFoundError, match="neither .* nor trainable.safetensors"):
+        _load_trained(pipeline, tmp_path)
