@@ -195,6 +195,12 @@ class FlowPluginConfig:
             raise ConfigError("plugin.window_range", self.window_range, "two integers [lo, hi]")
         return int(self.window_range[0]), int(self.window_range[1])
 
+    def resolved_guidance_scales(self, adapter_default: float) -> tuple[float, float]:
+        """(rollout, evaluation) guidance scales: ``guidance_scale`` (null: ``adapter_default``, the adapter's) and
+        ``eval_guidance_scale`` (null: the rollout's)."""
+        rollout = adapter_default if self.guidance_scale is None else self.guidance_scale
+        return rollout, rollout if self.eval_guidance_scale is None else self.eval_guidance_scale
+
 
 class FlowPlugin(Plugin):
     """Group-relative RL for diffusers flow-matching text-to-image models (Flow-GRPO, DanceGRPO, Flow-GRPO-Fast, and
@@ -223,10 +229,7 @@ class FlowPlugin(Plugin):
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
                               "through the model's guidance embedding, without an unconditional pass")
-        self.guidance_scale = adapter.default_guidance_scale if config.guidance_scale is None \
-            else config.guidance_scale
-        self.eval_guidance_scale = self.guidance_scale if config.eval_guidance_scale is None \
-            else config.eval_guidance_scale
+        self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(adapter.default_guidance_scale)
         self.max_sequence_length = config.max_sequence_length or adapter.default_max_sequence_length
 
         transformer = adapter.transformer

@@ -330,6 +330,8 @@ def test_short_main_job_raises_the_reward_and_reports(tmp_path):
     assert set(breakdown["before"]) == set(breakdown["after"]) == {"position", "all"}
     assert breakdown["after"]["position"]["images"] == 8.0 and "position" in breakdown["after"]["position"]
     assert json.loads((run / "requirements.json").read_text())["checkpoint"] == "step-00000025"
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint 'step-9'; it has \['step-00000025'\]"):
+        requirements.compare(run, checkpoint="step-9")
     assert summary["held_out_after"]["all"] == pytest.approx(end)
     assert set(summary["held_out_before"]) == {"position", "all"}
     for name in ("reward_curve.png", "grid_before.png", "grid_after.png", "summary.json"):
@@ -372,8 +374,9 @@ def test_requirement_means_tells_the_requirements_apart():
 
 
 def test_trained_weights_load_into_the_pipeline(tmp_path):
-    """A LoRA saved by the flow plugin changes the pipeline's transformer once loaded; a folder without weights
-    is refused with a one-line error naming both formats."""
+    """A LoRA saved in diffusers' format changes the pipeline's transformer once loaded, full fine-tuning weights
+    replace the transformer's tensors, and a folder without weights or with foreign tensors is refused with a
+    one-line error."""
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
@@ -403,3 +406,16 @@ def test_trained_weights_load_into_the_pipeline(tmp_path):
         assert not torch.allclose(pipeline.transformer(x, text, pooled, t).sample, base)
     with pytest.raises(FileNotFoundError, match="neither .* nor trainable.safetensors"):
         _load_trained(pipeline, tmp_path)
+    # Full fine-tuning: the base plugin's trainable.safetensors, keyed by the transformer's parameter names.
+    from safetensors.torch import save_file
+
+    name, value = next(iter(StableDiffusion3Pipeline.from_pretrained(str(PIPELINE)).transformer.named_parameters()))
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({name: value.detach() + 1.0}, str(full / "trainable.safetensors"))
+    plain = StableDiffusion3Pipeline.from_pretrained(str(PIPELINE))
+    _load_trained(plain, full)
+    assert torch.equal(dict(plain.transformer.named_parameters())[name], value.detach() + 1.0)
+    save_file({"transformer." + name: value.detach()}, str(full / "trainable.safetensors"))
+    with pytest.raises(ValueError, match="1 tensors are not the transformer's"):
+        _load_trained(plain, full)

@@ -89,41 +89,37 @@ def compare(run: str | Path, *, samples: int = 8, seed: int = 0, checkpoint: str
         seed: noise seed (sample k of the batch uses ``seed + k``).
         checkpoint: a ``checkpoints/step-*`` folder name, or ``"latest"``.
     """
-    import yaml
     from diffusers import StableDiffusion3Pipeline
 
-    from mmrl.plugins.flow.shapes.report import _task_of
+    from mmrl.config import load_config
+    from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
+    from mmrl.plugins.flow.plugin import _load_rows
     from mmrl.plugins.flow.shapes.sampling import sample
+    from mmrl.trainer.checkpoint import checkpoints_dir, list_checkpoints, resolve
 
     run = Path(run)
     if samples < 1:
         raise ValueError(f"requirements: samples must be >= 1, got {samples}")
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    plugin = config["plugin"]
-    tasks = _task_of(run)
-    if not tasks:
-        raise FileNotFoundError(f"{run}: its config names no evaluation dataset with the world's metadata")
-    source = Path(plugin.get("eval_dataset") or plugin["dataset"])
-    path = source / "test_metadata.jsonl" if source.is_dir() else source
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if checkpoint == "latest":
-        pointer = run / "checkpoints" / "latest"
-        if not pointer.is_file():
-            raise FileNotFoundError(f"{run}: no checkpoints/latest (was run.save_every 0 and the run unfinished?)")
-        checkpoint = pointer.read_text().strip()
-    policy = run / "checkpoints" / checkpoint / "policy"
-    if not policy.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder {policy}")
+    plugin = load_config(run / "config.yaml").plugin.config  # the run's FlowPluginConfig, defaults filled in
+    rows = _load_rows(plugin, "eval")
+    if not rows:
+        raise FileNotFoundError(f"{run}: its config names no evaluation prompts")
+    complete = list_checkpoints(run)
+    found = resolve("latest", run) if checkpoint == "latest" else checkpoints_dir(run) / checkpoint
+    if found not in complete:
+        raise FileNotFoundError(f"{run}: no complete checkpoint {checkpoint!r}; it has "
+                                f"{[path.name for path in complete] or 'none'} (or 'latest')")
+    policy = found / "policy"
     repeated = [row for row in rows for _ in range(samples)]
     prompts = [row["prompt"] for row in repeated]
-    options = {"num_steps": int(plugin.get("eval_num_steps") or plugin.get("num_steps", 20)),
-               "guidance_scale": float(plugin.get("guidance_scale") or 4.5), "seed": seed,
-               "max_sequence_length": int(plugin.get("max_sequence_length") or 12)}
-    pipeline = StableDiffusion3Pipeline.from_pretrained(plugin["model"])
+    options = {"num_steps": plugin.eval_num_steps, "seed": seed,  # the trainer's evaluation sampler
+               "guidance_scale": plugin.resolved_guidance_scales(SD3Adapter.default_guidance_scale)[1],
+               "max_sequence_length": plugin.max_sequence_length or SD3Adapter.default_max_sequence_length}
+    pipeline = StableDiffusion3Pipeline.from_pretrained(plugin.model)
     before = requirement_means(repeated, sample(pipeline, prompts, **options))
     _load_trained(pipeline, policy)
     after = requirement_means(repeated, sample(pipeline, prompts, **options))
-    result = {"run": str(run), "checkpoint": checkpoint, "samples_per_prompt": samples, "seed": seed,
+    result = {"run": str(run), "checkpoint": found.name, "samples_per_prompt": samples, "seed": seed,
               "before": before, "after": after}
     (run / "requirements.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -152,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    result = compare(args.run, samples=args.samples, seed=args.seed, checkpoint=args.checkpoint)
+    try:
+        result = compare(args.run, samples=args.samples, seed=args.seed, checkpoint=args.checkpoint)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"requirements: {error}") from None
     print(f"requirement scores, pretrained -> {result['checkpoint']} ({args.samples} images per prompt, same noise):")
     print(format_table(result))
     print(f"wrote {args.run / 'requirements.json'}")
