@@ -262,6 +262,33 @@ def test_nan_rewards_can_be_skipped(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in result.history)
 
 
+@reward_functions.register("test_length_parity")
+def _length_parity(batch):
+    return [float(len(prompt) % 2) for prompt in batch.prompts]
+
+
+def test_evaluation_can_be_scored_by_its_own_rewards(tmp_path):
+    config = toy_config(tmp_path, "run.max_steps=1", "eval.at_start=true",
+                        "eval.rewards=[{name: test_length_parity, weight: 2.0}]")
+    result = Trainer(config).train()
+    rows = Trainer(toy_config(tmp_path / "rows")).eval_rows
+    parity = _mean([len(row["prompt"]) % 2 for row in rows])  # one sample per held-out prompt
+    for metrics in result.evaluations.values():
+        assert metrics["eval/test_length_parity_mean"] == pytest.approx(parity)
+        assert metrics["eval/reward_mean"] == pytest.approx(2.0 * parity)
+        assert "eval/token_accuracy_mean" not in metrics
+    assert "reward/token_accuracy_mean" in result.history[0]  # training still scores rewards.functions
+    assert "reward/test_length_parity_mean" not in result.history[0]
+
+
+@pytest.mark.parametrize("value, match", [("[]", "eval.rewards"), ("[{name: nope}]", "eval.rewards\\[0\\].name")])
+def test_bad_evaluation_rewards_are_named(tmp_path, value, match):
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        toy_config(tmp_path, f"eval.rewards={value}")
+
+
 def test_a_plugin_that_breaks_the_rollout_contract_is_named(tmp_path, monkeypatch):
     trainer = Trainer(toy_config(tmp_path))
     original = trainer.plugin.rollout

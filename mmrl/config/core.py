@@ -214,6 +214,15 @@ class EvalConfig:
     num_prompts: int | None = config_field(None, minimum=1, help="Held-out prompts to use (null: all).")
     samples_per_prompt: int = config_field(1, minimum=1, help="Samples per held-out prompt.")
     save_samples: bool = config_field(True, help="Write the evaluation samples to the run folder.")
+    rewards: list[RewardSpec] | None = config_field(
+        None, help="The rewards that score the held-out evaluation, as rewards.functions (null: the training "
+        "rewards). Lets a run train on a shaped reward and report the metric it is judged by; rewards.on_nonfinite "
+        "and the scoring workers apply to both.",
+    )
+
+    def validate(self, path: str) -> None:
+        if self.rewards is not None and not self.rewards:
+            raise ConfigError(f"{path}.rewards", [], "null (the training rewards) or at least one reward")
 
 
 @dataclass

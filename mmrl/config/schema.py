@@ -179,6 +179,8 @@ def _convert_type(value: Any, annotation: Any, key: str) -> Any:
             try:
                 return _convert_type(value, option, key)
             except ConfigError as error:
+                if len(args) == 2 and type(None) in args and error.key != key:  # `X | None` failing inside X
+                    raise
                 errors.append(error.allowed)
         raise ConfigError(key, value, " or ".join(errors + (["null"] if type(None) in args else [])))
     if origin is Literal:

@@ -132,16 +132,18 @@ class Collector:
         out.update(reduce_means(rollout_means, acc.num_processes))
         return TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
 
-    def sample_and_score(self, policy: torch.nn.Module, batch: PromptBatch, timings: dict[str, float]
-                         ) -> tuple[Rollout, ScoredBatch]:
-        """Sample ``batch`` in plugin calls of ``rollout.batch_size`` samples and score it.
+    def sample_and_score(self, policy: torch.nn.Module, batch: PromptBatch, timings: dict[str, float],
+                         scorer: RewardScorer | None = None) -> tuple[Rollout, ScoredBatch]:
+        """Sample ``batch`` in plugin calls of ``rollout.batch_size`` samples and score it with ``scorer`` (default:
+        the training rewards; the evaluation passes its own when ``eval.rewards`` is set).
 
         With ``rewards.async_scoring`` each chunk is scored in the reward worker pool while the next chunk is
         sampled; the scores are the same as synchronous scoring. Group-wise rewards need whole groups, so a scorer
         with one is always called on the whole batch.
         """
+        scorer = self.scorer if scorer is None else scorer
         size = self.config.rollout.batch_size or len(batch) or 1
-        overlap = self.config.rewards.async_scoring and not self.scorer.groupwise
+        overlap = self.config.rewards.async_scoring and not scorer.groupwise
         parts, futures = [], []
         tick = time.perf_counter()
         for chunk in chunks(list(range(len(batch))), size):
@@ -154,7 +156,7 @@ class Collector:
             part = self.rollout(policy, sub)
             parts.append(part)
             if overlap:
-                futures.append(self.scorer.submit(RewardInput(part.rows, part.payload, part.group_ids)))
+                futures.append(scorer.submit(RewardInput(part.rows, part.payload, part.group_ids)))
         timings["rollout"] = timings.get("rollout", 0.0) + time.perf_counter() - tick
         tick = time.perf_counter()
         if len(parts) == 1:
@@ -168,7 +170,7 @@ class Collector:
         if overlap:
             scored = ScoredBatch.concat([future.result() for future in futures])
         else:
-            scored = self.scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
+            scored = scorer.score(RewardInput(rollout.rows, rollout.payload, rollout.group_ids))
         timings["reward"] = timings.get("reward", 0.0) + time.perf_counter() - tick
         return rollout, scored
 

@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,9 @@ class Trainer:
             acc.gradient_accumulation_steps = chunked.backward_passes
         self.scorer = RewardScorer.from_config(config.rewards)
         self.weights = self.scorer.weights
+        # The held-out evaluation may be judged by other rewards than the ones trained on (eval.rewards).
+        self.eval_scorer = (self.scorer if config.eval.rewards is None
+                            else RewardScorer.from_config(replace(config.rewards, functions=config.eval.rewards)))
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
             raise ConfigError("rollout.layout", "spread",
                               "'contiguous' when a group-wise reward is used on several processes")
@@ -195,6 +198,7 @@ class Trainer:
                 self.save_checkpoint()
         result.step = self.step
         self.scorer.close()
+        self.eval_scorer.close()
         if config.run.trackers:
             acc.end_training()
         acc.wait_for_everyone()
@@ -225,7 +229,8 @@ class Trainer:
         total = len(rows) * per_prompt
         mine = list(range(acc.process_index, total, acc.num_processes))
         rollout: Rollout | None = None
-        scores, valid = torch.zeros(0, len(self.weights)), torch.zeros(0, dtype=torch.bool)
+        scorer = self.eval_scorer
+        scores, valid = torch.zeros(0, len(scorer.weights)), torch.zeros(0, dtype=torch.bool)
         context = self.ema.swapped_in() if self.ema is not None and config.ema.use_for_eval else nullcontext()
         with context:
             self.policy.eval()
@@ -240,18 +245,18 @@ class Trainer:
                     step=self.step,
                     max_steps=config.run.max_steps,
                 )
-                rollout, scored = self.collector.sample_and_score(self.policy, batch, {})
+                rollout, scored = self.collector.sample_and_score(self.policy, batch, {}, scorer)
                 scores, valid = scored.scores, scored.valid
             self.policy.train()
-        combined = scores @ self.weights if scores.numel() else torch.zeros(0)
+        combined = scores @ scorer.weights if scores.numel() else torch.zeros(0)
         gathered = gather_object([(scores.tolist(), valid.tolist())])
         all_scores = [row for part, _ in gathered for row in part]
         all_valid = [flag for _, part in gathered for flag in part]
         metrics: dict[str, float] = {}
         if all_scores:
             table = torch.tensor(all_scores, dtype=torch.float64)[torch.tensor(all_valid, dtype=torch.bool)]
-            metrics["eval/reward_mean"] = float((table.float() @ self.weights).mean()) if len(table) else math.nan
-            for k, name in enumerate(self.scorer.names):
+            metrics["eval/reward_mean"] = float((table.float() @ scorer.weights).mean()) if len(table) else math.nan
+            for k, name in enumerate(scorer.names):
                 metrics[f"eval/{name}_mean"] = float(table[:, k].mean()) if len(table) else math.nan
         metrics["eval/samples"] = float(len(all_scores))
         metrics["time/eval"] = time.perf_counter() - started

@@ -342,8 +342,16 @@ def test_report_refuses_a_run_whose_total_reward_is_not_the_shapes_score(tmp_pat
     from mmrl.plugins.flow.shapes.report import _check_rewards
 
     _check_rewards({"rewards": {"functions": [{"name": "shapes", "weight": 1.0}]}}, tmp_path)
-    with pytest.raises(ValueError, match=r"rewards.functions \[shapes\] alone; it has \['shapes', 'shape_fidelity'\]"):
+    with pytest.raises(ValueError, match=r"rewards.functions must be \[shapes\] alone; it has \['shapes', 'shape_"):
         _check_rewards({"rewards": {"functions": [{"name": "shapes"}, {"name": "shape_fidelity"}]}}, tmp_path)
+    strict = [{"name": "shapes", "weight": 1.0, "args": {"strict": True}}]
+    with pytest.raises(ValueError, match=r"rewards.functions's shapes needs weight 1 and strict false"):
+        _check_rewards({"rewards": {"functions": strict}}, tmp_path)
+    # A run may train on another reward when its evaluation is scored by the shapes score (eval.rewards).
+    _check_rewards({"rewards": {"functions": strict}, "eval": {"rewards": [{"name": "shapes"}]}}, tmp_path)
+    with pytest.raises(ValueError, match=r"eval.rewards's shapes needs weight 1"):
+        _check_rewards({"rewards": {"functions": strict}, "eval": {"rewards": [{"name": "shapes", "weight": 2}]}},
+                       tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------- requirement means

@@ -32,13 +32,22 @@ def _eval_folders(run: Path) -> list[Path]:
 
 
 def _check_rewards(config: dict[str, Any], run: Path) -> None:
-    """The grids and eval.jsonl carry the run's total reward: it is the shapes score only when ``shapes`` is the
-    run's one reward (a dense companion such as ``shape_fidelity`` would be added into it)."""
-    functions = config.get("rewards", {}).get("functions", [])
-    names = [item.get("name") if isinstance(item, dict) else item for item in functions]
+    """The grids and eval.jsonl carry the evaluation's total reward: it is the shapes score only when the evaluation
+    is scored by ``shapes`` alone, with partial credit and weight 1 (a dense companion such as ``shape_fidelity``
+    would be added into it). The evaluation's rewards are ``eval.rewards``, or the training rewards without it."""
+    own = (config.get("eval") or {}).get("rewards")
+    key = "eval.rewards" if own is not None else "rewards.functions"
+    functions = own if own is not None else (config.get("rewards") or {}).get("functions", [])
+    specs = [item if isinstance(item, dict) else {"name": item} for item in functions]
+    names = [spec.get("name") for spec in specs]
     if names != ["shapes"]:
-        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so the run must "
-                         f"have rewards.functions [shapes] alone; it has {names}")
+        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so the run's "
+                         f"{key} must be [shapes] alone; it has {names}")
+    spec = specs[0]
+    if float(spec.get("weight", 1.0)) != 1.0 or (spec.get("args") or {}).get("strict", False):
+        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so {key}'s "
+                         f"shapes needs weight 1 and strict false; it has weight {spec.get('weight', 1.0)}, args "
+                         f"{spec.get('args') or {}}")
 
 
 def _task_of(run: Path) -> dict[str, str]:
