@@ -253,9 +253,9 @@ def test_save_samples_writes_prompts_outputs_and_rewards(lora_plugins, tmp_path)
     ({"min_pixels": 5000, "max_pixels": 4000}, "plugin.max_pixels", "at least min_pixels"),
     ({"data": {}}, "plugin.data.train", "exactly one of train"),
     ({"data": {"train": "a.jsonl", "synthetic": {}}}, "plugin.data.train", "exactly one of train"),
-    ({"data": {"synthetic": {"tasks": ["ocr"]}}}, "plugin.data.synthetic", "'grounding', 'counting'"),
+    ({"data": {"synthetic": {"tasks": ["ocr"]}}}, "plugin.data.synthetic.tasks[0]", "'grounding', 'counting'"),
     ({"top_p": 0.0}, "plugin.top_p", "> 0.0"),
-    ({"lora": {"rank": 0}}, "plugin.lora", ">= 1"),  # the schema reports optional sections at their own key
+    ({"lora": {"rank": 0}}, "plugin.lora.rank", ">= 1"),  # an optional section names its nested key that failed
 ])
 def test_config_errors_name_the_key(overrides, key, allowed):
     options = plugin_options("unused", **overrides)
