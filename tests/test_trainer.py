@@ -270,9 +270,9 @@ def _length_parity(batch):
 def test_evaluation_can_be_scored_by_its_own_rewards(tmp_path):
     config = toy_config(tmp_path, "run.max_steps=1", "eval.at_start=true",
                         "eval.rewards=[{name: test_length_parity, weight: 2.0}]")
-    result = Trainer(config).train()
-    rows = Trainer(toy_config(tmp_path / "rows")).eval_rows
-    parity = _mean([len(row["prompt"]) % 2 for row in rows])  # one sample per held-out prompt
+    trainer = Trainer(config)
+    result = trainer.train()
+    parity = _mean([len(row["prompt"]) % 2 for row in trainer.eval_rows])  # one sample per held-out prompt
     for metrics in result.evaluations.values():
         assert metrics["eval/test_length_parity_mean"] == pytest.approx(parity)
         assert metrics["eval/reward_mean"] == pytest.approx(2.0 * parity)
