@@ -250,8 +250,12 @@ def _nan_reward(batch):
 
 def test_nan_rewards_stop_the_run_naming_the_reward(tmp_path):
     config = toy_config(tmp_path, "rewards.functions=[{name: token_accuracy}, {name: test_nan_for_even_samples}]")
+    trainer = Trainer(config)
     with pytest.raises(RewardError, match="test_nan_for_even_samples"):
-        Trainer(config).train()
+        trainer.train()
+    for scorer in (trainer.scorer, trainer.eval_scorer):  # a run that ends in an error still stops its workers
+        with pytest.raises(RewardError, match="after close"):
+            scorer.submit(None)
 
 
 def test_nan_rewards_can_be_skipped(tmp_path):

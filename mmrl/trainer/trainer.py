@@ -169,36 +169,38 @@ class Trainer:
         if config.run.trackers:
             acc.init_trackers(config.run.project_name, config=_flat_scalars(to_dict(config)))
         result = TrainResult(step=self.step)
-        if config.eval.at_start and self.step == 0:
-            result.evaluations[0] = self.evaluate()
-        bar = tqdm(total=config.run.max_steps, initial=self.step, desc="mmrl", dynamic_ncols=True,
-                   disable=not (acc.is_main_process and config.run.progress))
-        with self._signals():
-            while self.step < config.run.max_steps:
-                metrics = self.training_step()
-                self.step += 1
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-                if self.step % config.run.log_every == 0 or self.step == config.run.max_steps:
-                    self.writer.write(self.step, metrics)
-                    result.history.append({"step": self.step, **metrics})
-                eval_due = config.eval.every and self.step % config.eval.every == 0
-                if eval_due and self.step < config.run.max_steps:
-                    result.evaluations[self.step] = self.evaluate()
-                if self._should_stop():
+        try:
+            if config.eval.at_start and self.step == 0:
+                result.evaluations[0] = self.evaluate()
+            bar = tqdm(total=config.run.max_steps, initial=self.step, desc="mmrl", dynamic_ncols=True,
+                       disable=not (acc.is_main_process and config.run.progress))
+            with self._signals():
+                while self.step < config.run.max_steps:
+                    metrics = self.training_step()
+                    self.step += 1
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+                    if self.step % config.run.log_every == 0 or self.step == config.run.max_steps:
+                        self.writer.write(self.step, metrics)
+                        result.history.append({"step": self.step, **metrics})
+                    eval_due = config.eval.every and self.step % config.eval.every == 0
+                    if eval_due and self.step < config.run.max_steps:
+                        result.evaluations[self.step] = self.evaluate()
+                    if self._should_stop():
+                        self.save_checkpoint()
+                        result.stopped_early = True
+                        break
+                    if config.run.save_every and self.step % config.run.save_every == 0:
+                        self.save_checkpoint()
+            bar.close()
+            if not result.stopped_early:
+                result.evaluations[self.step] = self.evaluate()
+                if not (config.run.save_every and self.step % config.run.save_every == 0):
                     self.save_checkpoint()
-                    result.stopped_early = True
-                    break
-                if config.run.save_every and self.step % config.run.save_every == 0:
-                    self.save_checkpoint()
-        bar.close()
-        if not result.stopped_early:
-            result.evaluations[self.step] = self.evaluate()
-            if not (config.run.save_every and self.step % config.run.save_every == 0):
-                self.save_checkpoint()
-        result.step = self.step
-        self.scorer.close()
-        self.eval_scorer.close()
+            result.step = self.step
+        finally:  # reward worker pools stop however training ends (an error, an interrupt, a normal end)
+            self.scorer.close(wait=False)
+            self.eval_scorer.close(wait=False)
         if config.run.trackers:
             acc.end_training()
         acc.wait_for_everyone()
