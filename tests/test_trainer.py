@@ -369,3 +369,16 @@ def test_a_skipped_sample_does_not_give_its_group_a_spread(tmp_path):
     advantages, keep, _ = trainer.collector.credit(rollout, scores, valid)
     assert keep.tolist() == [False] * 4 + [True] * 4
     assert advantages[:4].abs().sum() == 0
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 8])
+def test_each_evaluation_prompt_is_scored_whole_on_one_process(processes):
+    from mmrl.trainer.trainer import evaluation_share
+
+    prompts, per_prompt = 7, 4
+    shares = [evaluation_share(prompts, per_prompt, rank, processes) for rank in range(processes)]
+    assert sorted(k for share in shares for k in share) == list(range(prompts * per_prompt))  # each sample once
+    for share in shares:  # a group-wise eval reward sees every sample of its group on one process
+        owned = {k // per_prompt for k in share}
+        assert sorted(share) == [p * per_prompt + j for p in sorted(owned) for j in range(per_prompt)]
+    assert shares[0] == list(range(prompts * per_prompt)) if processes == 1 else len(shares[0]) < prompts * per_prompt

@@ -228,8 +228,7 @@ class Trainer:
         started = time.perf_counter()
         rows = self.eval_rows[: config.eval.num_prompts] if config.eval.num_prompts else self.eval_rows
         per_prompt = config.eval.samples_per_prompt
-        total = len(rows) * per_prompt
-        mine = list(range(acc.process_index, total, acc.num_processes))
+        mine = evaluation_share(len(rows), per_prompt, acc.process_index, acc.num_processes)
         rollout: Rollout | None = None
         scorer = self.eval_scorer
         scores, valid = torch.zeros(0, len(scorer.weights)), torch.zeros(0, dtype=torch.bool)
@@ -379,3 +378,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
     ckpt.write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+def evaluation_share(num_prompts: int, samples_per_prompt: int, process_index: int, num_processes: int) -> list[int]:
+    """The evaluation samples (indices ``prompt * samples_per_prompt + j``) one process rolls out.
+
+    Whole prompts are dealt out in turn, so every sample of a prompt is scored on one process: a group-wise reward
+    (one call per group) then sees the whole group in the evaluation too. Each sample's noise is seeded from its
+    index, so the scores do not depend on how many processes share the work.
+    """
+    return [prompt * samples_per_prompt + j for prompt in range(process_index, num_prompts, num_processes)
+            for j in range(samples_per_prompt)]
