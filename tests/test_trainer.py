@@ -382,3 +382,14 @@ def test_each_evaluation_prompt_is_scored_whole_on_one_process(processes):
         owned = {k // per_prompt for k in share}
         assert sorted(share) == [p * per_prompt + j for p in sorted(owned) for j in range(per_prompt)]
     assert shares[0] == list(range(prompts * per_prompt)) if processes == 1 else len(shares[0]) < prompts * per_prompt
+
+
+def test_a_plugin_without_held_out_prompts_is_refused_before_training(tmp_path, monkeypatch):
+    """Every run evaluates at its end: an empty 'eval' split would report no samples and a NaN score."""
+    from mmrl.config import ConfigError
+    from mmrl.plugins.toy.plugin import ToyPlugin
+
+    original = ToyPlugin.dataset
+    monkeypatch.setattr(ToyPlugin, "dataset", lambda self, split: [] if split == "eval" else original(self, split))
+    with pytest.raises(ConfigError, match="empty 'eval' split"):
+        Trainer(toy_config(tmp_path))

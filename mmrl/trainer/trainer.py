@@ -106,6 +106,10 @@ class Trainer:
                               "'contiguous' when a group-wise reward is used on several processes")
         self.train_rows = list(self.plugin.dataset("train"))
         self.eval_rows = list(self.plugin.dataset("eval"))
+        if not self.eval_rows:  # the run evaluates at its end at least: an empty split would report nothing
+            raise ConfigError("plugin", f"{config.plugin.name} with an empty 'eval' split",
+                              "held-out prompts (every run is evaluated at its end): set the plugin's evaluation "
+                              "prompts, see `mmrl explain`")
         self.stream = PromptStream(len(self.train_rows), seed=config.run.seed)
 
         policy = self.plugin.policy()
