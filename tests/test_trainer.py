@@ -393,3 +393,11 @@ def test_a_plugin_without_held_out_prompts_is_refused_before_training(tmp_path, 
     monkeypatch.setattr(ToyPlugin, "dataset", lambda self, split: [] if split == "eval" else original(self, split))
     with pytest.raises(ConfigError, match="empty 'eval' split"):
         Trainer(toy_config(tmp_path))
+
+
+def test_evaluation_rewards_equal_to_the_training_ones_share_their_scorer(tmp_path):
+    same = Trainer(toy_config(tmp_path / "same", "eval.rewards=[{name: token_accuracy}]"))
+    assert same.eval_scorer is same.scorer  # a reward model would otherwise be loaded twice
+    other = Trainer(toy_config(tmp_path / "other", "eval.rewards=[{name: token_accuracy, weight: 2.0}]"))
+    assert other.eval_scorer is not other.scorer
+    assert other.eval_scorer.weights.tolist() == [2.0]

@@ -99,7 +99,9 @@ class Trainer:
         self.scorer = RewardScorer.from_config(config.rewards)
         self.weights = self.scorer.weights
         # The held-out evaluation may be judged by other rewards than the ones trained on (eval.rewards).
-        self.eval_scorer = (self.scorer if config.eval.rewards is None
+        # eval.rewards naming the training rewards again reuses their scorer (a reward model is loaded once).
+        same = config.eval.rewards is None or config.eval.rewards == config.rewards.functions
+        self.eval_scorer = (self.scorer if same
                             else RewardScorer.from_config(replace(config.rewards, functions=config.eval.rewards)))
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
             raise ConfigError("rollout.layout", "spread",
