@@ -86,7 +86,7 @@ class FlowPluginConfig:
                                        ref="Flow-GRPO eval: 40 (SD3.5), 28 (FLUX)")
     guidance_scale: float | None = config_field(
         None, minimum=0.0, help="Guidance of training rollouts (true CFG scale, or FLUX's guidance embedding). "
-        "Null: the adapter's default (SD3 4.5, FLUX 3.5).", ref="Flow-GRPO: 4.5 (SD3.5)",
+        "Null: the adapter's default (SD3 4.5, or 1.0 with cfg false; FLUX 3.5).", ref="Flow-GRPO: 4.5 (SD3.5)",
     )
     eval_guidance_scale: float | None = config_field(None, minimum=0.0, help="Guidance at evaluation (null: "
                                                      "guidance_scale).")
@@ -229,7 +229,15 @@ class FlowPlugin(Plugin):
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
                               "through the model's guidance embedding, without an unconditional pass")
-        self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(adapter.default_guidance_scale)
+        default_guidance = adapter.default_guidance_scale
+        if adapter.supports_cfg and not self.cfg:  # guidance is the CFG pass's scale: without it there is none
+            for key in ("guidance_scale", "eval_guidance_scale"):
+                value = getattr(config, key)
+                if value is not None and value != 1.0:
+                    raise ConfigError(f"plugin.{key}", value, f"null or 1.0 with plugin.cfg false: the {adapter.name} "
+                                      "model is guided only through the unconditional pass that cfg: false turns off")
+            default_guidance = 1.0
+        self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(default_guidance)
         self.max_sequence_length = config.max_sequence_length or adapter.default_max_sequence_length
 
         transformer = adapter.transformer

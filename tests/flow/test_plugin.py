@@ -260,6 +260,17 @@ def test_cfg_is_refused_for_a_guidance_distilled_model(make_plugin):
         make_plugin("flux", cfg=True)
 
 
+def test_a_guidance_scale_without_the_cfg_pass_is_refused(make_plugin):
+    """SD3 is guided only by the unconditional pass: cfg false with a scale other than 1 would be silently unguided."""
+    for key in ("guidance_scale", "eval_guidance_scale"):
+        with pytest.raises(ConfigError, match=f"plugin.{key}"):
+            make_plugin("sd3", cfg=False, **{key: 4.5})
+    plugin = make_plugin("sd3", cfg=False)  # null resolves to 1.0 (the adapter's 4.5 is the CFG pass's scale)
+    assert (plugin.guidance_scale, plugin.eval_guidance_scale) == (1.0, 1.0)
+    assert make_plugin("sd3", cfg=False, guidance_scale=1.0).guidance_scale == 1.0
+    assert make_plugin("flux", guidance_scale=2.0).guidance_scale == 2.0  # FLUX: the guidance embedding's value
+
+
 def test_resolution_must_fit_the_vae_and_patches(make_plugin):
     with pytest.raises(ConfigError, match="plugin.resolution"):
         make_plugin("flux", resolution=18)
