@@ -51,21 +51,19 @@ def _check_rewards(config: dict[str, Any], run: Path) -> None:
 
 
 def _task_of(run: Path) -> dict[str, str]:
-    """prompt → task, from the evaluation dataset the run used (its config.yaml)."""
+    """prompt → task, from the evaluation prompts the run used: its config.yaml read by the flow plugin's own
+    loader (eval_prompts, eval_dataset or the dataset folder's test file), so the report groups what was sampled."""
     import yaml
+
+    from mmrl.config import from_dict
+    from mmrl.plugins.flow.plugin import FlowPluginConfig, _load_rows
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     _check_rewards(config, run)
-    plugin = config.get("plugin", {})
-    source = plugin.get("eval_dataset") or plugin.get("dataset")
-    if not source:
-        return {}
-    path = Path(source)
-    if path.is_dir():
-        path = path / "test_metadata.jsonl"
-    if not path.is_file():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    options = dict(config.get("plugin") or {})
+    if options.pop("name", "flow") != "flow":
+        raise ValueError(f"{run}: not a flow-plugin run (plugin.name {config['plugin']['name']!r})")
+    rows = _load_rows(from_dict(FlowPluginConfig, options, "plugin"), "eval")
     return {row["prompt"]: row.get("task", "all") for row in rows}
 
 
