@@ -195,9 +195,17 @@ class FlowPluginConfig:
             raise ConfigError("plugin.window_range", self.window_range, "two integers [lo, hi]")
         return int(self.window_range[0]), int(self.window_range[1])
 
-    def resolved_guidance_scales(self, adapter_default: float) -> tuple[float, float]:
+    def resolved_guidance_scales(self, adapter_default: float, *, guided_by_cfg: bool = False) -> tuple[float, float]:
         """(rollout, evaluation) guidance scales: ``guidance_scale`` (null: ``adapter_default``, the adapter's) and
-        ``eval_guidance_scale`` (null: the rollout's)."""
+        ``eval_guidance_scale`` (null: the rollout's). For a model guided only by the CFG pass (``guided_by_cfg``:
+        SD3) with ``cfg: false`` the default is 1.0, and any other value is refused: it would be silently ignored."""
+        if guided_by_cfg and self.cfg is False:
+            for key in ("guidance_scale", "eval_guidance_scale"):
+                value = getattr(self, key)
+                if value is not None and value != 1.0:
+                    raise ConfigError(f"plugin.{key}", value, "null or 1.0 with plugin.cfg false: the model is guided "
+                                      "only through the unconditional pass that cfg: false turns off")
+            adapter_default = 1.0
         rollout = adapter_default if self.guidance_scale is None else self.guidance_scale
         return rollout, rollout if self.eval_guidance_scale is None else self.eval_guidance_scale
 
@@ -229,15 +237,8 @@ class FlowPlugin(Plugin):
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
                               "through the model's guidance embedding, without an unconditional pass")
-        default_guidance = adapter.default_guidance_scale
-        if adapter.supports_cfg and not self.cfg:  # guidance is the CFG pass's scale: without it there is none
-            for key in ("guidance_scale", "eval_guidance_scale"):
-                value = getattr(config, key)
-                if value is not None and value != 1.0:
-                    raise ConfigError(f"plugin.{key}", value, f"null or 1.0 with plugin.cfg false: the {adapter.name} "
-                                      "model is guided only through the unconditional pass that cfg: false turns off")
-            default_guidance = 1.0
-        self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(default_guidance)
+        self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(
+            adapter.default_guidance_scale, guided_by_cfg=adapter.supports_cfg)
         self.max_sequence_length = config.max_sequence_length or adapter.default_max_sequence_length
 
         transformer = adapter.transformer

@@ -269,6 +269,12 @@ def test_a_guidance_scale_without_the_cfg_pass_is_refused(make_plugin):
     assert (plugin.guidance_scale, plugin.eval_guidance_scale) == (1.0, 1.0)
     assert make_plugin("sd3", cfg=False, guidance_scale=1.0).guidance_scale == 1.0
     assert make_plugin("flux", guidance_scale=2.0).guidance_scale == 2.0  # FLUX: the guidance embedding's value
+    # the config's own resolution, which tools that sample without the plugin use (the shapes requirements tool)
+    from mmrl.plugins.flow.plugin import FlowPluginConfig
+
+    assert FlowPluginConfig(model="m", cfg=False).resolved_guidance_scales(4.5, guided_by_cfg=True) == (1.0, 1.0)
+    assert FlowPluginConfig(model="m").resolved_guidance_scales(4.5, guided_by_cfg=True) == (4.5, 4.5)
+    assert FlowPluginConfig(model="m", cfg=False).resolved_guidance_scales(3.5) == (3.5, 3.5)
 
 
 def test_resolution_must_fit_the_vae_and_patches(make_plugin):

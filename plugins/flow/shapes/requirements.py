@@ -113,7 +113,8 @@ def compare(run: str | Path, *, samples: int = 8, seed: int = 0, checkpoint: str
     repeated = [row for row in rows for _ in range(samples)]
     prompts = [row["prompt"] for row in repeated]
     options = {"num_steps": plugin.eval_num_steps, "seed": seed,  # the trainer's evaluation sampler
-               "guidance_scale": plugin.resolved_guidance_scales(SD3Adapter.default_guidance_scale)[1],
+               "guidance_scale": plugin.resolved_guidance_scales(SD3Adapter.default_guidance_scale,
+                                                                 guided_by_cfg=SD3Adapter.supports_cfg)[1],
                "max_sequence_length": plugin.max_sequence_length or SD3Adapter.default_max_sequence_length}
     pipeline = StableDiffusion3Pipeline.from_pretrained(plugin.model)
     before = requirement_means(repeated, sample(pipeline, prompts, **options))
