@@ -7,7 +7,9 @@ folder the trainer wrote (``metrics.jsonl``, ``samples/step_*/eval.png`` and ``e
   evaluations as points;
 - ``grid_before.png`` / ``grid_after.png``: copies of the first and last evaluation grids (held-out prompts, each
   captioned with its shapes score);
-- ``summary.json``: the held-out score before and after, per task, and the wall-clock of the run,
+- ``summary.json``: the held-out score before and after, per task, and the wall-clock of the run; for a
+  guidance-free run (``plugin.cfg: false``, as the main job) also the pretrained model's score *with* CFG on the same
+  prompts and noise (``pretrained_guided``; one more evaluation, ``--no-reference`` skips it),
 
 and prints the held-out score before and after. ``--export DIR`` also writes small copies of the three pictures
 (the docs' images/shapes folder holds those of a real run).
@@ -112,8 +114,34 @@ def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "shapes
     return path
 
 
-def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
-    """Write the pictures and summary.json into ``run`` (and ``export``); return the summary."""
+def guided_reference(run: str | Path) -> dict[str, float] | None:
+    """The pretrained model's held-out score with classifier-free guidance, for a guidance-free run (``plugin.cfg``
+    false on a model guided by its CFG pass, as the shapes world's SD3): the same evaluation prompts, samples, noise
+    and sampler as the run's own evaluation, at the model's default guidance scale (SD3: 4.5). A guidance-free model
+    after RL should be read against both its own start and this. None for a run that samples with guidance."""
+    import tempfile
+
+    from mmrl.config import load_config
+    from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
+    from mmrl.trainer import Trainer
+
+    run = Path(run)
+    config = load_config(run / "config.yaml")
+    if config.plugin.config.cfg is not False:
+        return None
+    scale = SD3Adapter.default_guidance_scale
+    with tempfile.TemporaryDirectory(prefix="shapes-guided-") as scratch:
+        guided = load_config(run / "config.yaml", [
+            "plugin.cfg=true", f"plugin.guidance_scale={scale}", "plugin.eval_guidance_scale=null",
+            f"run.output_dir={scratch}", "run.progress=false", "eval.save_samples=false"])
+        trainer = Trainer(guided)  # its LoRA starts at zero: the pretrained model
+        metrics = trainer.evaluate()
+    return {"guidance_scale": scale, "score": metrics["eval/reward_mean"]}
+
+
+def report(run: str | Path, export: str | Path | None = None, *, reference: bool = True) -> dict[str, Any]:
+    """Write the pictures and summary.json into ``run`` (and ``export``); return the summary. With ``reference``
+    a guidance-free run's summary also holds :func:`guided_reference` (``pretrained_guided``)."""
     run = Path(run)
     metrics = read_metrics(run / "metrics.jsonl")
     folders = _eval_folders(run)
@@ -134,6 +162,10 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
         "train_seconds": round(sum(step_times), 1),
         "eval_seconds": round(sum(eval_times), 1),
     }
+    if reference:
+        guided = guided_reference(run)
+        if guided is not None:
+            summary["pretrained_guided"] = guided
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if export is not None:
         export = Path(export)
@@ -157,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Reward curve, grids and held-out summary of a shapes-world run.")
     parser.add_argument("run", type=Path, help="The run folder (run.output_dir).")
     parser.add_argument("--export", type=Path, help="Also write small copies of the pictures here.")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="For a guidance-free run, skip evaluating the pretrained model with CFG.")
     args = parser.parse_args(argv)
-    summary = report(args.run, args.export)
+    summary = report(args.run, args.export, reference=not args.no_reference)
     before, after = summary["held_out_before"], summary["held_out_after"]
     print(f"held-out shapes score: {before['all']:.3f} before -> {after['all']:.3f} after "
           f"{summary['steps']} steps ({after['all'] - before['all']:+.3f})")
+    guided = summary.get("pretrained_guided")
+    if guided is not None:
+        print(f"  (guidance-free sampling; the pretrained model with CFG {guided['guidance_scale']:g}, two transformer "
+              f"passes per step, scores {guided['score']:.3f} on the same prompts and noise: "
+              f"{after['all'] - guided['score']:+.3f} for the trained model without CFG)")
     for task in sorted(set(before) - {"all"}):
         print(f"  {task:14s} {before[task]:.3f} -> {after.get(task, float('nan')):.3f}")
     print(f"wrote {args.run / 'reward_curve.png'}, {args.run / 'grid_before.png'}, {args.run / 'grid_after.png'}, "
