@@ -135,7 +135,11 @@ def guided_reference(run: str | Path) -> dict[str, float] | None:
             "plugin.cfg=true", f"plugin.guidance_scale={scale}", "plugin.eval_guidance_scale=null",
             f"run.output_dir={scratch}", "run.progress=false", "eval.save_samples=false"])
         trainer = Trainer(guided)  # its LoRA starts at zero: the pretrained model
-        metrics = trainer.evaluate()
+        try:
+            metrics = trainer.evaluate()
+        finally:
+            trainer.scorer.close()
+            trainer.eval_scorer.close()
     return {"guidance_scale": scale, "score": metrics["eval/reward_mean"]}
 
 
