@@ -430,3 +430,15 @@ def test_trained_weights_load_into_the_pipeline(tmp_path):
     save_file({"transformer." + name: value.detach()}, str(full / "trainable.safetensors"))
     with pytest.raises(ValueError, match="1 tensors are not the transformer's"):
         _load_trained(plain, full)
+
+
+def test_the_guided_reference_is_only_for_a_cfg_model_run_without_its_cfg_pass(train_config, tmp_path):
+    """FLUX samples with cfg false by design (guidance through its embedding): nothing to compare against there."""
+    from mmrl.config import dump_config
+    from mmrl.plugins.flow.shapes.report import guided_reference
+
+    for kind, cfg in (("flux", False), ("sd3", True)):
+        run = tmp_path / kind
+        run.mkdir()
+        (run / "config.yaml").write_text(dump_config(train_config(kind, run, cfg=cfg)))
+        assert guided_reference(run) is None

@@ -122,14 +122,15 @@ def guided_reference(run: str | Path) -> dict[str, float] | None:
     import tempfile
 
     from mmrl.config import load_config
-    from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
+    from mmrl.plugins.flow.plugin import _adapter_class
     from mmrl.trainer import Trainer
 
     run = Path(run)
-    config = load_config(run / "config.yaml")
-    if config.plugin.config.cfg is not False:
+    plugin = load_config(run / "config.yaml").plugin.config
+    adapter = _adapter_class(plugin)  # the run's own model family: FLUX is guided without a CFG pass
+    if not adapter.supports_cfg or plugin.cfg is not False:
         return None
-    scale = SD3Adapter.default_guidance_scale
+    scale = adapter.default_guidance_scale
     with tempfile.TemporaryDirectory(prefix="shapes-guided-") as scratch:
         guided = load_config(run / "config.yaml", [
             "plugin.cfg=true", f"plugin.guidance_scale={scale}", "plugin.eval_guidance_scale=null",
