@@ -55,12 +55,12 @@ class Runtime:
             None when unknown, e.g. outside a trainer), so that a plugin providing chunk ids can insist on it.
         needs_old_logp: Whether the trainer reads :attr:`Rollout.old_logp` of training rollouts. The trainer sets it
             False exactly when each rollout batch is consumed by one optimizer step on the weights that sampled it
-            (``algorithm.inner_epochs == 1``, ``algorithm.minibatches == 1``, ``algorithm.recompute_old_logp``
-            off): the old log-probs then equal the training forward's, so a plugin may skip the pass that computes
-            them and return ``old_logp=None``; the core then uses the detached training log-probs (ratio ≡ 1,
-            clipping inactive, the same gradient). Micro-batches and action chunks of that one optimizer step all
-            see the same weights, so they do not matter. True (the default) outside a trainer; a plugin that
-            returns None while it is True fails the rollout check. A plugin whose own :meth:`Plugin.forward`
+            (``algorithm.inner_epochs == 1`` and ``algorithm.minibatches == 1``, whatever
+            ``algorithm.recompute_old_logp`` says): the old log-probs then equal the training forward's, so a plugin may
+            skip the pass that computes them and return ``old_logp=None``; the core then uses the detached training
+            log-probs (ratio ≡ 1, clipping inactive, the same gradient). Micro-batches and action chunks of that one
+            optimizer step all see the same weights, so they do not matter. True (the default) outside a trainer; a
+            plugin that returns None while it is True fails the rollout check. A plugin whose own :meth:`Plugin.forward`
             reads ``old_logp`` keeps computing them.
     """
 

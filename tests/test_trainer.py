@@ -133,14 +133,45 @@ def test_training_without_old_logp_matches_training_with_it(tmp_path, overrides)
         assert record["policy/clip_fraction"] == 0.0
 
 
-def test_needs_old_logp_only_for_several_optimizer_steps_per_rollout_or_an_explicit_recompute(tmp_path):
+def test_needs_old_logp_only_for_several_optimizer_steps_per_rollout(tmp_path):
     from mmrl.trainer.learn import needs_old_logp
 
     assert Trainer(toy_config(tmp_path / "one", "algorithm.micro_batch_size=4")).runtime.needs_old_logp is False
     assert Trainer(toy_config(tmp_path / "epochs", "algorithm.inner_epochs=2")).runtime.needs_old_logp is True
     assert needs_old_logp(toy_config(tmp_path, "algorithm.minibatches=2")) is True
-    assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true")) is True
+    # One optimizer step on the sampling weights: the training forward is the old policy, recompute or not.
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true")) is False
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true", "algorithm.minibatches=2")) is True
     assert needs_old_logp(toy_config(tmp_path, "algorithm.action_chunk_size=2")) is False
+
+
+@pytest.mark.parametrize("minibatches, passes_per_step", [(1, 2), (2, 4)])
+def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_the_training_forward(
+        tmp_path, minibatches, passes_per_step):
+    """32 samples in micro-batches of 16: the training forwards take 2 plugin.forward calls per step; the recompute
+    pass takes 2 more, which only several optimizer steps per rollout need (at μ = 1 with one mini-batch it would
+    compute the detached training log-probs again). The parameters are those of a run without the flag."""
+    common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16",
+              f"algorithm.minibatches={minibatches}")
+    recomputed = Trainer(toy_config(tmp_path / "recomputed", *common, "algorithm.recompute_old_logp=true"))
+    calls = []
+    forward = recomputed.plugin.forward
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    recomputed.plugin.forward = counting
+    assert recomputed.geometry.micro_batch_size * 2 == recomputed.config.rollout.prompts_per_step * \
+        recomputed.config.rollout.group_size
+    recomputed.train()
+    assert len(calls) == 2 * passes_per_step  # two training steps
+    assert calls.count(False) == (0 if minibatches == 1 else 4)  # the no-grad recompute pass, 2 per step
+    plain = Trainer(toy_config(tmp_path / "plain", *common))
+    plain.train()
+    expected, got = _parameters(plain), _parameters(recomputed)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("override", ["algorithm.inner_epochs=2", "algorithm.minibatches=2"])

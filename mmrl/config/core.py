@@ -160,7 +160,8 @@ class AlgorithmConfig:
     recompute_old_logp: bool = config_field(
         False,
         help="Recompute old log-probs with the training forward before the first inner epoch, for plugins whose "
-        "sampling path computes log-probs differently.",
+        "sampling path computes log-probs differently. With one inner epoch and one mini-batch nothing is recomputed: "
+        "the training forward itself is then the old policy (ratio exactly 1).",
     )
 
     def validate(self, path: str) -> None:

@@ -187,8 +187,8 @@ class Collector:
             )
         if rollout.old_logp is None and batch.training and self.plugin.runtime.needs_old_logp:
             raise RolloutError(
-                f"plugin {name!r} returned old_logp=None but this run needs them (inner_epochs > 1, minibatches > 1 "
-                "or recompute_old_logp); compute old_logp whenever runtime.needs_old_logp is True"
+                f"plugin {name!r} returned old_logp=None but this run needs them (inner_epochs > 1 or "
+                "minibatches > 1); compute old_logp whenever runtime.needs_old_logp is True"
             )
         if not rollout.rows:
             rollout.rows = batch.rows

@@ -38,12 +38,13 @@ def needs_old_logp(config: TrainConfig) -> bool:
     """Whether the learner reads the rollout's ``old_logp`` (:attr:`mmrl.plugin.Runtime.needs_old_logp`).
 
     False exactly when every rollout batch is consumed by one optimizer step on the weights that sampled it: one
-    inner epoch, one mini-batch, and no ``recompute_old_logp`` (which asks for a separate old-policy pass). The
-    micro-batches and action chunks of that step accumulate gradients on unchanged weights, so the old log-probs
-    equal the detached training log-probs and the learner substitutes those for a missing ``old_logp``.
+    inner epoch and one mini-batch. The micro-batches and action chunks of that step accumulate gradients on
+    unchanged weights, so the old log-probs equal the detached training log-probs and the learner substitutes those
+    for a missing ``old_logp``. That substitute is already the training forward's own value, so
+    ``recompute_old_logp`` asks for no separate old-policy pass then (it would compute the same numbers again).
     """
     algorithm = config.algorithm
-    return algorithm.inner_epochs > 1 or algorithm.minibatches > 1 or algorithm.recompute_old_logp
+    return algorithm.inner_epochs > 1 or algorithm.minibatches > 1
 
 
 def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) -> BatchGeometry | None:
@@ -110,7 +111,7 @@ class Learner:
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
         need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        if algorithm.recompute_old_logp:
+        if algorithm.recompute_old_logp and needs_old_logp(config):  # else the training forward is the old policy
             rollout.old_logp = self._recompute_old_logp(rollout)
         column_chunks: list[torch.Tensor | None] = [None]
         if algorithm.action_chunk_size is not None:
