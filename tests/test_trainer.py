@@ -432,3 +432,50 @@ def test_evaluation_rewards_equal_to_the_training_ones_share_their_scorer(tmp_pa
     other = Trainer(toy_config(tmp_path / "other", "eval.rewards=[{name: token_accuracy, weight: 2.0}]"))
     assert other.eval_scorer is not other.scorer
     assert other.eval_scorer.weights.tolist() == [2.0]
+
+
+def test_a_training_step_that_raises_closes_the_progress_bar_and_the_reward_pools(tmp_path, monkeypatch):
+    import mmrl.trainer.trainer as trainer_module
+
+    bars = []
+
+    class RecordingBar:
+        def __init__(self, *args, **kwargs):
+            self.closed = False
+            bars.append(self)
+
+        def update(self, count):
+            pass
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            self.closed = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+            return False
+
+    monkeypatch.setattr(trainer_module, "tqdm", RecordingBar)
+    trainer = Trainer(toy_config(tmp_path, "run.max_steps=3", "eval.at_start=false"))
+    closed = []
+    close = trainer.scorer.close
+    trainer.scorer.close = lambda **kwargs: (closed.append(kwargs), close(**kwargs))
+    step = trainer.training_step
+    calls = []
+
+    def failing_second_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a step that fails")
+        return step()
+
+    trainer.training_step = failing_second_step
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        trainer.train()
+    assert len(bars) == 1 and bars[0].closed
+    assert closed and all(kwargs == {"wait": False} for kwargs in closed)  # eval may share this scorer

@@ -180,7 +180,7 @@ class Trainer:
                 result.evaluations[0] = self.evaluate()
             bar = tqdm(total=config.run.max_steps, initial=self.step, desc="mmrl", dynamic_ncols=True,
                        disable=not (acc.is_main_process and config.run.progress))
-            with self._signals():
+            with bar, self._signals():  # the bar is closed however the loop ends (a step that raises too)
                 while self.step < config.run.max_steps:
                     metrics = self.training_step()
                     self.step += 1
@@ -198,7 +198,6 @@ class Trainer:
                         break
                     if config.run.save_every and self.step % config.run.save_every == 0:
                         self.save_checkpoint()
-            bar.close()
             if not result.stopped_early:
                 result.evaluations[self.step] = self.evaluate()
                 if not (config.run.save_every and self.step % config.run.save_every == 0):
