@@ -15,13 +15,14 @@ the tiny SD3 CPU recipe ``configs/flow/tiny_sd3.yaml`` with the weight-free JPEG
 =================  ===========================================================================================
 
 Equal compute: a training step costs ``rollout + 3·train`` transformer row evaluations ("forward equivalents": a
-training forward is followed by a backward of about twice its cost; a CFG pass counts once for every strategy
-alike). The cheaper strategies get more prompts per step so that every strategy spends about the same per step as
-``step`` does with the recipe's ``prompts_per_step``; the calibration is measured (one step per strategy on a copy of
-the model), not assumed. Each strategy then trains ``--steps`` steps from the same initial weights and seed, and is
-evaluated every ``--eval-every`` steps with the plain ODE sampler on the recipe's evaluation prompts (the same
-prompts and noise for every strategy; the training rewards of ``branch`` and ``tree`` come from their own samplers and
-are not comparable). Wall-clock counts the training steps only (evaluations excluded).
+training forward is followed by a backward of about twice its cost; a CFG pass counts once for every strategy alike).
+The cheaper strategies get more prompts per step so that every strategy spends about the same per step as ``step`` does
+with the recipe's ``prompts_per_step``; the calibration is measured (on a copy of the model, at 4 training steps spread
+over the run, averaged: MixGRPO's cost changes as its window moves), not assumed. Each strategy then trains ``--steps``
+steps from the same initial weights and seed, and is evaluated every ``--eval-every`` steps with the plain ODE sampler
+on the recipe's evaluation prompts (the same prompts and noise for every strategy; the training rewards of ``branch``
+and ``tree`` come from their own samplers and are not comparable). Wall-clock counts the training steps only
+(evaluations excluded).
 
 Writes ``results.json`` and, when matplotlib is installed (``pip install matplotlib``), ``flow_credit.png`` into
 ``--out``. Example (what docs/performance.md reports)::
@@ -51,6 +52,7 @@ if str(ROOT) not in sys.path:
 STRATEGIES = ("step", "chunk", "branch", "sliding_window", "tree")
 VARIANTS = ("tree_splits",)  # tree with SDE (and training) at the split steps only
 TRAIN_COST = 3  # a training forward plus its backward, in forward evaluations
+CALIBRATION_POINTS = 4  # training steps each strategy's cost is measured at
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,17 +153,29 @@ def ensure_pipeline(base: dict[str, Any], scratch: Path) -> None:
     base["plugin"]["model"] = str(model)
 
 
-def calibrate(base: dict[str, Any], name: str, scratch: Path, eval_samples: int) -> float:
-    """Forward equivalents per prompt of one training step of ``name`` (measured on one step)."""
+def calibration_steps(steps: int, points: int = CALIBRATION_POINTS) -> list[int]:
+    """The training steps a strategy's cost is measured at: ``points`` spread evenly over a run of ``steps``."""
+    count = max(1, min(points, steps))
+    return sorted({i * steps // count for i in range(count)})
+
+
+def calibrate(base: dict[str, Any], name: str, scratch: Path, eval_samples: int, steps: int = 1) -> float:
+    """Forward equivalents per prompt of one training step of ``name``: the mean over training steps spread over a run
+    of ``steps`` (:func:`calibration_steps`), since a strategy's cost may depend on the step (MixGRPO's window moves
+    on, and the DPM-Solver tail after it shortens or lengthens)."""
     from mmrl.trainer import Trainer
 
-    config = build_config(base, name, steps=1, seed=12345, prompts=None, out=scratch / f"calibrate-{name}",
+    config = build_config(base, name, steps=steps, seed=12345, prompts=None, out=scratch / f"calibrate-{name}",
                           eval_samples=eval_samples, minibatches=1)
     trainer = Trainer(config)
-    before = dict(trainer.plugin.model_evaluations)
-    trainer.training_step()
-    cost = _cost(trainer.plugin.model_evaluations, before)
-    return cost / config.rollout.prompts_per_step
+    costs = []
+    for step in calibration_steps(steps):
+        trainer.step = step  # what the credit strategy reads (PromptBatch.step)
+        before = dict(trainer.plugin.model_evaluations)
+        trainer.training_step()
+        costs.append(_cost(trainer.plugin.model_evaluations, before))
+    trainer.scorer.close()
+    return statistics.mean(costs) / config.rollout.prompts_per_step
 
 
 def _cost(after: dict[str, int], before: dict[str, int]) -> float:
@@ -353,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration: dict[str, float] = {}
         if args.equal_compute == "on":
             for name in sorted(set(args.strategies) | {"step"}):
-                calibration[name] = calibrate(base, name, scratch, args.eval_samples)
+                calibration[name] = calibrate(base, name, scratch, args.eval_samples, args.steps)
                 print(f"calibration: {name} costs {calibration[name]:.0f} forward-equivalents per prompt", flush=True)
             target = calibration["step"] * int(base.get("rollout", {}).get("prompts_per_step", 16))
             for name in args.strategies:
