@@ -150,10 +150,12 @@ def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_
         tmp_path, minibatches, passes_per_step):
     """32 samples in micro-batches of 16: the training forwards take 2 plugin.forward calls per step; the recompute
     pass takes 2 more, which only several optimizer steps per rollout need (at μ = 1 with one mini-batch it would
-    compute the detached training log-probs again). The parameters are those of a run without the flag."""
+    compute the detached training log-probs again). Either way the sampler's old log-probs are replaced: made wrong
+    here (shifted by 0.3, which clips), the run still gives the parameters of a run with the right ones."""
     common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16",
               f"algorithm.minibatches={minibatches}")
-    recomputed = Trainer(toy_config(tmp_path / "recomputed", *common, "algorithm.recompute_old_logp=true"))
+    recomputed = _without_old_logp(Trainer(toy_config(tmp_path / "recomputed", *common,
+                                                      "algorithm.recompute_old_logp=true")), shift=0.3)
     calls = []
     forward = recomputed.plugin.forward
 

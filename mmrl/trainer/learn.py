@@ -111,8 +111,10 @@ class Learner:
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
         need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        if algorithm.recompute_old_logp and needs_old_logp(config):  # else the training forward is the old policy
-            rollout.old_logp = self._recompute_old_logp(rollout)
+        if algorithm.recompute_old_logp:
+            # The sampler's old log-probs are not to be trusted. At μ = 1 with one mini-batch the training forward
+            # itself is the old policy (None: the learner uses its detached log-probs), so no pass is needed.
+            rollout.old_logp = self._recompute_old_logp(rollout) if needs_old_logp(config) else None
         column_chunks: list[torch.Tensor | None] = [None]
         if algorithm.action_chunk_size is not None:
             budget = self.plugin.max_actions()
