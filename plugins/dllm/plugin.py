@@ -6,6 +6,9 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   ``A = 1`` (``objective: grpo`` or ``wd1``) or ``A = 2`` (``objective: spg``: column 0 the ELBO, column 1 the EUBO).
   ``old_logp[N, A]`` is the estimate under the sampling policy, divided by the number of real completion tokens for
   ``grpo`` (so the core's ratio ``exp(logp − old_logp)`` is the length-normalised sequence ELBO ratio), ``mask = 1``.
+  When the run does not need it (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch) the scoring pass is
+  skipped and ``old_logp`` is None: the core uses the detached training estimate, the same loss and gradient
+  (``force_old_logp_pass`` keeps the pass).
 - **The mask plan travels with the sample.** At rollout time each sample draws its masks, timesteps and weights
   (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed; the plan's tensors
   are stored per sample in ``replay`` (``[N, draws, L]``: the plan's ``[draws, N, L]`` transposed so that the
@@ -175,6 +178,12 @@ class DLLMPluginConfig:
                                    ref="SPG: 1.5 GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku")
     score_micro_batch: int | None = config_field(None, minimum=1, help="Masked rows per forward when scoring "
                                                  "(null: all at once).")
+    force_old_logp_pass: bool = config_field(
+        False, help="Score the sampling policy at rollout time even when the run does not need it (one inner epoch "
+        "and one mini-batch, where the core uses the detached training estimate: the same gradient without that "
+        "pass). For debugging and for the rollout/estimate_mean and rollout/eubo_minus_elbo metrics, which come "
+        "from that pass.",
+    )
 
     def validate(self, path: str) -> None:
         try:
@@ -297,18 +306,21 @@ class DLLMPlugin(Plugin):
             return Rollout(group_ids=batch.group_ids, old_logp=zeros, mask=zeros.clone(),
                            payload={"completions": texts}, replay=replay, metrics=metrics)
         replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds))
+        old_logp = None  # [N, A] when scored; the core substitutes the detached training estimate otherwise
         with self.runtime.autocast():
-            old_logp = self.score(self.adapter.scorer(module), replay)  # [N, A]
+            if self.runtime.needs_old_logp or config.force_old_logp_pass:
+                old_logp = self.score(self.adapter.scorer(module), replay).float()  # [N, A]
             ref_logp = None
             if self.runtime.needs_reference:
                 with self._reference_module(policy) as reference:
                     ref_logp = self.score(self.adapter.scorer(reference), replay)
-        metrics["estimate_mean"] = float(old_logp[:, 0].mean())
-        if actions == 2:
-            metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
+        if old_logp is not None:
+            metrics["estimate_mean"] = float(old_logp[:, 0].mean())
+            if actions == 2:
+                metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
         return Rollout(
-            group_ids=batch.group_ids, old_logp=old_logp.float(),
-            mask=torch.ones(n, actions, device=old_logp.device), payload={"completions": texts}, replay=replay,
+            group_ids=batch.group_ids, old_logp=old_logp,
+            mask=torch.ones(n, actions, device=device), payload={"completions": texts}, replay=replay,
             ref_logp=None if ref_logp is None else ref_logp.float(), metrics=metrics,
         )
 

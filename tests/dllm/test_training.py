@@ -33,8 +33,10 @@ def _train(tmp_path, *overrides: str):
 
 
 def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path):
-    # One inner epoch: each step's single update happens after the loss is computed, so the KL of step 1 is 0.
-    trainer, result, changed = _train(tmp_path, "algorithm.kl_coef=0.04", "algorithm.inner_epochs=1")
+    # One inner epoch: each step's single update happens after the loss is computed, so the KL of step 1 is 0. The
+    # rollout's scoring pass is forced (the run does not need it) so that the ratio compares it with the training one.
+    trainer, result, changed = _train(tmp_path, "algorithm.kl_coef=0.04", "algorithm.inner_epochs=1",
+                                      "plugin.force_old_logp_pass=true")
     history = result.history
     assert [record["step"] for record in history] == [1, 2]
     for record in history:
@@ -46,6 +48,46 @@ def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path)
     assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "trainable.safetensors").is_file()
     samples = (tmp_path / "samples" / "step_000002" / "eval.jsonl").read_text().splitlines()
     assert len(samples) == 4 and "output" in json.loads(samples[0])
+
+
+def _count_scoring(trainer):
+    calls = []
+    score = trainer.plugin.score
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return score(*args, **kwargs)
+
+    trainer.plugin.score = counting
+    return calls
+
+
+def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_same(tmp_path):
+    """μ = 1, one mini-batch: the rollout scores nothing (old_logp None; the core uses the detached training estimate)
+    and the run ends at the weights of a run whose rollouts are scored; with μ = 2 the pass runs again."""
+    runs = {}
+    for name, overrides in (("fast", ["algorithm.inner_epochs=1"]),
+                            ("forced", ["algorithm.inner_epochs=1", "plugin.force_old_logp_pass=true"]),
+                            ("epochs", ["algorithm.inner_epochs=2"])):
+        trainer = Trainer(load_config(BASE, [f"run.output_dir={tmp_path / name}", "eval.every=0", *overrides]))
+        initial = {key: value.detach().clone() for key, value in trainer.plugin.policy().named_parameters()}
+        calls = _count_scoring(trainer)
+        result = trainer.train()
+        runs[name] = (trainer, calls, result, initial)
+    fast, fast_calls, fast_result, initial = runs["fast"]
+    forced, forced_calls, forced_result, _ = runs["forced"]
+    assert fast.runtime.needs_old_logp is False and runs["epochs"][0].runtime.needs_old_logp is True
+    # 2 steps x 16 samples in micro-batches of 8: two training forwards per step; the scoring pass, one per rollout.
+    assert fast_calls == [True] * 4
+    assert sorted(forced_calls) == [False, False, True, True, True, True]
+    assert runs["epochs"][1].count(False) == 2
+    assert "rollout/estimate_mean" not in fast_result.history[0] and "rollout/estimate_mean" in forced_result.history[0]
+    assert all(record["loss/first_step_ratio_deviation"] == 0.0 for record in fast_result.history)
+    fast_weights = dict(fast.plugin.policy().named_parameters())
+    assert any(not torch.equal(initial[key], value) for key, value in fast_weights.items())  # it trained
+    for name, parameter in forced.plugin.policy().named_parameters():
+        torch.testing.assert_close(fast_weights[name], parameter, rtol=1e-4, atol=1e-6)
+    assert [r["reward/mean"] for r in fast_result.history] == [r["reward/mean"] for r in forced_result.history]
 
 
 def test_wd1_and_spg_objectives_train(tmp_path):
