@@ -1,8 +1,10 @@
-"""Test helpers: small configs of the reference plugin."""
+"""Test helpers: small configs of the reference plugin, and a call recorder."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from mmrl.config import TrainConfig, load_config
 
@@ -21,3 +23,17 @@ BASE = {
 
 def toy_config(output_dir: str | Path, *overrides: str) -> TrainConfig:
     return load_config(BASE, [f"run.output_dir={output_dir}", *overrides])
+
+
+def record_calls(owner: object, name: str) -> list[bool]:
+    """Wrap ``owner.name`` so that each call appends whether gradients were enabled (a training forward) or not (a
+    no-grad pass); returns that list, which fills as the wrapped method is called."""
+    calls: list[bool] = []
+    method = getattr(owner, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return method(*args, **kwargs)
+
+    setattr(owner, name, recorded)
+    return calls

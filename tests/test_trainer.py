@@ -9,7 +9,7 @@ from mmrl.reward import RewardError, reward_functions
 from mmrl.rollout import RolloutError
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import CheckpointError, list_checkpoints
-from tests.helpers import toy_config
+from tests.helpers import record_calls, toy_config
 
 
 def _parameters(trainer):
@@ -156,14 +156,7 @@ def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_
               f"algorithm.minibatches={minibatches}")
     recomputed = _without_old_logp(Trainer(toy_config(tmp_path / "recomputed", *common,
                                                       "algorithm.recompute_old_logp=true")), shift=0.3)
-    calls = []
-    forward = recomputed.plugin.forward
-
-    def counting(*args, **kwargs):
-        calls.append(torch.is_grad_enabled())
-        return forward(*args, **kwargs)
-
-    recomputed.plugin.forward = counting
+    calls = record_calls(recomputed.plugin, "forward")
     assert recomputed.geometry.micro_batch_size * 2 == recomputed.config.rollout.prompts_per_step * \
         recomputed.config.rollout.group_size
     recomputed.train()

@@ -9,6 +9,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.trainer import Trainer
+from tests.helpers import record_calls
 
 torch.set_num_threads(1)
 
@@ -50,18 +51,6 @@ def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path)
     assert len(samples) == 4 and "output" in json.loads(samples[0])
 
 
-def _count_scoring(trainer):
-    calls = []
-    score = trainer.plugin.score
-
-    def counting(*args, **kwargs):
-        calls.append(torch.is_grad_enabled())
-        return score(*args, **kwargs)
-
-    trainer.plugin.score = counting
-    return calls
-
-
 def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_same(tmp_path):
     """μ = 1, one mini-batch: the rollout scores nothing (old_logp None; the core uses the detached training estimate)
     and the run ends at the weights of a run whose rollouts are scored; with μ = 2 the pass runs again."""
@@ -71,7 +60,7 @@ def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_sa
                             ("epochs", ["algorithm.inner_epochs=2"])):
         trainer = Trainer(load_config(BASE, [f"run.output_dir={tmp_path / name}", "eval.every=0", *overrides]))
         initial = {key: value.detach().clone() for key, value in trainer.plugin.policy().named_parameters()}
-        calls = _count_scoring(trainer)
+        calls = record_calls(trainer.plugin, "score")
         result = trainer.train()
         runs[name] = (trainer, calls, result, initial)
     fast, fast_calls, fast_result, initial = runs["fast"]
