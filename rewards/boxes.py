@@ -26,7 +26,7 @@ arXiv:2504.07954, trains). Integers and floats (including exponents) are accepte
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import math
 import re
 from collections.abc import Sequence
@@ -51,6 +51,24 @@ MAX_ASPECT_RATIO = 200
 _ANSWER_OPEN = "<answer>"
 _ANSWER_CLOSE = "</answer>"
 
+MAX_ANSWER_CHARS = 20_000
+"""Default cap of the rewards that read an answer: they read the last this many characters of a completion (the
+answer comes at the end; a longer text is read as its tail), so that their work per sample is bounded."""
+MAX_WHOLE_CHARS = 200_000
+"""Default cap of the rewards that judge the whole completion (``format``, ``exact_match``, ``token_accuracy``): a
+longer completion scores 0 (about 50,000 tokens, longer than the generation budgets these rewards are used with)."""
+
+
+def check_max_chars(max_chars: Any) -> int:
+    """``max_chars`` if it is a positive integer.
+
+    Raises:
+        RewardError: Otherwise, naming the value.
+    """
+    if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
+        raise RewardError(f"max_chars must be a positive integer (characters read per completion), got {max_chars!r}")
+    return max_chars
+
 
 def completion_text(value: Any) -> str:
     """The text of one completion; anything that is not text becomes ``""``.
@@ -71,17 +89,27 @@ def completion_text(value: Any) -> str:
     return ""
 
 
-def completion_texts(batch: Any, output: str) -> list[str]:
+def completion_texts(batch: Any, output: str, *, last_chars: int | None = None) -> list[str]:
     """The text of every completion in ``batch.payload[output]`` (see :func:`completion_text`).
 
+    Args:
+        batch: The :class:`~mmrl.reward.RewardInput`.
+        output: Payload entry holding the completions.
+        last_chars: Keep only the last this many characters of each text (the cap of answer-reading rewards);
+            ``None`` keeps whole texts.
+
     Raises:
-        RewardError: If the payload entry is missing or does not hold one completion per row.
+        RewardError: If the payload entry is missing or does not hold one completion per row, or ``last_chars``
+            is not a positive integer.
     """
+    if last_chars is not None:
+        check_max_chars(last_chars)
     completions = batch.output(output)
     if isinstance(completions, (str, bytes)) or not hasattr(completions, "__len__") or len(completions) != len(batch):
         size = len(completions) if hasattr(completions, "__len__") else type(completions).__name__
         raise RewardError(f"payload[{output!r}] must hold one completion per sample ({len(batch)}), got {size}")
-    return [completion_text(c) for c in completions]
+    texts = [completion_text(c) for c in completions]
+    return texts if last_chars is None else [text[-last_chars:] for text in texts]
 
 
 def extract_answer(text: Any) -> str | None:
@@ -298,8 +326,11 @@ _NUM = r"(?<![0-9.])[-+]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][
 _WS = r"\s{0,64}"
 _SEP = rf"{_WS},{_WS}"
 _LIST4 = re.compile(rf"[\[(]{_WS}({_NUM}){_SEP}({_NUM}){_SEP}({_NUM}){_SEP}({_NUM}){_WS}[\])]")
+# Between the two corners: a comma with up to 64 spaces on each side, or up to 128 spaces. (Written as
+# "\s{0,64},?\s{0,64}" this is the same language, but a run of spaces without a comma could be split between the two
+# quantifiers in ~64² ways before failing.)
 _PAIR = re.compile(
-    rf"\({_WS}({_NUM}){_SEP}({_NUM}){_WS}\){_WS},?{_WS}\({_WS}({_NUM}){_SEP}({_NUM}){_WS}\)"
+    rf"\({_WS}({_NUM}){_SEP}({_NUM}){_WS}\)(?:{_SEP}|\s{{0,128}})\({_WS}({_NUM}){_SEP}({_NUM}){_WS}\)"
 )
 _NUMBER = re.compile(_NUM)
 _BOX_TOKENS = re.compile(
@@ -319,35 +350,49 @@ def _numbers(groups: Sequence[str]) -> list[float]:
     return [float(g) for g in groups]
 
 
+def _untaken(spans: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[bool]:
+    """For each span (sorted, disjoint), whether it overlaps none of ``taken`` (sorted, disjoint): one merge pass."""
+    free, index = [], 0
+    for start, end in spans:
+        while index < len(taken) and taken[index][1] <= start:  # taken spans ending before this one starts
+            index += 1
+        free.append(index == len(taken) or taken[index][0] >= end)
+    return free
+
+
+def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Two sorted lists of spans merged into one sorted list (linear: ``heapq.merge`` of sorted runs)."""
+    return list(heapq.merge(a, b))
+
+
 def _raw_detections(text: str) -> list[tuple[int, list[float], str | None, float | None]]:
-    """(position, raw box, label, score) for every box-like span of ``text``, in order of appearance."""
+    """(position, raw box, label, score) for every box-like span of ``text``, in order of appearance.
+
+    Syntaxes are matched in order of priority (box tokens, JSON-like objects, plain lists, corner pairs); a span is
+    used only if it overlaps no span of a higher priority. Each pattern does bounded work per starting position and
+    the overlap test is a merge of sorted span lists, so the whole parse is linear in ``len(text)``.
+    """
     found: list[tuple[int, list[float], str | None, float | None]] = []
-    starts: list[int] = []  # consumed spans, sorted and disjoint
-    ends: list[int] = []
+    taken: list[tuple[int, int]] = []  # spans used so far, sorted and disjoint
 
-    def free(start: int, end: int) -> bool:
-        index = bisect.bisect_right(starts, start)
-        return (index == 0 or ends[index - 1] <= start) and (index == len(starts) or starts[index] >= end)
-
-    def take(span: tuple[int, int]) -> None:
-        index = bisect.bisect_right(starts, span[0])
-        starts.insert(index, span[0])
-        ends.insert(index, span[1])
-
-    for match in _BOX_TOKENS.finditer(text):
+    tokens = list(_BOX_TOKENS.finditer(text))
+    for match in tokens:
         numbers = _NUMBER.findall(match.group("body"))
-        take(match.span())
         if len(numbers) == 4:
             label = match.group("label")
             found.append((match.start(), _numbers(numbers), label.strip() if label else None, None))
-    for match in _OBJECT.finditer(text):
-        if not free(*match.span()):
+    taken = [match.span() for match in tokens]
+
+    objects = list(_OBJECT.finditer(text))
+    used = []
+    for match, free in zip(objects, _untaken([m.span() for m in objects], taken), strict=True):
+        if not free:
             continue
         body = match.group(0)
         box_match = _KEYED_LIST4.search(body) or _LIST4.search(body)
         if box_match is None:
             continue
-        take(match.span())
+        used.append(match.span())
         label_match = _LABEL.search(body)
         label = None if label_match is None else (label_match.group(1) or label_match.group(2) or "").strip()
         score_match = _SCORE.search(body)
@@ -355,11 +400,16 @@ def _raw_detections(text: str) -> list[tuple[int, list[float], str | None, float
         if score is not None and math.isnan(score):
             score = None
         found.append((match.start(), _numbers(box_match.groups()), label or None, score))
+    taken = _merge(taken, used)
+
     for pattern in (_LIST4, _PAIR):
-        for match in pattern.finditer(text):
-            if free(*match.span()):
-                take(match.span())
+        matches = list(pattern.finditer(text))
+        used = []
+        for match, free in zip(matches, _untaken([m.span() for m in matches], taken), strict=True):
+            if free:
+                used.append(match.span())
                 found.append((match.start(), _numbers(match.groups()), None, None))
+        taken = _merge(taken, used)
     found.sort(key=lambda item: item[0])
     return found
 
@@ -369,13 +419,17 @@ def parse_detections(
     convention: Convention,
     original_size: Sequence[float] | None,
     resized_size: Sequence[float] | None = None,
+    *,
+    max_chars: int | None = None,
 ) -> list[Detection]:
     """Every box in a model's text, with label and confidence when written, in original-image pixels.
 
-    Boxes are read from the ``<answer>…</answer>`` content when the text has an answer tag (the last block, see
-    :func:`extract_answer`), else from the whole text. Each box is converted from ``convention`` to original pixels,
-    then cleaned by :func:`clean_box` (swapped corners sorted, clamped to the image, degenerate and non-finite boxes
-    dropped). Never raises on any text; invalid ``convention`` or sizes raise ``ValueError``.
+    With ``max_chars``, only the last ``max_chars`` characters of the text are read (the answer comes at the end);
+    the work is linear in what is read. Boxes are read from the ``<answer>…</answer>`` content when the text read
+    has an answer tag (the last block, see :func:`extract_answer`), else from all of it. Each box is converted from
+    ``convention`` to original pixels, then cleaned by :func:`clean_box` (swapped corners sorted, clamped to the
+    image, degenerate and non-finite boxes dropped). Never raises on any text; invalid ``convention`` or sizes raise
+    ``ValueError``, a ``max_chars`` below 1 raises ``RewardError``.
 
     Args:
         text: The model output (non-strings yield no boxes).
@@ -383,10 +437,15 @@ def parse_detections(
         original_size: ``(width, height)`` of the original image; may be ``None`` only for ``"absolute"`` (then
             boxes are not clamped above).
         resized_size: ``(width, height)`` of the resized model input, required for ``"qwen2_5_vl"``.
+        max_chars: How many characters, from the end of the text, are read (None: all; the rewards read
+            :data:`MAX_ANSWER_CHARS`).
     """
     sx, sy = _scale(convention, original_size, resized_size)  # validates the arguments before looking at the text
     if original_size is not None:
         _size(original_size, "original_size")
+    if max_chars is not None:
+        check_max_chars(max_chars)
+        text = text[-max_chars:] if isinstance(text, str) else text
     detections = []
     for _, raw, label, score in _raw_detections(answer_region(text)):
         x1, y1, x2, y2 = raw
@@ -401,6 +460,8 @@ def parse_boxes(
     convention: Convention,
     original_size: Sequence[float] | None,
     resized_size: Sequence[float] | None = None,
+    *,
+    max_chars: int | None = None,
 ) -> list[list[float]]:
     """Every box in a model's text as ``[x1, y1, x2, y2]`` floats in original-image pixels.
 
@@ -411,12 +472,13 @@ def parse_boxes(
         convention: Coordinate convention of the text, one of :data:`CONVENTIONS`.
         original_size: ``(width, height)`` of the original image (may be ``None`` for ``"absolute"``).
         resized_size: ``(width, height)`` of the resized model input, required for ``"qwen2_5_vl"``.
+        max_chars: How many characters, from the end of the text, are read (None: all).
 
     Example:
         >>> parse_boxes('<answer>{"bbox_2d": [100, 50, 300, 150], "label": "dog"}</answer>', "qwen2_vl", (640, 480))
         [[64.0, 24.0, 192.0, 72.0]]
     """
-    return [list(d.box) for d in parse_detections(text, convention, original_size, resized_size)]
+    return [list(d.box) for d in parse_detections(text, convention, original_size, resized_size, max_chars=max_chars)]
 
 
 # ---------------------------------------------------------------------------------------------------- geometry
@@ -452,12 +514,15 @@ __all__ = [
     "Convention",
     "Detection",
     "IMAGE_FACTOR",
+    "MAX_ANSWER_CHARS",
     "MAX_PIXELS",
+    "MAX_WHOLE_CHARS",
     "MIN_PIXELS",
     "answer_region",
     "box_area",
     "box_giou",
     "box_iou",
+    "check_max_chars",
     "clean_box",
     "completion_text",
     "completion_texts",

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards import boxes
 from mmrl.rewards.boxes import (
     CONVENTIONS,
     box_giou,
     box_iou,
+    check_max_chars,
     clean_box,
+    completion_texts,
     convert_box,
     extract_answer,
     from_original,
@@ -323,3 +328,95 @@ def test_parse_is_fast_on_adversarial_text():
     for text in texts:
         parse_boxes(text, "absolute", (100, 100))
     assert time.perf_counter() - start < 5.0
+
+
+# ---------------------------------------------------------------------------------------------------- linear time
+# Box parsing must be linear in the text (issue 19). Untimed checks: the rewritten corner-pair pattern and the
+# merge-based overlap test agree with the old pattern and a brute-force overlap test on random box-like texts.
+
+_OLD_PAIR = re.compile(
+    rf"\({boxes._WS}({boxes._NUM}){boxes._SEP}({boxes._NUM}){boxes._WS}\){boxes._WS},?{boxes._WS}\({boxes._WS}"
+    rf"({boxes._NUM}){boxes._SEP}({boxes._NUM}){boxes._WS}\)"
+)
+_pair_text = st.lists(st.sampled_from(["(1,2)", "(3, 4)", ",", " ", " " * 40, " " * 70, "\n", "(", ")", "5", "x"]),
+                      max_size=12).map("".join)
+
+
+@given(st.one_of(_pair_text, box_like_text))
+@FUZZ
+def test_pair_pattern_agrees_with_the_old_one(text):
+    old = [(m.span(), m.groups()) for m in _OLD_PAIR.finditer(text)]
+    assert [(m.span(), m.groups()) for m in boxes._PAIR.finditer(text)] == old
+
+
+def _brute_force_detections(text):
+    """_raw_detections with the old corner-pair pattern and a test of every span against every used span."""
+    found, used = [], []
+
+    def free(span):
+        return all(span[1] <= start or span[0] >= end for start, end in used)
+
+    for match in boxes._BOX_TOKENS.finditer(text):
+        used.append(match.span())
+        numbers = boxes._NUMBER.findall(match.group("body"))
+        if len(numbers) == 4:
+            label = match.group("label")
+            found.append((match.start(), [float(n) for n in numbers], label.strip() if label else None, None))
+    for match in boxes._OBJECT.finditer(text):
+        box = boxes._KEYED_LIST4.search(match.group(0)) or boxes._LIST4.search(match.group(0))
+        if free(match.span()) and box is not None:
+            used.append(match.span())
+            label = boxes._LABEL.search(match.group(0))
+            label = None if label is None else (label.group(1) or label.group(2) or "").strip()
+            score = boxes._SCORE.search(match.group(0))
+            score = None if score is None or math.isnan(float(score.group(1))) else float(score.group(1))
+            found.append((match.start(), [float(g) for g in box.groups()], label or None, score))
+    for pattern in (boxes._LIST4, _OLD_PAIR):
+        for match in pattern.finditer(text):
+            if free(match.span()):
+                used.append(match.span())
+                found.append((match.start(), [float(g) for g in match.groups()], None, None))
+    return sorted(found, key=lambda item: item[0])
+
+
+@given(box_like_text)
+@FUZZ
+def test_raw_detections_agree_with_a_brute_force_overlap_test(text):
+    assert repr(boxes._raw_detections(text)) == repr(_brute_force_detections(text))  # repr: NaN equals NaN
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 8)), max_size=12),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(1, 8)), max_size=12))
+@FUZZ
+def test_untaken_agrees_with_brute_force(spans, taken):
+    def disjoint(pairs):  # sorted, non-overlapping spans from (start, length) pairs
+        result = []
+        for start, length in sorted(pairs):
+            if not result or start >= result[-1][1]:
+                result.append((start, start + length))
+        return result
+
+    spans, taken = disjoint(spans), disjoint(taken)
+    expected = [all(end <= s or start >= e for s, e in taken) for start, end in spans]
+    assert boxes._untaken(spans, taken) == expected
+
+
+def test_parse_reads_the_last_max_chars():
+    text = "[1, 1, 2, 2] then [3, 3, 4, 4]"
+    assert parse_boxes(text, "absolute", None) == [[1, 1, 2, 2], [3, 3, 4, 4]]
+    assert parse_boxes(text, "absolute", None, max_chars=12) == [[3, 3, 4, 4]]
+    assert parse_boxes(text, "absolute", None, max_chars=11) == []  # "3, 3, 4, 4]"
+    # The answer tag is looked for in the part read: here only the tail, without "<answer>".
+    tagged = "<answer>[1, 1, 2, 2]</answer>"
+    assert parse_boxes(tagged, "absolute", None, max_chars=len(tagged) - 1) == [[1, 1, 2, 2]]
+    with pytest.raises(RewardError, match="max_chars"):
+        parse_boxes(text, "absolute", None, max_chars=0)
+
+
+def test_completion_texts_keeps_the_last_characters():
+    batch = RewardInput(rows=[{}, {}], payload={"completions": ["abcdef", [{"role": "assistant", "content": "xyz"}]]})
+    assert completion_texts(batch, "completions") == ["abcdef", "xyz"]
+    assert completion_texts(batch, "completions", last_chars=2) == ["ef", "yz"]
+    for bad in (0, -1, 1.5, True, "20"):
+        with pytest.raises(RewardError, match="max_chars must be a positive integer"):
+            check_max_chars(bad)
