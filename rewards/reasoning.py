@@ -13,6 +13,10 @@ answers and models collapsed to them (Visual-RFT issue #176).
 
 ``math`` uses a small exact-enough numeric evaluator written for this module rather than ``sympy`` parsing, which
 evaluates its input with Python's ``eval`` and can hang on adversarial expressions.
+
+Every text is read in time linear in its length, and each reward reads at most ``max_chars`` characters of a
+completion: ``choice`` and ``math`` its last ones (the answer comes at the end), ``format`` all of it (a longer
+completion scores 0).
 """
 
 from __future__ import annotations
@@ -22,44 +26,84 @@ import re
 from typing import Any
 
 from mmrl.reward import RewardError, RewardInput
-from mmrl.rewards.boxes import completion_texts, extract_answer
+from mmrl.rewards.boxes import MAX_ANSWER_CHARS, MAX_WHOLE_CHARS, check_max_chars, completion_texts, extract_answer
 
 # ---------------------------------------------------------------------------------------------------- format
 
-_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_SPACES = re.compile(r"\s*")
 
 
-def format_reward(batch: RewardInput, *, output: str = "completions") -> list[float]:
+def is_think_answer(text: str) -> bool:
+    """Whether ``text`` fullmatches ``\\s*<think>.*?</think>\\s*<answer>.*?</answer>\\s*`` (DOTALL), in linear time.
+
+    Matching that pattern with ``re`` backtracks: on ``"<think>" + "</think><answer>" * k`` every ``</think>``
+    restarts a scan for ``</answer>`` to the end of the text, O(k · len) in all. The pattern only asks that, once
+    the surrounding whitespace is stripped, the text starts with ``<think>``, ends with ``</answer>``, and holds
+    ``</think>``, optional whitespace and ``<answer>`` in between (the two ``.*?`` take anything else). This scans
+    the occurrences of ``</think>`` once each; the whitespace runs after distinct occurrences are disjoint.
+    """
+    core = text.strip()  # str.strip removes exactly the characters re's \s matches (str.isspace)
+    if not (core.startswith(_THINK_OPEN) and core.endswith(_ANSWER_CLOSE)):
+        return False
+    middle_end = len(core) - len(_ANSWER_CLOSE)  # "<answer>" must end before the final "</answer>"
+    position = len(_THINK_OPEN)
+    while (close := core.find(_THINK_CLOSE, position, middle_end)) >= 0:
+        after = _SPACES.match(core, close + len(_THINK_CLOSE)).end()
+        if core.startswith(_ANSWER_OPEN, after, middle_end):
+            return True
+        position = close + len(_THINK_CLOSE)
+    return False
+
+
+def format_reward(batch: RewardInput, *, output: str = "completions", max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
     """1 if the completion is ``<think>…</think>`` then ``<answer>…</answer>`` and nothing else, else 0.
 
     The test is ``re.fullmatch(r"<think>.*?</think>\\s*<answer>.*?</answer>", text, re.DOTALL)`` (newlines allowed
     inside the tags, as in R1-V, Visual-RFT and VLM-R1), with leading and trailing whitespace of the completion
-    ignored. The format reward alone does not check the answer's content; pair it with an answer reward.
+    ignored, computed in linear time by :func:`is_think_answer`. The format reward alone does not check the answer's
+    content; pair it with an answer reward.
 
     Args:
         output: Payload entry holding the model's text outputs.
+        max_chars: Longest completion judged, in characters; a longer one scores 0 (the format concerns the whole
+            text, from its first character to its last, so it cannot be judged on a part).
     """
-    return [float(_FORMAT.fullmatch(text) is not None) for text in completion_texts(batch, output)]
+    check_max_chars(max_chars)
+    return [float(len(text) <= max_chars and is_think_answer(text)) for text in completion_texts(batch, output)]
 
 
 # ---------------------------------------------------------------------------------------------------- choice
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) in ``text``, braces balanced; ``None`` if absent."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts[-16:]):  # bounded: unclosed \boxed{ spam cannot make this quadratic
-        depth = 1
-        for position in range(start, len(text)):
-            if text[position] == "{":
-                depth += 1
-            elif text[position] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:position]
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) in ``text`` whose braces close; ``None`` if none does.
+
+    One pass pairs every brace from the first ``\\boxed{`` on with its closing brace (a stack of open braces), so
+    unclosed ``\\boxed{`` spam costs linear time, not a scan to the end of the text per occurrence.
+    """
+    starts = [m.end() for m in _BOXED.finditer(text)]  # positions just after each "\boxed{"
+    if not starts:
+        return None
+    closing: dict[int, int] = {}  # position of a "{" → position of its "}"
+    opened: list[int] = []
+    for brace in _BRACE.finditer(text, starts[0] - 1):
+        if brace.group() == "{":
+            opened.append(brace.start())
+        elif opened:
+            closing[opened.pop()] = brace.start()
+    for start in reversed(starts):
+        end = closing.get(start - 1)
+        if end is not None:
+            return text[start:end]
     return None
+
+
+_ARTICLE_NEXT = re.compile(r"\s+[a-z]")  # "A" then a lowercase word: the article, not option A
 
 
 def _strip_markup(text: str) -> str:
@@ -114,16 +158,19 @@ def extract_choice(text: Any, letters: str = "ABCDE", options: Any = None) -> st
     answer = _strip_markup(boxed if boxed is not None else region)
     if not answer or not letters:
         return None
+    # No pattern below has two unbounded quantifiers that can share a run of characters (e.g. "\s*:?\s*" could
+    # split a run of n spaces in n ways, and retry each split at every failure: quadratic, 13 s on "answer" + 16,000
+    # spaces + "z"); each whitespace run is followed by a token that cannot start with whitespace.
     valid = re.escape(letters.upper())
-    whole = re.fullmatch(rf"[(\[]?\s*([{valid}])\s*[)\]]?\s*[.:]?", answer, re.IGNORECASE)
+    whole = re.fullmatch(rf"[(\[]?\s*([{valid}])\s*(?:[)\]]\s*)?[.:]?", answer, re.IGNORECASE)
     if whole:
         return whole.group(1).upper()
     label = re.match(rf"[(\[]?([{valid}])(?:[)\]]\s*[.:]?|\s*[.:])(?:\s|$)", answer)
     if label:
         return label.group(1)
     phrases = re.findall(
-        rf"(?i:answer|option|choice)\s*(?:(?i:is|would be|should be)\s*)?:?\s*(?i:option\s*)?[(\[]?([{valid}])"
-        r"(?![A-Za-z0-9])",
+        rf"(?i:answer|option|choice)\s*(?:(?i:is|would be|should be)\s*)?(?::\s*)?(?i:option\s*)?[(\[]?"
+        rf"([{valid}])(?![A-Za-z0-9])",
         answer,
     )
     if phrases:
@@ -138,7 +185,7 @@ def extract_choice(text: Any, letters: str = "ABCDE", options: Any = None) -> st
         return bracketed.pop()
     standalone = list(re.finditer(rf"(?<![A-Za-z0-9'])([{valid}])(?![A-Za-z0-9'])", answer))
     distinct = {m.group(1) for m in standalone}
-    article = all(m.group(1) == "A" and re.match(r"\s+[a-z]", answer[m.end():]) for m in standalone)
+    article = all(m.group(1) == "A" and _ARTICLE_NEXT.match(answer, m.end()) for m in standalone)
     if len(distinct) == 1 and not article:
         return distinct.pop()
     return None
@@ -151,6 +198,7 @@ def choice(
     output: str = "completions",
     letters: str = "ABCDE",
     options_field: str | None = None,
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the option letter of the answer (see :func:`extract_choice`) equals the ground-truth letter, else 0.
 
@@ -164,8 +212,10 @@ def choice(
         letters: Valid option letters, in order (``"ABCDE"``; use e.g. ``"ABCDEFGHIJ"`` for ten options).
         options_field: Optional dataset column with the option texts (a list in letter order or a letter → text
             mapping), so that an answer quoting an option's text counts as that letter.
+        max_chars: Characters read per completion: its last ``max_chars`` (the answer comes at the end), which
+            bounds the work per sample.
     """
-    texts = completion_texts(batch, output)
+    texts = completion_texts(batch, output, last_chars=max_chars)
     references = batch.column(field)
     option_lists = batch.column(options_field) if options_field else [None] * len(texts)
     scores = []
@@ -470,6 +520,7 @@ def math_reward(
     output: str = "completions",
     rel_tol: float = 1e-4,
     abs_tol: float = 1e-8,
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the completion's final answer equals the ground truth numerically (or textually), else 0.
 
@@ -483,8 +534,10 @@ def math_reward(
         output: Payload entry holding the model's text outputs.
         rel_tol: Relative tolerance of the numeric comparison.
         abs_tol: Absolute tolerance of the numeric comparison (matters for answers near 0).
+        max_chars: Characters read per completion: its last ``max_chars`` (the answer comes at the end), which
+            bounds the work per sample.
     """
-    texts = completion_texts(batch, output)
+    texts = completion_texts(batch, output, last_chars=max_chars)
     references = batch.column(field)
     scores = []
     for text, reference in zip(texts, references, strict=True):
@@ -498,6 +551,7 @@ __all__ = [
     "extract_choice",
     "extract_math_answer",
     "format_reward",
+    "is_think_answer",
     "last_boxed",
     "math_equal",
     "math_reward",

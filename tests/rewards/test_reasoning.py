@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from mmrl.rewards.reasoning import (
     extract_choice,
     extract_math_answer,
     format_reward,
+    is_think_answer,
     last_boxed,
     math_equal,
     math_reward,
@@ -209,3 +211,137 @@ def test_reasoning_rewards_never_raise(texts):
         extract_choice(text)
         math_value(text)
         math_equal(text, text)
+
+
+# ---------------------------------------------------------------------------------------------------- linear time
+# The rewards below must run in time linear in the text (issue 19: the old patterns took 13 s on "answer" + 16,000
+# spaces + "z" and 2.3 s on 80 KB of "</think><answer>", holding the GIL). Nothing here is timed: the rewrites are
+# checked against the old patterns on small random texts (same results), and the cap on the characters read is
+# checked by texts whose score would change if more were read.
+
+# The patterns as they were before the linear rewrite: correct, only slow on long texts; the specification here.
+_OLD_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+_OLD_WHOLE = r"[(\[]?\s*([ABCDE])\s*[)\]]?\s*[.:]?"
+_OLD_PHRASE = (r"(?i:answer|option|choice)\s*(?:(?i:is|would be|should be)\s*)?:?\s*(?i:option\s*)?[(\[]?([ABCDE])"
+               r"(?![A-Za-z0-9])")
+
+_format_pieces = st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "\t", "x",
+                                           "<", ">", "/", "think", "answer", "\u00a0"]), max_size=14).map("".join)
+
+
+@given(_format_pieces)
+@FUZZ
+def test_format_scanner_agrees_with_the_regex(text):
+    assert is_think_answer(text) == (_OLD_FORMAT.fullmatch(text) is not None)
+
+
+def test_format_on_the_issue_input_and_its_cap():
+    k = 5_000  # 80 KB, 2.3 s with the old pattern
+    assert format_reward(make_batch(["<think>" + "</think><answer>" * k])) == [0.0]
+    assert format_reward(make_batch(["<think>" + "</think><answer>" * k + "</answer>"])) == [1.0]
+    assert format_reward(make_batch(["<think>" + "</think> " * k + "</answer>"])) == [0.0]
+    valid = "<think>a</think><answer>b</answer>"  # 34 characters
+    assert format_reward(make_batch([valid, valid + " "]), max_chars=34) == [1.0, 0.0]  # longer than the cap
+    with pytest.raises(RewardError, match="max_chars must be a positive integer"):
+        format_reward(make_batch([valid]), max_chars=0)
+
+
+_choice_pieces = st.lists(st.sampled_from(["answer", "Answer", "option", "choice", " is", " would be", "is", ":",
+                                           " ", "  ", "\n", "(", "[", ")", "]", ".", "B", "C", "b", "z", "A", "a",
+                                           "I"]), max_size=12).map("".join)
+
+
+@given(_choice_pieces)
+@FUZZ
+def test_choice_patterns_agree_with_the_old_ones(answer):
+    whole_old = re.fullmatch(_OLD_WHOLE, answer, re.IGNORECASE)
+    whole_new = re.fullmatch(r"[(\[]?\s*([ABCDE])\s*(?:[)\]]\s*)?[.:]?", answer, re.IGNORECASE)
+    assert (whole_old and whole_old.group(1)) == (whole_new and whole_new.group(1))
+    phrase_new = (r"(?i:answer|option|choice)\s*(?:(?i:is|would be|should be)\s*)?(?::\s*)?(?i:option\s*)?[(\[]?"
+                  r"([ABCDE])(?![A-Za-z0-9])")
+    assert re.findall(_OLD_PHRASE, answer) == re.findall(phrase_new, answer)
+    # and extract_choice as a whole matches what the old patterns give (the other heuristics did not change)
+    assert extract_choice(answer) == _old_extract_choice(answer)
+
+
+def _old_extract_choice(answer: str) -> str | None:
+    """extract_choice with the old whole-answer and phrase patterns, for answers without tags or markup."""
+    answer = answer.strip()
+    if not answer:
+        return None
+    whole = re.fullmatch(_OLD_WHOLE, answer, re.IGNORECASE)
+    if whole:
+        return whole.group(1).upper()
+    label = re.match(r"[(\[]?([ABCDE])(?:[)\]]\s*[.:]?|\s*[.:])(?:\s|$)", answer)
+    if label:
+        return label.group(1)
+    phrases = re.findall(_OLD_PHRASE, answer)
+    if phrases:
+        return phrases[-1]
+    bracketed = set(re.findall(r"\(([ABCDE])\)", answer))
+    if len(bracketed) == 1:
+        return bracketed.pop()
+    standalone = list(re.finditer(r"(?<![A-Za-z0-9'])([ABCDE])(?![A-Za-z0-9'])", answer))
+    article = all(m.group(1) == "A" and re.match(r"\s+[a-z]", answer[m.end():]) for m in standalone)
+    distinct = {m.group(1) for m in standalone}
+    return distinct.pop() if len(distinct) == 1 and not article else None
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("answer" + " " * 16_000 + "z", None),  # 13 s with the old phrase pattern
+    ("answer" + " " * 16_000 + "B", "B"),
+    ("answer is" + " " * 16_000 + ": (C)", "C"),
+    ("B" + " " * 16_000 + "C", None),  # quadratic in the old whole-answer pattern too; two letters
+    ("B" + " " * 16_000 + "z", "B"),
+    ("(B" + " " * 16_000 + ")" + " " * 16_000 + ".", "B"),
+    ("A a " * 5_000, None),  # every "A" is the article: the old check sliced the text once per letter
+    ("A a " * 5_000 + "A", "A"),  # the last "A" is not followed by a word
+    ("\\boxed{" * 5_000 + "C}", "C"),  # only the innermost \boxed{ closes
+])
+def test_choice_on_adversarial_answers(text, expected):
+    assert extract_choice(text) == expected
+
+
+def test_choice_and_math_read_only_the_last_max_chars():
+    tail = " " + "x" * 19  # 20 characters without an answer
+    batch = make_batch(["<answer>B</answer>" + tail, "<answer>B</answer>"], ["B", "B"])
+    assert choice(batch) == [1.0, 1.0]
+    assert choice(batch, max_chars=20) == [0.0, 1.0]  # the answer lies before the last 20 characters
+    assert choice(batch, max_chars=38) == [1.0, 1.0]
+    numbers = make_batch(["\\boxed{12}" + tail, "\\boxed{12}"], ["12", "12"])
+    assert math_reward(numbers) == [1.0, 1.0]
+    assert math_reward(numbers, max_chars=20) == [0.0, 1.0]
+    with pytest.raises(RewardError, match="max_chars"):
+        choice(batch, max_chars=-1)
+
+
+@given(st.one_of(_choice_pieces, _mathy, box_like_text), st.integers(1, 30))
+@FUZZ
+def test_capped_rewards_score_the_capped_text(text, cap):
+    for reward, solution in ((choice, "B"), (math_reward, "3/4")):
+        capped = reward(make_batch([text], [solution]), max_chars=cap)
+        assert capped == reward(make_batch([text[-cap:]], [solution]))
+
+
+def test_last_boxed_pairs_braces_like_a_depth_scan():
+    # Hand-worked: the last \boxed{ is unclosed, so the one before it counts; nested braces stay inside.
+    assert last_boxed("\\boxed{\\frac{1}{2}} and \\boxed{3") == "\\frac{1}{2}"
+    assert last_boxed("}{ \\boxed{a{b}c} \\fbox {d}") == "d"
+    assert last_boxed("\\boxed{" * 40 + "x}") == "x"  # an earlier one than the last 16 starts was not tried before
+    assert last_boxed("\\boxed{" * 3) is None
+
+
+@given(st.lists(st.sampled_from(["\\boxed{", "\\fbox{", "{", "}", "a", " ", "\\boxed {"]), max_size=16).map("".join))
+@FUZZ
+def test_last_boxed_agrees_with_a_depth_scan_from_every_start(text):
+    expected = None
+    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
+        depth = 1
+        for position in range(match.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[position], 0)
+            if depth == 0:
+                expected = text[match.end():position]
+                break
+        if expected is not None:
+            break
+    assert last_boxed(text) == expected
