@@ -480,13 +480,34 @@ def _candidates(value: tuple[float, bool]) -> list[float]:
     return [number, number * 100.0] if had_percent else [number]
 
 
+_INTEGER = re.compile(r"[-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")
+
+
+def integer_literal(value: Any) -> int | None:
+    """The integer ``value`` is written as (``42``, ``-7``, ``1,000``, ``$12$``, ``x = 5``), else ``None``.
+
+    A Python ``int`` counts; ``12.0``, ``3/4``, ``75%`` or ``\\frac{4}{2}`` do not (they are not written as integers).
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str) or len(value) > _MAX_EXPRESSION:
+        return None
+    text = _normalise_expression(value)
+    return int(text.replace(",", "")) if _INTEGER.fullmatch(text) else None
+
+
 def math_equal(prediction: Any, reference: Any, rel_tol: float = 1e-4, abs_tol: float = 1e-8) -> bool:
     """Whether a predicted final answer equals the reference answer.
 
     Both are evaluated by :func:`math_value`. Numbers are equal within ``rel_tol``/``abs_tol``; a percent on either
     side also matches its value ×100 (``75%`` equals both ``0.75`` and ``75``). If the prediction does not evaluate
-    as a whole, its last number is tried. If the reference is not numeric, the normalised strings must be equal
-    (case, spaces, ``$``, ``\\text{}`` and a trailing period ignored). A blank prediction is never equal.
+    as a whole, its last number is tried. A reference written as an integer (:func:`integer_literal`) must be met
+    exactly: an integer prediction must be the same integer (compared as integers, so large ones too), any other
+    prediction must lie within ``abs_tol`` of it (``rel_tol`` would let 10001 pass for 10000). If the reference is
+    not numeric, the normalised strings must be equal (case, spaces, ``$``, ``\\text{}`` and a trailing period
+    ignored). A blank prediction is never equal.
     """
     if prediction is None or (isinstance(prediction, str) and not prediction.strip()):
         return False
@@ -497,10 +518,16 @@ def math_equal(prediction: Any, reference: Any, rel_tol: float = 1e-4, abs_tol: 
         return _normalise_text(prediction).replace(" ", "") == _normalise_text(reference).replace(" ", "")
     value = math_value(prediction)
     if value is None and isinstance(prediction, str):
-        last = _last_number(prediction)
-        value = math_value(last) if last is not None else None
+        prediction = _last_number(prediction)
+        value = math_value(prediction) if prediction is not None else None
     if value is None:
         return False
+    integer = integer_literal(reference)
+    if integer is not None:
+        predicted_integer = integer_literal(prediction)
+        if predicted_integer is not None:
+            return predicted_integer == integer
+        return any(abs(p - integer) <= abs_tol for p in _candidates(value))
     return any(_close(p, t, rel_tol, abs_tol) for p in _candidates(value) for t in _candidates(target))
 
 
@@ -532,7 +559,7 @@ def math_reward(
     Args:
         field: Dataset column with the reference answer.
         output: Payload entry holding the model's text outputs.
-        rel_tol: Relative tolerance of the numeric comparison.
+        rel_tol: Relative tolerance of the numeric comparison (not applied to a reference written as an integer).
         abs_tol: Absolute tolerance of the numeric comparison (matters for answers near 0).
         max_chars: Characters read per completion: its last ``max_chars`` (the answer comes at the end), which
             bounds the work per sample.
@@ -551,6 +578,7 @@ __all__ = [
     "extract_choice",
     "extract_math_answer",
     "format_reward",
+    "integer_literal",
     "is_think_answer",
     "last_boxed",
     "math_equal",

@@ -47,6 +47,17 @@ def test_gsm8k_answer_checks_numeric_equivalence():
     assert gsm8k_answer(_batch(["7"], solution=[7])) == [1.0]  # numeric references work too
 
 
+@pytest.mark.parametrize(("prediction", "reference", "score"), [
+    ("10001", "#### 10000", 0.0),  # within rel_tol 1e-4, but an integer answer must match exactly
+    ("1000001", "1000000", 0.0),
+    ("#### 10,000", "#### 10000", 1.0),
+    ("0.33333", "\\boxed{\\frac{1}{3}}", 1.0),  # not an integer: the relative tolerance applies
+    ("12345678901234567", 12345678901234568, 0.0),
+])
+def test_gsm8k_integer_answers_match_exactly(prediction, reference, score):
+    assert gsm8k_answer(_batch([prediction], solution=[reference])) == [score]
+
+
 # ---------------------------------------------------------------------------------------------------- Countdown
 def test_expression_parser_is_exact_and_rejects_anything_else():
     assert evaluate_expression("(3 + 5) * 2 - 7 / 7") == (Fraction(15), [3, 5, 2, 7, 7])

@@ -16,6 +16,7 @@ from mmrl.rewards.reasoning import (
     extract_choice,
     extract_math_answer,
     format_reward,
+    integer_literal,
     is_think_answer,
     last_boxed,
     math_equal,
@@ -345,3 +346,28 @@ def test_last_boxed_agrees_with_a_depth_scan_from_every_start(text):
         if expected is not None:
             break
     assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(("prediction", "reference", "equal"), [
+    ("10001", "10000", False),  # relative error 1e-4: within rel_tol, but an integer answer must be exact
+    ("1000001", "1000000", False),
+    ("10000.5", "10000", False),
+    ("10000", 10000, True),
+    ("10,000", "10000", True),
+    ("$10,000$", "x = 10000", True),
+    ("12345678901234567", "12345678901234568", False),  # equal as floats; compared as integers
+    ("\\frac{36}{3}", "12", True),
+    ("12.0", "12", True),
+    ("\\sqrt[3]{27}", "3", True),  # 27 ** (1/3) = 3.0000000000000004: within abs_tol
+    ("75%", "75", True),
+    ("10001", "10000.0", True),  # not written as an integer: rel_tol applies
+    ("10001", 10000.0, True),
+])
+def test_integer_references_must_match_exactly(prediction, reference, equal):
+    assert math_equal(prediction, reference) is equal
+
+
+def test_integer_literal():
+    assert [integer_literal(v) for v in ("42", "-7", "1,000", "$12$", "x = 5", 9, "12.0", "3/4", "75%", True,
+                                         "\\frac{4}{2}", "1,00", None)] == [
+        42, -7, 1000, 12, 5, 9, None, None, None, None, None, None, None]
