@@ -1,34 +1,45 @@
 """GSM8K / MATH-style final answers: extraction from free text and numeric equivalence.
 
 Registered reward ``gsm8k_answer`` (1 if the final answer equals the reference, else 0; never raises on model
-output). The final answer of a text is, in order of preference:
+output). A text can give its final answer in three formats:
 
-1. the content of the last ``\\boxed{…}`` (MATH, Hendrycks et al. 2021, arXiv:2103.03874, writes its answers so;
-   braces balanced);
-2. what follows the last ``####`` on its line (GSM8K, Cobbe et al. 2021, arXiv:2110.14168, ends every reference
-   solution with ``#### <answer>``);
-3. the content of the last ``<answer>…</answer>`` block (d1's XML prompt format);
-4. the last number of the text (integers, decimals, thousands separators, ``a/b`` fractions, a trailing ``%``).
+- ``answer``: the content of the last ``<answer>…</answer>`` block (d1's XML prompt format, github
+  dllm-reasoning/d1 ``diffu-grpo/reward_func.py``), or the last ``\\boxed{…}`` inside it;
+- ``boxed``: the content of the last ``\\boxed{…}`` (MATH, Hendrycks et al. 2021, arXiv:2103.03874, writes its
+  answers so; braces balanced);
+- ``hashes``: what follows the last ``####`` on its line (GSM8K, Cobbe et al. 2021, arXiv:2110.14168, ends every
+  reference solution with ``#### <answer>``).
 
-The reference goes through the same extraction, so a GSM8K ``answer`` column (with its worked solution) or a MATH
-``solution`` column can be used as they are. Equality is :func:`mmrl.rewards.reasoning.math_equal`: numbers
-(fractions, LaTeX ``\\frac``, ``\\sqrt``, percents, ``$`` and ``\\text{}`` wrappers) within a relative tolerance, or
-normalised strings when the reference is not numeric.
+The final answer is the one in the format the prompt asked for when the text has it, else the first present in the
+order answer, boxed, hashes, else the last number of the text (integers, decimals, thousands separators, ``a/b``
+fractions, a trailing ``%``). Which format the prompt asked for is the ``answer_format`` option; by default
+(``auto``) it is read from the row's ``prompt``: the format whose marker (``<answer>``, ``\\boxed``, ``####``) the
+prompt names, when it names exactly one. An ``<answer>`` block goes first otherwise: a model closes such a tag only
+to give its final answer, whereas ``\\boxed{}`` also appears in worked steps.
+
+The reference goes through the same extraction (in the default order), so a GSM8K ``answer`` column (with its
+worked solution) or a MATH ``solution`` column can be used as they are. Equality is
+:func:`mmrl.rewards.reasoning.math_equal`: numbers (fractions, LaTeX ``\\frac``, ``\\sqrt``, percents, ``$`` and
+``\\text{}`` wrappers) within a relative tolerance, exactly for a reference written as an integer, or normalised
+strings when the reference is not numeric.
 
 Unlike ``math`` (which reads answers from ``<answer>`` tags, the R1 format), this reward also understands ``####``
-and prefers ``\\boxed{}`` anywhere in the text, which is what masked diffusion LMs prompted in the d1/SPG style write.
+and ``\\boxed{}`` outside the tags, which is what masked diffusion LMs prompted in the d1/SPG style write. Only the
+last ``max_chars`` characters of a completion are read (references are read whole).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
-from mmrl.reward import RewardInput
-from mmrl.rewards.boxes import completion_texts, extract_answer
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards.boxes import MAX_ANSWER_CHARS, check_max_chars, completion_text, completion_texts, extract_answer
 from mmrl.rewards.reasoning import last_boxed, math_equal
 
-MAX_TEXT = 20_000  # answers are read from the last characters of longer texts (bounded work per sample)
+AnswerFormat = Literal["auto", "answer", "boxed", "hashes"]
+FORMATS: tuple[str, ...] = ("answer", "boxed", "hashes")  # the default order of preference
+_MARKERS = {"answer": "<answer>", "boxed": "\\boxed", "hashes": "####"}
 
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _NUMBER = re.compile(
@@ -45,21 +56,69 @@ def last_number(text: str) -> str | None:
     return found.strip() if found is not None else None
 
 
-def extract_final_answer(text: Any) -> str | None:
-    """The final answer of a GSM8K/MATH-style text (see the module docstring), or None when there is none."""
+def _check_format(answer_format: Any) -> None:
+    if answer_format not in FORMATS:
+        raise RewardError(
+            f"answer_format must be answer, boxed or hashes (or auto in gsm8k_answer), got {answer_format!r}"
+        )
+
+
+def _in_format(text: str, answer_format: str) -> str | None:
+    """The non-blank answer ``text`` gives in ``answer_format`` (one of :data:`FORMATS`), else None."""
+    if answer_format == "answer":
+        found = extract_answer(text)
+        if found is not None:
+            boxed = last_boxed(found)
+            found = boxed if boxed is not None and boxed.strip() else found
+    elif answer_format == "boxed":
+        found = last_boxed(text)
+    else:
+        hashes = _HASHES.findall(text)
+        found = hashes[-1] if hashes else None
+    return found.strip() if found is not None and found.strip() else None
+
+
+def extract_final_answer(text: Any, answer_format: str | None = None, *,
+                         max_chars: int | None = MAX_ANSWER_CHARS) -> str | None:
+    """The final answer of a GSM8K/MATH-style text (see the module docstring), or None when there is none.
+
+    Args:
+        text: The text (only its last ``max_chars`` characters are read).
+        answer_format: The format tried first (``answer``, ``boxed`` or ``hashes``); None keeps the default order.
+        max_chars: How many characters, from the end of the text, are read (None: all).
+    """
+    if max_chars is not None:
+        check_max_chars(max_chars)
+    if answer_format is not None:
+        _check_format(answer_format)
     if not isinstance(text, str) or not text.strip():
         return None
-    text = text[-MAX_TEXT:]
-    boxed = last_boxed(text)
-    if boxed is not None and boxed.strip():
-        return boxed.strip()
-    hashes = _HASHES.findall(text)
-    if hashes and hashes[-1].strip():
-        return hashes[-1].strip()
-    answer = extract_answer(text)
-    if answer is not None and answer.strip():
-        return answer.strip()
+    text = text if max_chars is None else text[-max_chars:]
+    order = FORMATS if answer_format is None else (answer_format, *(f for f in FORMATS if f != answer_format))
+    for candidate in order:
+        found = _in_format(text, candidate)
+        if found is not None:
+            return found
     return last_number(text)
+
+
+def _prompt_text(prompt: Any) -> str:
+    """The text of a prompt: a string, or every message's text of a conversation (string or text-part content)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        return "\n".join(completion_text([message]) for message in prompt if isinstance(message, dict))
+    return ""
+
+
+def requested_format(prompt: Any) -> str | None:
+    """The answer format a prompt asks for: the one of :data:`FORMATS` whose marker it names, if it names exactly one.
+
+    The markers are ``<answer>``, ``\\boxed`` and ``####``; a prompt naming none or several gives None.
+    """
+    text = _prompt_text(prompt)
+    named = [answer_format for answer_format in FORMATS if _MARKERS[answer_format] in text]
+    return named[0] if len(named) == 1 else None
 
 
 def answers_equal(prediction: Any, reference: Any, *, rel_tol: float = 1e-4, abs_tol: float = 1e-8) -> bool:
@@ -78,6 +137,8 @@ def gsm8k_answer(
     output: str = "completions",
     rel_tol: float = 1e-4,
     abs_tol: float = 1e-8,
+    answer_format: AnswerFormat = "auto",
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the completion's final answer equals the reference's, else 0 (GSM8K ``####``, MATH ``\\boxed{}``).
 
@@ -87,19 +148,30 @@ def gsm8k_answer(
         field: Dataset column with the reference (a number, a bare answer, or a worked solution ending in
             ``#### x`` or containing ``\\boxed{x}``).
         output: Payload entry holding the model's text outputs.
-        rel_tol: Relative tolerance of the numeric comparison.
+        rel_tol: Relative tolerance of the numeric comparison (not applied to a reference written as an integer,
+            which must be met exactly).
         abs_tol: Absolute tolerance of the numeric comparison.
+        answer_format: The format the prompt asks the answer in, read first when the completion has several:
+            ``answer`` (``<answer>`` tags), ``boxed`` (``\\boxed{}``), ``hashes`` (``####``), or ``auto``: the
+            one the row's ``prompt`` names (``<answer>``, ``\\boxed`` or ``####``), and ``answer`` first when it
+            names none or several (set it when the format is asked in a system prompt the rows do not hold).
+        max_chars: Characters read per completion: its last ``max_chars`` (the answer comes at the end), which
+            bounds the work per sample. References are read whole.
     """
+    if answer_format != "auto":
+        _check_format(answer_format)
+    check_max_chars(max_chars)
     texts = completion_texts(batch, output)
     references = batch.column(field)
     scores = []
-    for text, reference in zip(texts, references, strict=True):
-        target = extract_final_answer(reference) if isinstance(reference, str) else reference
+    for row, text, reference in zip(batch.rows, texts, references, strict=True):
+        target = extract_final_answer(reference, max_chars=None) if isinstance(reference, str) else reference
         if target is None:
             target = reference
-        prediction = extract_final_answer(text)
+        wanted = requested_format(row.get("prompt")) if answer_format == "auto" else answer_format
+        prediction = extract_final_answer(text, wanted, max_chars=max_chars)
         scores.append(float(answers_equal(prediction, target, rel_tol=rel_tol, abs_tol=abs_tol)))
     return scores
 
 
-__all__ = ["answers_equal", "extract_final_answer", "gsm8k_answer", "last_number"]
+__all__ = ["FORMATS", "answers_equal", "extract_final_answer", "gsm8k_answer", "last_number", "requested_format"]

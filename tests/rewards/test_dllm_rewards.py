@@ -58,6 +58,47 @@ def test_gsm8k_integer_answers_match_exactly(prediction, reference, score):
     assert gsm8k_answer(_batch([prediction], solution=[reference])) == [score]
 
 
+BOTH = "Step: \\boxed{5} is wrong.\n#### 6\n<answer>7</answer>"
+
+
+@pytest.mark.parametrize(("answer_format", "prompt", "answer"), [
+    ("answer", "", "7"),
+    ("boxed", "", "5"),
+    ("hashes", "", "6"),
+    ("auto", "Write the final number inside <answer> </answer> tags.", "7"),
+    ("auto", "Put your final answer within \\boxed{}.", "5"),
+    ("auto", "End with #### and the answer.", "6"),
+    ("auto", "How many apples?", "7"),  # names no format: <answer> first
+    ("auto", "Put \\boxed{} inside <answer> tags.", "7"),  # names two: <answer> first
+    ("auto", [{"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "2+3?"}], "5"),
+    ("auto", [{"role": "user", "content": [{"type": "text", "text": "Use ####."}]}], "6"),
+    ("auto", None, "7"),
+])
+def test_gsm8k_reads_the_format_the_prompt_asked_for(answer_format, prompt, answer):
+    for value in ("5", "6", "7"):
+        batch = _batch([BOTH], solution=[value], prompt=[prompt])
+        assert gsm8k_answer(batch, answer_format=answer_format) == [float(value == answer)]
+
+
+def test_gsm8k_answer_format_details():
+    # The asked-for format wins only when present; otherwise the default order applies.
+    assert extract_final_answer("#### 6\n<answer>7</answer>", "boxed") == "7"
+    assert extract_final_answer("<answer>\\boxed{8} or 9</answer>", "answer") == "8"  # \boxed inside the block
+    assert extract_final_answer("<answer> </answer> \\boxed{4}", "answer") == "4"  # blank block: next format
+    with pytest.raises(RewardError, match="answer_format must be answer, boxed or hashes"):
+        extract_final_answer("1", "xml")
+    with pytest.raises(RewardError, match="answer_format"):
+        gsm8k_answer(_batch(["1"], solution=["1"]), answer_format="latex")
+
+
+def test_gsm8k_reads_only_the_last_max_chars():
+    batch = _batch(["\\boxed{12}" + " words" * 4, "\\boxed{12}"], solution=["12", "12"])
+    assert gsm8k_answer(batch) == [1.0, 1.0]
+    assert gsm8k_answer(batch, max_chars=24) == [0.0, 1.0]
+    assert extract_final_answer("so 3 then 4", max_chars=4) == "4"
+    assert extract_final_answer("so 3 then", max_chars=4) is None
+
+
 # ---------------------------------------------------------------------------------------------------- Countdown
 def test_expression_parser_is_exact_and_rejects_anything_else():
     assert evaluate_expression("(3 + 5) * 2 - 7 / 7") == (Fraction(15), [3, 5, 2, 7, 7])
