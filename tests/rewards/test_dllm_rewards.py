@@ -151,10 +151,38 @@ def test_sudoku_partial_credit_counts_only_the_empty_cells():
     grid[0], grid[1], grid[4] = "4", "1", "1"
     assert sudoku_score("".join(grid), PUZZLE, SOLUTION) == pytest.approx(8 / 10)
     assert sudoku_score(with_separators, PUZZLE, SOLUTION) == 1.0
-    assert sudoku_score("The puzzle 1030000130000203 becomes 1432234131244213", PUZZLE, SOLUTION) == 1.0
     assert sudoku_score("1432 2341", PUZZLE, SOLUTION) == 0.0  # malformed: too few cells
     assert sudoku_score("no digits", PUZZLE, SOLUTION) == 0.0
-    assert parse_grid("1.3_ 0001 3000 0203", 16) == "1030000130000203"
+
+
+@pytest.mark.parametrize("text", [
+    "1432234131244213.",  # a full stop after the grid (was read as a blank cell, shifting the grid: 0.1)
+    "1432\n2341\n3124\n4213 (4x4 grid)",  # digits after the grid
+    "The solution is 1432 2341 3124 4213.",
+    "<answer>The solution is:\n1 4 3 2\n2 3 4 1\n3 1 2 4\n4 2 1 3\n(4x4 grid).</answer>",
+    "<think>the 4x4 puzzle</think><answer>1432|2341|3124|4213</answer> Done in 2 steps.",
+])
+def test_sudoku_reads_the_first_complete_grid_of_digits(text):
+    assert sudoku_score(text, PUZZLE, SOLUTION) == 1.0
+
+
+def test_sudoku_grid_is_digits_only():
+    # "." and "_" are not cells in a completion (d1 keeps digits only): the first 16 digits are the grid.
+    assert parse_grid("1.3_ 0001 3000 0203 45", 16) == "1300013000020345"
+    assert parse_grid("1.3_ 0001 3000 0203", 16) is None  # 14 digits
+    # A restated puzzle comes first, so it is the grid: its blanks (0) score nothing.
+    assert sudoku_score("The puzzle 1030000130000203 becomes 1432234131244213", PUZZLE, SOLUTION) == 0.0
+    # Hand-worked partial credit: empty cells of PUZZLE are 1, 3, 4, 5, 6, 9, 10, 11, 12, 14; this grid gets cells
+    # 1, 3, 4, 5, 6 right and 9, 10, 11, 12, 14 wrong ("0") → 5 / 10.
+    assert sudoku_score("<answer>1432 2341 3000 0003</answer>", PUZZLE, SOLUTION) == pytest.approx(0.5)
+
+
+def test_sudoku_reads_only_the_last_max_chars():
+    text = "<answer>1432234131244213</answer>" + " " * 20
+    batch = _batch([text], puzzle=[PUZZLE], solution=[SOLUTION])
+    assert sudoku(batch) == [1.0]
+    assert sudoku(batch, max_chars=44) == [0.0]  # "432234131244213</answer>" + spaces: 15 digits
+    assert sudoku(batch, max_chars=45) == [1.0]  # "<answer>" is cut off, the 16 digits are whole
 
 
 def test_sudoku_reads_columns_and_rejects_bad_datasets():
