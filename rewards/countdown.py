@@ -11,7 +11,8 @@ and ``17 = 3*5+2`` both give ``3*5+2``). The expression is parsed by the recursi
 rational arithmetic (``fractions.Fraction``): no ``eval``, bounded length, nesting and magnitude. Accepted tokens:
 non-negative integers, ``+``, ``-`` / ``−``, ``*`` / ``×`` / ``·`` / ``\\times`` / ``\\cdot``, ``/`` / ``÷`` /
 ``\\div``, round and square brackets; anything else (letters, decimals, ``^``, unary minus) makes the equation
-invalid. Division must be exact in the rationals (``7/2`` is 3.5, not 3).
+invalid. Division must be exact in the rationals (``7/2`` is 3.5, not 3). Only the last ``max_chars`` characters of a
+completion are read (default 20,000; the equation comes at the end), which bounds the work per sample.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from mmrl.reward import RewardError, RewardInput
-from mmrl.rewards.boxes import completion_texts, extract_answer
+from mmrl.rewards.boxes import MAX_ANSWER_CHARS, check_max_chars, completion_texts, extract_answer
 from mmrl.rewards.reasoning import last_boxed
 
 MAX_EXPRESSION = 200
@@ -34,6 +35,7 @@ _REPLACEMENTS = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("×", "*"),
 _TOKEN = re.compile(r"\s*(?:(?P<number>[0-9]+)|(?P<op>[-+*/()\[\]]))")
 _OPERATOR = re.compile(r"[-+*/×÷·−]|\\times|\\cdot|\\div")
 _RUN = re.compile(r"[0-9+\-*/()\[\]\s]+")
+_BLANK_REST = re.compile(r"\s*\Z")
 
 
 class InvalidExpression(ValueError):
@@ -47,10 +49,10 @@ class _Parser:
         self.tokens: list[tuple[str, str]] = []
         position = 0
         while position < len(text):
-            if text[position:].strip() == "":
-                break
             match = _TOKEN.match(text, position)
             if match is None:
+                if _BLANK_REST.match(text, position):
+                    break
                 raise InvalidExpression(f"unexpected {text[position:position + 10]!r}")
             kind = match.lastgroup or ""
             self.tokens.append((kind, match.group(kind)))
@@ -135,11 +137,12 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     return parser.parse(), parser.numbers
 
 
-def extract_equation(text: Any) -> str | None:
-    """The expression side of the completion's equation (see the module docstring), or None."""
+def extract_equation(text: Any, *, max_chars: int = MAX_ANSWER_CHARS) -> str | None:
+    """The expression side of the equation in the last ``max_chars`` characters of a completion (module docstring)."""
+    check_max_chars(max_chars)
     if not isinstance(text, str) or not text.strip():
         return None
-    text = text[-20_000:]
+    text = text[-max_chars:]
     region = extract_answer(text)
     if region is None:
         region = last_boxed(text)
@@ -177,9 +180,9 @@ def _numbers(value: Any, row: int, field: str) -> list[int]:
 
 
 def countdown_score(text: Any, numbers: list[int], target: int | Fraction, *, require_all: bool = True,
-                    format_score: float = 0.0) -> float:
+                    format_score: float = 0.0, max_chars: int = MAX_ANSWER_CHARS) -> float:
     """The ``countdown`` score of one completion (see the module docstring)."""
-    equation = extract_equation(text)
+    equation = extract_equation(text, max_chars=max_chars)
     if equation is None:
         return 0.0
     try:
@@ -199,6 +202,7 @@ def countdown(
     output: str = "completions",
     require_all: bool = True,
     format_score: float = 0.0,
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the equation reaches the target with the given numbers, ``format_score`` if it is wrong, 0 if absent.
 
@@ -209,10 +213,12 @@ def countdown(
         require_all: Every given number must be used exactly once (TinyZero, d1); False allows leaving some out
             (each still at most as often as given).
         format_score: Score of a found but wrong or rule-breaking equation (d1: 0.1).
+        max_chars: Characters read per completion: its last ``max_chars`` (the equation comes at the end), which
+            bounds the work per sample.
     """
     if not 0.0 <= format_score <= 1.0:
         raise RewardError(f"countdown format_score must be in [0, 1], got {format_score}")
-    texts = completion_texts(batch, output)
+    texts = completion_texts(batch, output, last_chars=max_chars)
     numbers_column, targets = batch.column(numbers_field), batch.column(target_field)
     scores = []
     for row, (text, numbers, target) in enumerate(zip(texts, numbers_column, targets, strict=True)):
@@ -221,7 +227,7 @@ def countdown(
         except (TypeError, ValueError):
             raise RewardError(f"dataset row {row} field {target_field!r} must be an integer, got {target!r}") from None
         scores.append(countdown_score(text, _numbers(numbers, row, numbers_field), goal, require_all=require_all,
-                                      format_score=format_score))
+                                      format_score=format_score, max_chars=max_chars))
     return scores
 
 

@@ -137,6 +137,17 @@ def test_countdown_options_and_columns():
     assert extract_equation("<answer>\\boxed{2 \\times 3}</answer>") == "2 * 3"
 
 
+def test_countdown_reads_only_the_last_max_chars():
+    text = "<answer>50 / 4 * 8</answer>" + " " * 10
+    batch = _batch([text], numbers=[[4, 8, 50]], target=[100])
+    assert countdown(batch) == [1.0]
+    assert countdown(batch, max_chars=28) == [0.0]  # "0 / 4 * 8</answer>" + spaces: no <answer>, 0 not given
+    assert countdown(batch, max_chars=28, format_score=0.1) == [0.1]
+    assert extract_equation(text, max_chars=28) == "0 / 4 * 8"
+    with pytest.raises(RewardError, match="max_chars"):
+        countdown(batch, max_chars=0)
+
+
 # ---------------------------------------------------------------------------------------------------- Sudoku
 PUZZLE = "1030" "0001" "3000" "0203"   # 0 = empty; 10 empty cells
 SOLUTION = "1432" "2341" "3124" "4213"
@@ -206,6 +217,18 @@ ANY_TEXT = st.one_of(
                               "\n", " ", "1.5", "9" * 30, "\\frac{1}{0}", "÷", "[", "]"]),
              max_size=40).map("".join),
 )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=ANY_TEXT, cap=st.integers(1, 40))
+def test_capped_rewards_score_the_capped_text(text, cap):
+    def scores(completion, max_chars):
+        return (gsm8k_answer(_batch([completion], solution=["#### 12"]), max_chars=max_chars)
+                + countdown(_batch([completion], numbers=[[3, 4, 5]], target=[12]), format_score=0.1,
+                            max_chars=max_chars)
+                + sudoku(_batch([completion], puzzle=[PUZZLE], solution=[SOLUTION]), max_chars=max_chars))
+
+    assert scores(text, cap) == scores(text[-cap:], 10_000)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
