@@ -29,12 +29,14 @@ from typing import Any, Literal
 
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import (
+    MAX_ANSWER_CHARS,
     MIN_PIXELS,
     Convention,
     Detection,
     answer_region,
     box_giou,
     box_iou,
+    check_max_chars,
     completion_texts,
     parse_detections,
     qwen_resized_size,
@@ -337,7 +339,7 @@ def _blank(text: str) -> bool:
 
 def _predictions_and_targets(batch: RewardInput, field: str, output: str, convention: str, size_field: str,
                              resized_size_field: str, min_pixels: int, max_pixels: int | None):
-    texts = completion_texts(batch, output)
+    texts = completion_texts(batch, output, last_chars=MAX_ANSWER_CHARS)  # the answer is at the end: bounded work
     references = batch.column(field)
     frames = _frames(batch, convention, size_field, resized_size_field, min_pixels, max_pixels)
     for i, (text, reference, (original, resized)) in enumerate(zip(texts, references, frames, strict=True)):
@@ -495,7 +497,13 @@ def detection(
 
 # ---------------------------------------------------------------------------------------------------- counting
 
-_COUNT_NUMBER = re.compile(r"(?<![0-9.])(?:[0-9]{1,3}(?:,[0-9]{3}){1,10}(?![0-9])|[0-9]{1,40})(?:\.[0-9]{1,40})?")
+# A number with its sign and an ordinal suffix if any: "-3" is minus three and "3rd" is no count, neither is 3. A
+# minus sign counts only when no letter or digit precedes it ("3-4 birds" is a range ending in 4, not -4).
+_COUNT_NUMBER = re.compile(
+    r"(?:(?<![0-9A-Za-z.])(?P<minus>[-−]))?(?<![0-9.])"
+    r"(?P<number>(?:[0-9]{1,3}(?:,[0-9]{3}){1,10}(?![0-9])|[0-9]{1,40})(?:\.[0-9]{1,40})?)"
+    r"(?P<ordinal>(?i:st|nd|rd|th)(?![A-Za-z]))?"
+)
 _NUMBER_WORDS = {
     word: value for value, word in enumerate(
         "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
@@ -505,30 +513,39 @@ _NUMBER_WORDS = {
 _NUMBER_WORD = re.compile(r"\b(" + "|".join(_NUMBER_WORDS) + r")\b", re.IGNORECASE)
 
 
-def parse_count(text: Any) -> float | None:
+def parse_count(text: Any, *, max_chars: int = MAX_ANSWER_CHARS) -> float | None:
     """The count stated in a text: the last number of its answer region, else the last number word (zero–twenty).
 
-    Thousands separators (``1,024``) are accepted. Returns ``None`` when the text states no number.
+    Only the last ``max_chars`` characters are read (the answer comes at the end). Thousands separators
+    (``1,024``) are accepted; a minus sign is kept (``-3`` is −3, which no count equals); ordinals (``3rd``,
+    ``21st``) are not counts and are skipped. Returns ``None`` when the text states no number.
     """
-    region = answer_region(text)
-    numbers = _COUNT_NUMBER.findall(region)
-    if numbers:
-        value = float(numbers[-1].replace(",", ""))
-        return value if math.isfinite(value) else None
+    check_max_chars(max_chars)
+    region = answer_region(text[-max_chars:] if isinstance(text, str) else text)
+    last = None
+    for match in _COUNT_NUMBER.finditer(region):
+        if match.group("ordinal") is None:
+            last = match
+    if last is not None:
+        value = float(last.group("number").replace(",", ""))
+        if not math.isfinite(value):
+            return None
+        return -value if last.group("minus") else value
     words = _NUMBER_WORD.findall(region)
     return float(_NUMBER_WORDS[words[-1].lower()]) if words else None
 
 
 def _count_target(value: Any, where: str) -> float:
+    count = None
     if _finite(value):
-        return float(value)
-    if isinstance(value, (list, tuple)):
-        return float(len(value))
-    if isinstance(value, str):
-        parsed = parse_count(value)
-        if parsed is not None:
-            return parsed
-    raise RewardError(f"{where} is not a count (a number, a numeric string or a list of objects): {value!r}")
+        count = float(value)
+    elif isinstance(value, (list, tuple)):
+        count = float(len(value))
+    elif isinstance(value, str):
+        count = parse_count(value, max_chars=max(len(value), 1))
+    if count is None or count < 0:
+        raise RewardError(f"{where} is not a count (a number ≥ 0, a numeric string or a list of objects): {value!r}")
+    return count
 
 
 def count(
@@ -538,6 +555,7 @@ def count(
     output: str = "completions",
     mode: Literal["exact", "graded"] = "exact",
     source: Literal["answer", "boxes"] = "answer",
+    max_chars: int = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """Counting reward in [0, 1]: the predicted count against the ground-truth count.
 
@@ -546,15 +564,17 @@ def count(
     count rewards give sparse signal; CrowdVLM-R1 argues for such fuzzy count rewards). The prediction is the last
     number in the answer (``source="answer"``) or the number of boxes in it (``source="boxes"``, one box per object
     as in Perception-R1, arXiv:2504.07954; degenerate boxes are not counted). No number, or a blank answer,
-    scores 0.
+    scores 0; a negative number (``-3``) is no count, and ordinals (``3rd``) are skipped (see :func:`parse_count`).
 
     Args:
         field: Dataset column with the ground-truth count (a number, numeric string, or a list counted by length).
         output: Payload entry holding the model's text outputs.
         mode: exact (0/1) or graded (linear partial credit).
         source: Read the count as the last number in the answer, or as the number of boxes written.
+        max_chars: Characters read per completion: its last ``max_chars`` (the answer comes at the end), which
+            bounds the work per sample.
     """
-    texts = completion_texts(batch, output)
+    texts = completion_texts(batch, output, last_chars=max_chars)
     references = batch.column(field)
     scores = []
     for i, (text, reference) in enumerate(zip(texts, references, strict=True)):
@@ -563,9 +583,9 @@ def count(
             scores.append(0.0)
             continue
         if source == "boxes":
-            predicted: float | None = float(len(parse_detections(text, "absolute", None)))
+            predicted: float | None = float(len(parse_detections(text, "absolute", None, max_chars=max_chars)))
         else:
-            predicted = parse_count(text)
+            predicted = parse_count(text, max_chars=max_chars)
         if predicted is None:
             scores.append(0.0)
         elif mode == "exact":

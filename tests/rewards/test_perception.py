@@ -332,6 +332,60 @@ def test_parse_count_and_bad_targets():
     assert parse_count(None) is None
     with pytest.raises(RewardError, match="count"):
         count(make_batch(["<answer>3</answer>"], ["many"]))
+    for negative in (-3, "-3", "3rd"):  # a count is a number ≥ 0; an ordinal is none
+        with pytest.raises(RewardError, match="is not a count"):
+            count(make_batch(["<answer>3</answer>"], [negative]))
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("-3", -3.0),
+    ("<answer>−3</answer>", -3.0),  # U+2212 minus
+    ("there are -3 birds", -3.0),
+    ("3rd", None),  # an ordinal is no count
+    ("the 1st, 2nd, 3rd and 4th", None),
+    ("3 birds; the 3rd is red", 3.0),  # ordinals are skipped, the count before them is read
+    ("<answer>11TH</answer>", None),
+    ("3-4 birds", 4.0),  # a hyphen after a digit is a range, not a sign
+    ("x-3", 3.0),
+    ("3rds of them: 3", 3.0),
+    ("3stars", 3.0),  # "st" followed by a letter is no ordinal suffix
+    ("1,024 items", 1024.0),
+])
+def test_parse_count_signs_and_ordinals(text, value):
+    assert parse_count(text) == value
+
+
+def test_count_rejects_negative_numbers_and_ordinals():
+    completions = ["<answer>3</answer>", "<answer>-3</answer>", "<answer>3rd</answer>", "<answer>the 3rd: 2</answer>"]
+    batch = make_batch(completions, [3] * 4)
+    assert count(batch) == [1.0, 0.0, 0.0, 0.0]
+    # graded: -3 vs 3 → 1 − 6/3 < 0 → 0; 2 vs 3 → 1 − 1/3.
+    assert count(batch, mode="graded") == [1.0, 0.0, 0.0, pytest.approx(2 / 3)]
+
+
+def test_count_reads_only_the_last_max_chars():
+    batch = make_batch(["<answer>3</answer>" + "." * 20, "<answer>3</answer>"], [3, 3])
+    assert count(batch) == [1.0, 1.0]
+    assert count(batch, max_chars=20) == [0.0, 1.0]
+    assert parse_count("3 and then 12", max_chars=2) == 12
+    assert parse_count("3 and then 12", max_chars=1) == 2
+    boxes = make_batch(["<answer>[0, 0, 1, 1]</answer>" + " " * 20], [1])
+    assert count(boxes, source="boxes") == [1.0]
+    assert count(boxes, source="boxes", max_chars=20) == [0.0]  # blank once capped
+
+
+def test_box_rewards_read_only_the_last_characters(monkeypatch):
+    from mmrl.rewards import perception
+
+    text = "<answer>[0, 0, 10, 10]</answer>" + " x" * 10  # 20 characters after the answer
+    batch = make_batch([text], [[0, 0, 10, 10]])
+    assert iou(batch, **ABS) == [1.0] and detection(batch, **ABS) == [1.0]
+    monkeypatch.setattr(perception, "MAX_ANSWER_CHARS", 20)  # the cap of iou, giou and detection
+    assert iou(batch, **ABS) == [0.0] and giou(batch, **ABS) == [0.0] and detection(batch, **ABS) == [0.0]
+    monkeypatch.setattr(perception, "MAX_ANSWER_CHARS", 42)
+    assert iou(batch, **ABS) == [0.0]  # "0, 0, 10, 10]</answer> x x …": no box
+    monkeypatch.setattr(perception, "MAX_ANSWER_CHARS", 43)
+    assert iou(batch, **ABS) == [1.0]  # "[0, 0, 10, 10]</answer> x x …": "<answer>" is cut, the box is whole
 
 
 # ---------------------------------------------------------------------------------------------------- fuzzing
