@@ -1,7 +1,9 @@
 """Verifiable text rewards: compare a completion with the row's reference answer.
 
 Both rewards read ``payload[output]`` (a list of strings) and ``row[field]``, compare whitespace-separated tokens
-and never raise on malformed output: anything that is not a string scores 0.
+and never raise on malformed output: anything that is not a string scores 0, and so does a completion longer than
+``max_chars`` characters (both compare the whole completion, so it cannot be judged on a part; the cap bounds the
+work per sample, which is linear in the text).
 """
 
 from __future__ import annotations
@@ -9,29 +11,37 @@ from __future__ import annotations
 from typing import Any
 
 from mmrl.reward import RewardInput
+from mmrl.rewards.boxes import MAX_WHOLE_CHARS, check_max_chars
 
 
-def _tokens(text: Any) -> list[str] | None:
-    return text.split() if isinstance(text, str) else None
+def _tokens(text: Any, max_chars: int | None = None) -> list[str] | None:
+    """Whitespace tokens of a string; None for anything else or a string longer than ``max_chars``."""
+    if not isinstance(text, str) or (max_chars is not None and len(text) > max_chars):
+        return None
+    return text.split()
 
 
-def exact_match(batch: RewardInput, *, field: str = "solution", output: str = "completions") -> list[float]:
+def exact_match(batch: RewardInput, *, field: str = "solution", output: str = "completions",
+                max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
     """1 if the completion equals the reference up to whitespace, else 0.
 
     Args:
         field: Dataset column holding the reference answer.
         output: Payload entry holding the model's text outputs.
+        max_chars: Longest completion compared, in characters; a longer one scores 0.
     """
+    check_max_chars(max_chars)
     references = batch.column(field)
     completions = batch.output(output)
     scores = []
     for completion, reference in zip(completions, references, strict=True):
-        predicted = _tokens(completion)
+        predicted = _tokens(completion, max_chars)
         scores.append(float(predicted is not None and predicted == _tokens(str(reference))))
     return scores
 
 
-def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str = "completions") -> list[float]:
+def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str = "completions",
+                   max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
     """Fraction of reference tokens reproduced at the right position, divided by the longer of the two lengths.
 
     Extra or missing tokens therefore cost as much as wrong ones; an empty completion against an empty reference
@@ -40,12 +50,14 @@ def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str =
     Args:
         field: Dataset column holding the reference answer.
         output: Payload entry holding the model's text outputs.
+        max_chars: Longest completion compared, in characters; a longer one scores 0.
     """
+    check_max_chars(max_chars)
     references = batch.column(field)
     completions = batch.output(output)
     scores = []
     for completion, reference in zip(completions, references, strict=True):
-        predicted, target = _tokens(completion), _tokens(str(reference))
+        predicted, target = _tokens(completion, max_chars), _tokens(str(reference))
         if predicted is None:
             scores.append(0.0)
             continue
