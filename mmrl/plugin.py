@@ -197,6 +197,17 @@ class Plugin(ABC):
         """The action budget (e.g. ``max_new_tokens``); Dr.GRPO's constant in ``seq_mean_token_sum_norm``."""
         return None
 
+    def reward_context(self) -> dict[str, Any]:
+        """Facts about the model being trained that rewards may read, as a JSON-serialisable dict (default ``{}``).
+
+        The trainer hands it to every reward when it builds them at start-up (:func:`mmrl.reward.build_reward`), so
+        that a reward can default to what the model does and refuse options that contradict it before training
+        starts; rewards that do not care ignore it. Keys in use: ``box_convention``, the coordinate convention of the
+        boxes the model writes (a :data:`mmrl.rewards.boxes.CONVENTIONS` name; declared by the vlm plugin, read by
+        the ``iou``, ``giou`` and ``detection`` rewards).
+        """
+        return {}
+
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
         """Credit the sample rewards to individual actions, for plugins whose credit is not uniform over time.
 

@@ -9,13 +9,22 @@ either
 Called on a :class:`RewardInput`, it returns one score per sample (a list of floats or a ``[N]`` tensor). A reward
 with ``groupwise = True`` is called once per group with that group's samples (Pref-GRPO's win rate needs the whole
 group). Rewards must score malformed model outputs (unparseable text, blank images) rather than raise.
+
+**Reward context.** A training run hands every reward, when it is built, the plugin's
+:meth:`mmrl.plugin.Plugin.reward_context`: a JSON-serialisable dict of facts about the model being trained (the VLM
+plugin declares ``{"box_convention": "qwen2_vl"}``). A reward that needs such a fact carries a ``resolve_args``
+attribute (a function attribute, or a static/class method of a :class:`Reward` class) ``(args, context) -> args``:
+:func:`build_reward` calls it before building the reward, so it can fill a default from the context and refuse an
+option that contradicts it with a :class:`RewardError`, at start-up. Rewards without ``resolve_args`` never see the
+context. Outside a run (a plain :func:`build_reward` or :meth:`RewardScorer.from_config`) the context is empty.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -90,9 +99,38 @@ class Reward:
         raise NotImplementedError
 
 
-def build_reward(name: str, args: dict[str, Any]) -> Callable[[RewardInput], Any]:
-    """Instantiate (class) or bind (function) the reward registered as ``name`` with ``args``."""
+def check_reward_context(context: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A private copy of a plugin's reward context (``{}`` for None), checked to be a JSON-serialisable dict with
+    string keys, so that every reward reads the same facts and a remote reward can send them."""
+    if context is None:
+        return {}
+    if not isinstance(context, Mapping) or not all(isinstance(key, str) for key in context):
+        raise RewardError(f"a reward context must be a dict with string keys (Plugin.reward_context), got {context!r}")
+    try:
+        return json.loads(json.dumps(dict(context)))
+    except (TypeError, ValueError) as error:
+        raise RewardError(f"a reward context must be JSON-serialisable (Plugin.reward_context): {error}") from None
+
+
+def build_reward(name: str, args: dict[str, Any], context: Mapping[str, Any] | None = None
+                 ) -> Callable[[RewardInput], Any]:
+    """Instantiate (class) or bind (function) the reward registered as ``name`` with ``args``.
+
+    Args:
+        name: A registered reward.
+        args: Its options (checked against its signature when the config loads).
+        context: Facts about the run that rewards may read (:meth:`mmrl.plugin.Plugin.reward_context`); None outside
+            a run. A reward with a ``resolve_args(args, context)`` attribute gets its arguments from it (see the
+            module docstring); a :class:`RewardError` it raises is prefixed with the reward's name.
+    """
     entry = reward_functions.get(name)
+    context = check_reward_context(context)
+    resolve = getattr(entry, "resolve_args", None)
+    if resolve is not None:
+        try:
+            args = resolve(dict(args), context)
+        except RewardError as error:
+            raise RewardError(f"reward {name!r}: {error}") from None
     if isinstance(entry, type):
         return entry(**args)
 
@@ -156,12 +194,13 @@ class RewardScorer:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: Any) -> RewardScorer:
-        """Build from a :class:`mmrl.config.RewardsConfig`."""
+    def from_config(cls, config: Any, context: Mapping[str, Any] | None = None) -> RewardScorer:
+        """Build from a :class:`mmrl.config.RewardsConfig`; ``context`` is the plugin's reward context (see
+        :func:`build_reward`), None outside a training run."""
         specs = config.functions
         return cls(
             [spec.name for spec in specs],
-            [build_reward(spec.name, spec.args) for spec in specs],
+            [build_reward(spec.name, spec.args, context) for spec in specs],
             [spec.weight for spec in specs],
             config.on_nonfinite,
             num_workers=getattr(config, "num_workers", 1),

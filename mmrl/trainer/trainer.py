@@ -96,13 +96,17 @@ class Trainer:
         if chunked is not None:  # back-propagating action chunks multiplies the backward passes per step
             self.geometry = chunked
             acc.gradient_accumulation_steps = chunked.backward_passes
-        self.scorer = RewardScorer.from_config(config.rewards)
+        # The plugin's facts for rewards (e.g. the VLM family's box convention): rewards that read them take their
+        # defaults from them and refuse contradicting options here, at start-up; the trainer never looks inside.
+        reward_context = self.plugin.reward_context()
+        self.scorer = RewardScorer.from_config(config.rewards, context=reward_context)
         self.weights = self.scorer.weights
         # The held-out evaluation may be judged by other rewards than the ones trained on (eval.rewards).
         # eval.rewards naming the training rewards again reuses their scorer (a reward model is loaded once).
         same = config.eval.rewards is None or config.eval.rewards == config.rewards.functions
         self.eval_scorer = (self.scorer if same
-                            else RewardScorer.from_config(replace(config.rewards, functions=config.eval.rewards)))
+                            else RewardScorer.from_config(replace(config.rewards, functions=config.eval.rewards),
+                                                          context=reward_context))
         if self.scorer.groupwise and config.rollout.layout == "spread" and acc.num_processes > 1:
             raise ConfigError("rollout.layout", "spread",
                               "'contiguous' when a group-wise reward is used on several processes")

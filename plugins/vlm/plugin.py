@@ -274,6 +274,13 @@ class VLMPlugin(Plugin):
     def max_actions(self) -> int:
         return self.config.max_new_tokens
 
+    def reward_context(self) -> dict[str, Any]:
+        """``{"box_convention": ...}``: the coordinate convention of the boxes this model family writes (the
+        adapter's :attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.box_convention`). The box rewards (``iou``,
+        ``giou``, ``detection``) default to it and refuse a different ``convention`` unless
+        ``allow_convention_mismatch`` is set."""
+        return {"box_convention": self.adapter.box_convention}
+
     @torch.no_grad()
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         model = self.runtime.unwrap(policy)

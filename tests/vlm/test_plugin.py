@@ -231,6 +231,12 @@ def test_full_finetuning_freezes_only_the_vision_tower(tiny_models):
     torch.testing.assert_close(output.ref_logp, output.logp, rtol=0, atol=1e-6)
 
 
+def test_reward_context_declares_the_familys_box_convention(lora_plugins, family):
+    context = lora_plugins[family].reward_context()
+    assert context == {"box_convention": family}
+    assert json.loads(json.dumps(context)) == context  # the contract: JSON-serialisable
+
+
 def test_completion_lengths_stop_at_the_first_eos():
     tokens = torch.tensor([[5, 9, 7, 9], [5, 6, 7, 8], [2, 9, 9, 9], [9, 1, 1, 1]])
     assert completion_lengths(tokens, [9, 2]).tolist() == [2, 4, 1, 1]
