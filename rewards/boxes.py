@@ -13,6 +13,9 @@ RL code (VLM-R1, arXiv:2504.07615, fixed its Qwen2.5-VL rescaling only in mid-20
 ``"relative"``     Fractions in [0, 1] of the image: x_abs = x · W.
 =================  ===========================================================================================
 
+Which one applies is a property of the model family (each VLM adapter's ``box_convention``); the box rewards of
+:mod:`mmrl.rewards.perception` take it from the training run and refuse a different one unless told otherwise.
+
 Sizes are always ``(width, height)`` tuples, except in :func:`smart_resize`, which keeps the ``(height, width)``
 argument and result order of ``qwen-vl-utils`` so that it can be swapped in for it.
 

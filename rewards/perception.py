@@ -14,9 +14,19 @@ Predicted boxes are parsed by :func:`mmrl.rewards.boxes.parse_detections` from t
 read in original-image pixels. A blank answer (no text at all) always scores 0 so that the policy cannot collect
 reward with empty answers (Visual-RFT issue #176); to claim "no objects" a model writes e.g. ``[]``.
 
-Ground-truth boxes (``row[field]``) may be ``[x1, y1, x2, y2]``, a list of such lists, a dict or list of dicts with
-a ``bbox_2d`` (or ``bbox``/``box``) entry and optional ``label``, a JSON string of any of these, or text that the
-box parser understands (read with the ``"absolute"`` convention).
+**The box convention** of ``iou``, ``giou`` and ``detection`` is the model family's: built for a training run, they
+read ``box_convention`` from the plugin's reward context (:meth:`mmrl.plugin.Plugin.reward_context`; the vlm plugin
+declares its adapter's) when ``convention`` is not set, and refuse a ``convention`` that differs from it unless
+``allow_convention_mismatch`` is true (a model fine-tuned to write another frame). With neither a context nor the
+option (a reward built or called outside a run), they raise instead of guessing: reading Qwen2-VL's 0–1000 grid as
+Qwen2.5-VL pixels scores a perfect answer about 0.18 (issue 19). See :func:`resolve_box_convention`.
+
+**Ground-truth boxes** (``row[field]``) may be ``[x1, y1, x2, y2]``, a list of such lists, a dict or list of dicts
+with a ``bbox_2d`` (or ``bbox``/``box``/``bounding_box``/``position``) entry and optional ``label``, a JSON string
+of any of these, or text in which the box parser finds at least one box (read with the ``"absolute"`` convention).
+Only an empty list (``[]``, or the JSON text ``"[]"``) means "no objects". Anything else that does not read as
+boxes (``None``, ``""``, ``"10 20 110 220"``, a number, an object without a box) and any box with a non-finite
+coordinate or zero width or height is a data error: :class:`~mmrl.reward.RewardError` names the row and the field.
 """
 
 from __future__ import annotations
@@ -24,15 +34,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import (
+    CONVENTIONS,
     MAX_ANSWER_CHARS,
     MIN_PIXELS,
     Convention,
     Detection,
+    _raw_detections,
     answer_region,
     box_giou,
     box_iou,
@@ -251,31 +263,49 @@ def _row_size(value: Any, where: str) -> tuple[float, float]:
     raise RewardError(f"{where} must be (width, height) with two positive numbers, got {value!r}")
 
 
-def _frames(batch: RewardInput, convention: str, size_field: str, resized_size_field: str, min_pixels: int,
-            max_pixels: int | None) -> list[tuple[tuple[float, float] | None, tuple[float, float] | None]]:
+def _row_name(row: dict[str, Any], index: int) -> str:
+    """``dataset row {index}`` plus the row's id, first image or prompt, so that a bad row can be found in the data."""
+    for key in ("id", "image", "prompt"):
+        value = row.get(key)
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return f"dataset row {index} ({key} {_short(value, 60)})"
+    return f"dataset row {index}"
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    """``repr(value)``, cut to ``limit`` characters, so that error messages stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _frames(batch: RewardInput, names: Sequence[str], convention: str, size_field: str, resized_size_field: str,
+            min_pixels: int, max_pixels: int | None
+            ) -> list[tuple[tuple[float, float] | None, tuple[float, float] | None]]:
     """(original_size, resized_size) of every row, as the convention needs them."""
     frames = []
-    for i, row in enumerate(batch.rows):
+    for name, row in zip(names, batch.rows, strict=True):
         original = None
         if row.get(size_field) is not None:
-            original = _row_size(row[size_field], f"dataset row {i} field {size_field!r}")
+            original = _row_size(row[size_field], f"{name} field {size_field!r}")
         elif convention != "absolute":
             raise RewardError(
-                f"dataset row {i} has no {size_field!r} field (the original image's (width, height)), which box "
+                f"{name} has no {size_field!r} field (the original image's (width, height)), which box "
                 f"convention {convention!r} needs"
             )
         resized = None
         if convention == "qwen2_5_vl":
             if row.get(resized_size_field) is not None:
-                resized = _row_size(row[resized_size_field], f"dataset row {i} field {resized_size_field!r}")
+                resized = _row_size(row[resized_size_field], f"{name} field {resized_size_field!r}")
             elif max_pixels is not None:
                 try:
                     resized = qwen_resized_size(original, min_pixels=min_pixels, max_pixels=max_pixels)  # type: ignore[arg-type]
                 except ValueError as error:
-                    raise RewardError(f"dataset row {i}: {error}") from None
+                    raise RewardError(f"{name}: {error}") from None
             else:
                 raise RewardError(
-                    f"dataset row {i} has no {resized_size_field!r} field (the (width, height) the processor resized "
+                    f"{name} has no {resized_size_field!r} field (the (width, height) the processor resized "
                     "the image to), which box convention 'qwen2_5_vl' needs; add it to the rows, or set the reward "
                     "options max_pixels (and min_pixels) to the processor's values to compute it with smart_resize"
                 )
@@ -296,56 +326,122 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def _target_item(item: Any) -> Detection | None:
-    label = None
+def _is_box(value: Any) -> bool:
+    """A list or tuple of four real numbers (finite or not): one box rather than a list of boxes."""
+    return (isinstance(value, (list, tuple)) and len(value) == 4
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+
+
+def _target_box(item: Any, where: str, label: str | None = None) -> Detection:
+    """One ground-truth box (``[x1, y1, x2, y2]`` or a dict with a box entry); anything else raises RewardError."""
+    box = item
     if isinstance(item, dict):
         lowered = {str(k).lower(): v for k, v in item.items()}
-        raw_label = lowered.get("label")
-        label = str(raw_label) if raw_label is not None else None
-        item = next((lowered[k] for k in _BOX_KEYS if k in lowered), None)
-    if isinstance(item, (list, tuple)) and len(item) == 4 and all(_finite(v) for v in item):
-        values = [float(v) for v in item]
-        x1, x2 = sorted((values[0], values[2]))
-        y1, y2 = sorted((values[1], values[3]))
-        return Detection((x1, y1, x2, y2), label)
-    return None
+        key = next((k for k in _BOX_KEYS if k in lowered), None)
+        if key is None:
+            raise RewardError(f"{where} holds {_short(item)}, which has none of the box keys {', '.join(_BOX_KEYS)}")
+        box = lowered[key]
+        label = str(lowered["label"]) if lowered.get("label") is not None else None
+    if not _is_box(box):
+        raise RewardError(f"{where} holds {_short(box)}, which is not a box [x1, y1, x2, y2] of four numbers")
+    if not all(_finite(v) for v in box):
+        raise RewardError(f"{where} holds the box {_short(box)} with a non-finite coordinate")
+    values = [float(v) for v in box]
+    x1, x2 = sorted((values[0], values[2]))
+    y1, y2 = sorted((values[1], values[3]))
+    if not (x2 > x1 and y2 > y1):
+        raise RewardError(f"{where} holds the box {_short(box)} of zero width or height")
+    return Detection((x1, y1, x2, y2), label)
 
 
-def _targets(value: Any, original_size: tuple[float, float] | None, where: str) -> list[Detection]:
-    """Ground-truth detections (original pixels) from a row field; malformed ground truth raises RewardError."""
-    if value is None:
-        return []
+def _targets(value: Any, where: str) -> list[Detection]:
+    """Ground-truth detections (original pixels) of a row field, see the module docstring.
+
+    ``[]`` (or the JSON text ``"[]"``) is the only way to say "no objects"; whatever else does not read as boxes is a
+    data error, never "no objects": reading it as such would reward answers that find nothing (issue 19).
+
+    Raises:
+        RewardError: Naming ``where`` (the row and field) and the offending value.
+    """
     if isinstance(value, str):
         try:
             decoded = json.loads(value)
         except ValueError:
-            return parse_detections(value, "absolute", original_size)
-        if isinstance(decoded, (list, dict)):
-            return _targets(decoded, original_size, where)
-        return parse_detections(value, "absolute", original_size)
-    single = _target_item(value)
-    if single is not None:
-        return [single]
+            # Not JSON: text such as "<answer>[0, 0, 10, 10]</answer>" or Qwen2-VL box tokens, in original pixels.
+            found = _raw_detections(answer_region(value))
+            if not found:
+                raise RewardError(f"{where} is the text {_short(value)}, in which no box [x1, y1, x2, y2] was found "
+                                  "(write [] for an image with no objects)") from None
+            return [_target_box(raw, where, label) for _, raw, label, _ in found]
+        if not isinstance(decoded, (list, dict)):
+            raise RewardError(f"{where} is the JSON text {_short(value)}, which is not a box, a list of boxes or [] "
+                              "(no objects)")
+        return _targets(decoded, where)
+    if isinstance(value, dict) or _is_box(value):
+        return [_target_box(value, where)]
     if isinstance(value, (list, tuple)):
-        items = [_target_item(v) for v in value]
-        if all(item is not None for item in items):
-            return items  # type: ignore[return-value]
-    raise RewardError(f"{where} is not a box [x1, y1, x2, y2], a list of boxes or a JSON string of them: {value!r}")
+        return [_target_box(item, where) for item in value]
+    raise RewardError(f"{where} is {_short(value)}, not a box [x1, y1, x2, y2], a list of boxes, [] (no objects) or "
+                      "a JSON string of them")
 
 
 def _blank(text: str) -> bool:
     return not answer_region(text).strip()
 
 
-def _predictions_and_targets(batch: RewardInput, field: str, output: str, convention: str, size_field: str,
+def _predictions_and_targets(batch: RewardInput, field: str, output: str, convention: str | None, size_field: str,
                              resized_size_field: str, min_pixels: int, max_pixels: int | None):
+    if convention is None:
+        raise RewardError(
+            f"no box convention: pass convention= (one of {', '.join(CONVENTIONS)}); only a reward built for a "
+            "training run (build_reward with the plugin's reward context) defaults to the model family's"
+        )
     texts = completion_texts(batch, output, last_chars=MAX_ANSWER_CHARS)  # the answer is at the end: bounded work
     references = batch.column(field)
-    frames = _frames(batch, convention, size_field, resized_size_field, min_pixels, max_pixels)
-    for i, (text, reference, (original, resized)) in enumerate(zip(texts, references, frames, strict=True)):
-        targets = _targets(reference, original, f"dataset row {i} field {field!r}")
+    names = [_row_name(row, i) for i, row in enumerate(batch.rows)]
+    frames = _frames(batch, names, convention, size_field, resized_size_field, min_pixels, max_pixels)
+    for text, reference, name, (original, resized) in zip(texts, references, names, frames, strict=True):
+        targets = _targets(reference, f"{name} field {field!r}")
         predictions = None if _blank(text) else parse_detections(text, convention, original, resized)  # type: ignore[arg-type]
         yield predictions, targets
+
+
+def resolve_box_convention(args: dict[str, Any], context: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``resolve_args`` hook of ``iou``, ``giou`` and ``detection`` (see :func:`mmrl.reward.build_reward`).
+
+    ``convention`` not set: it becomes the context's ``box_convention`` (the family of the model being trained);
+    without one, nothing is guessed and this raises. ``convention`` set: kept if it equals the context's, or if the
+    context declares none, or with ``allow_convention_mismatch: true``; otherwise refused.
+
+    Args:
+        args: The reward's options from the config.
+        context: The run's reward context (:meth:`mmrl.plugin.Plugin.reward_context`); ``{}`` outside a run.
+
+    Returns:
+        ``args`` with ``convention`` set.
+
+    Raises:
+        RewardError: One line, for no convention at all, an unknown declared one, or a refused mismatch.
+    """
+    declared = context.get("box_convention")
+    if declared is not None and declared not in CONVENTIONS:
+        raise RewardError(f"the plugin declares box_convention {declared!r}, which is not one of "
+                          f"{', '.join(CONVENTIONS)}")
+    named = args.get("convention")
+    if named is None:
+        if declared is None:
+            raise RewardError(
+                f"no box convention: set the option convention (one of {', '.join(CONVENTIONS)}); it defaults to the "
+                "model family's only in a run whose plugin declares one (the vlm plugin does)"
+            )
+        return {**args, "convention": declared}
+    if declared is not None and named != declared and not args.get("allow_convention_mismatch", False):
+        raise RewardError(
+            f"option convention {named!r} differs from {declared!r}, the box convention of the model family being "
+            f"trained; drop the option to read boxes as {declared!r}, or set allow_convention_mismatch: true if this "
+            f"model writes {named!r} boxes"
+        )
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
@@ -368,7 +464,8 @@ def iou(
     *,
     field: str = "solution",
     output: str = "completions",
-    convention: Convention = "qwen2_5_vl",
+    convention: Convention | None = None,
+    allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
     min_pixels: int = MIN_PIXELS,
@@ -383,6 +480,9 @@ def iou(
         field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
         convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+            Null: the model family's, from the run's reward context (an error when there is none).
+        allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
+            write another frame). Read when the reward is built for a run (a direct call has no family to compare).
         size_field: Dataset column with the original image's (width, height); needed by every convention except
             absolute (where it only clamps boxes to the image).
         resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
@@ -403,7 +503,8 @@ def giou(
     *,
     field: str = "solution",
     output: str = "completions",
-    convention: Convention = "qwen2_5_vl",
+    convention: Convention | None = None,
+    allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
     min_pixels: int = MIN_PIXELS,
@@ -420,6 +521,9 @@ def giou(
         field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
         convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+            Null: the model family's, from the run's reward context (an error when there is none).
+        allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
+            write another frame). Read when the reward is built for a run (a direct call has no family to compare).
         size_field: Dataset column with the original image's (width, height); needed by every convention except
             absolute (where it only clamps boxes to the image).
         resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
@@ -436,7 +540,8 @@ def detection(
     *,
     field: str = "solution",
     output: str = "completions",
-    convention: Convention = "qwen2_5_vl",
+    convention: Convention | None = None,
+    allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
     min_pixels: int = MIN_PIXELS,
@@ -469,6 +574,9 @@ def detection(
         field: Dataset column with the ground-truth boxes in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
         convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+            Null: the model family's, from the run's reward context (an error when there is none).
+        allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
+            write another frame). Read when the reward is built for a run (a direct call has no family to compare).
         size_field: Dataset column with the original image's (width, height); needed by every convention except
             absolute (where it only clamps boxes to the image).
         resized_size_field: Dataset column with the (width, height) of the resized model input; read for qwen2_5_vl.
@@ -493,6 +601,10 @@ def detection(
         scores.append(float(detection_score(predictions, targets, matching=matching, metric=metric,
                                             iou_threshold=iou_threshold, use_labels=use_labels)))
     return scores
+
+
+for _box_reward in (iou, giou, detection):
+    _box_reward.resolve_args = resolve_box_convention  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------- counting
@@ -605,4 +717,5 @@ __all__ = [
     "iou",
     "linear_assignment",
     "parse_count",
+    "resolve_box_convention",
 ]

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmrl.config import RewardsConfig, from_dict
 from mmrl.config.schema import bind_options
-from mmrl.reward import RewardError, RewardInput, build_reward
+from mmrl.reward import Reward, RewardError, RewardInput, RewardScorer, build_reward
 from mmrl.rewards import reward_functions
 from mmrl.rewards.boxes import Detection
 from mmrl.rewards.perception import (
@@ -44,6 +45,7 @@ def boxes_json(*boxes, **extra):
 
 
 ABS = {"convention": "absolute"}
+QWEN25 = {"convention": "qwen2_5_vl"}
 
 
 def test_registered_with_documented_options():
@@ -82,15 +84,15 @@ def test_iou_qwen2_5_vl_frames():
     completion = '<answer>{"bbox_2d": [287, 210, 861, 630], "label": "car"}</answer>'
     gt = [1000, 750, 3000, 2250]
     with_field = make_batch([completion], [gt], image_size=(4000, 3000), resized_size=(1148, 840))
-    assert iou(with_field) == [pytest.approx(1.0)]
+    assert iou(with_field, **QWEN25) == [pytest.approx(1.0)]
     computed = make_batch([completion], [gt], image_size=[4000, 3000])
-    assert iou(computed, max_pixels=1280 * 28 * 28) == [pytest.approx(1.0)]
+    assert iou(computed, max_pixels=1280 * 28 * 28, **QWEN25) == [pytest.approx(1.0)]
     with pytest.raises(RewardError, match="resized_size"):
-        iou(computed)
+        iou(computed, **QWEN25)
     with pytest.raises(RewardError, match="image_size"):
-        iou(make_batch([completion], [gt]))
+        iou(make_batch([completion], [gt]), **QWEN25)
     # With the default max_pixels the 12 MP image is only rounded (to 4004x2996), so the same text is a far smaller box.
-    assert iou(computed, max_pixels=12845056)[0] < 0.2
+    assert iou(computed, max_pixels=12845056, **QWEN25)[0] < 0.2
 
 
 def test_giou_hand_computed():
@@ -140,6 +142,172 @@ def test_payload_length_mismatch_is_a_clear_error():
     batch = RewardInput(rows=[{"solution": [0, 0, 1, 1]}] * 2, payload={"completions": ["[0,0,1,1]"]})
     with pytest.raises(RewardError, match="one completion per sample"):
         iou(batch, **ABS)
+
+
+# ---------------------------------------------------------------------------------------------------- conventions
+
+# Issue 19: a 640x480 image, the object at [64, 48, 320, 240] in original pixels. On the 0–1000 grid of Qwen2-VL and
+# Qwen3-VL that is x/640·1000, y/480·1000 = (100, 100, 500, 500).
+ISSUE_IMAGE = {"image_size": (640, 480), "resized_size": (644, 476)}
+ISSUE_GT = [64, 48, 320, 240]
+QWEN2_VL_ANSWER = "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,100),(500,500)<|box_end|>"
+QWEN3_VL_ANSWER = '<answer>[{"bbox_2d": [100, 100, 500, 500], "label": "dog"}]</answer>'
+
+
+def issue_batch(answer):
+    return make_batch([answer], [ISSUE_GT], **ISSUE_IMAGE)
+
+
+def qwen2_5_vl_reading_of_the_issue_answer():
+    """IoU of (100,100),(500,500) read as pixels of the 644x476 resized input (what the old default did).
+
+    x_abs = x·640/644, y_abs = y·480/476: [16000/161, 12000/119, 80000/161, 120000/119], clamped at y = 480.
+    Intersection with [64, 48, 320, 240]: (320 − 16000/161)·(240 − 12000/119); IoU ≈ 0.181 (the issue's number).
+    """
+    x1, y1, x2, y2 = 16000 / 161, 12000 / 119, 80000 / 161, 480.0
+    inter = (320 - x1) * (240 - y1)
+    return inter / ((x2 - x1) * (y2 - y1) + 256 * 192 - inter)
+
+
+@pytest.mark.parametrize("name", ["iou", "giou", "detection"])
+@pytest.mark.parametrize(("family", "answer"), [("qwen2_vl", QWEN2_VL_ANSWER), ("qwen3_vl", QWEN3_VL_ANSWER)])
+def test_convention_comes_from_the_run(name, family, answer):
+    # The run's context (the VLM plugin declares its family's box convention) sets the default: a perfect answer
+    # scores 1, where the old qwen2_5_vl default gave 0.181.
+    reward = build_reward(name, {}, context={"box_convention": family})
+    assert reward(issue_batch(answer)) == [pytest.approx(1.0)]
+    named = build_reward(name, {"convention": family}, context={"box_convention": family})  # agreeing is fine
+    assert named(issue_batch(answer)) == [pytest.approx(1.0)]
+
+
+def test_qwen2_5_vl_context_reads_resized_pixels():
+    # Qwen2.5-VL writes the same box in pixels of the 644x476 input: 64·644/640 = 64.4, 48·476/480 = 47.6, ...
+    reward = build_reward("iou", {}, context={"box_convention": "qwen2_5_vl"})
+    answer = '<answer>{"bbox_2d": [64.4, 47.6, 322, 238]}</answer>'
+    assert reward(issue_batch(answer)) == [pytest.approx(1.0)]
+    assert qwen2_5_vl_reading_of_the_issue_answer() == pytest.approx(0.1815, abs=5e-4)
+    assert reward(issue_batch(QWEN2_VL_ANSWER)) == [pytest.approx(qwen2_5_vl_reading_of_the_issue_answer())]
+
+
+@pytest.mark.parametrize("name", ["iou", "giou", "detection"])
+def test_convention_mismatch_is_refused_at_build_time(name):
+    with pytest.raises(RewardError) as caught:
+        build_reward(name, {"convention": "qwen2_5_vl"}, context={"box_convention": "qwen2_vl"})
+    message = str(caught.value)
+    assert "\n" not in message
+    for part in (repr(name), "'qwen2_5_vl'", "'qwen2_vl'", "allow_convention_mismatch"):
+        assert part in message, message
+
+
+def test_explicit_override_keeps_the_named_convention():
+    args = {"convention": "qwen2_5_vl", "allow_convention_mismatch": True}
+    reward = build_reward("iou", args, context={"box_convention": "qwen2_vl"})
+    assert reward(issue_batch(QWEN2_VL_ANSWER)) == [pytest.approx(qwen2_5_vl_reading_of_the_issue_answer())]
+    # The override is a validated option of the config (a bool), like every reward option.
+    bound = bind_options(reward_functions.get("iou"), args, "rewards.functions[0].args", "reward 'iou'")
+    assert bound == args
+    with pytest.raises(Exception, match="allow_convention_mismatch"):
+        bind_options(reward_functions.get("iou"), {"allow_convention_mismatch": "yes"}, "args", "reward 'iou'")
+
+
+@pytest.mark.parametrize("name", ["iou", "giou", "detection"])
+def test_no_convention_anywhere_is_an_error(name):
+    # Outside a run that declares one, nothing is guessed: the convention must be named.
+    for context in (None, {}, {"other_fact": 1}):
+        with pytest.raises(RewardError, match="convention"):
+            build_reward(name, {}, context=context)
+    config = from_dict(RewardsConfig, {"functions": [{"name": name}]}, "rewards")
+    with pytest.raises(RewardError, match=f"reward {name!r}.*convention"):
+        RewardScorer.from_config(config)
+    with pytest.raises(RewardError, match="convention"):
+        reward_functions.get(name)(issue_batch(QWEN2_VL_ANSWER))  # a direct call without the option
+    scorer = RewardScorer.from_config(config, context={"box_convention": "qwen2_vl"})
+    assert scorer.score(issue_batch(QWEN2_VL_ANSWER)).scores.tolist() == [[pytest.approx(1.0)]]
+
+
+def test_bad_context_is_refused():
+    with pytest.raises(RewardError, match="box_convention 'qwen9_vl'"):
+        build_reward("iou", {}, context={"box_convention": "qwen9_vl"})
+    with pytest.raises(RewardError, match="JSON"):
+        build_reward("iou", {}, context={"box_convention": object()})
+    with pytest.raises(RewardError, match="dict"):
+        build_reward("iou", {}, context=["qwen2_vl"])
+
+
+def test_rewards_without_resolve_args_ignore_the_context():
+    reward = build_reward("count", {}, context={"box_convention": "qwen2_vl"})
+    assert reward(make_batch(["<answer>3</answer>"], [3])) == [1.0]
+
+
+def test_resolve_args_hook_for_functions_and_classes():
+    seen = []
+
+    def resolve(args, context):
+        seen.append(context)
+        return {**args, "offset": context.get("offset", 0.0)}
+
+    def shifted(batch, *, offset: float = 0.0):
+        return [offset] * len(batch)
+
+    shifted.resolve_args = resolve
+
+    class Shifted(Reward):
+        def __init__(self, offset: float = 0.0):
+            self.offset = offset
+
+        resolve_args = staticmethod(resolve)
+
+        def __call__(self, batch):
+            return [self.offset] * len(batch)
+
+    reward_functions.register("test_shifted_function", shifted)
+    reward_functions.register("test_shifted_class", Shifted)
+    batch = make_batch(["x"], [0])
+    for name in ("test_shifted_function", "test_shifted_class"):
+        assert build_reward(name, {}, context={"offset": 2.5})(batch) == [2.5]
+        assert build_reward(name, {})(batch) == [0.0]
+    context = {"offset": 1.0}
+    build_reward("test_shifted_function", {}, context=context)
+    seen[-1]["offset"] = 9.0  # a reward gets its own copy: it cannot change the plugin's facts
+    assert context == {"offset": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------- ground truth
+
+
+@pytest.mark.parametrize("reward", [iou, giou, detection])
+def test_unparsable_ground_truth_names_the_row(reward):
+    # Issue 19: "10 20 110 220" used to read as "no objects", so "I see nothing" scored 1 and the right box 0.
+    rows = [{"solution": [10, 20, 110, 220], "image": ["a.jpg"]}, {"solution": "10 20 110 220", "image": ["b.jpg"]}]
+    batch = RewardInput(rows=rows, payload={"completions": ["I see nothing", "<answer>[10, 20, 110, 220]</answer>"]})
+    with pytest.raises(RewardError) as caught:
+        reward(batch, **ABS)
+    message = str(caught.value)
+    assert "dataset row 1 (image 'b.jpg') field 'solution'" in message and "'10 20 110 220'" in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("solution", [
+    None, "", "   ", "no objects", "I see nothing", "null", "5", '"[0, 0, 10, 10]"', 5, True,
+    [10, 20, 10, 50],  # zero width
+    [[0, 0, 10, 10], [5, 5, 5, 5]],  # one degenerate box among good ones
+    "[0, 0, 10, 10] [7, 3, 7, 9]",  # the same in text
+    "<answer>[1e999, 0, 5, 5]</answer>",
+    [[]], [{}], [{"label": "cat"}], {"bbox_2d": []}, [0, 0, 10],
+])
+def test_malformed_ground_truth_raises(solution):
+    batch = make_batch(["<answer>[0, 0, 10, 10]</answer>"], [solution])
+    for reward in (iou, giou, detection):
+        with pytest.raises(RewardError, match="dataset row 0 field 'solution'"):
+            reward(batch, **ABS)
+
+
+@pytest.mark.parametrize("empty", [[], (), "[]", " [ ] "])
+def test_explicitly_empty_ground_truth_means_no_objects(empty):
+    # The answers: no box (right), a box (wrong), a blank answer (always 0).
+    batch = make_batch(["<answer>[]</answer>", "<answer>[0, 0, 10, 10]</answer>", ""], [empty] * 3)
+    assert detection(batch, **ABS) == [1.0, 0.0, 0.0]
+    assert iou(batch, **ABS) == [1.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------- matching
@@ -393,14 +561,14 @@ def test_box_rewards_read_only_the_last_characters(monkeypatch):
 ROW = {"solution": [[10, 20, 200, 300], [300, 100, 400, 400]], "image_size": (640, 480), "resized_size": (644, 476)}
 LABELED = {**ROW, "solution": [{"bbox_2d": [10, 20, 200, 300], "label": "x"}, [300, 100, 400, 400]]}
 CONFIGS = [
-    (iou, ROW, {}),
+    (iou, ROW, QWEN25),
     (iou, ROW, {"convention": "qwen2_vl"}),
     (giou, ROW, {"convention": "relative"}),
     (giou, ROW, {"convention": "absolute"}),
     *((detection, LABELED, {"matching": a, "metric": b, "convention": "qwen2_vl"})
       for a, b in itertools.product(["greedy", "hungarian"], ["f1", "mean_iou", "map50"])),
     (detection, LABELED, {"convention": "absolute"}),
-    (detection, ROW, {"iou_threshold": 0.0}),
+    (detection, ROW, {"iou_threshold": 0.0, **QWEN25}),
     (count, {"solution": 3}, {}),
     (count, {"solution": 3}, {"mode": "graded", "source": "boxes"}),
 ]

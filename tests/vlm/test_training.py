@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmrl.config import load_config, to_dict
-from mmrl.reward import reward_functions
+from mmrl.reward import RewardError, RewardInput, reward_functions
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import list_checkpoints
 from tests.vlm.conftest import plugin_options
@@ -27,7 +28,9 @@ def completion_digits(batch) -> list[float]:
 reward_functions.register("test_completion_digits", completion_digits)
 
 
-def _config(tmp_path, model, family, **plugin_overrides):
+def _config(tmp_path, model, family, iou_args=None, **plugin_overrides):
+    """Two steps of 3 prompts x G=2; iou reads boxes in the family's convention (from the plugin) unless iou_args
+    names one."""
     options = plugin_options(model, **plugin_overrides)
     return load_config({
         "plugin": {"name": "vlm", **options},
@@ -37,7 +40,7 @@ def _config(tmp_path, model, family, **plugin_overrides):
         "optim": {"lr": 5.0e-2},
         "rewards": {"functions": [
             {"name": "format"},
-            {"name": "iou", "args": {"convention": family}},
+            {"name": "iou", "args": iou_args or {}},
             {"name": "test_completion_digits"},
         ]},
         "eval": {"at_start": False, "num_prompts": 2},
@@ -98,6 +101,34 @@ def test_full_finetuning_trains_the_language_model_only(tmp_path, tiny_models):
     (checkpoint,) = list_checkpoints(tmp_path / "run")
     saved = load_file(str(checkpoint / "policy" / "trainable.safetensors"))
     assert saved and not any(name.startswith("model.visual.") for name in saved)
+
+
+# A 640x480 image with the object at [64, 48, 320, 240] (issue 19), as each family writes it: Qwen2-VL on the 0–1000
+# grid with box tokens, Qwen2.5-VL in pixels of the 644x476 resized input (x·644/640, y·476/480).
+PERFECT_ANSWERS = {
+    "qwen2_vl": "<|box_start|>(100,100),(500,500)<|box_end|>",
+    "qwen2_5_vl": '<answer>{"bbox_2d": [64.4, 47.6, 322, 238]}</answer>',
+}
+
+
+def test_box_rewards_take_the_model_familys_convention(tmp_path, tiny_models, family):
+    """The trainer hands the plugin's reward context to the rewards at start-up: iou with no convention reads the
+    family's frame (a perfect answer scores 1), a convention of another family is refused before training, and
+    allow_convention_mismatch keeps it."""
+    other = "qwen2_5_vl" if family == "qwen2_vl" else "qwen2_vl"
+    batch = RewardInput(rows=[{"solution": [64, 48, 320, 240], "image_size": [640, 480], "resized_size": [644, 476]}
+                              for _ in PERFECT_ANSWERS],
+                        payload={"completions": [PERFECT_ANSWERS[family], PERFECT_ANSWERS[other]]})
+    trainer = Trainer(_config(tmp_path / "default", tiny_models[family], family))
+    column = trainer.scorer.names.index("iou")
+    iou_scores = trainer.scorer.score(batch).scores[:, column].tolist()
+    assert iou_scores[0] == pytest.approx(1.0) and iou_scores[1] < 0.5
+    with pytest.raises(RewardError, match=f"reward 'iou': option convention '{other}' differs from '{family}'"):
+        Trainer(_config(tmp_path / "mismatch", tiny_models[family], family, iou_args={"convention": other}))
+    override = {"convention": other, "allow_convention_mismatch": True}
+    trainer = Trainer(_config(tmp_path / "override", tiny_models[family], family, iou_args=override))
+    iou_scores = trainer.scorer.score(batch).scores[:, column].tolist()
+    assert iou_scores[1] == pytest.approx(1.0) and iou_scores[0] < 0.5
 
 
 def test_every_vlm_recipe_validates_offline():
