@@ -18,21 +18,32 @@ Images are converted to 8-bit RGB exactly as local image rewards do (:mod:`mmrl.
 reward scores what the same reward would score in-process. Samples whose images have non-finite pixels are not
 sent; they score NaN locally.
 
-Each request is tried ``retries + 1`` times: connection failures, timeouts, HTTP 5xx/408/429 and unusable answers
-(not JSON, wrong length, non-numbers) are retried after ``backoff · 2^k`` seconds; after the last failed attempt
-the run stops with a :class:`~mmrl.reward.RewardError` naming the URL and the last error. Other 4xx answers (the
-server could not score this request, e.g. a missing dataset field) stop at once with the server's message.
+A server started with a token (``MMRL_REWARD_TOKEN`` or ``--token-file``) answers 401 to every request without
+``Authorization: Bearer <token>``; the client reads the same token from the environment variable ``token_env`` or
+from ``token_file``, never from the config itself.
+
+Each attempt has a total deadline of ``timeout`` seconds, from connecting to the last byte of the answer (a socket
+timeout alone restarts with every byte, so a server trickling its answer could hold a client indefinitely). Each
+request is tried ``retries + 1`` times: connection failures, missed deadlines, HTTP 5xx/408/429 and unusable
+answers (not JSON, wrong length, non-numbers) are retried after ``backoff · 2^k`` seconds; after the last failed
+attempt the run stops with a :class:`~mmrl.reward.RewardError` naming the URL and the last error. Other 4xx answers
+(the server could not score this request, e.g. a missing dataset field, a missing token, a request over the
+server's limits) stop at once with the server's message.
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
+import io
 import json
 import math
+import os
+import socket
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,7 +55,99 @@ from mmrl.rewards.images import encode_png, read_images
 
 PROTOCOL = 1
 MAX_RESPONSE_BYTES = 16 << 20
+TOKEN_ENV = "MMRL_REWARD_TOKEN"  # where both `mmrl serve-rewards` and the client look for the token by default
 _RETRY_STATUS = frozenset({408, 429})
+
+
+def read_token(token_file: str | Path | None, token_env: str | None) -> str | None:
+    """The shared secret: the content of ``token_file`` if given, else the environment variable ``token_env``.
+
+    Args:
+        token_file: A file holding the token (surrounding whitespace, e.g. the final newline, is ignored).
+        token_env: An environment variable holding the token; unset or empty means no token.
+
+    Returns:
+        The token, or None when neither source has one.
+
+    Raises:
+        ValueError: One line naming the problem: an unreadable or empty file, or a token that is not printable ASCII
+            without spaces (it travels in an HTTP header). The token itself is never shown.
+    """
+    if token_file is not None:
+        source = f"token file {str(token_file)!r}"
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"{source} cannot be read ({type(error).__name__})") from None
+        if not token:
+            raise ValueError(f"{source} is empty")
+    else:
+        token = os.environ.get(token_env, "").strip() if token_env else ""
+        if not token:
+            return None
+        source = f"environment variable {token_env}"
+    if not all("!" <= character <= "~" for character in token):
+        raise ValueError(f"the token in {source} is not printable ASCII without spaces (it is sent as an HTTP header)")
+    return token
+
+
+class DeadlineReader(io.RawIOBase):
+    """Reads a socket under a total deadline (in ``time.monotonic()`` seconds; ``math.inf``: none).
+
+    A socket timeout applies to each receive and restarts with every byte, so a peer sending one byte a second keeps
+    a plain reader waiting indefinitely; here every receive waits at most until :attr:`deadline` (which the owner may
+    move between reads) and then raises TimeoutError. When ``write_timeout`` is given, the socket's timeout is set
+    back to it after each receive, so that writes on the same socket are not bound by a nearly spent deadline.
+    ``on_close`` runs when the reader is closed.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float = math.inf, write_timeout: float | None = None,
+                 on_close: Callable[[], None] | None = None):
+        super().__init__()
+        self.sock, self.deadline, self.write_timeout, self.on_close = sock, deadline, write_timeout, on_close
+
+    def close(self) -> None:
+        if not self.closed and self.on_close is not None:
+            self.on_close()
+        super().close()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        self.sock.settimeout(min(remaining, 1e6))  # math.inf is not a valid socket timeout
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            if self.write_timeout is not None:
+                self.sock.settimeout(self.write_timeout)
+
+
+class _DeadlineSocket:
+    """A connected socket for :class:`http.client.HTTPConnection` whose sends and receives share one deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def sendall(self, data: bytes) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        self.sock.settimeout(remaining)  # sendall's timeout bounds the whole call (Python >= 3.5)
+        self.sock.sendall(data)
+
+    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:  # http.client reads answers here
+        # http.client closes the connection right after the headers of a "Connection: close" answer and reads the
+        # body afterwards; a socket's own file object defers the real close until it is closed itself, so one is
+        # held (and closed) with the reader.
+        holder = self.sock.makefile("rb", buffering=0)
+        return io.BufferedReader(DeadlineReader(self.sock, self.deadline, on_close=holder.close))
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class _Attempt(Exception):
@@ -79,7 +182,8 @@ class RemoteReward(Reward):
 
     def __init__(self, url: str = "http://127.0.0.1:8000", reward: str | None = None, images: str | None = "images",
                  outputs: list[str] | None = None, fields: list[str] | None = None, timeout: float = 60.0,
-                 retries: int = 3, backoff: float = 1.0, check_server: bool = True):
+                 retries: int = 3, backoff: float = 1.0, check_server: bool = True,
+                 token_env: str | None = TOKEN_ENV, token_file: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -88,18 +192,35 @@ class RemoteReward(Reward):
             images: Payload entry sent as PNG images (null: send no images).
             outputs: Other payload entries sent as JSON, e.g. [completions].
             fields: Dataset row fields sent (null: all; their values must be JSON data).
-            timeout: Seconds to wait for one answer.
+            timeout: Seconds one attempt may take in all, from connecting to the answer's last byte.
             retries: Retries after a failed attempt; the run stops after retries + 1 consecutive failures.
             backoff: Seconds before the first retry; doubles with each further retry.
             check_server: At start, check (with the same retries) that the server serves this reward.
+            token_env: Environment variable holding the server's token (unset or empty: send none).
+            token_file: File holding the server's token (read instead of token_env).
         """
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'remote': url {url!r} must start with http:// or https://")
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if not parts.hostname or port == -1 or parts.query or parts.fragment or "@" in parts.netloc:
+            raise RewardError(f"reward 'remote': url {url!r} must be http(s)://HOST[:PORT][/PATH] (no user, query "
+                              "or fragment)")
         if not timeout > 0:
             raise RewardError(f"reward 'remote': timeout must be > 0 seconds, got {timeout!r}")
         if retries < 0 or backoff < 0:
             raise RewardError(f"reward 'remote': retries and backoff must be >= 0, got {retries!r} and {backoff!r}")
         self.url = url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, port or (443 if self._https else 80)
+        self._base_path = parts.path.rstrip("/")
+        try:
+            self._token = read_token(token_file, token_env)
+        except ValueError as error:
+            raise RewardError(f"reward 'remote': {error}") from None
         self.reward = reward
         self.images = images
         self.outputs = list(outputs or [])
@@ -209,23 +330,36 @@ class RemoteReward(Reward):
                           f"{last}); check that `mmrl serve-rewards` runs there and answers within {self.timeout}s")
 
     def _request(self, method: str, path: str, body: bytes | None) -> Any:
-        headers = {"Accept": "application/json"}
+        """One attempt: the decoded JSON answer; every failure raises :class:`_Attempt` (``final``: not retried)."""
+        deadline = time.monotonic() + self.timeout
+        headers = {"Accept": "application/json", "Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.url + path, data=body, headers=headers, method=method)
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        connection = connection_class(self._host, self._port, timeout=self.timeout)
+        response = None
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 — http(s) only
-                raw = response.read(MAX_RESPONSE_BYTES + 1)
-        except urllib.error.HTTPError as error:
-            message = _error_message(error)
-            final = 400 <= error.code < 500 and error.code not in _RETRY_STATUS
-            raise _Attempt(f"HTTP {error.code}: {message}", final=final) from None
+            connection.connect()  # the connect (and TLS handshake) timeout is `timeout` itself
+            connection.sock = _DeadlineSocket(connection.sock, deadline)
+            connection.request(method, self._base_path + path, body=body, headers=headers)
+            response = connection.getresponse()
+            raw = response.read(MAX_RESPONSE_BYTES + 1)
+            status, reason = response.status, response.reason
+        except TimeoutError:
+            raise _Attempt(f"timed out: no complete answer within {self.timeout}s") from None
         except (OSError, http.client.HTTPException) as error:
-            reason = getattr(error, "reason", None)
-            cause = reason if isinstance(reason, BaseException) else error
-            raise _Attempt(f"{type(cause).__name__}: {reason if reason is not None else error}") from None
+            raise _Attempt(f"{type(error).__name__}: {error}") from None
+        finally:
+            if response is not None:
+                response.close()
+            connection.close()
         if len(raw) > MAX_RESPONSE_BYTES:
             raise _Attempt(f"answer is larger than {MAX_RESPONSE_BYTES} bytes")
+        if not 200 <= status < 300:
+            final = status < 500 and status not in _RETRY_STATUS
+            raise _Attempt(f"HTTP {status}: {_error_message(raw, reason)}", final=final)
         try:
             return json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -233,11 +367,12 @@ class RemoteReward(Reward):
             raise _Attempt(f"answer is not JSON (starts with {shown!r})") from None
 
 
-def _error_message(error: urllib.error.HTTPError) -> str:
+def _error_message(raw: bytes, reason: str) -> str:
+    """The server's one-line ``{"error": ...}`` message, else the HTTP reason phrase."""
     try:
-        data = json.loads(error.read(65536).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, http.client.HTTPException):
-        return str(error.reason)
+        data = json.loads(raw[:65536].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return reason
     if isinstance(data, dict) and isinstance(data.get("error"), str):
-        return data["error"]
-    return str(error.reason)
+        return data["error"].splitlines()[0] if data["error"] else reason
+    return reason
