@@ -47,6 +47,23 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (CheckpointError, RewardError, RolloutError, GroupError, FileNotFoundError)
 
 
+# mmrl serve-rewards' limit flags (rewards/server.py: ServerLimits, whose field names they are).
+SERVE_LIMIT_FLAGS = [
+    ("--max-body-mb", float, "Largest request body in MiB (default 256)."),
+    ("--max-megapixels", float, "Pixels of all images of one request together, in millions, checked from the PNG "
+                                "headers before decoding (default 64)."),
+    ("--max-json-depth", int, "Deepest JSON nesting of a request (default 32)."),
+    ("--max-json-values", int, "Most JSON values (array elements, object members) in a request (default 1000000)."),
+    ("--max-connections", int, "Connections served at once; more are answered 503 (default 64)."),
+    ("--max-concurrent-requests", int, "Scoring requests read, decoded and scored at once; more wait up to "
+                                       "--request-timeout, then get 503 (default 4)."),
+    ("--idle-timeout", float, "Seconds a connection may take to send a request line before it is closed "
+                              "(default 15)."),
+    ("--request-timeout", float, "Seconds for a request's headers and body to arrive after its request line "
+                                 "(default 60)."),
+]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generative and multimodal models.")
     commands = parser.add_subparsers(dest="command")
@@ -73,8 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("config", help="YAML file with a rewards: {functions: [...]} section (a recipe works).")
     serve.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0 picks a free one).")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="Address to bind (default 127.0.0.1: this machine only; there is no authentication).")
-    serve.add_argument("--max-body-mb", type=float, default=256.0, help="Largest accepted request in MiB (256).")
+                       help="Address to bind (default 127.0.0.1: this machine only; any other address needs a token).")
+    serve.add_argument("--token-file", help="File holding the token clients must send (default: the environment "
+                                            "variable named by --token-env; never pass a token on the command line).")
+    serve.add_argument("--token-env", default="MMRL_REWARD_TOKEN",
+                       help="Environment variable holding the token (default MMRL_REWARD_TOKEN; unset: no token).")
+    # Defaults are ServerLimits' (None: keep the default); the numbers in the help texts are checked by a test.
+    for flag, kind, help_text in SERVE_LIMIT_FLAGS:
+        serve.add_argument(flag, type=kind, default=None, help=help_text)
     serve.set_defaults(handler=_serve_rewards)
     return parser
 
@@ -145,9 +168,12 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _serve_rewards(args: argparse.Namespace) -> int:
-    from mmrl.rewards.server import serve
+    from mmrl.rewards.server import ServerLimits, serve, server_token
 
-    return serve(args.config, host=args.host, port=args.port, max_body_mb=args.max_body_mb)
+    limits = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in SERVE_LIMIT_FLAGS}
+    limits = ServerLimits(**{name: value for name, value in limits.items() if value is not None})
+    token = server_token(args.token_file, args.token_env)
+    return serve(args.config, host=args.host, port=args.port, token=token, limits=limits)
 
 
 def _explain(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import yaml
 from mmrl.config import ConfigError
 from mmrl.reward import RewardError, RewardInput, RewardScorer, build_reward
 from mmrl.rewards.remote import RemoteReward
-from mmrl.rewards.server import RewardServer, build_rewards
+from mmrl.rewards.server import RewardServer, ServerLimits, build_rewards
 
 from .conftest import random_images
 
@@ -290,7 +290,7 @@ def test_server_refuses_bad_requests_and_never_unpickles(served, tmp_path):
     status, answer = post(url, evil, content_type="application/octet-stream")
     assert status == 415 and "application/json" in answer["error"]
     status, answer = post(url, evil)
-    assert status == 400 and answer["error"] == "the request body is not JSON"
+    assert status == 400 and answer["error"].startswith("the request body is not JSON: ")
     png_field = {"images": {"png": [base64.b64encode(evil).decode()]}}
     status, answer = post(url, json.dumps(_request_body(payload=png_field)).encode())
     assert status == 400 and "is not a readable PNG image" in answer["error"]
@@ -310,7 +310,7 @@ def test_server_refuses_bad_requests_and_never_unpickles(served, tmp_path):
 
 def test_server_refuses_oversized_and_unsized_bodies():
     server = RewardServer(build_rewards({"rewards": {"functions": [{"name": "jpeg_incompressibility"}]}}),
-                          port=0, max_body_mb=0.001).start()
+                          port=0, limits=ServerLimits(max_body_mb=0.001)).start()
     try:
         status, answer = post(server.url, b"{" + b" " * 4000 + b"}")
         assert status == 413 and "at most 1048 are accepted" in answer["error"]

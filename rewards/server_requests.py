@@ -1,0 +1,159 @@
+"""What a ``POST /score`` request may hold, checked before each expensive step, and its decoding.
+
+:func:`check_json_shape` runs on the raw body before ``json`` parses it (nesting depth and value count),
+:func:`decode_batch` checks the parsed request and reads the size of every PNG image from its header before any
+image is decoded (the per-request pixel budget). Every refusal is a :class:`BadRequest` with an HTTP status and a
+one-line message naming the ``mmrl serve-rewards`` flag that sets the limit. The request format is described in
+:mod:`mmrl.rewards.remote`; a new top-level field is one more ``request.get`` in :func:`decode_batch`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards.images import decode_png
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class BadRequest(Exception):
+    """A request the server cannot accept; answered with ``status`` and a one-line JSON error."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# A JSON string, escapes included; an unterminated one runs to the end of the text, so that every quote is consumed
+# in one left-to-right pass (retrying at each later quote would be quadratic on '"\"\"\"...').
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_JSON_WHITESPACE = b" \t\n\r"
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+
+
+def check_json_shape(body: bytes, max_depth: int, max_values: int) -> None:
+    """Refuse a JSON text with more than ``max_values`` values or nested deeper than ``max_depth``, before parsing.
+
+    Strings are emptied first (brackets and commas inside them are text), whitespace dropped; in what remains each
+    comma separates two values of an array or object, so a document holds ``1 + commas + non-empty containers``
+    values (array elements and object members, plus the document itself), and its depth is the highest running
+    count of open minus closed brackets. Up to the first error that ``json`` would report, both agree with the
+    parse, so the parser never recurses deeper than ``max_depth``. Linear time, in C apart from one numpy pass.
+
+    Raises:
+        BadRequest: 413 for too many values, 400 for too deep a nesting.
+    """
+    skeleton = _JSON_STRING.sub(b'""', body).translate(None, _JSON_WHITESPACE)
+    containers = skeleton.count(b"[") + skeleton.count(b"{")
+    empty = skeleton.count(b"[]") + skeleton.count(b"{}")
+    values = 1 + skeleton.count(b",") + containers - empty
+    if values > max_values:
+        raise BadRequest(413, f"the request holds {values} JSON values; at most {max_values} are accepted "
+                              "(--max-json-values)")
+    brackets = np.frombuffer(skeleton.translate(None, _NOT_BRACKETS), dtype=np.uint8)  # b"[{}]..." only
+    depth = peak = 0
+    for start in range(0, len(brackets), 1 << 20):  # bounded memory on a body of nothing but brackets
+        chunk = brackets[start:start + (1 << 20)]
+        steps = np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1).astype(np.int64)
+        running = np.cumsum(steps) + depth
+        peak, depth = max(peak, int(running.max())), int(running[-1])
+        if peak > max_depth:
+            raise BadRequest(400, f"the request nests JSON arrays and objects deeper than {max_depth} levels "
+                                  "(--max-json-depth)")
+
+
+def png_size(data: bytes, where: str) -> tuple[int, int]:
+    """``(width, height)`` from the IHDR chunk that opens every PNG, without decoding anything.
+
+    Raises:
+        BadRequest: 400 when ``data`` does not start like a PNG image.
+    """
+    if len(data) < 24 or data[:8] != _PNG_SIGNATURE or data[8:16] != b"\x00\x00\x00\x0dIHDR":
+        raise BadRequest(400, f"{where} is not a readable PNG image (no PNG header)")
+    width, height = struct.unpack(">II", data[16:24])
+    if width == 0 or height == 0:
+        raise BadRequest(400, f"{where} is not a readable PNG image (size {width}x{height})")
+    return width, height
+
+
+def _decode_sized(data: bytes, where: str, size: tuple[int, int]) -> torch.Tensor:
+    """Decode a PNG whose header said ``size``, after checking that PIL reads the same size.
+
+    PIL takes the size from the last IHDR chunk before the image data, so a PNG with a small IHDR followed by a
+    large one would pass the pixel budget and still decode large; such files are refused before decoding.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as image:  # reads the chunks up to the image data only
+            seen = image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise BadRequest(400, f"{where} is not a readable PNG image ({type(error).__name__})") from None
+    if seen != size:
+        raise BadRequest(400, f"{where} is not a readable PNG image (it declares both {size[0]}x{size[1]} and "
+                              f"{seen[0]}x{seen[1]})")
+    try:
+        return decode_png(data, where)
+    except RewardError as error:
+        raise BadRequest(400, str(error)) from None
+
+
+def decode_batch(request: dict[str, Any], max_pixels: int | None = None) -> RewardInput:
+    """The :class:`RewardInput` of a score request; malformed parts raise :class:`BadRequest` (400).
+
+    Args:
+        request: The decoded JSON request.
+        max_pixels: Most pixels of all PNG images together (None: no limit); checked from the PNG headers before
+            any image is decoded (413 when over).
+    """
+    rows = request.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise BadRequest(400, "'rows' must be a list of JSON objects")
+    n = len(rows)
+    group_ids = request.get("group_ids", [0] * n)
+    if not isinstance(group_ids, list) or len(group_ids) != n or not all(
+            isinstance(g, int) and not isinstance(g, bool) and _INT64[0] <= g <= _INT64[1] for g in group_ids):
+        raise BadRequest(400, f"'group_ids' must be a list of {n} integers (each within the 64-bit range)")
+    payload_in = request.get("payload", {})
+    if not isinstance(payload_in, dict):
+        raise BadRequest(400, "'payload' must be a JSON object")
+    encoded: dict[str, list[tuple[bytes, tuple[int, int]]]] = {}  # PNG bytes and header size, before any decoding
+    for key, entry in payload_in.items():
+        if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("png", "json"):
+            raise BadRequest(400, f"payload[{key!r}] must be {{'png': [base64, ...]}} or {{'json': value}}")
+        if "json" in entry:
+            continue
+        items = entry["png"]
+        if not isinstance(items, list) or len(items) != n or not all(isinstance(item, str) for item in items):
+            raise BadRequest(400, f"payload[{key!r}]['png'] must be a list of {n} base64 strings")
+        encoded[key] = []
+        for index, item in enumerate(items):
+            try:
+                data = base64.b64decode(item, validate=True)
+            except (binascii.Error, ValueError):
+                raise BadRequest(400, f"payload[{key!r}][{index}] is not base64") from None
+            encoded[key].append((data, png_size(data, f"payload[{key!r}][{index}]")))
+    pixels = sum(width * height for images in encoded.values() for _, (width, height) in images)
+    if max_pixels is not None and pixels > max_pixels:
+        raise BadRequest(413, f"the request's images have {pixels} pixels in all; at most {max_pixels} are accepted "
+                              "(--max-megapixels); send fewer or smaller images per request")
+    payload: dict[str, Any] = {}
+    for key, entry in payload_in.items():
+        if key not in encoded:
+            payload[key] = entry["json"]
+            continue
+        images = [_decode_sized(data, f"payload[{key!r}][{index}]", size)
+                  for index, (data, size) in enumerate(encoded[key])]
+        same_size = len({tuple(image.shape) for image in images}) <= 1
+        payload[key] = torch.stack(images) if images and same_size else images
+    return RewardInput(rows=rows, payload=payload, group_ids=torch.tensor(group_ids, dtype=torch.long))
