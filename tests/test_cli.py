@@ -65,3 +65,31 @@ def test_missing_checkpoint_is_one_line(tmp_path, capsys):
 def test_python_dash_m(command):
     result = subprocess.run(command, capture_output=True, text=True, cwd=str(ROOT))
     assert result.returncode == 0 and "policy_losses:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "allowed"),
+    [
+        ("optim.lr=.nan", "a finite number > 0.0"),
+        ("optim.lr=.inf", "a finite number > 0.0"),
+        ("optim.lr=1e400", "a finite number > 0.0"),
+        ("optim.lr=-1", "a number > 0.0"),
+        ("optim.max_grad_norm=.nan", "a finite number > 0.0 or null"),
+    ],
+)
+def test_bad_numbers_end_train_with_one_line_before_any_model_is_built(override, allowed, tmp_path, capsys,
+                                                                       monkeypatch):
+    import mmrl.trainer
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("the config was accepted: a Trainer (and its model) was being built")
+
+    monkeypatch.setattr(mmrl.trainer, "Trainer", no_trainer)
+    run_dir = tmp_path / "run"
+    code = main(["train", str(ROOT / "configs" / "toy.yaml"), override, f"run.output_dir={run_dir}"])
+    captured = capsys.readouterr()
+    key = override.split("=")[0]
+    assert code == 2
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"mmrl: config key '{key}': got ")
+    assert captured.err.rstrip().endswith(f"allowed: {allowed}"), captured.err
+    assert captured.out == "" and not run_dir.exists()

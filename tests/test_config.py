@@ -1,11 +1,14 @@
 """Configs: validation errors name the key, the value and what is allowed; overrides; round trips."""
 
+import dataclasses
+import math
 import subprocess
 import sys
+import typing
 
 import pytest
 
-from mmrl.config import ConfigError, dump_config, load_config, parse_override
+from mmrl.config import ConfigError, TrainConfig, dump_config, from_dict, load_config, parse_override
 from mmrl.config.loader import yaml_load
 from tests.helpers import BASE
 
@@ -98,3 +101,114 @@ def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("mmrl: config key 'run.max_step'")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("optim.lr=.nan", "'optim.lr'", "a finite number > 0.0"),
+        ("optim.lr=.inf", "'optim.lr'", "a finite number > 0.0"),
+        ("optim.lr=1e400", "'optim.lr'", "a finite number > 0.0"),  # overflows to inf when read
+        ("optim.max_grad_norm=.nan", "'optim.max_grad_norm'", "a finite number > 0.0 or null"),
+        ("optim.weight_decay=-.inf", "'optim.weight_decay'", "a finite number >= 0.0"),
+        ("optim.betas=[.nan, 0.999]", "'optim.betas[0]'", "a finite number"),
+        ("ema.decay=.nan", "'ema.decay'", "a finite number >= 0.0 and <= 1.0"),
+        ("rollout.dynamic_sampling.tolerance=.inf", "'rollout.dynamic_sampling.tolerance'", "a finite number"),
+        ("algorithm.kl_coef=.inf", "'algorithm.kl_coef'", "a finite number >= 0.0"),
+        ("algorithm.advantage_clip=.nan", "'algorithm.advantage_clip'", "a finite number > 0.0 or null"),
+        ("algorithm.policy_loss.clip_high=.nan", "'algorithm.policy_loss.clip_high'", "a finite number"),
+        ("algorithm.advantage.eps=.inf", "'algorithm.advantage.eps'", "a finite number"),
+        ("plugin.temperature=.nan", "'plugin.temperature'", "a finite number > 0.0"),
+        ("rewards.functions=[{name: token_accuracy, weight: .nan}]", "'rewards.functions[0].weight'",
+         "a finite number"),
+        ("rewards.functions=[{name: math, args: {rel_tol: .inf}}]", "'rewards.functions[0].args.rel_tol'",
+         "a finite number"),
+        ("eval.rewards=[{name: token_accuracy, weight: -.inf}]", "'eval.rewards[0].weight'", "a finite number"),
+    ],
+)
+def test_nan_and_infinite_numbers_are_refused_naming_the_key(override, key, allowed):
+    message = _error(override)
+    assert "\n" not in message
+    assert f"config key {key}:" in message and f"allowed: {allowed}" in message, message
+
+
+def _dataclasses_in(annotation):
+    """The config dataclasses an annotation holds: itself, or inside ``X | None`` and ``list[X]``."""
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return [annotation]
+    return [found for arg in typing.get_args(annotation) for found in _dataclasses_in(arg)]
+
+
+def _float_fields(cls, path, seen=None):
+    """``(dataclass, dotted path, field name, is a list)`` for every float field reachable from ``cls``."""
+    seen = set() if seen is None else seen
+    if cls in seen:
+        return []
+    seen.add(cls)
+    found = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        annotation = hints[field.name]
+        if field.metadata.get("registry"):  # a registry choice: its options are checked by the entry's signature
+            continue
+        nested = _dataclasses_in(annotation)
+        if nested:
+            for sub in nested:
+                found += _float_fields(sub, f"{path}.{field.name}", seen)
+            continue
+        members = {annotation, *typing.get_args(annotation)}
+        if list[float] in members:
+            found.append((cls, path, field.name, True))
+        elif float in members:
+            found.append((cls, path, field.name, False))
+    return found
+
+
+def _all_float_fields():
+    from mmrl.plugin import plugin_registry
+
+    hints = typing.get_type_hints(TrainConfig)
+    fields = []
+    for section in dataclasses.fields(TrainConfig):
+        if section.name != "plugin":
+            fields += _float_fields(hints[section.name], section.name)
+    for name in plugin_registry.names():
+        fields += _float_fields(plugin_registry.get(name).config_class, f"plugin[{name}]")
+    return fields
+
+
+FLOAT_FIELDS = _all_float_fields()
+
+
+def test_the_float_field_census_reaches_core_plugin_and_nested_sections():
+    keys = {f"{path}.{name}" for _, path, name, _ in FLOAT_FIELDS}
+    for key in ["optim.lr", "optim.betas", "ema.decay", "rewards.functions.weight", "eval.rewards.weight",
+                "rollout.dynamic_sampling.tolerance", "plugin[toy].temperature", "plugin[flow].lora.alpha",
+                "plugin[flow].credit.chunk.sample_fraction", "plugin[vlm].top_p", "plugin[dllm].spg_beta"]:
+        assert key in keys, key
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("cls", "path", "name", "is_list"), FLOAT_FIELDS,
+                         ids=[f"{path}.{name}" for _, path, name, _ in FLOAT_FIELDS])
+def test_every_float_field_of_every_config_refuses_non_finite_values(cls, path, name, is_list, bad):
+    # The field alone (its type and declared range) in a one-field section, so that no other field is needed.
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    probe = dataclasses.make_dataclass(
+        "Probe", [(name, typing.get_type_hints(cls)[name], dataclasses.field(default=None, metadata=field.metadata))]
+    )
+    with pytest.raises(ConfigError) as info:
+        from_dict(probe, {name: [bad, 0.5] if is_list else bad}, path)
+    expected = f"{path}.{name}[0]" if is_list else f"{path}.{name}"
+    assert info.value.key == expected and "a finite number" in info.value.allowed, str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_dllm_estimator_options_refuse_non_finite_numbers():
+    data = {"plugin": {"name": "dllm", "estimator": "one_step", "estimator_options": {"p_mask_prompt": math.nan}},
+            "rewards": {"functions": [{"name": "exact_match"}]}}
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert info.value.key == "plugin.estimator_options.p_mask_prompt" and info.value.allowed == "a finite number"
+    data["plugin"]["estimator_options"] = {"p_mask_prompt": 0.15}
+    assert load_config(data).plugin.config.estimator_options == {"p_mask_prompt": 0.15}

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from mmrl.registry import Registry, RegistryError, callable_options
@@ -158,7 +159,7 @@ def _convert(value: Any, annotation: Any, key: str, metadata: Mapping[str, Any])
         if isinstance(value, Mapping) and "name" not in value:  # options only: keep the default entry
             value = {"name": metadata["registry_default"], **value}
         return _convert_registry_choice(value, key, _resolve_registry(metadata["registry"]))
-    converted = _convert_type(value, annotation, key)
+    converted = _convert_type(value, annotation, key, _range_text(metadata))
     choices = metadata.get("choices")
     if choices is not None and converted not in choices:
         raise ConfigError(key, value, f"one of {', '.join(repr(c) for c in choices)}")
@@ -166,7 +167,9 @@ def _convert(value: Any, annotation: Any, key: str, metadata: Mapping[str, Any])
     return converted
 
 
-def _convert_type(value: Any, annotation: Any, key: str) -> Any:
+def _convert_type(value: Any, annotation: Any, key: str, bounds: str = "") -> Any:
+    """Convert ``value`` to ``annotation`` or raise :class:`ConfigError`. ``bounds`` (e.g. ``"> 0.0"``) is the
+    field's declared range, quoted when a number is refused for not being finite."""
     origin = get_origin(annotation)
     args = get_args(annotation)
     if annotation is Any:
@@ -177,7 +180,7 @@ def _convert_type(value: Any, annotation: Any, key: str) -> Any:
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:
-                return _convert_type(value, option, key)
+                return _convert_type(value, option, key, bounds)
             except ConfigError as error:
                 if len(args) == 2 and type(None) in args and error.key != key:  # `X | None` failing inside X
                     raise
@@ -215,6 +218,8 @@ def _convert_type(value: Any, annotation: Any, key: str) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, value, "a number")
+        if not math.isfinite(value):  # YAML's .nan/.inf, or a literal like 1e400 that overflows to inf
+            raise ConfigError(key, value, f"a finite number {bounds}".rstrip())
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -228,12 +233,20 @@ def _check_range(value: Any, key: str, metadata: Mapping[str, Any]) -> None:
         return
     minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
     exclusive = metadata.get("exclusive_minimum")
+    if not math.isfinite(value):  # NaN compares False with every bound, so it would pass the checks below
+        raise ConfigError(key, value, f"a finite number {_range_text(metadata)}".rstrip())
     too_small = minimum is not None and (value <= minimum if exclusive else value < minimum)
     too_large = maximum is not None and value > maximum
     if too_small or too_large:
-        low = "" if minimum is None else (f"> {minimum}" if exclusive else f">= {minimum}")
-        high = "" if maximum is None else f"<= {maximum}"
-        raise ConfigError(key, value, "a number " + " and ".join(part for part in (low, high) if part))
+        raise ConfigError(key, value, f"a number {_range_text(metadata)}")
+
+
+def _range_text(metadata: Mapping[str, Any]) -> str:
+    """The declared range of a field as text (``"> 0.0"``, ``">= 0.0 and <= 1.0"``), empty when there is none."""
+    minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
+    low = "" if minimum is None else (f"> {minimum}" if metadata.get("exclusive_minimum") else f">= {minimum}")
+    high = "" if maximum is None else f"<= {maximum}"
+    return " and ".join(part for part in (low, high) if part)
 
 
 def _resolve_registry(path: str) -> Registry[Any]:
@@ -259,9 +272,19 @@ def _convert_registry_choice(value: Any, key: str, registry: Registry[Any]) -> R
     return RegistryChoice(name, bind_options(entry, options, key, f"{registry.kind} {name!r}"))
 
 
-def bind_options(entry: Any, options: Mapping[str, Any], key: str, what: str) -> dict[str, Any]:
-    """Validate ``options`` against the keyword parameters of a registry entry (names, then types)."""
-    allowed = {option.name: option for option in callable_options(entry)}
+def bind_options(entry: Any, options: Mapping[str, Any], key: str, what: str,
+                 supplied: Collection[str] = ()) -> dict[str, Any]:
+    """Validate ``options`` against the keyword parameters of a registry entry (names, then types: numbers must be
+    finite).
+
+    Args:
+        entry: The registered callable or class.
+        options: The options from the config.
+        key: Dotted config key of the options, for messages.
+        what: The entry as messages name it, e.g. ``"policy loss 'grpo'"``.
+        supplied: Parameters the caller passes itself; they are neither options nor required from the config.
+    """
+    allowed = {option.name: option for option in callable_options(entry) if option.name not in supplied}
     annotations = _resolved_annotations(entry)
     bound = {}
     for name, value in options.items():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from torch import Tensor, nn
 
 import mmrl.plugins.dllm.objectives  # noqa: F401 — registers the wd1 and spg losses before `algorithm` is validated
 from mmrl.config import ConfigError, config_field
+from mmrl.config.schema import bind_options
 from mmrl.plugin import (
     PEFT_ADAPTER_WEIGHTS,
     Plugin,
@@ -196,16 +196,9 @@ class DLLMPluginConfig:
         name = self.resolved_estimator
         if name not in likelihood_estimators:
             raise ConfigError(f"{path}.estimator", name, f"one of {', '.join(likelihood_estimators.names())}")
-        allowed = _estimator_options(name)
-        for key, value in self.estimator_options.items():
-            if key not in allowed:
-                listed = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "(none)"
-                raise ConfigError(f"{path}.estimator_options.{key}", value, f"options of estimator {name!r}: {listed}")
-            default = allowed[key]
-            if isinstance(default, bool) != isinstance(value, bool) or (
-                    isinstance(default, (int, float)) and not isinstance(value, (int, float))) or (
-                    isinstance(default, str) and not isinstance(value, str)):
-                raise ConfigError(f"{path}.estimator_options.{key}", value, f"a value like {default!r}")
+        self.estimator_options = bind_options(likelihood_estimators.get(name), self.estimator_options,
+                                              f"{path}.estimator_options", f"estimator {name!r}",
+                                              supplied=_ESTIMATOR_DATA)
         if name == "coupled" and self.num_mc_samples % 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "an even number for the coupled estimator (pairs of complementary masks)")
@@ -226,13 +219,6 @@ class DLLMPluginConfig:
     @property
     def num_actions(self) -> int:
         return 2 if self.objective == "spg" else 1
-
-
-def _estimator_options(name: str) -> dict[str, Any]:
-    """``{option: default}`` of a registered estimator, without the arguments the plugin passes itself."""
-    signature = inspect.signature(likelihood_estimators.get(name))
-    return {p.name: p.default for p in signature.parameters.values()
-            if p.name not in _ESTIMATOR_DATA and p.default is not inspect.Parameter.empty}
 
 
 class DLLMPlugin(Plugin):
