@@ -178,25 +178,38 @@ def _serve_rewards(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     import dataclasses
-
-    from mmrl.config import TrainConfig, describe_fields
-
-    sections = [(f.name, f.type) for f in dataclasses.fields(TrainConfig) if f.name != "plugin"]
     import typing
 
+    from mmrl.config import TrainConfig
+
     hints = typing.get_type_hints(TrainConfig)
-    for name, _ in sections:
-        print(f"{name}:")
-        for key, kind, default, help_text, ref in describe_fields(hints[name]):
-            print(f"  {key} ({kind}) = {default!r}\n      {help_text}" + (f" [{ref}]" if ref else ""))
+    for field in dataclasses.fields(TrainConfig):
+        if field.name != "plugin":
+            print(f"{field.name}:")
+            _print_fields(hints[field.name])
     if args.plugin:
         from mmrl.plugin import plugin_registry
 
         plugin_class = plugin_registry.get(args.plugin)
         print(f"plugin ({args.plugin}):")
-        for key, kind, default, help_text, ref in describe_fields(plugin_class.config_class):
-            print(f"  {key} ({kind}) = {default!r}\n      {help_text}" + (f" [{ref}]" if ref else ""))
+        _print_fields(plugin_class.config_class)
     return 0
+
+
+def _print_fields(section: type) -> None:
+    """``key (type) = default`` and the help of every field of a config section, defaults written as in YAML."""
+    import yaml
+
+    from mmrl.config import describe_fields
+    from mmrl.config.schema import REQUIRED
+
+    for key, kind, default, help_text, ref in describe_fields(section):
+        if default is REQUIRED:
+            shown = "required"
+        else:  # YAML flow style, as the value would be written in a config (null, true, [0.9, 0.999], {...})
+            shown = yaml.safe_dump(default, default_flow_style=True, sort_keys=False, width=2**31).strip()
+            shown = shown.removesuffix("...").strip()
+        print(f"  {key} ({kind}) = {shown}\n      {help_text}" + (f" [{ref}]" if ref else ""))
 
 
 if __name__ == "__main__":

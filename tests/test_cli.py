@@ -32,7 +32,8 @@ def test_explain_prints_help_and_references(capsys):
     assert main(["explain", "--plugin", "toy"]) == 0
     out = capsys.readouterr().out
     assert "rollout.group_size" not in out  # keys are shown per section
-    assert "group_size (int) = 8" in out and "DeepSeekMath" in out
+    assert "group_size (int, >= 2) = 8" in out and "DeepSeekMath" in out
+    assert "  lr (float, > 0.0) = 1.0e-05" in out and "  decay (float, >= 0.0 and <= 1.0) = 0.9" in out
     assert "plugin (toy):" in out and "task" in out
 
 
@@ -93,3 +94,27 @@ def test_bad_numbers_end_train_with_one_line_before_any_model_is_built(override,
     assert captured.err.count("\n") == 1 and captured.err.startswith(f"mmrl: config key '{key}': got ")
     assert captured.err.rstrip().endswith(f"allowed: {allowed}"), captured.err
     assert captured.out == "" and not run_dir.exists()
+
+
+@pytest.mark.parametrize("plugin", ["toy", "flow", "dllm", "vlm"])
+def test_explain_shows_required_fields_and_defaults_as_a_user_writes_them(plugin, capsys):
+    assert main(["explain", "--plugin", plugin]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    defaults = [line.split(") = ", 1)[1] for line in lines if line.startswith("  ") and ") = " in line]
+    assert len(defaults) > 40 and not [d for d in defaults if d.startswith("<") or " object at 0x" in d], defaults
+    # Registry choices: one line with the default entry's name (not a `name` sub-field without a default).
+    assert "  advantage (name or {name, options}) = grpo" in lines
+    assert "  policy_loss (name or {name, options}) = grpo" in lines
+    # Defaults as in YAML: null and false rather than Python's None and False.
+    assert "  advantage_clip (float | null, > 0.0) = null" in lines and "  cpu (bool) = false" in lines
+    assert "  betas (list[float]) = [0.9, 0.999]" in lines and "  project_name (str) = mmrl" in lines
+    # List and optional sections: the items' fields, with `required` where there is no default.
+    assert "  functions (list[mapping]) = []" in lines and "  functions[].name (str) = required" in lines
+    assert "  functions[].weight (float) = 1.0" in lines and "  rewards[].name (str) = required" in lines
+    section = lines[lines.index(f"plugin ({plugin}):"):]
+    if plugin in ("flow", "vlm"):
+        assert "  model (str) = required" in section
+    if plugin != "toy":
+        assert any(line.startswith("  lora (mapping | null) = ") for line in section)
+        assert any(line.startswith("  lora.rank (int, >= 1) = ") for line in section)

@@ -133,24 +133,60 @@ def to_dict(config: Any) -> Any:
     return config
 
 
+class _Required:
+    """What :func:`describe_fields` gives as the default of a field that has none (the config must set it)."""
+
+    def __repr__(self) -> str:
+        return "required"
+
+
+REQUIRED = _Required()
+
+
 def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
-    """``(name, type, default, help, reference)`` for every field of a config dataclass, nested ones expanded."""
+    """``(name, type, default, help, reference)`` for every field of a config dataclass, as a user writes them.
+
+    The type names the declared range too (``"float, > 0.0"``). The default is :data:`REQUIRED` for a field without
+    one and a registry choice's default is its entry's name.
+    Nested sections are expanded (``section.key``); an optional section or a list of sections gets its own row and
+    rows for its fields (``lora.rank``, ``functions[].name``).
+    """
     rows = []
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         annotation = hints[field.name]
-        default = field.default
-        if field.default_factory is not dataclasses.MISSING:
-            default = field.default_factory()
-        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            for name, kind, sub_default, help_text, ref in describe_fields(annotation):
-                rows.append((f"{field.name}.{name}", kind, sub_default, help_text, ref))
+        help_text, ref = field.metadata.get("help", ""), field.metadata.get("ref")
+        if field.metadata.get("registry"):  # written as the entry's name, or {name, options}
+            rows.append((field.name, "name or {name, options}", field.metadata["registry_default"], help_text, ref))
             continue
-        rows.append(
-            (field.name, _type_name(annotation), to_dict(default), field.metadata.get("help", ""),
-             field.metadata.get("ref"))
-        )
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            rows.extend((f"{field.name}.{name}", *rest) for name, *rest in describe_fields(annotation))
+            continue
+        if field.default_factory is not dataclasses.MISSING:
+            default = to_dict(field.default_factory())
+        elif field.default is dataclasses.MISSING:
+            default = REQUIRED
+        else:
+            default = to_dict(field.default)
+        bounds = _range_text(field.metadata)
+        rows.append((field.name, _type_name(annotation) + (f", {bounds}" if bounds else ""), default, help_text, ref))
+        section, suffix = _section_in(annotation)
+        if section is not None:
+            rows.extend((f"{field.name}{suffix}.{name}", *rest) for name, *rest in describe_fields(section))
     return rows
+
+
+def _section_in(annotation: Any) -> tuple[type | None, str]:
+    """The config dataclass held by ``X | None`` (suffix ``""``) or ``list[X]`` (suffix ``"[]"``), else None."""
+    origin = get_origin(annotation)
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if origin in (Union, types.UnionType) and len(args) == 1:
+        if isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+            return args[0], ""
+        return _section_in(args[0])
+    if origin in (list, tuple) and args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0], "[]"
+    return None, ""
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
@@ -345,4 +381,6 @@ def _type_name(annotation: Any) -> str:
         return "mapping"
     if annotation is type(None):
         return "null"
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return "mapping"  # a section, written as a mapping of its fields
     return getattr(annotation, "__name__", str(annotation))
