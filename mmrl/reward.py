@@ -38,7 +38,8 @@ reward_functions: Registry[Any] = Registry("reward", entry_point_group="mmrl.rew
 
 
 class RewardError(RuntimeError):
-    """A reward returned something unusable (wrong length, non-numbers, NaN under ``on_nonfinite: error``)."""
+    """A reward could not be built, raised, or returned something unusable (wrong length, non-numbers, NaN under
+    ``on_nonfinite: error``). ``str(error)`` is one line naming the reward and, where one is to blame, the sample."""
 
 
 @dataclass
@@ -192,15 +193,22 @@ class RewardScorer:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._closed = False
+        # NaN or infinite scores seen per reward (dropped under "skip"); read to explain steps that trained on nothing.
+        self.nonfinite_counts: dict[str, int] = dict.fromkeys(names, 0)
+        self._counts_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: Any, context: Mapping[str, Any] | None = None) -> RewardScorer:
         """Build from a :class:`mmrl.config.RewardsConfig`; ``context`` is the plugin's reward context (see
-        :func:`build_reward`), None outside a training run."""
+        :func:`build_reward`), None outside a training run.
+
+        Raises:
+            RewardError: naming the reward whose constructor failed (a missing dependency or weights file, ...).
+        """
         specs = config.functions
         return cls(
             [spec.name for spec in specs],
-            [build_reward(spec.name, spec.args, context) for spec in specs],
+            [_build_named(spec.name, spec.args, context) for spec in specs],
             [spec.weight for spec in specs],
             config.on_nonfinite,
             num_workers=getattr(config, "num_workers", 1),
@@ -243,6 +251,8 @@ class RewardScorer:
             finite = torch.isfinite(column)
             if not finite.all():
                 bad = (~finite).nonzero().flatten()[:5].tolist()
+                with self._counts_lock:
+                    self.nonfinite_counts[name] = self.nonfinite_counts.get(name, 0) + int((~finite).sum())
                 if self.on_nonfinite == "error":
                     raise RewardError(
                         f"reward {name!r} returned NaN or infinite scores for samples {bad} "
@@ -261,7 +271,7 @@ class RewardScorer:
 
     def _run(self, name: str, fn: Callable[[RewardInput], Any], batch: RewardInput) -> Tensor:
         if not getattr(fn, "groupwise", False):
-            return _as_scores(fn(batch), len(batch), name)
+            return _as_scores(_call(name, fn, batch), len(batch), name)
         if batch.group_ids.numel() != len(batch):
             raise RewardError(
                 f"group-wise reward {name!r} needs the group id of each of the {len(batch)} samples, "
@@ -271,8 +281,79 @@ class RewardScorer:
         ids = batch.group_ids.tolist()
         for group in dict.fromkeys(ids):
             members = [i for i, gid in enumerate(ids) if gid == group]
-            column[members] = _as_scores(fn(batch.select(members)), len(members), name)
+            scores = _call(name, fn, batch.select(members), where=f"on group {group} (samples {members})")
+            column[members] = _as_scores(scores, len(members), name)
         return column
+
+
+def _build_named(name: str, args: dict[str, Any], context: Mapping[str, Any] | None = None
+                 ) -> Callable[[RewardInput], Any]:
+    """:func:`build_reward`, with a constructor's failure turned into a one-line :class:`RewardError` naming it."""
+    from mmrl.config.schema import ConfigError
+
+    try:
+        return build_reward(name, args, context)
+    except ConfigError:
+        raise
+    except RewardError as error:  # already says what is wrong; it gets the reward's name if it lacks it
+        message = _one_line(str(error))
+        if message.startswith(f"reward {name!r}"):
+            raise
+        raise RewardError(f"reward {name!r}: {message}") from error
+    except Exception as error:  # any other failure of user or third-party code: name the reward, keep the cause
+        raise RewardError(f"reward {name!r} could not be built: {_describe(error)}") from error
+
+
+def _call(name: str, fn: Callable[[RewardInput], Any], batch: RewardInput, where: str | None = None) -> Any:
+    """Call one reward on ``batch``; an error it raises becomes a one-line :class:`RewardError` naming the reward and
+    ``where`` (a group), or else the first sample that fails on its own.
+
+    A :class:`RewardError` the reward raises itself (a malformed dataset row, an unreachable server) already says
+    what is wrong: it only gets the reward's name. Any other exception is a bug or a crash of the reward; it is
+    named with the sample that reproduces it, found by calling the reward again on one sample at a time.
+    """
+    try:
+        return fn(batch)
+    except RewardError as error:
+        message = _one_line(str(error))
+        if message.startswith(f"reward {name!r}"):
+            raise
+        raise RewardError(f"reward {name!r}: {message}" + (f" {where}" if where else "")) from error
+    except Exception as error:  # user code: anything it raises is reported as this reward's error (cause chained)
+        if where is None:
+            where = _failing_sample(fn, batch)
+        raise RewardError(f"reward {name!r} raised {_describe(error)} {where}") from error
+
+
+def _failing_sample(fn: Callable[[RewardInput], Any], batch: RewardInput) -> str:
+    """``"on sample i of N (prompt '...')"`` for the first sample on which ``fn`` fails alone (rewards score samples
+    independently unless group-wise), or a note that only the whole batch fails."""
+    from mmrl.rollout import RolloutError
+
+    for index in range(len(batch)):
+        try:
+            single = batch.select([index])
+        except RolloutError:  # a payload entry that cannot be split per sample: the batch is all there is
+            break
+        try:
+            fn(single)
+        except Exception:  # this sample reproduces the failure (the batch's exception is the one reported)
+            prompt = str(batch.prompts[index])
+            shown = repr(prompt) if len(prompt) <= 60 else repr(prompt[:57] + "...")
+            return f"on sample {index} of {len(batch)} (prompt {shown})"
+    return f"on a batch of {len(batch)} samples (no sample fails on its own)"
+
+
+def _describe(error: BaseException) -> str:
+    """``"ValueError: message"`` on one line (whitespace collapsed, at most 300 characters of message)."""
+    message = _one_line(str(error))
+    if len(message) > 300:
+        message = message[:297] + "..."
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _as_scores(value: Any, n: int, name: str) -> Tensor:
@@ -281,7 +362,7 @@ def _as_scores(value: Any, n: int, name: str) -> Tensor:
     else:
         try:
             scores = torch.tensor([_as_float(v) for v in value], dtype=torch.float64)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: float() of a tensor with several elements
             raise RewardError(f"reward {name!r} must return numbers, got {type(value).__name__}") from None
     if scores.numel() != n:
         raise RewardError(f"reward {name!r} returned {scores.numel()} scores for {n} samples")

@@ -130,7 +130,8 @@ def test_client_errors_from_the_server_stop_without_retrying(served):
     with pytest.raises(RewardError, match=r"failed: HTTP 404: reward 'nope' is not served here"):
         remote(image_batch(2))
     remote = RemoteReward(url=server.url, reward="exact_match", images=None, fields=["prompt"], **FAST)
-    with pytest.raises(RewardError, match=r"failed: HTTP 422: dataset rows \[0, 1\] have no 'solution' field"):
+    with pytest.raises(RewardError, match=r"failed: HTTP 422: reward 'exact_match': dataset rows \[0, 1\] have no "
+                                          r"'solution' field"):
         remote(image_batch(2))
 
 
