@@ -6,12 +6,17 @@ Configuration mistakes end with one line on stderr and exit code 2, never a trac
     $ mmrl train configs/toy.yaml algorithm.policy_loss.clip_hgh=0.3
     mmrl: config key 'algorithm.policy_loss.clip_hgh': got 0.3; allowed: options of policy loss 'grpo': ...
 
+Errors of the inputs (a reward that fails, a checkpoint, a rollout that breaks the contract, a run in which no step
+trained on any sample) end with one line and exit code 1. ``--traceback`` (or ``MMRL_TRACEBACK=1``) shows their full
+traceback instead, for developers.
+
 Several processes: ``accelerate launch [--num_processes N] -m mmrl train CONFIG``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +24,7 @@ from mmrl.config import ConfigError
 from mmrl.registry import RegistryError
 
 USAGE_ERRORS = (ConfigError, RegistryError)
+TRACEBACK_HELP = "Show the full traceback of config and input errors instead of one line (also: MMRL_TRACEBACK=1)."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,24 +33,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    show_traceback = args.traceback or os.environ.get("MMRL_TRACEBACK", "") not in ("", "0")
     try:
         return int(args.handler(args) or 0)
     except USAGE_ERRORS as error:
-        print(f"mmrl: {error}", file=sys.stderr)
+        if show_traceback:
+            raise
+        print(f"mmrl: {_one_line(error)}", file=sys.stderr)
         return 2
     except _user_errors() as error:
-        print(f"mmrl: {type(error).__name__}: {error}", file=sys.stderr)
+        if show_traceback:
+            raise
+        print(f"mmrl: {type(error).__name__}: {_one_line(error)}", file=sys.stderr)
         return 1
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors caused by inputs (checkpoints, rollouts, rewards, groups), shown as one line with exit code 1."""
+    """Errors caused by inputs (checkpoints, rollouts, rewards, groups, a run that trained on nothing), shown as one
+    line with exit code 1."""
     from mmrl.algos import GroupError
     from mmrl.reward import RewardError
     from mmrl.rollout import RolloutError
     from mmrl.trainer.checkpoint import CheckpointError
+    from mmrl.trainer.updates import NoUpdateError
 
-    return (CheckpointError, RewardError, RolloutError, GroupError, FileNotFoundError)
+    return (CheckpointError, RewardError, RolloutError, GroupError, NoUpdateError, FileNotFoundError)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 # mmrl serve-rewards' limit flags (rewards/server.py: ServerLimits, whose field names they are).
@@ -66,6 +83,7 @@ SERVE_LIMIT_FLAGS = [
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generative and multimodal models.")
+    parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     commands = parser.add_subparsers(dest="command")
 
     train = commands.add_parser("train", help="Train from a YAML config.")
@@ -99,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kind, help_text in SERVE_LIMIT_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=help_text)
     serve.set_defaults(handler=_serve_rewards)
+    for command in commands.choices.values():  # accepted after the command too: `mmrl train CONFIG --traceback`
+        command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
     return parser
 
 

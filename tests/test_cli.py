@@ -1,5 +1,6 @@
 """The command line: list, explain, train, eval, and `python -m mmrl`."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.cli import main
+from mmrl.reward import RewardError, reward_functions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +120,61 @@ def test_explain_shows_required_fields_and_defaults_as_a_user_writes_them(plugin
     if plugin != "toy":
         assert any(line.startswith("  lora (mapping | null) = ") for line in section)
         assert any(line.startswith("  lora.rank (int, >= 1) = ") for line in section)
+
+
+@pytest.fixture
+def small_toy_run(tmp_path, monkeypatch):
+    """`mmrl train` arguments for a two-step toy run in tmp_path."""
+    monkeypatch.chdir(ROOT)
+    return ["train", "configs/toy.yaml", f"run.output_dir={tmp_path / 'run'}", "run.max_steps=2", "run.progress=false",
+            "run.save_every=0", "rollout.prompts_per_step=4", "rollout.group_size=2", "eval.num_prompts=4"]
+
+
+def _cli_raises(batch):
+    raise ValueError("cannot parse\nthe completion")
+
+
+def _cli_nan(batch):
+    return [float("nan")] * len(batch)
+
+
+reward_functions.register("test_cli_raises", _cli_raises)
+reward_functions.register("test_cli_nan", _cli_nan)
+
+
+def test_a_reward_that_raises_ends_train_with_one_line_naming_reward_and_sample(small_toy_run, capsys, monkeypatch):
+    monkeypatch.delenv("MMRL_TRACEBACK", raising=False)
+    code = main([*small_toy_run, "rewards.functions=[{name: test_cli_raises}]"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.fullmatch(r"mmrl: RewardError: reward 'test_cli_raises' raised ValueError: cannot parse the completion "
+                        r"on sample 0 of \d+ \(prompt '[^']*'\)\n", err), err
+
+
+@pytest.mark.parametrize("how", ["flag before the command", "flag after the command", "environment"])
+def test_traceback_for_developers(how, small_toy_run, monkeypatch):
+    monkeypatch.delenv("MMRL_TRACEBACK", raising=False)
+    args = [*small_toy_run, "rewards.functions=[{name: test_cli_raises}]"]
+    if how == "flag before the command":
+        args = ["--traceback", *args]
+    elif how == "flag after the command":
+        args = [*args, "--traceback"]
+    else:
+        monkeypatch.setenv("MMRL_TRACEBACK", "1")
+    with pytest.raises(RewardError) as info:
+        main(args)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_run_that_never_trained_on_a_sample_exits_non_zero_naming_the_cause(small_toy_run, capsys, monkeypatch):
+    monkeypatch.delenv("MMRL_TRACEBACK", raising=False)
+    code = main([*small_toy_run, "rewards.functions=[{name: test_cli_nan}]", "rewards.on_nonfinite=skip"])
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == 1
+    assert lines[-1] == ("mmrl: NoUpdateError: no step of this run trained on any sample (2 step(s), nothing "
+                         "learned); at step 2: all 8 samples had a NaN or infinite reward (reward 'test_cli_nan'), "
+                         "and rewards.on_nonfinite=skip drops such samples")
+    assert [line.split(":")[:3] for line in lines[:-1]] == [["mmrl", " warning", f" step {step} trained on no sample"]
+                                                            for step in (1, 2)]
+    assert "done:" not in captured.out and "held-out reward" not in captured.out

@@ -42,6 +42,7 @@ from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.learn import Learner, chunked_geometry, needs_old_logp, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
 from mmrl.trainer.sampler import PromptStream, derive_seed
+from mmrl.trainer.updates import UpdateMonitor
 
 logger = logging.getLogger("mmrl")
 
@@ -135,6 +136,7 @@ class Trainer:
 
         self.collector = Collector(config, acc, self.geometry, self.plugin, self.scorer, self.stream, self.train_rows)
         self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema)
+        self.updates = UpdateMonitor(config, self.geometry, self.scorer, acc.is_main_process)
         self.step = 0
         self._stop_requested = False
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
@@ -188,6 +190,7 @@ class Trainer:
                 while self.step < config.run.max_steps:
                     metrics = self.training_step()
                     self.step += 1
+                    self.updates.observe(self.step, metrics)  # warns when no sample entered the step's loss
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
                     if self.step % config.run.log_every == 0 or self.step == config.run.max_steps:
@@ -213,6 +216,8 @@ class Trainer:
         if config.run.trackers:
             acc.end_training()
         acc.wait_for_everyone()
+        if not result.stopped_early:
+            self.updates.check()  # NoUpdateError when no step of the run trained on any sample
         return result
 
     def training_step(self) -> dict[str, float]:
