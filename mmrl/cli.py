@@ -201,16 +201,15 @@ def _explain(args: argparse.Namespace) -> int:
     import typing
 
     from mmrl.config import TrainConfig
+    from mmrl.plugin import plugin_registry
 
+    plugin_class = plugin_registry.get(args.plugin) if args.plugin else None  # an unknown name fails before output
     hints = typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         if field.name != "plugin":
             print(f"{field.name}:")
             _print_fields(hints[field.name])
-    if args.plugin:
-        from mmrl.plugin import plugin_registry
-
-        plugin_class = plugin_registry.get(args.plugin)
+    if plugin_class is not None:
         print(f"plugin ({args.plugin}):")
         _print_fields(plugin_class.config_class)
     return 0

@@ -178,3 +178,11 @@ def test_a_run_that_never_trained_on_a_sample_exits_non_zero_naming_the_cause(sm
     assert [line.split(":")[:3] for line in lines[:-1]] == [["mmrl", " warning", f" step {step} trained on no sample"]
                                                             for step in (1, 2)]
     assert "done:" not in captured.out and "held-out reward" not in captured.out
+
+
+def test_explain_with_an_unknown_plugin_prints_one_line_and_nothing_else(capsys):
+    assert main(["explain", "--plugin", "nope"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("mmrl: unknown plugin 'nope'; registered: ") and captured.err.count("\n") == 1
+    assert "toy" in captured.err
