@@ -330,6 +330,13 @@ def _failing_sample(fn: Callable[[RewardInput], Any], batch: RewardInput) -> str
     independently unless group-wise), or a note that only the whole batch fails."""
     from mmrl.rollout import RolloutError
 
+    def sample(index: int) -> str:
+        prompt = str(batch.prompts[index])
+        shown = repr(prompt) if len(prompt) <= 60 else repr(prompt[:57] + "...")
+        return f"on sample {index} of {len(batch)} (prompt {shown})"
+
+    if len(batch) == 1:
+        return sample(0)
     for index in range(len(batch)):
         try:
             single = batch.select([index])
@@ -338,9 +345,7 @@ def _failing_sample(fn: Callable[[RewardInput], Any], batch: RewardInput) -> str
         try:
             fn(single)
         except Exception:  # this sample reproduces the failure (the batch's exception is the one reported)
-            prompt = str(batch.prompts[index])
-            shown = repr(prompt) if len(prompt) <= 60 else repr(prompt[:57] + "...")
-            return f"on sample {index} of {len(batch)} (prompt {shown})"
+            return sample(index)
     return f"on a batch of {len(batch)} samples (no sample fails on its own)"
 
 
@@ -362,7 +367,7 @@ def _as_scores(value: Any, n: int, name: str) -> Tensor:
     else:
         try:
             scores = torch.tensor([_as_float(v) for v in value], dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: float() of a tensor with several elements
+        except (TypeError, ValueError):
             raise RewardError(f"reward {name!r} must return numbers, got {type(value).__name__}") from None
     if scores.numel() != n:
         raise RewardError(f"reward {name!r} returned {scores.numel()} scores for {n} samples")

@@ -91,8 +91,9 @@ def registry_choice_field(registry_path: str, default: str, *, help: str, ref: s
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     """Validate ``data`` into the dataclass ``cls``.
 
-    Unknown keys, wrong types, values outside the declared choices or range, and failures of the dataclass's own
-    ``validate()`` method raise :class:`ConfigError` naming the full dotted key.
+    Unknown keys, wrong types, NaN or infinite numbers (in any float field, list item, mapping value or registry
+    option), values outside the declared choices or range, and failures of the dataclass's own ``validate()`` method
+    raise :class:`ConfigError` naming the full dotted key.
     """
     if data is None:
         data = {}
