@@ -151,3 +151,12 @@ def test_nonfinite_scores_are_counted_per_reward():
     scorer.score(_batch(["a", "b", "c", "d", "e"]))
     scorer.score(_batch(["a", "b"]))
     assert scorer.nonfinite_counts == {"half_nan": 3, "fine": 0}
+
+
+def test_asynchronous_scoring_raises_the_same_line():
+    batch = _batch(["abcd", "abc"])
+    with RewardScorer(["my_reward"], [_divides_by_prompt_length_minus_three], [1.0], num_workers=2) as scorer:
+        with pytest.raises(RewardError) as info:
+            scorer.submit(batch).result()
+    assert str(info.value) == ("reward 'my_reward' raised ZeroDivisionError: float division by zero on sample 1 of 2 "
+                               "(prompt 'abc')")
