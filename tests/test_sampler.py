@@ -2,7 +2,13 @@
 
 import pytest
 
-from mmrl.trainer.sampler import PromptStream, derive_seed, local_sample_indices, plan_local_batch
+from mmrl.trainer.sampler import (
+    PromptStream,
+    derive_seed,
+    local_sample_indices,
+    minibatch_partition,
+    plan_local_batch,
+)
 
 
 def test_stream_is_deterministic_and_crosses_epochs_seamlessly():
@@ -58,3 +64,42 @@ def test_sample_seeds_depend_on_the_global_index_not_the_layout():
 def test_uneven_split_is_refused():
     with pytest.raises(ValueError, match="evenly"):
         local_sample_indices(10, 3, 0, "spread")
+
+
+def _global_minibatches(num_samples, minibatches, layout, num_processes, seed):
+    """Each mini-batch as the set of global sample indices that its members have, over all processes."""
+    found = [set() for _ in range(minibatches)]
+    for rank in range(num_processes):
+        mine = local_sample_indices(num_samples, num_processes, rank, layout)
+        parts = minibatch_partition(num_samples, minibatches, layout, num_processes, rank, seed)
+        assert [len(p) for p in parts] == [num_samples // (num_processes * minibatches)] * minibatches
+        assert sorted(i for p in parts for i in p) == list(range(len(mine)))  # every local sample, once
+        for m, part in enumerate(parts):
+            found[m] |= {mine[i] for i in part}
+    return found
+
+
+@pytest.mark.parametrize("layout", ["spread", "contiguous"])
+@pytest.mark.parametrize("num_samples, minibatches", [(32, 4), (128, 2), (24, 3)])
+def test_the_same_samples_share_a_minibatch_on_any_number_of_processes(layout, num_samples, minibatches):
+    counts = [w for w in range(1, num_samples + 1) if num_samples % (w * minibatches) == 0]
+    assert len(counts) >= 3
+    reference = _global_minibatches(num_samples, minibatches, layout, 1, seed=7)
+    assert sorted(len(m) for m in reference) == [num_samples // minibatches] * minibatches
+    for num_processes in counts[1:]:
+        assert _global_minibatches(num_samples, minibatches, layout, num_processes, seed=7) == reference
+
+
+def test_minibatch_partitions_are_random_across_seeds_and_stratified_within_a_process():
+    partitions = {tuple(map(tuple, minibatch_partition(32, 4, "contiguous", 1, 0, seed))) for seed in range(20)}
+    assert len(partitions) == 20
+    for seed in range(20):  # contiguous strata: every run of 4 consecutive samples meets all 4 mini-batches
+        parts = minibatch_partition(32, 4, "contiguous", 1, 0, seed)
+        owner = {i: m for m, part in enumerate(parts) for i in part}
+        for start in range(0, 32, 4):
+            assert sorted(owner[i] for i in range(start, start + 4)) == [0, 1, 2, 3]
+
+
+def test_a_partition_the_processes_cannot_share_evenly_is_refused():
+    with pytest.raises(ValueError, match="cannot form 3 mini-batches on 2 processes"):
+        minibatch_partition(16, 3, "spread", 2, 0, seed=0)

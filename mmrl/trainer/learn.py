@@ -23,7 +23,7 @@ from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.metrics import WeightedMeans
-from mmrl.trainer.sampler import derive_seed
+from mmrl.trainer.sampler import derive_seed, minibatch_partition
 
 
 def ratio_level(config: TrainConfig) -> str:
@@ -132,10 +132,12 @@ class Learner:
         steps_before = self.optimizer_steps
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
-            seed = derive_seed(config.run.seed, step, epoch)
-            order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(seed))
-            for mb in range(geometry.minibatches):
-                indices = order[mb * geometry.minibatch_size:(mb + 1) * geometry.minibatch_size]
+            # The same samples share a mini-batch on any number of processes (see minibatch_partition).
+            partition = minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
+                                            acc.num_processes, acc.process_index,
+                                            seed=derive_seed(config.run.seed, step, epoch))
+            for members in partition:
+                indices = torch.tensor(members, dtype=torch.long)
                 minibatch = rollout.select(indices)
                 mb_adv = advantages.index_select(0, indices.to(advantages.device))
                 counts = torch.tensor(aggregation_counts(minibatch.mask), dtype=torch.float64, device=device)

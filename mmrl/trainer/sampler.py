@@ -107,6 +107,44 @@ def local_sample_indices(num_samples: int, num_processes: int, process_index: in
     raise ValueError(f"layout must be 'spread' or 'contiguous', got {layout!r}")
 
 
+def minibatch_partition(num_samples: int, minibatches: int, layout: str, num_processes: int, process_index: int,
+                        seed: int) -> list[list[int]]:
+    """This process's local sample indices in each mini-batch of one inner epoch.
+
+    The partition is a function of the global batch and the seed alone, so the same samples meet in the same
+    mini-batch (and take the same optimizer step) on any number of processes. It is stratified so that every
+    process holds exactly its share of every mini-batch: the strata are the shares of the largest process count the
+    batch geometry allows (W* = B / minibatches processes of ``minibatches`` samples each, under ``layout``), and
+    each stratum deals one sample to each mini-batch in a seeded random order. The share of a process under any
+    allowed count W (W divides W*) is a union of whole strata, hence balanced. Under ``contiguous`` a stratum is
+    ``minibatches`` consecutive samples (so a group's members are spread over the mini-batches); under ``spread`` it
+    is samples ``W*`` apart.
+
+    Args:
+        num_samples: B, samples in the global batch (a multiple of ``minibatches x num_processes``).
+        minibatches: Mini-batches per inner epoch.
+        layout: The run's ``rollout.layout`` (see :func:`local_sample_indices`).
+        num_processes: W.
+        process_index: This process.
+        seed: Seed of this inner epoch (the same on every process).
+
+    Returns:
+        ``minibatches`` lists of indices into this process's ``B / W`` local samples, each of length
+        ``B / (W x minibatches)``, in increasing order.
+    """
+    if num_samples % (minibatches * num_processes):
+        raise ValueError(f"{num_samples} samples cannot form {minibatches} mini-batches on {num_processes} processes")
+    strata = num_samples // minibatches  # W*: the most processes this geometry allows
+    generator = torch.Generator().manual_seed(seed)
+    assignment = [0] * num_samples  # [B] mini-batch of each global sample
+    for stratum in range(strata):
+        dealt = torch.randperm(minibatches, generator=generator).tolist()
+        for member, sample in enumerate(local_sample_indices(num_samples, strata, stratum, layout)):
+            assignment[sample] = dealt[member]
+    mine = local_sample_indices(num_samples, num_processes, process_index, layout)
+    return [[i for i, sample in enumerate(mine) if assignment[sample] == m] for m in range(minibatches)]
+
+
 @dataclass
 class LocalBatchPlan:
     """The samples one process draws in one sampling round.

@@ -3,9 +3,12 @@
 Launched by the tests in this folder, alone or under ``accelerate launch --multi_gpu --num_processes 2``. Every
 process writes ``rank{r}.json`` with the advantage of each sample it trained (keyed by the sample's seed, which
 depends only on its global index) and the per-step losses; the main process also writes the final parameters
-to ``params.pt``.
+to ``params.pt`` and the gradient of every optimizer step (as the optimizer saw it: reduced over processes, clipped)
+to ``gradients.pt``.
 
-    python tests/distributed/record_toy.py OUT_DIR [--drop-old-logp] [key=value overrides...]
+    python tests/distributed/record_toy.py OUT_DIR [--drop-old-logp] [--config PATH] [key=value overrides...]
+
+``--config PATH`` starts from a shipped recipe (e.g. configs/toy.yaml) instead of the tests' small toy config.
 
 ``--drop-old-logp`` makes the plugin return training rollouts with ``old_logp=None`` (allowed when the run's
 ``Runtime.needs_old_logp`` is False), so that the learner substitutes the detached training log-probs.
@@ -22,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from mmrl.config import load_config  # noqa: E402
 from mmrl.reward import reward_functions  # noqa: E402
 from mmrl.rewards.text_match import token_accuracy  # noqa: E402
 from mmrl.trainer import Trainer  # noqa: E402
@@ -40,8 +44,16 @@ def constant_on_rank_1(batch):
 
 def main() -> None:
     out = Path(sys.argv[1])
-    drop_old_logp = "--drop-old-logp" in sys.argv[2:]
-    config = toy_config(out / "run", *[arg for arg in sys.argv[2:] if arg != "--drop-old-logp"])
+    arguments = sys.argv[2:]
+    drop_old_logp = "--drop-old-logp" in arguments
+    arguments = [arg for arg in arguments if arg != "--drop-old-logp"]
+    if "--config" in arguments:
+        at = arguments.index("--config")
+        recipe = arguments[at + 1]
+        overrides = [*arguments[:at], *arguments[at + 2:]]
+        config = load_config(recipe, [f"run.output_dir={out / 'run'}", "run.progress=false", *overrides])
+    else:
+        config = toy_config(out / "run", *arguments)
     trainer = Trainer(config)
     advantages: dict[str, float] = {}
     current_seeds: list[torch.Tensor] = []
@@ -63,8 +75,16 @@ def main() -> None:
             advantages[str(seed)] = value
         return result
 
+    gradients: list[torch.Tensor] = []  # [optimizer steps] the (reduced, clipped) gradient each step applied
+    original_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        gradients.append(torch.cat([p.grad.detach().flatten().cpu() for p in trainer.learner.parameters]))
+        return original_step(*args, **kwargs)
+
     trainer.plugin.rollout = recording_rollout
     trainer.collector.credit = recording_credit
+    trainer.optimizer.step = recording_step
     result = trainer.train()
     rank = trainer.accelerator.process_index
     record = {"advantages": advantages, "losses": [r["loss/total"] for r in result.history],
@@ -74,6 +94,7 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if trainer.accelerator.is_main_process:
         torch.save({k: v.detach().cpu() for k, v in trainer.plugin.model.state_dict().items()}, out / "params.pt")
+        torch.save(torch.stack(gradients), out / "gradients.pt")
 
 
 if __name__ == "__main__":
