@@ -91,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. run.max_steps=10.")
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("eval", help="Evaluate a config's policy (or a checkpoint) on the held-out split.")
+    evaluate = commands.add_parser(
+        "eval", help="Evaluate a config's policy (or a checkpoint) on the held-out split; appends a line to "
+        "evaluations.jsonl in the run folder.")
     evaluate.add_argument("config")
     evaluate.add_argument("overrides", nargs="*", help="e.g. run.resume=latest to evaluate the newest checkpoint.")
     evaluate.set_defaults(handler=_eval)
@@ -125,10 +127,12 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
+    from mmrl.trainer.signals import stop_signals
 
-    config = load_config(args.config, args.overrides)
-    trainer = Trainer(config)
-    result = trainer.train()
+    with stop_signals():  # SIGTERM/SIGINT while the models load are honoured like during training
+        config = load_config(args.config, args.overrides)
+        trainer = Trainer(config)
+        result = trainer.train()
     if trainer.accelerator.is_main_process:
         steps = sorted(result.evaluations)
         if steps:
@@ -136,7 +140,12 @@ def _train(args: argparse.Namespace) -> int:
             before, after = first.get("eval/reward_mean"), last.get("eval/reward_mean")
             if before is not None and after is not None and steps[0] != steps[-1]:
                 print(f"held-out reward: {before:.4f} at step {steps[0]} -> {after:.4f} at step {steps[-1]}")
-        state = "stopped early after a checkpoint" if result.stopped_early else "done"
+        if not result.stopped_early:
+            state = "done"
+        elif trainer.saved_step is not None:
+            state = "stopped early after a checkpoint (continue with run.resume=latest)"
+        else:
+            state = "stopped early before the first step (nothing to checkpoint)"
         print(f"{state}: {result.step} steps; run folder {config.run.output_dir}")
     return 0
 
@@ -147,8 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
-    trainer.restore_checkpoint()
-    metrics = trainer.evaluate()
+    metrics = trainer.evaluate_checkpoint()
     if trainer.accelerator.is_main_process:
         for name, value in sorted(metrics.items()):
             print(f"{name}: {value:.6g}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,3 +118,113 @@ def test_termination_signal_finishes_the_step_checkpoints_and_exits_0(tmp_path, 
     stopped_at = int((tmp_path / "checkpoints" / "latest").read_text().strip().split("-")[1])
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert stopped_at == max(logged) >= 2
+
+
+def _logged_steps(out: Path, key: str = "reward/mean", file: str = "metrics.jsonl") -> list[int]:
+    return [json.loads(line)["step"] for line in (out / file).read_text().splitlines() if key in line]
+
+
+@pytest.mark.slow
+def test_a_finished_run_relaunched_with_resume_latest_survives_an_incomplete_folder(tmp_path):
+    """Issue 25, item 1: an older mmrl killed while re-saving the last step left a folder holding only
+    trainer_state.json, which ``latest`` named; every later resume failed with a traceback."""
+    common = ("run.max_steps=4", "run.save_every=3")
+    first = _run(tmp_path, *common)
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = tmp_path / "checkpoints" / "step-00000004"
+    for part in ("accelerate", "policy"):
+        shutil.rmtree(last / part)
+    result = _run(tmp_path, *common, "run.resume=latest")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "skips incomplete checkpoint folder(s)" in result.stderr and str(last) in result.stderr
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in result.stdout
+    assert (last / "policy").is_dir()  # step 4 was trained again and saved whole
+    relaunched = _run(tmp_path, *common, "run.resume=latest")  # a finished run: nothing to train or save
+    assert relaunched.returncode == 0, relaunched.stderr[-2000:]
+    assert f"resumed from {last} at step 4" in relaunched.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["rename .tmp-step-00000004", "delete .trash-old-step-00000004"])
+def test_sigkill_inside_a_resave_keeps_the_step_resumable(tmp_path, entry):
+    """A run resumed from step 2 of a finished 4-step run saves step 4 again; SIGKILL between moving the old folder
+    aside and renaming the new one in (the step then has no folder of its own), or while the old one is deleted."""
+    common = ("run.max_steps=4", "run.save_every=2")
+    first = _run(tmp_path, *common)
+    assert first.returncode == 0, first.stderr[-2000:]
+    expected = _final_weights(tmp_path, 4)
+    branch = f"run.resume={tmp_path / 'checkpoints' / 'step-00000002'}"
+    killed = _run(tmp_path, *common, branch, fault=["kill-at-operation", entry])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    result = _run(tmp_path, *common, "run.resume=latest")
+    assert result.returncode == 0, result.stderr[-2000:]
+    _assert_same_weights(_final_weights(tmp_path, 4), expected)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000002",
+                                                                           "step-00000004"]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_first_evaluation_checkpoints_and_the_resume_does_not_repeat_it(tmp_path):
+    common = ("run.max_steps=3", "eval.at_start=true")
+    stopped = _run(tmp_path, *common, fault=["term-in-evaluation", "1"])
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "stopped early after a checkpoint" in stopped.stdout
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000000"
+    assert _logged_steps(tmp_path, "eval/samples") == [0]
+    resumed = _run(tmp_path, *common, "run.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _logged_steps(tmp_path, "eval/samples") == [0, 3]  # the first evaluation is not repeated
+    assert _logged_steps(tmp_path) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_final_evaluation_keeps_the_trained_steps(tmp_path):
+    stopped = _run(tmp_path, "run.max_steps=3", fault=["term-in-evaluation", "1"])  # the final evaluation
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    assert _logged_steps(tmp_path, "eval/samples") == [3]
+
+
+@pytest.mark.slow
+def test_sigterm_during_startup_exits_cleanly_with_nothing_to_keep(tmp_path):
+    stopped = _run(tmp_path, "run.max_steps=3", fault=["term-at-startup", "0"])
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "stopped early before the first step" in stopped.stdout
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_restart_after_a_kill_before_the_first_checkpoint_starts_a_clean_log(tmp_path):
+    killed = _run(tmp_path, "run.max_steps=4", "run.save_every=0", fault=["kill-after-step", "2"])
+    assert killed.returncode == -signal.SIGKILL
+    assert _logged_steps(tmp_path) == [1, 2]
+    result = _run(tmp_path, "run.max_steps=4", "run.save_every=0", "run.resume=latest")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "starting at step 0" in result.stdout
+    assert _logged_steps(tmp_path) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_evaluating_a_checkpoint_never_touches_the_training_log(tmp_path):
+    trained = _run(tmp_path, "run.max_steps=4", "run.save_every=2", "run.keep_last=2")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    history = (tmp_path / "metrics.jsonl").read_text()
+    step_2 = tmp_path / "checkpoints" / "step-00000002"
+    for resume in (str(step_2), "latest", "latest"):
+        result = subprocess.run([sys.executable, "-m", "mmrl", "eval", "configs/toy.yaml", f"run.output_dir={tmp_path}",
+                                 *BASE, "run.max_steps=4", f"run.resume={resume}"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "metrics.jsonl").read_text() == history
+    records = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+    assert [(r["step"], Path(r["checkpoint"]).name) for r in records] == [
+        (2, "step-00000002"), (4, "step-00000004"), (4, "step-00000004")]
+
+
+def test_a_fresh_run_into_a_finished_run_is_refused_in_one_line(tmp_path):
+    (tmp_path / "checkpoints" / "step-00000002" / "accelerate").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000002" / "policy").mkdir()
+    (tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json").write_text("{}")
+    result = _run(tmp_path, "run.max_steps=2")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "run.resume=latest" in result.stderr, result.stderr

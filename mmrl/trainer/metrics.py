@@ -32,15 +32,17 @@ class WeightedMeans:
         return {name: self.totals[name] / self.weights[name] for name in self.totals if self.weights[name] > 0}
 
 
-
 class MetricsWriter:
     """Appends one JSON line per logged step to ``metrics.jsonl`` and forwards to Accelerate's trackers.
 
-    Only the main process writes; the others hold a writer that does nothing.
+    Only the main process writes; the others hold a writer that does nothing. ``fields`` are added to every record
+    (``mmrl eval`` names the checkpoint it evaluated).
     """
 
-    def __init__(self, path: str | Path, *, enabled: bool, accelerator: Any = None, use_trackers: bool = False):
+    def __init__(self, path: str | Path, *, enabled: bool, accelerator: Any = None, use_trackers: bool = False,
+                 fields: dict[str, Any] | None = None):
         self.path = Path(path)
+        self.fields = dict(fields or {})
         self.enabled = enabled
         self.accelerator = accelerator
         self.use_trackers = use_trackers
@@ -50,7 +52,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        record = {"step": step, **{k: _plain(v) for k, v in sorted({**metrics, **self.fields}.items())}}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.use_trackers and self.accelerator is not None:

@@ -17,10 +17,8 @@ import json
 import logging
 import math
 import os
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.learn import Learner, chunked_geometry, needs_old_logp, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
 from mmrl.trainer.sampler import PromptStream, derive_seed
+from mmrl.trainer.signals import stop_requested, stop_signals
 from mmrl.trainer.updates import UpdateMonitor
 
 logger = logging.getLogger("mmrl")
@@ -76,6 +75,7 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.run_dir = Path(config.run.output_dir)
+        ckpt.check_run_folder(self.run_dir)  # in one line, before minutes of model loading
         self.accelerator, self.geometry = self._build_accelerator()
         acc = self.accelerator
         set_seed(derive_seed(config.run.seed, acc.process_index, 0x5EED) % (2**32))
@@ -138,7 +138,7 @@ class Trainer:
         self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema)
         self.updates = UpdateMonitor(config, self.geometry, self.scorer, acc.is_main_process)
         self.step = 0
-        self._stop_requested = False
+        self.saved_step: int | None = None  # the step of the checkpoint this run last wrote or resumed from
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
                                     accelerator=acc, use_trackers=bool(config.run.trackers))
 
@@ -170,55 +170,68 @@ class Trainer:
 
     # ================================================================== public
     def train(self) -> TrainResult:
-        """Run (or resume) training to ``run.max_steps``; returns the history and the evaluations."""
+        """Run (or resume) training to ``run.max_steps``; returns the history and the evaluations.
+
+        SIGTERM/SIGINT are honoured wherever they arrive (the evaluation before the first step, a training step, the
+        final evaluation): the current piece of work finishes, a checkpoint is written and the run returns with
+        ``stopped_early``. The final checkpoint is written before the final evaluation, so a run killed during that
+        evaluation loses no training; relaunched with ``run.resume=latest`` it only evaluates.
+        """
         config, acc = self.config, self.accelerator
-        self.restore_checkpoint()
-        if acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(config))
-            logger.info(self.geometry.describe())
-            print(self.geometry.describe(), flush=True)
-        if config.run.trackers:
-            acc.init_trackers(config.run.project_name, config=_flat_scalars(to_dict(config)))
         result = TrainResult(step=self.step)
-        try:
-            if config.eval.at_start and self.step == 0:
-                result.evaluations[0] = self.evaluate()
-            bar = tqdm(total=config.run.max_steps, initial=self.step, desc="mmrl", dynamic_ncols=True,
-                       disable=not (acc.is_main_process and config.run.progress))
-            with bar, self._signals():  # the bar is closed however the loop ends (a step that raises too)
-                while self.step < config.run.max_steps:
-                    metrics = self.training_step()
-                    self.step += 1
-                    self.updates.observe(self.step, metrics)  # warns when no sample entered the step's loss
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-                    if self.step % config.run.log_every == 0 or self.step == config.run.max_steps:
-                        self.writer.write(self.step, metrics)
-                        result.history.append({"step": self.step, **metrics})
-                    eval_due = config.eval.every and self.step % config.eval.every == 0
-                    if eval_due and self.step < config.run.max_steps:
-                        result.evaluations[self.step] = self.evaluate()
-                    if self._should_stop():
-                        self.save_checkpoint()
-                        result.stopped_early = True
-                        break
-                    if config.run.save_every and self.step % config.run.save_every == 0:
-                        self.save_checkpoint()
-            if not result.stopped_early:
-                result.evaluations[self.step] = self.evaluate()
-                if not (config.run.save_every and self.step % config.run.save_every == 0):
-                    self.save_checkpoint()
+        with stop_signals():
+            if config.run.resume is None:
+                ckpt.refuse_existing_run(self.run_dir)
+            restored = self.restore_checkpoint()
+            self.saved_step = self.step if restored is not None else None
+            self._start_log(restored is not None)
+            if config.run.trackers:
+                acc.init_trackers(config.run.project_name, config=_flat_scalars(to_dict(config)))
+            try:
+                self._train_loop(result, evaluate_first=config.eval.at_start and restored is None)
+            finally:  # reward worker pools stop however training ends (an error, an interrupt, a normal end)
+                self.scorer.close(wait=False)
+                self.eval_scorer.close(wait=False)
             result.step = self.step
-        finally:  # reward worker pools stop however training ends (an error, an interrupt, a normal end)
-            self.scorer.close(wait=False)
-            self.eval_scorer.close(wait=False)
         if config.run.trackers:
             acc.end_training()
         acc.wait_for_everyone()
         if not result.stopped_early:
             self.updates.check()  # NoUpdateError when no step of the run trained on any sample
         return result
+
+    def _train_loop(self, result: TrainResult, evaluate_first: bool) -> None:
+        config, acc = self.config, self.accelerator
+        if evaluate_first and not self._should_stop():
+            result.evaluations[0] = self.evaluate()
+        bar = tqdm(total=config.run.max_steps, initial=self.step, desc="mmrl", dynamic_ncols=True,
+                   disable=not (acc.is_main_process and config.run.progress))
+        with bar:  # the bar is closed however the loop ends (a step that raises too)
+            while self.step < config.run.max_steps:
+                if self._should_stop():  # a signal during the evaluation before the first step, or at a resume
+                    break
+                metrics = self.training_step()
+                self.step += 1
+                self.updates.observe(self.step, metrics)  # warns when no sample entered the step's loss
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+                if self.step % config.run.log_every == 0 or self.step == config.run.max_steps:
+                    self.writer.write(self.step, metrics)
+                    result.history.append({"step": self.step, **metrics})
+                eval_due = config.eval.every and self.step % config.eval.every == 0
+                if eval_due and self.step < config.run.max_steps:
+                    result.evaluations[self.step] = self.evaluate()
+                if config.run.save_every and self.step % config.run.save_every == 0:
+                    self.save_checkpoint()
+        # The final (or the interrupted run's) checkpoint, before the final evaluation. A run stopped before it did
+        # anything (no step, no first evaluation) has nothing to keep.
+        if self.saved_step != self.step and (self.step > 0 or result.evaluations):
+            self.save_checkpoint()
+        if self._should_stop():
+            result.stopped_early = True
+            return
+        if not self._evaluated_at(self.step):  # a relaunched finished run was evaluated already
+            result.evaluations[self.step] = self.evaluate()
 
     def training_step(self) -> dict[str, float]:
         """One full step: collect (with dynamic sampling), then update. Returns the step's metrics."""
@@ -236,8 +249,13 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Sample the held-out prompts (deterministic plugin sampling), score them, save the samples."""
+    def evaluate(self, *, writer: MetricsWriter | None = None, samples_dir: Path | None = None) -> dict[str, float]:
+        """Sample the held-out prompts (deterministic plugin sampling), score them, save the samples.
+
+        Args:
+            writer: Where the metrics line goes (default: the run's metrics.jsonl).
+            samples_dir: Folder of the per-step sample folders (default: the run's ``samples/``).
+        """
         config, acc = self.config, self.accelerator
         started = time.perf_counter()
         rows = self.eval_rows[: config.eval.num_prompts] if config.eval.num_prompts else self.eval_rows
@@ -276,22 +294,44 @@ class Trainer:
         metrics["eval/samples"] = float(len(all_scores))
         metrics["time/eval"] = time.perf_counter() - started
         if config.eval.save_samples and rollout is not None:
-            folder = self.run_dir / "samples" / f"step_{self.step:06d}"
+            folder = (samples_dir or self.run_dir / "samples") / f"step_{self.step:06d}"
             tag = "eval" if acc.num_processes == 1 else f"eval_rank{acc.process_index}"
             self.plugin.save_samples(rollout, combined, folder, tag=tag)
-        self.writer.write(self.step, metrics)
+        (writer or self.writer).write(self.step, metrics)
         return metrics
 
+    def evaluate_checkpoint(self) -> dict[str, float]:
+        """``mmrl eval``: evaluate the checkpoint ``run.resume`` names (or the initial policy without it).
+
+        The record goes to ``evaluations.jsonl`` (with the checkpoint evaluated) and the samples to
+        ``evaluations/step_N``: the training history in metrics.jsonl and the training evaluations' samples are
+        never touched by a later evaluation.
+        """
+        found = self.restore_checkpoint()
+        writer = MetricsWriter(self.run_dir / "evaluations.jsonl", enabled=self.accelerator.is_main_process,
+                               fields={"checkpoint": str(found) if found else "initial policy"})
+        return self.evaluate(writer=writer, samples_dir=self.run_dir / "evaluations")
+
     def save_checkpoint(self) -> Path:
-        """Write a checkpoint of the current step atomically (see :mod:`mmrl.trainer.checkpoint`)."""
+        """Write a checkpoint of the current step atomically (see :mod:`mmrl.trainer.checkpoint`).
+
+        A write that fails on any process (a full disk, say) fails on every process together, after the partial
+        folder is removed: the previous checkpoint stays the newest, and the error says what happened in one line.
+        """
         acc = self.accelerator
-        if acc.is_main_process:
-            ckpt.begin(self.run_dir, self.step)
-        acc.wait_for_everyone()
         tmp = ckpt.temporary_path(self.run_dir, self.step)
-        acc.save_state(str(tmp / "accelerate"))
-        acc.wait_for_everyone()
         final = self.run_dir / "checkpoints" / ckpt.checkpoint_name(self.step)
+        failure: BaseException | None = None
+        try:
+            if acc.is_main_process:
+                ckpt.begin(self.run_dir, self.step)
+            acc.wait_for_everyone()
+            acc.save_state(str(tmp / "accelerate"))
+        except Exception as error:  # noqa: BLE001 - any failed write (torch: RuntimeError, safetensors: its own)
+            failure = error  # raised below on every process together, so that none waits at a barrier forever
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=acc.device)
+        if float(acc.reduce(failed, "max").item()) > 0:
+            raise ckpt.save_failed(self.run_dir, self.step, failure, clean_up=acc.is_main_process) from failure
         if acc.is_main_process:
             state = {
                 "step": self.step,
@@ -301,8 +341,14 @@ class Trainer:
                 "config": to_dict(self.config),
                 "mmrl_version": __version__,
             }
-            final = ckpt.commit(self.run_dir, self.step, state, self.config.run.keep_last)
-        acc.wait_for_everyone()
+            try:
+                final = ckpt.commit(self.run_dir, self.step, state, self.config.run.keep_last)
+            except OSError as error:  # the state file or a rename: the previous checkpoint is still in place
+                failure = error
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=acc.device)
+        if float(acc.reduce(failed, "max").item()) > 0:
+            raise ckpt.save_failed(self.run_dir, self.step, failure, clean_up=acc.is_main_process) from failure
+        self.saved_step = self.step
         return final
 
     # ================================================================== checkpoints and signals (step 9)
@@ -321,6 +367,9 @@ class Trainer:
         resume = self.config.run.resume
         if not resume:
             return None
+        if self.accelerator.is_main_process:  # finish or undo a save that a kill interrupted
+            ckpt.recover(self.run_dir)
+        self.accelerator.wait_for_everyone()
         found = ckpt.resolve(resume, self.run_dir)
         if found is None:
             if self.accelerator.is_main_process:
@@ -337,33 +386,35 @@ class Trainer:
         self.learner.optimizer_steps = int(state["optimizer_steps"])
         self.stream.load_state_dict(state["stream"])
         if self.accelerator.is_main_process:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {found} at step {self.step}", flush=True)
         return found
 
-    def _should_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.accelerator.device)
+    def _start_log(self, resumed: bool) -> None:
+        """Write config.yaml and set metrics.jsonl up for the steps to come: cut to the resumed step (a killed run
+        logged steps after its checkpoint that will be redone), or emptied for a run that starts at step 0 (an
+        attempt killed before its first checkpoint)."""
+        if not self.accelerator.is_main_process:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_text_atomic(self.run_dir / "config.yaml", dump_config(self.config))
+        _truncate_metrics(self.run_dir / "metrics.jsonl", self.step if resumed else None)
+        logger.info(self.geometry.describe())
+        print(self.geometry.describe(), flush=True)
+
+    def _evaluated_at(self, step: int) -> bool:
+        """Whether metrics.jsonl already holds the evaluation of ``step`` (a relaunched finished run); the main
+        process reads the log and every process gets its answer."""
+        found = 0.0
+        if self.accelerator.is_main_process and (self.run_dir / "metrics.jsonl").is_file():
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            found = float(any(r.get("step") == step and "eval/samples" in r for r in records))
+        flag = torch.tensor([found], device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, "max").item() > 0)
 
-    @contextmanager
-    def _signals(self) -> Iterator[None]:
-        """SIGTERM/SIGINT: finish the current step, checkpoint, exit cleanly (pre-emptible clusters rely on it)."""
-
-        def request_stop(signum: int, frame: Any) -> None:
-            self._stop_requested = True
-
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                previous[sig] = signal.signal(sig, request_stop)
-            except ValueError:  # not the main thread (e.g. inside some test runners): leave the default
-                pass
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
+    def _should_stop(self) -> bool:
+        """Whether any process received SIGTERM/SIGINT (a collective: every process calls it at the same points)."""
+        flag = torch.tensor([1.0 if stop_requested() else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "max").item() > 0)
 
 # ====================================================================== helpers
 def _launched_without_accelerators() -> bool:
@@ -386,11 +437,11 @@ def _flat_scalars(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines written after ``step`` (a killed run logged steps that the resume will redo)."""
+def _truncate_metrics(path: Path, step: int | None) -> None:
+    """Drop metrics lines written after ``step``, or every line when ``step`` is None."""
     if not path.is_file():
         return
-    kept = [record for record in read_metrics(path) if record.get("step", 0) <= step]
+    kept = [] if step is None else [record for record in read_metrics(path) if record.get("step", 0) <= step]
     ckpt.write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
