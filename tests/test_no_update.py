@@ -1,6 +1,7 @@
 """A step in which no sample entered the loss is warned about; a run in which no step did is an error."""
 
 import pytest
+import torch
 
 from mmrl.reward import Reward, reward_functions
 from mmrl.trainer import Trainer
@@ -79,3 +80,34 @@ def test_a_run_with_samples_in_every_step_reports_how_many_trained(tmp_path, cap
     result = Trainer(toy_config(tmp_path, "run.max_steps=1")).train()
     assert result.history[0]["samples/trained"] == 32.0
     assert not [line for line in _stderr_lines(capsys) if "warning" in line]
+
+
+class _ValidOnFirstCall(Reward):
+    """The parity of the prompt's length for the first batch it scores, then NaN for every sample."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, batch):
+        self.calls += 1
+        return [float(len(p) % 2) if self.calls == 1 else float("nan") for p in batch.prompts]
+
+
+reward_functions.register("test_valid_on_first_call", _ValidOnFirstCall)
+
+
+def test_a_step_that_trained_on_no_sample_leaves_the_weights_alone(tmp_path):
+    """AdamW would move every weight on an empty step (its momentum from step 1, its weight decay): the learner
+    skips the optimizer step instead, so the weights after steps 2 and 3 are exactly those after step 1."""
+    overrides = ("rewards.functions=[{name: test_valid_on_first_call}]", "rewards.on_nonfinite=skip",
+                 "optim.weight_decay=0.1", "algorithm.minibatches=2")
+    after_one = Trainer(toy_config(tmp_path / "one", *overrides, "run.max_steps=1"))
+    after_one.train()
+    after_three = Trainer(toy_config(tmp_path / "three", *overrides, "run.max_steps=3"))
+    result = after_three.train()
+    assert after_three.updates.empty_steps == [2, 3]
+    assert after_three.learner.optimizer_steps == 6  # the schedule's position still advances
+    assert result.history[-1]["loss/first_step_ratio_deviation"] == 0.0
+    one = dict(after_one.policy.named_parameters())
+    for name, tensor in after_three.policy.named_parameters():
+        assert torch.equal(tensor, one[name]), name  # no arithmetic touched them after step 1

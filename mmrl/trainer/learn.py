@@ -142,6 +142,13 @@ class Learner:
                 mb_adv = advantages.index_select(0, indices.to(advantages.device))
                 counts = torch.tensor(aggregation_counts(minibatch.mask), dtype=torch.float64, device=device)
                 num_actions, num_sequences = acc.reduce(counts, "sum").tolist()  # step-wide denominators
+                if num_actions == 0:
+                    # No sample entered this mini-batch's loss on any process (all dropped by on_nonfinite: skip, or
+                    # padding): its gradient is zero, and AdamW would still move the weights by its momentum and
+                    # weight decay. Every process sees the same global count, so all skip it together; the
+                    # schedule's position advances as if the step had been taken.
+                    self.optimizer_steps += 1
+                    continue
                 step_loss = torch.zeros((), dtype=torch.float64, device=device)
                 for micro in chunks(list(range(len(minibatch))), geometry.micro_batch_size):
                     index = torch.tensor(micro, dtype=torch.long)
@@ -166,7 +173,8 @@ class Learner:
                 loss_total += float(acc.reduce(step_loss, "sum"))
         out = reduce_means(means, acc.num_processes)
         out["loss/total"] = loss_total / geometry.optimizer_steps_per_step
-        out["loss/first_step_ratio_deviation"] = float(acc.reduce(torch.tensor(max(deviations), device=device), "max"))
+        out["loss/first_step_ratio_deviation"] = float(
+            acc.reduce(torch.tensor(max(deviations, default=0.0), device=device), "max"))
         out["optim/lr"] = self.lr(self.optimizer_steps)
         return out
 
