@@ -23,15 +23,16 @@ install: $(STAMP)
 
 # The main job, the shapes world (docs/shapes.md): Flow-GRPO on a tiny text-to-image model, offline on the CPU,
 # then the report (score per task before/after, image grids, reward curve in runs/flow/shapes).
+# run.resume=latest: a second `make demo` continues (or, finished, only re-reports) the run instead of being refused.
 demo: install
-	$(VENV)/bin/mmrl train configs/flow/shapes.yaml
+	$(VENV)/bin/mmrl train configs/flow/shapes.yaml run.resume=latest
 	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes
 
 shapes: demo
 
 # The reference plugin: GRPO on digit reversal, about a minute on a CPU.
 toy: install
-	$(VENV)/bin/mmrl train configs/toy.yaml
+	$(VENV)/bin/mmrl train configs/toy.yaml run.resume=latest
 
 test: install
 	$(PY) -m pytest -q
