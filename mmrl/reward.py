@@ -113,8 +113,35 @@ def check_reward_context(context: Mapping[str, Any] | None) -> dict[str, Any]:
         raise RewardError(f"a reward context must be JSON-serialisable (Plugin.reward_context): {error}") from None
 
 
-def build_reward(name: str, args: dict[str, Any], context: Mapping[str, Any] | None = None
-                 ) -> Callable[[RewardInput], Any]:
+def resolve_reward_args(name: str, args: Mapping[str, Any], context: Mapping[str, Any] | None = None
+                        ) -> dict[str, Any]:
+    """The options the reward registered as ``name`` is built with in a run whose reward context is ``context``.
+
+    Args:
+        name: A registered reward.
+        args: Its options from the config.
+        context: The run's reward context (None: none, as outside a run).
+
+    Returns:
+        ``args`` as the reward's ``resolve_args`` hook returns them, or a copy of ``args`` for a reward without one.
+
+    Raises:
+        RewardError: The context is not a JSON-serialisable dict with string keys, or the hook refused; one line
+            starting with ``reward 'NAME':``.
+    """
+    entry = reward_functions.get(name)
+    context = check_reward_context(context)
+    resolve = getattr(entry, "resolve_args", None)
+    if resolve is None:
+        return dict(args)
+    try:
+        return resolve(dict(args), context)
+    except RewardError as error:
+        raise RewardError(f"reward {name!r}: {error}") from None
+
+
+def build_reward(name: str, args: dict[str, Any], context: Mapping[str, Any] | None = None, *,
+                 resolve: bool = True) -> Callable[[RewardInput], Any]:
     """Instantiate (class) or bind (function) the reward registered as ``name`` with ``args``.
 
     Args:
@@ -122,16 +149,14 @@ def build_reward(name: str, args: dict[str, Any], context: Mapping[str, Any] | N
         args: Its options (checked against its signature when the config loads).
         context: Facts about the run that rewards may read (:meth:`mmrl.plugin.Plugin.reward_context`); None outside
             a run. A reward with a ``resolve_args(args, context)`` attribute gets its arguments from it (see the
-            module docstring); a :class:`RewardError` it raises is prefixed with the reward's name.
+            module docstring and :func:`resolve_reward_args`); a :class:`RewardError` it raises is prefixed with the
+            reward's name.
+        resolve: False when ``args`` already are what :func:`resolve_reward_args` returned (the reward server
+            resolves first, to build one instance per distinct set of options): they are used as they are.
     """
     entry = reward_functions.get(name)
-    context = check_reward_context(context)
-    resolve = getattr(entry, "resolve_args", None)
-    if resolve is not None:
-        try:
-            args = resolve(dict(args), context)
-        except RewardError as error:
-            raise RewardError(f"reward {name!r}: {error}") from None
+    if resolve:
+        args = resolve_reward_args(name, args, context)
     if isinstance(entry, type):
         return entry(**args)
 

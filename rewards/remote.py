@@ -4,6 +4,7 @@ Protocol (version 1, JSON only, never pickle)::
 
     POST /score   Content-Type: application/json
     {"protocol": 1, "reward": "pickscore",
+     "context": {"box_convention": "qwen2_vl"},           # the run's reward context (optional)
      "rows": [{"prompt": "a cat"}, ...],                  # dataset rows (the fields the reward reads)
      "group_ids": [0, 0, 1, ...],
      "payload": {"images": {"png": ["<base64 PNG>", ...]},   # 8-bit RGB images, lossless
@@ -11,8 +12,18 @@ Protocol (version 1, JSON only, never pickle)::
     → 200 {"scores": [0.81, null, ...]}                   # null = no score (NaN; rewards.on_nonfinite decides)
     → 4xx/5xx {"error": "one line"}
 
-    GET /health   → {"status": "ok", "protocol": 1, "rewards": ["pickscore", ...]}
-    GET /rewards  → {"rewards": ["pickscore", ...]}
+    GET /health   → {"status": "ok", "protocol": 1, "rewards": ["iou", "pickscore", ...], "reads_context": ["iou"]}
+    GET /rewards  → {"rewards": ["iou", "pickscore", ...], "reads_context": ["iou"]}
+
+**The reward context.** The client sends its run's reward context (:meth:`mmrl.plugin.Plugin.reward_context`, which
+the training run hands it through :meth:`RemoteReward.resolve_args`) with every request, and the server resolves
+the options of a reward that reads it (``reads_context``: those with a ``resolve_args`` hook, e.g. ``iou``) against
+it, as the run would locally (:mod:`mmrl.rewards.server_rewards`): a reward configured there without a box
+convention scores in the run's, one that names another convention is refused with 409. A request without
+``context`` (a client older than the field) is resolved with no context. The client's start-up check sends a request
+without rows but with the context when the reward reads it, so a refusal stops the run before training; a server
+whose ``/rewards`` answer has no ``reads_context`` predates the field and would ignore the context, so a client with
+a non-empty context refuses it at start-up.
 
 Images are converted to 8-bit RGB exactly as local image rewards do (:mod:`mmrl.rewards.images`), so a remote
 reward scores what the same reward would score in-process. Samples whose images have non-finite pixels are not
@@ -50,8 +61,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmrl.reward import Reward, RewardError, RewardInput
+from mmrl.reward import Reward, RewardError, RewardInput, check_reward_context
 from mmrl.rewards.images import encode_png, read_images
+from mmrl.rewards.server_requests import context_problem, shown_json
 
 PROTOCOL = 1
 MAX_RESPONSE_BYTES = 16 << 20
@@ -180,10 +192,20 @@ class RemoteReward(Reward):
     """Score with a reward served by ``mmrl serve-rewards`` over HTTP (images sent as PNG, JSON only).
     """
 
+    @staticmethod
+    def resolve_args(args: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+        """The ``resolve_args`` hook (see :func:`mmrl.reward.build_reward`): the run's reward context becomes the
+        ``context`` option, which the server's rewards resolve their options against. The config may not set it."""
+        if args.get("context") is not None:
+            raise RewardError("option context is the training run's reward context (the plugin's reward_context()), "
+                              "set by the run; remove it from the config")
+        return {**args, "context": context}
+
     def __init__(self, url: str = "http://127.0.0.1:8000", reward: str | None = None, images: str | None = "images",
                  outputs: list[str] | None = None, fields: list[str] | None = None, timeout: float = 60.0,
                  retries: int = 3, backoff: float = 1.0, check_server: bool = True,
-                 token_env: str | None = TOKEN_ENV, token_file: str | None = None):
+                 token_env: str | None = TOKEN_ENV, token_file: str | None = None,
+                 context: dict[str, Any] | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -195,9 +217,12 @@ class RemoteReward(Reward):
             timeout: Seconds one attempt may take in all, from connecting to the answer's last byte.
             retries: Retries after a failed attempt; the run stops after retries + 1 consecutive failures.
             backoff: Seconds before the first retry; doubles with each further retry.
-            check_server: At start, check (with the same retries) that the server serves this reward.
+            check_server: At start, check (with the same retries) that the server serves this reward and accepts
+                the run's reward context for it.
             token_env: Environment variable holding the server's token (unset or empty: send none).
             token_file: File holding the server's token (read instead of token_env).
+            context: The run's reward context, sent with every request; set by the training run (the plugin's
+                reward_context()), not in the config. None: none (``{}``).
         """
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'remote': url {url!r} must start with http:// or https://")
@@ -226,16 +251,40 @@ class RemoteReward(Reward):
         self.outputs = list(outputs or [])
         self.fields = None if fields is None else list(fields)
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        try:
+            self.context = check_reward_context(context)
+        except RewardError as error:
+            raise RewardError(f"reward 'remote': {error}") from None
+        problem = context_problem(self.context)
+        if problem is not None:
+            raise RewardError(f"reward 'remote': the run's reward context {problem}, which the server would refuse")
         if check_server:
-            served = self.served()
+            served, reads_context = self._server_rewards()
             self.reward = self._resolve(served)
+            self._check_context(reads_context)
 
     # ------------------------------------------------------------------------------------ server queries
 
     def served(self) -> list[str]:
         """Names of the rewards the server serves (GET /rewards, with retries)."""
-        answer = self._with_retries("GET", "/rewards", None, self._parse_rewards)
-        return answer
+        return self._server_rewards()[0]
+
+    def _server_rewards(self) -> tuple[list[str], list[str] | None]:
+        """The rewards served and those that read the reward context (None: a server older than the context)."""
+        return self._with_retries("GET", "/rewards", None, self._parse_rewards)
+
+    def _check_context(self, reads_context: list[str] | None) -> None:
+        """Ask the server to resolve :attr:`reward` for this run's context (a score request without rows), so that
+        a refusal (e.g. a box convention that differs from the run's) stops the run at start-up."""
+        if reads_context is None:
+            if self.context:
+                raise RewardError(
+                    f"reward 'remote': {self.url} does not read reward contexts (its mmrl predates them), so it would "
+                    f"score {self.reward!r} without this run's {shown_json(self.context)}; update mmrl on the server, "
+                    "or set check_server: false to score there anyway")
+            return
+        if self.reward in reads_context:
+            self._with_retries("POST", "/score", self._score_body(self.reward, [], [], {}), self._parse_scores)
 
     def _resolve(self, served: list[str]) -> str:
         if self.reward is None:
@@ -248,11 +297,15 @@ class RemoteReward(Reward):
         return self.reward
 
     @staticmethod
-    def _parse_rewards(data: Any, expected: int) -> list[str]:
+    def _parse_rewards(data: Any, expected: int) -> tuple[list[str], list[str] | None]:
         names = data.get("rewards") if isinstance(data, dict) else None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise _Attempt("answer to GET /rewards has no list of reward names")
-        return names
+        reads_context = data.get("reads_context")
+        if reads_context is not None and (not isinstance(reads_context, list)
+                                          or not all(isinstance(n, str) for n in reads_context)):
+            raise _Attempt("answer to GET /rewards has a 'reads_context' that is not a list of reward names")
+        return names, reads_context
 
     # ------------------------------------------------------------------------------------ scoring
 
@@ -287,11 +340,14 @@ class RemoteReward(Reward):
             rows.append(to_json_value(dict(row), f"row {i}"))
         group_ids = batch.group_ids.tolist() if batch.group_ids.numel() else [0] * n
         reward = self.reward if self.reward is not None else self._resolve(self.served())
-        body = json.dumps({"protocol": PROTOCOL, "reward": reward, "rows": rows,
-                           "group_ids": [int(group_ids[i]) for i in keep], "payload": payload}).encode("utf-8")
+        body = self._score_body(reward, rows, [int(group_ids[i]) for i in keep], payload)
         values = self._with_retries("POST", "/score", body, self._parse_scores, expected=len(keep))
         scores[keep] = torch.tensor(values, dtype=torch.float64)
         return scores
+
+    def _score_body(self, reward: str, rows: list[Any], group_ids: list[int], payload: dict[str, Any]) -> bytes:
+        return json.dumps({"protocol": PROTOCOL, "reward": reward, "context": self.context, "rows": rows,
+                           "group_ids": group_ids, "payload": payload}).encode("utf-8")
 
     @staticmethod
     def _parse_scores(data: Any, expected: int) -> list[float]:

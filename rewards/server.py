@@ -7,8 +7,11 @@ The config is a YAML file with a ``rewards:`` section in the training-config for
         - {name: pickscore, args: {device: cuda}}
         - {name: hpsv2, args: {checkpoint: /models/HPS_v2.1_compressed.pt}}
 
-Each reward is built once and served under its name (weights and ``multi_reward`` are ignored here: the training
-run's ``remote`` rewards carry them). The protocol is described in :mod:`mmrl.rewards.remote`.
+Each reward is served under its name (weights and ``multi_reward`` are ignored here: the training run's ``remote``
+rewards carry them). A reward that reads the run's reward context (``iou``, ``giou``, ``detection``: the box
+convention) is resolved against the context each request carries and built once per distinct set of options it
+resolves to; every other reward is built once, at start-up (:mod:`mmrl.rewards.server_rewards`). The protocol is
+described in :mod:`mmrl.rewards.remote`.
 
 Security: the server binds 127.0.0.1 unless told otherwise. With a token (the environment variable
 ``MMRL_REWARD_TOKEN`` or ``--token-file``, never the command line) every request needs ``Authorization: Bearer
@@ -45,12 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.config.schema import ConfigError
-from mmrl.reward import RewardError, RewardInput, RewardScorer, build_reward
+from mmrl.reward import RewardError, RewardInput, RewardScorer
 from mmrl.rewards.remote import PROTOCOL, TOKEN_ENV, DeadlineReader, read_token
-from mmrl.rewards.server_requests import BadRequest, check_json_shape, decode_batch
+from mmrl.rewards.server_requests import BadRequest, check_json_shape, decode_batch, decode_context
+from mmrl.rewards.server_rewards import ServedReward
 
-__all__ = ["BadRequest", "RewardServer", "ServerLimits", "build_rewards", "check_json_shape", "decode_batch", "serve",
-           "server_token"]
+__all__ = ["BadRequest", "RewardServer", "ServedReward", "ServerLimits", "build_rewards", "check_json_shape",
+           "decode_batch", "serve", "server_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +120,9 @@ class ServerLimits:
         return int(self.max_megapixels * 1_000_000)
 
 
-def build_rewards(config: dict[str, Any] | str | Path) -> dict[str, Callable[[RewardInput], Any]]:
-    """Validate the ``rewards:`` section of ``config`` (a YAML path or a mapping) and build each reward once."""
+def build_rewards(config: dict[str, Any] | str | Path) -> dict[str, ServedReward]:
+    """Validate the ``rewards:`` section of ``config`` (a YAML path or a mapping) and build each reward for the empty
+    reward context, except those that need a request's context to resolve (see :class:`ServedReward`)."""
     from mmrl.config import RewardsConfig, from_dict, read_yaml
 
     data = read_yaml(config) if isinstance(config, (str, Path)) else config
@@ -129,7 +134,7 @@ def build_rewards(config: dict[str, Any] | str | Path) -> dict[str, Callable[[Re
         if name in names[:index]:
             raise ConfigError(f"rewards.functions[{index}].name", name,
                               "each reward once (a server serves every reward under its own name)")
-    return {spec.name: build_reward(spec.name, spec.args) for spec in section.functions}
+    return {spec.name: ServedReward(spec.name, spec.args) for spec in section.functions}
 
 
 def server_token(token_file: str | Path | None = None, token_env: str | None = TOKEN_ENV) -> str | None:
@@ -173,7 +178,8 @@ class RewardServer:
     """An HTTP server for reward functions.
 
     Args:
-        rewards: ``{name: reward callable}`` (see :func:`build_rewards`).
+        rewards: ``{name: reward}``, each a :class:`ServedReward` (see :func:`build_rewards`) or a built reward
+            callable, which scores every request whatever its reward context.
         host: Address to bind; 127.0.0.1 (this machine only) by default. Any non-loopback address (a host name,
             0.0.0.0, a LAN address) needs a ``token``.
         port: Port to bind; 0 picks a free one (see :attr:`port`).
@@ -182,7 +188,7 @@ class RewardServer:
         limits: Resource limits (see :class:`ServerLimits`; the defaults when None).
     """
 
-    def __init__(self, rewards: dict[str, Callable[[RewardInput], Any]], host: str = DEFAULT_HOST,
+    def __init__(self, rewards: dict[str, ServedReward | Callable[[RewardInput], Any]], host: str = DEFAULT_HOST,
                  port: int = DEFAULT_PORT, token: str | None = None, limits: ServerLimits | None = None):
         if not rewards:
             raise ConfigError("rewards.functions", [], "at least one reward to serve")
@@ -193,8 +199,8 @@ class RewardServer:
         if token is None and not _is_loopback(host):
             raise ConfigError("--host", host, needs_token)
         self.token = token
-        self.scorers = {name: RewardScorer([name], [fn], [1.0]) for name, fn in rewards.items()}
-        self.locks = {name: threading.Lock() for name in rewards}
+        self.rewards = {name: reward if isinstance(reward, ServedReward) else ServedReward(name, function=reward)
+                        for name, reward in rewards.items()}
         self.request_slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
         handler = type("Handler", (_Handler,), {"server_state": self})
         try:
@@ -205,6 +211,16 @@ class RewardServer:
             self.httpd.server_close()
             raise ConfigError("--host", f"{host} (bound to {self.host})", needs_token)
         self._thread: threading.Thread | None = None
+
+    @property
+    def served(self) -> list[str]:
+        """The names of the rewards served, sorted."""
+        return sorted(self.rewards)
+
+    @property
+    def reads_context(self) -> list[str]:
+        """The names of the rewards that take options from a request's reward context, sorted."""
+        return sorted(name for name, reward in self.rewards.items() if reward.reads_context)
 
     @property
     def host(self) -> str:
@@ -288,12 +304,17 @@ class RewardServer:
         if protocol != PROTOCOL:
             raise BadRequest(400, f"protocol {protocol!r} is not supported; this server speaks protocol {PROTOCOL}")
         name = request.get("reward")
-        if not isinstance(name, str) or name not in self.scorers:
-            raise BadRequest(404, f"reward {name!r} is not served here; served: {sorted(self.scorers)}")
+        if not isinstance(name, str) or name not in self.rewards:
+            raise BadRequest(404, f"reward {name!r} is not served here; served: {self.served}")
+        reward = self.rewards[name]
+        variant = reward.variant(decode_context(request))  # a refused context costs no image decoding
         batch = decode_batch(request, self.limits.max_pixels)
-        with self.locks[name]:
+        with reward.lock:
+            function = reward.instance(variant)
+            if len(batch) == 0:  # the remote reward's start-up check: the reward is built for this context, unused
+                return {"scores": []}
             try:
-                column = self.scorers[name].raw_scores(batch)[:, 0]  # float64, exactly what the reward returned
+                column = RewardScorer([name], [function], [1.0]).raw_scores(batch)[:, 0]  # float64, as returned
             except (RewardError, ConfigError) as error:
                 raise BadRequest(422, str(error)) from None
         return {"scores": [value if math.isfinite(value) else None for value in column.tolist()]}
@@ -422,9 +443,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             state.authorized(self.headers.get("Authorization"))
             if self.path == "/health":
-                self._send(200, {"status": "ok", "protocol": PROTOCOL, "rewards": sorted(state.scorers)})
+                self._send(200, {"status": "ok", "protocol": PROTOCOL, "rewards": state.served,
+                                 "reads_context": state.reads_context})
             elif self.path == "/rewards":
-                self._send(200, {"rewards": sorted(state.scorers)})
+                self._send(200, {"rewards": state.served, "reads_context": state.reads_context})
             else:
                 raise BadRequest(404, f"no such endpoint {self.path!r}; {_ENDPOINTS}")
         except BadRequest as error:
@@ -516,8 +538,12 @@ def serve(config: str | Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
 
     previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() else None
     access = "token required" if token is not None else "no token: this machine only"
-    print(f"mmrl: serving rewards {', '.join(sorted(server.scorers))} on {server.url} "
+    print(f"mmrl: serving rewards {', '.join(server.served)} on {server.url} "
           f"(POST /score, GET /health, GET /rewards; {access})", flush=True)
+    for name in server.served:
+        if server.rewards[name].deferred is not None:
+            print(f"mmrl: reward {name!r} is built for each request's reward context (for none: "
+                  f"{server.rewards[name].deferred})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 
 :func:`check_json_shape` runs on the raw body before ``json`` parses it (nesting depth and value count),
 :func:`decode_batch` checks the parsed request and reads the size of every PNG image from its header before any
-image is decoded (the per-request pixel budget). Every refusal is a :class:`BadRequest` with an HTTP status and a
+image is decoded (the per-request pixel budget), :func:`decode_context` checks the run's reward context that a
+request carries. Every refusal is a :class:`BadRequest` with an HTTP status and a
 one-line message naming the ``mmrl serve-rewards`` flag that sets the limit. The request format is described in
 :mod:`mmrl.rewards.remote`; a new top-level field is one more ``request.get`` in :func:`decode_batch`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 import struct
 from typing import Any
@@ -23,6 +25,10 @@ from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.images import decode_png
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# A reward context is a few facts about the model being trained (``{"box_convention": "qwen2_vl"}``); these bounds
+# are far above that and keep the canonical JSON that keys a server's per-context instances short.
+MAX_CONTEXT_DEPTH = 4
+MAX_CONTEXT_CHARS = 4096
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -70,6 +76,64 @@ def check_json_shape(body: bytes, max_depth: int, max_values: int) -> None:
         if peak > max_depth:
             raise BadRequest(400, f"the request nests JSON arrays and objects deeper than {max_depth} levels "
                                   "(--max-json-depth)")
+
+
+def canonical_json(value: Any) -> str:
+    """``value`` as compact JSON with sorted keys: equal JSON data gives equal text (a cache key)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def shown_json(value: Any, limit: int = 200) -> str:
+    """``value`` as JSON for a one-line message (what is not JSON data by its repr), cut to ``limit`` characters."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def context_problem(context: Any) -> str | None:
+    """What makes ``context`` unfit to travel as a reward context, or None when it is fit.
+
+    A reward context travels as a JSON object with string keys, its objects and arrays nested at most
+    ``MAX_CONTEXT_DEPTH`` levels (the context itself is level 1), at most ``MAX_CONTEXT_CHARS`` characters of
+    canonical JSON. The client checks this before sending (a clear error at start-up) and the server on every request.
+    """
+    if not isinstance(context, dict):
+        return f"is a {type(context).__name__}, not a JSON object"
+    pending: list[tuple[Any, int]] = [(context, 1)]  # iterative: a deep value cannot exhaust the stack
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_CONTEXT_DEPTH:
+            return f"nests objects or arrays deeper than {MAX_CONTEXT_DEPTH} levels"
+        if isinstance(value, dict):
+            if not all(isinstance(key, str) for key in value):
+                return "has a key that is not a string"
+            children = value.values()
+        else:
+            children = value
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    try:
+        size = len(canonical_json(context))
+    except (TypeError, ValueError) as error:  # only from Python callers: parsed JSON always serialises
+        return f"is not JSON data ({error})"
+    if size > MAX_CONTEXT_CHARS:
+        return f"has {size} characters as JSON, more than {MAX_CONTEXT_CHARS}"
+    return None
+
+
+def decode_context(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The reward context of a score request: its ``context`` field, or None when it has none (a client older than
+    the field, or ``null``).
+
+    Raises:
+        BadRequest: 400 naming what is wrong with the field.
+    """
+    context = request.get("context")
+    if context is None:
+        return None
+    problem = context_problem(context)
+    if problem is not None:
+        raise BadRequest(400, f"'context' (the run's reward context) {problem}; it must be a JSON object with string "
+                              f"keys, at most {MAX_CONTEXT_DEPTH} levels deep and {MAX_CONTEXT_CHARS} characters")
+    return context
 
 
 def png_size(data: bytes, where: str) -> tuple[int, int]:

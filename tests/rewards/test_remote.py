@@ -90,11 +90,11 @@ def test_round_trip_equals_local_scoring(served, name):
     batch = image_batch(6)
     batch.payload["images"][4, 0, 0, 0] = float("nan")  # not sent; NaN locally as well
     remote = RemoteReward(url=server.url, reward=name, **FAST)
-    local = RewardScorer([name], [rewards[name]], [1.0], on_nonfinite="skip").score(batch)
+    local = RewardScorer([name], [rewards[name].instance_for()], [1.0], on_nonfinite="skip").score(batch)
     got = RewardScorer([name], [remote], [1.0], on_nonfinite="skip").score(batch)
     assert torch.equal(got.valid, local.valid) and got.valid.tolist() == [True] * 4 + [False, True]
     assert torch.equal(got.scores, local.scores)  # bitwise: the server scores exactly the 8-bit images
-    raw, local_raw = remote(batch), RewardScorer([name], [rewards[name]], [1.0]).raw_scores(batch)[:, 0]
+    raw, local_raw = remote(batch), RewardScorer([name], [rewards[name].instance_for()], [1.0]).raw_scores(batch)[:, 0]
     assert torch.isnan(raw[4]) and torch.isfinite(raw[[0, 1, 2, 3, 5]]).all()
     assert torch.equal(raw[[0, 1, 2, 3, 5]], local_raw[[0, 1, 2, 3, 5]])  # float64 survives JSON exactly
 
@@ -104,7 +104,7 @@ def test_round_trip_uint8_images_of_different_sizes(served):
     images = [(random_images(1, size=s, seed=s)[0] * 255).round().to(torch.uint8) for s in (16, 24, 40)]
     batch = RewardInput(rows=[{"prompt": "a cat"}] * 3, payload={"images": images}, group_ids=torch.zeros(3))
     remote = RemoteReward(url=server.url, reward="clip_score", **FAST)
-    assert torch.equal(remote(batch), rewards["clip_score"](batch))
+    assert torch.equal(remote(batch), rewards["clip_score"].instance_for()(batch))
 
 
 def test_text_outputs_are_sent_as_json(served):
@@ -113,7 +113,7 @@ def test_text_outputs_are_sent_as_json(served):
                         payload={"completions": ["4", "four"]}, group_ids=torch.tensor([0, 0]))
     remote = RemoteReward(url=server.url, reward="exact_match", images=None, outputs=["completions"],
                           fields=["solution"], **FAST)
-    assert remote(batch).tolist() == [1.0, 0.0] == rewards["exact_match"](batch)
+    assert remote(batch).tolist() == [1.0, 0.0] == rewards["exact_match"].instance_for()(batch)
 
 
 def test_client_checks_the_reward_is_served(served):
@@ -348,17 +348,21 @@ def test_server_config_is_validated():
 
 def test_cli_serve_rewards_starts_answers_and_stops(tmp_path):
     config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({"rewards": {"functions": [{"name": "jpeg_compressibility"}]}}))
+    # iou without a convention needs the run's: the server starts anyway and builds it per request context.
+    config.write_text(yaml.safe_dump({"rewards": {"functions": [{"name": "jpeg_compressibility"}, {"name": "iou"}]}}))
     process = subprocess.Popen([sys.executable, "-m", "mmrl", "serve-rewards", str(config), "--port", "0"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
-        assert line.startswith("mmrl: serving rewards jpeg_compressibility on http://127.0.0.1:"), (
+        assert line.startswith("mmrl: serving rewards iou, jpeg_compressibility on http://127.0.0.1:"), (
             line + process.stderr.read() if process.poll() is not None else line)
+        assert process.stdout.readline().startswith("mmrl: reward 'iou' is built for each request's reward context "
+                                                    "(for none: no box convention: set the option convention")
         url = line.split(" on ")[1].split()[0]
         with urlopen_json(url + "/health") as health:
-            assert health == {"status": "ok", "protocol": 1, "rewards": ["jpeg_compressibility"]}
-        remote = RemoteReward(url=url, **FAST)
+            assert health == {"status": "ok", "protocol": 1, "rewards": ["iou", "jpeg_compressibility"],
+                              "reads_context": ["iou"]}
+        remote = RemoteReward(url=url, reward="jpeg_compressibility", **FAST)
         batch = image_batch(2)
         assert torch.equal(remote(batch), build_reward("jpeg_compressibility", {})(batch))
     finally:
