@@ -179,6 +179,8 @@ REGISTRIES = [
 def _list(args: argparse.Namespace) -> int:
     import importlib
 
+    from mmrl.config.schema import option_kind
+
     for title, location, describe in REGISTRIES:
         module_name, attribute = location.split(":")
         registry = getattr(importlib.import_module(module_name), attribute)
@@ -191,7 +193,8 @@ def _list(args: argparse.Namespace) -> int:
             if args.options:
                 for option in registry.options(name):
                     default = "(required)" if option.required else repr(option.default)
-                    print(f"      {option.name} = {default}  {option.help}")
+                    kind = option_kind(option)  # the type and declared range: "float, in [0, 1)"
+                    print(f"      {option.name} = {default}  " + (f"({kind})  " if kind else "") + option.help)
     return 0
 
 

@@ -7,16 +7,27 @@ Entries are either objects registered eagerly (``@registry.register("name")``) o
 ``"package.module:attribute"`` that are imported on first use, so that listing plugins does not import diffusers.
 Third-party packages add entries through an entry-point group (for example ``mmrl.plugins``): installing the
 package is enough for configs and ``mmrl list`` to find them.
+
+A numeric keyword option declares the values it accepts on its parameter with :class:`Range`, which the config
+checks when it loads (``mmrl.config.schema.bind_options``) and ``mmrl list --options`` shows::
+
+    clip_low: Annotated[float, Range(0, 1, high_open=True)] = 0.2        # a number in [0, 1)
+    dual_clip: Annotated[float, Range(1, low_open=True)] | None = None    # a number > 1, or null
+    max_chars: Annotated[int, Range(1)] = 20_000                          # an integer >= 1
+    offset: Annotated[float, ANY_FINITE] = 0.0                            # every finite number
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+import math
+import types
+import typing
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
 
@@ -29,13 +40,99 @@ class RegistryError(KeyError):
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a numeric option of a registry entry accepts, declared on its parameter with ``typing.Annotated``.
+
+    The config refuses a value outside the range when it loads, in one line naming the key (``config key
+    'algorithm.policy_loss.clip_low': got -1.0; allowed: a number in [0, 1)``); an ``int`` option is also checked to
+    be an integer. ``Range()`` (:data:`ANY_FINITE`) says that every finite number is allowed. The function's own
+    checks stay: they guard direct calls, which do not go through the config.
+
+    Args:
+        low: Smallest allowed value; None for no lower bound.
+        high: Largest allowed value; None for no upper bound.
+        low_open: Exclude ``low`` itself (``> low``).
+        high_open: Exclude ``high`` itself (``< high``).
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __post_init__(self) -> None:
+        for bound in (self.low, self.high):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                      or not math.isfinite(bound)):
+                raise ValueError(f"Range bounds must be finite numbers or None, got {self.low!r}, {self.high!r}")
+        if (self.low_open and self.low is None) or (self.high_open and self.high is None):
+            raise ValueError("an open end of a Range needs a bound on that side")
+        if self.low is not None and self.high is not None:
+            empty = self.low > self.high or (self.low == self.high and (self.low_open or self.high_open))
+            if empty:
+                raise ValueError(f"Range({self.low!r}, {self.high!r}) holds no value")
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    @property
+    def text(self) -> str:
+        """The bounds as a user reads them: ``in [0, 1)``, ``> 1``, ``>= 0``; empty for :data:`ANY_FINITE`."""
+        low = None if self.low is None else _number(self.low)
+        high = None if self.high is None else _number(self.high)
+        if low is not None and high is not None:
+            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if low is not None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        if high is not None:
+            return f"{'<' if self.high_open else '<='} {high}"
+        return ""
+
+    def __str__(self) -> str:
+        return self.text or "any finite value"
+
+
+ANY_FINITE = Range()
+"""The explicit declaration of a numeric option that accepts every finite number (``Annotated[float, ANY_FINITE]``)."""
+
+
+def _number(value: float) -> str:
+    """``1`` for 1.0, ``0.2`` for 0.2: bounds written as a user would type them."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(float(value))
+
+
+def split_range(annotation: Any) -> tuple[Any, Range | None]:
+    """``(annotation without its Range, the Range or None)`` for ``Annotated[X, Range(...)]``, also inside
+    ``... | None`` (``Annotated[float, Range(1, low_open=True)] | None``)."""
+    if get_origin(annotation) is Annotated:
+        base, *extras = get_args(annotation)
+        declared = [extra for extra in extras if isinstance(extra, Range)]
+        return base, (declared[0] if declared else None)
+    if get_origin(annotation) in (Union, types.UnionType):
+        parts = [split_range(member) for member in get_args(annotation)]
+        declared = [found for _, found in parts if found is not None]
+        if declared:
+            return Union[tuple(base for base, _ in parts)], declared[0]  # noqa: UP007 — built from a tuple
+    return annotation, None
+
+
+@dataclass(frozen=True)
 class Option:
-    """One keyword option of a registered callable, read from its signature and docstring."""
+    """One keyword option of a registered callable, read from its signature and docstring.
+
+    ``annotation`` is the resolved type without its :class:`Range` (``Any`` when the type cannot be resolved);
+    ``range`` is the declared range, if any.
+    """
 
     name: str
     default: Any
     annotation: Any
     help: str
+    range: Range | None = None
 
     @property
     def required(self) -> bool:
@@ -51,12 +148,16 @@ class Registry(Generic[T]):
             Each entry point's name is the registry name and its value ``module:attribute`` the object.
         populate: Optional module imported on first lookup; importing it registers the built-in entries
             (``"mmrl.plugins"`` registers the built-in plugins lazily, without importing their dependencies).
+        supplied: Keyword parameters the registry's caller passes itself (the aggregation counts, an estimator's
+            model inputs): they are not options, so :meth:`options` and ``mmrl list --options`` leave them out.
     """
 
-    def __init__(self, kind: str, entry_point_group: str | None = None, populate: str | None = None):
+    def __init__(self, kind: str, entry_point_group: str | None = None, populate: str | None = None,
+                 supplied: Collection[str] = ()):
         self.kind = kind
         self.entry_point_group = entry_point_group
         self.populate = populate
+        self.supplied = frozenset(supplied)
         self._entries: dict[str, T] = {}
         self._lazy: dict[str, str] = {}
         self._entry_points_loaded = entry_point_group is None and populate is None
@@ -131,8 +232,9 @@ class Registry(Generic[T]):
         return doc.strip().splitlines()[0] if doc.strip() else ""
 
     def options(self, name: str) -> list[Option]:
-        """The keyword options a callable entry accepts, from its signature (see :func:`callable_options`)."""
-        return callable_options(self.get(name))
+        """The keyword options a callable entry accepts, from its signature (see :func:`callable_options`), except
+        the parameters the registry's caller supplies."""
+        return [option for option in callable_options(self.get(name)) if option.name not in self.supplied]
 
     def _load_entry_points(self) -> None:
         if self._entry_points_loaded:
@@ -162,12 +264,13 @@ DATA_PARAMETERS = frozenset(
 def callable_options(fn: Callable[..., Any]) -> list[Option]:
     """Keyword options of ``fn``: keyword-only parameters and parameters with defaults, except data tensors.
 
-    Help text comes from the ``Args:`` section of the docstring (Hugging Face style). For a class, the options of
-    ``__init__`` are returned.
+    Help text comes from the ``Args:`` section of the docstring (Hugging Face style), types and :class:`Range`
+    declarations from the resolved annotations. For a class, the options of ``__init__`` are returned.
     """
     target = fn.__init__ if inspect.isclass(fn) else fn
     signature = inspect.signature(target)
     help_by_name = _docstring_args(inspect.getdoc(target) or inspect.getdoc(fn) or "")
+    hints = _resolved_annotations(target)
     options = []
     for parameter in signature.parameters.values():
         if parameter.name in DATA_PARAMETERS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
@@ -176,10 +279,20 @@ def callable_options(fn: Callable[..., Any]) -> list[Option]:
             continue
         if parameter.kind is parameter.POSITIONAL_OR_KEYWORD and parameter.default is parameter.empty:
             continue  # a leading data argument (the batch, the model, ...), not an option
+        annotation, declared = split_range(hints.get(parameter.name, Any))
         options.append(
-            Option(parameter.name, parameter.default, parameter.annotation, help_by_name.get(parameter.name, ""))
+            Option(parameter.name, parameter.default, annotation, help_by_name.get(parameter.name, ""), declared)
         )
     return options
+
+
+def _resolved_annotations(target: Callable[..., Any]) -> dict[str, Any]:
+    """The parameter types of ``target`` with their ``Annotated`` extras; {} when they cannot be resolved (a
+    third-party entry annotated with names imported only for type checkers), which leaves its options unchecked."""
+    try:
+        return typing.get_type_hints(target, include_extras=True)
+    except (NameError, TypeError):
+        return {}
 
 
 def _docstring_args(doc: str) -> dict[str, str]:

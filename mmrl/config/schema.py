@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import types
 import typing
 from collections.abc import Collection, Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from mmrl.registry import Registry, RegistryError, callable_options
+from mmrl.registry import Option, Range, Registry, RegistryError, callable_options
 
 T = TypeVar("T")
 
@@ -148,7 +149,8 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
     """``(name, type, default, help, reference)`` for every field of a config dataclass, as a user writes them.
 
     The type names the declared range too (``"float, > 0.0"``). The default is :data:`REQUIRED` for a field without
-    one and a registry choice's default is its entry's name.
+    one and a registry choice's default is its entry's name, followed by rows for that entry's options
+    (``policy_loss.clip_low``, with their :class:`~mmrl.registry.Range`; ``mmrl list --options`` shows every entry's).
     Nested sections are expanded (``section.key``); an optional section or a list of sections gets its own row and
     rows for its fields (``lora.rank``, ``functions[].name``).
     """
@@ -158,7 +160,13 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
         annotation = hints[field.name]
         help_text, ref = field.metadata.get("help", ""), field.metadata.get("ref")
         if field.metadata.get("registry"):  # written as the entry's name, or {name, options}
-            rows.append((field.name, "name or {name, options}", field.metadata["registry_default"], help_text, ref))
+            entry_name = field.metadata["registry_default"]
+            rows.append((field.name, "name or {name, options}", entry_name, help_text, ref))
+            registry = _resolve_registry(field.metadata["registry"])
+            for option in registry.options(entry_name):
+                default = REQUIRED if option.required else to_dict(option.default)
+                rows.append((f"{field.name}.{option.name}", option_kind(option), default,
+                             f"Option of {registry.kind} {entry_name!r}: {option.help}", None))
             continue
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             rows.extend((f"{field.name}.{name}", *rest) for name, *rest in describe_fields(annotation))
@@ -250,7 +258,7 @@ def _convert_type(value: Any, annotation: Any, key: str, bounds: str = "") -> An
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(key, value, "an integer")
+            raise ConfigError(key, value, f"an integer {bounds}".rstrip())
         return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -311,8 +319,12 @@ def _convert_registry_choice(value: Any, key: str, registry: Registry[Any]) -> R
 
 def bind_options(entry: Any, options: Mapping[str, Any], key: str, what: str,
                  supplied: Collection[str] = ()) -> dict[str, Any]:
-    """Validate ``options`` against the keyword parameters of a registry entry (names, then types: numbers must be
-    finite).
+    """Validate ``options`` against the keyword parameters of a registry entry: names, types (numbers must be
+    finite, ``int`` options integers) and each option's declared :class:`~mmrl.registry.Range`.
+
+    An entry whose options name another registry's entry and its options (``pref_winrate``'s judge and
+    ``judge_args``) may define ``bind_nested_options(options, key) -> options``; it is called with the bound options,
+    so that the nested options are checked when the config loads too.
 
     Args:
         entry: The registered callable or class.
@@ -322,28 +334,46 @@ def bind_options(entry: Any, options: Mapping[str, Any], key: str, what: str,
         supplied: Parameters the caller passes itself; they are neither options nor required from the config.
     """
     allowed = {option.name: option for option in callable_options(entry) if option.name not in supplied}
-    annotations = _resolved_annotations(entry)
     bound = {}
     for name, value in options.items():
         if name not in allowed:
             listed = ", ".join(f"{o.name}={o.default!r}" for o in allowed.values() if not o.required) or "(none)"
             raise ConfigError(_join(key, name), value, f"options of {what}: {listed}")
-        annotation = annotations.get(name, Any)
-        if not _is_tensor_annotation(annotation):
-            value = _convert_type(value, annotation, _join(key, name))
+        option = allowed[name]
+        if not _is_tensor_annotation(option.annotation):
+            bounds = option.range.text if option.range is not None else ""
+            value = _convert_type(value, option.annotation, _join(key, name), bounds)
+            _check_option_range(value, option, _join(key, name))
         bound[name] = value
     missing = [o.name for o in allowed.values() if o.required and o.name not in bound]
     if missing:
         raise ConfigError(_join(key, missing[0]), None, f"a value is required by {what}")
-    return bound
+    nested = getattr(entry, "bind_nested_options", None)
+    return nested(bound, key) if callable(nested) else bound
 
 
-def _resolved_annotations(entry: Any) -> dict[str, Any]:
-    target = entry.__init__ if isinstance(entry, type) else entry
-    try:
-        return typing.get_type_hints(target)
-    except (NameError, TypeError):
-        return {}
+def _check_option_range(value: Any, option: Option, key: str) -> None:
+    """Refuse a converted number outside the option's declared range (None passes where the type allows it)."""
+    if option.range is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if value not in option.range:
+        raise ConfigError(key, value, _range_allowed(option.annotation, option.range))
+
+
+def _range_allowed(annotation: Any, declared: Range) -> str:
+    """What a ranged option allows, in words: ``a number in [0, 1)``, ``an integer >= 1``, ``a number > 1 or null``."""
+    members = set(get_args(annotation)) if get_origin(annotation) in (Union, types.UnionType) else {annotation}
+    noun = "an integer" if int in members and float not in members else "a number"
+    return f"{noun} {declared.text}".rstrip() + (" or null" if type(None) in members else "")
+
+
+def option_kind(option: Option) -> str:
+    """The type and range of a registry option as ``mmrl list --options`` and ``mmrl explain`` show them:
+    ``float, in [0, 1)``, ``float | null, > 1``, ``int, >= 1``, ``float, any finite value``; empty when untyped."""
+    if option.annotation is Any or option.annotation is inspect.Parameter.empty:
+        return ""
+    kind = _type_name(option.annotation)
+    return kind if option.range is None else f"{kind}, {option.range}"
 
 
 def _is_tensor_annotation(annotation: Any) -> bool:
