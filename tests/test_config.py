@@ -209,6 +209,7 @@ def test_dllm_estimator_options_refuse_non_finite_numbers():
             "rewards": {"functions": [{"name": "exact_match"}]}}
     with pytest.raises(ConfigError) as info:
         load_config(data)
-    assert info.value.key == "plugin.estimator_options.p_mask_prompt" and info.value.allowed == "a finite number"
+    assert info.value.key == "plugin.estimator_options.p_mask_prompt"
+    assert info.value.allowed == "a finite number in [0, 1]"  # with the option's declared range
     data["plugin"]["estimator_options"] = {"p_mask_prompt": 0.15}
     assert load_config(data).plugin.config.estimator_options == {"p_mask_prompt": 0.15}

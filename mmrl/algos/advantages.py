@@ -15,14 +15,18 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
 from mmrl.algos.groups import group_stats
-from mmrl.registry import Registry
+from mmrl.registry import Range, Registry
 
 advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator", populate="mmrl.plugins")
+
+# eps >= 0: a negative eps can cancel a group's std (a division by zero) or flip the sign of its advantages.
+EPS = Range(0)
 
 
 def _check(rewards: Tensor, group_ids: Tensor) -> None:
@@ -41,13 +45,13 @@ def _scaled(centered: Tensor, std: Tensor, eps: float) -> Tensor:
 
 
 @advantage_estimators.register("grpo")
-def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: Annotated[float, EPS] = 1e-6) -> Tensor:
     """GRPO: (r − group mean) / (group std + eps), with the unbiased (Bessel-corrected) std.
 
     Matches TRL (``scale_rewards="group"``) and verl (``adv_estimator=grpo``). Shao et al. 2024, arXiv:2402.03300.
 
     Args:
-        eps: Added to the std so that groups with almost no spread do not explode (verl: 1e-6, TRL: 1e-4).
+        eps: Added to the std so that groups with almost no spread do not explode, >= 0 (verl: 1e-6, TRL: 1e-4).
 
     Shapes:
         rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
@@ -90,14 +94,14 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 @advantage_estimators.register("batch_std")
-def batch_std_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-4) -> Tensor:
+def batch_std_advantages(rewards: Tensor, group_ids: Tensor, *, eps: Annotated[float, EPS] = 1e-4) -> Tensor:
     """Per-group mean, population std over the whole batch: (r − group mean) / (std_batch + eps).
 
     Flow-GRPO's per-prompt stat tracker with ``global_std=True`` (Liu et al. 2025, arXiv:2505.05470); TRL
     ``scale_rewards="batch"`` uses the same idea.
 
     Args:
-        eps: Added to the batch std (Flow-GRPO: 1e-4).
+        eps: Added to the batch std, >= 0 (Flow-GRPO: 1e-4).
 
     Shapes:
         rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.

@@ -32,7 +32,10 @@ from torch import Tensor
 
 from mmrl.registry import Registry
 
-aggregation_modes: Registry[Callable[..., Tensor]] = Registry("aggregation mode")
+# The step-wide counts are passed by :func:`aggregate` (the trainer), never set in a config: no mode has options.
+aggregation_modes: Registry[Callable[..., Tensor]] = Registry(
+    "aggregation mode", supplied=("num_actions", "num_sequences", "max_actions", "sequence_lengths")
+)
 
 
 def aggregation_counts(mask: Tensor) -> tuple[float, float]:

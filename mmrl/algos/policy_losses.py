@@ -7,7 +7,7 @@ be minimised: a positive advantage lowers the loss when the action's log-prob ri
 References:
     PPO clip — Schulman et al. 2017, arXiv:1707.06347, eq. (7).
     Clip-higher (asymmetric ε) — Yu et al. 2025, "DAPO", arXiv:2503.14476, §3.1: ε_low 0.2, ε_high 0.28.
-    Dual clip — Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729, eq. (5): c = 3.
+    Dual clip — Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729, eq. (5): c = 3, c > 1.
     GSPO — Zheng et al. 2025, arXiv:2507.18071: sequence ratio, ε 3e-4 / 4e-4.
     REINFORCE — Williams 1992; with a group baseline, Ahmadian et al. 2024, arXiv:2402.14740.
 """
@@ -15,17 +15,26 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from mmrl.algos.ratios import log_ratio
-from mmrl.registry import Registry
+from mmrl.registry import Range, Registry
 
 policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry(
     "policy loss", populate="mmrl.plugins"  # plugins declare the losses they add (e.g. the dLLM plugin's wd1, spg)
 )
+
+
+# The options' ranges, checked when a config loads and again by the loss for direct calls. The clip interval
+# [1 − ε_low, 1 + ε_high] must hold r = 1 with a positive lower end (ratios are positive); the dual clip's cap −c·A
+# of a negative advantage must lie above the on-policy loss −A (r = 1), else it cuts the plain policy gradient:
+# c > 1, as Ye et al. 2020 (arXiv:1912.09729, eq. (5)) require.
+CLIP_LOW = Range(0, 1, high_open=True)
+CLIP_HIGH = Range(0)
+DUAL_CLIP = Range(1, low_open=True)
 
 
 def broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
@@ -67,9 +76,9 @@ def clipped_policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
+    clip_low: Annotated[float, CLIP_LOW] = 0.2,
+    clip_high: Annotated[float, CLIP_HIGH] = 0.2,
+    dual_clip: Annotated[float, DUAL_CLIP] | None = None,
     ratio_level: Literal["token", "chunk", "sequence"] = "token",
     chunk_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -79,8 +88,8 @@ def clipped_policy_loss(
     capped at −c·A. On-policy (r = 1) the gradient equals the plain policy gradient −A·∇log π.
 
     Args:
-        clip_low: ε_low, the ratio's lower bound is 1 − ε_low (PPO/GRPO: 0.2).
-        clip_high: ε_high, the ratio's upper bound is 1 + ε_high (DAPO clip-higher: 0.28).
+        clip_low: ε_low in [0, 1), the ratio's lower bound is 1 − ε_low (PPO/GRPO: 0.2).
+        clip_high: ε_high >= 0, the ratio's upper bound is 1 + ε_high (DAPO clip-higher: 0.28).
         dual_clip: c > 1 caps the loss of negative-advantage actions at −c·A (Ye et al. 2020: 3.0); None disables.
         ratio_level: "token", "chunk" (needs chunk ids from the rollout) or "sequence" (GSPO).
 
@@ -118,9 +127,9 @@ def gspo_policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    dual_clip: float | None = None,
+    clip_low: Annotated[float, CLIP_LOW] = 3e-4,
+    clip_high: Annotated[float, CLIP_HIGH] = 4e-4,
+    dual_clip: Annotated[float, DUAL_CLIP] | None = None,
     ratio_level: Literal["token", "chunk", "sequence"] = "sequence",
     chunk_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -131,8 +140,8 @@ def gspo_policy_loss(
     Chunk-GRPO's per-chunk geometric-mean ratio (arXiv:2510.21583).
 
     Args:
-        clip_low: ε_low on the sequence ratio (paper: 3e-4).
-        clip_high: ε_high on the sequence ratio (paper: 4e-4).
+        clip_low: ε_low in [0, 1) on the sequence ratio (paper: 3e-4).
+        clip_high: ε_high >= 0 on the sequence ratio (paper: 4e-4).
         dual_clip: Optional dual clip c > 1; None disables.
         ratio_level: "sequence" (GSPO), "chunk" or "token".
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import Tensor
@@ -59,9 +59,19 @@ from mmrl.plugins.dllm.masking import (
     one_step_plan,
     spg_plan,
 )
-from mmrl.registry import Registry
+from mmrl.registry import Range, Registry
 
-likelihood_estimators: Registry[Callable[..., Tensor]] = Registry("likelihood estimator")
+# The plugin passes the model inputs, the mask id, the number of draws (plugin.num_mc_samples), the generator and
+# the micro-batch (plugin.score_micro_batch); the other keyword parameters are the config's estimator_options.
+likelihood_estimators: Registry[Callable[..., Tensor]] = Registry(
+    "likelihood estimator", supplied=("mask_id", "num_samples", "generator", "micro_batch")
+)
+
+# Option ranges, checked when a config loads and again by the mask plans (masking.py) for direct calls.
+PROBABILITY = Range(0, 1)  # p_mask_prompt: a masking probability
+ELBO_EPS = Range(0, 1, high_open=True)  # t ~ U(ε, 1) needs ε < 1; ε = 0 is unbiased with infinite variance
+BLOCK_LENGTH = Range(1)
+RENYI_BETA = Range(1)  # the Rényi order of SPG's EUBO (arXiv:2510.09541), β >= 1 as MaskPlan requires
 
 __all__ = [
     "MaskPlan",
@@ -231,7 +241,7 @@ def one_step(
     mask_id: int,
     num_samples: int = 1,
     generator: torch.Generator | None = None,
-    p_mask_prompt: float = 0.0,
+    p_mask_prompt: Annotated[float, PROBABILITY] = 0.0,
     micro_batch: int | None = None,
 ) -> Tensor:
     """d1 one-step ("mean-field") score: all completion tokens masked, one forward, Σ_i log p(x^i | c̃, m…m).
@@ -246,7 +256,8 @@ def one_step(
     (it scores a corrupted prompt) and acts as a regularizer across d1's inner iterations; d1 runs use 0.15.
 
     Args:
-        p_mask_prompt: Probability of masking each prompt position (d1 runs: 0.15; 0 scores the clean prompt).
+        p_mask_prompt: Probability in [0, 1] of masking each prompt position (d1 runs: 0.15; 0 scores the clean
+            prompt).
         micro_batch: Rows per forward; ``None`` runs all draws at once.
 
     Returns ``num_samples`` draws averaged when ``p_mask_prompt > 0``; one forward otherwise.
@@ -271,7 +282,7 @@ def elbo_t(
     mask_id: int,
     num_samples: int,
     generator: torch.Generator | None,
-    eps: float = 1e-3,
+    eps: Annotated[float, ELBO_EPS] = 1e-3,
     micro_batch: int | None = None,
 ) -> Tensor:
     """t-sampling ELBO: t = (1−ε)u + ε, each real token masked w.p. t, estimate (1/t)·Σ_{masked} log p; mean of N.
@@ -289,7 +300,7 @@ def elbo_t(
     model of ``tests/dllm``; the variance grows like log(1/ε)).
 
     Args:
-        eps: Smallest timestep ε (LLaDA/MDLM: 1e-3); bounds the weight 1/t by 1/ε.
+        eps: Smallest timestep ε in [0, 1) (LLaDA/MDLM: 1e-3); bounds the weight 1/t by 1/ε.
         micro_batch: Rows per forward; ``None`` runs all draws at once.
 
     Shapes:
@@ -405,9 +416,9 @@ def spg_lower(
     mask_id: int,
     num_samples: int,
     generator: torch.Generator | None,
-    masking: str = "random",
-    block_length: int = 32,
-    p_mask_prompt: float = 0.0,
+    masking: Literal["random", "block"] = "random",
+    block_length: Annotated[int, BLOCK_LENGTH] = 32,
+    p_mask_prompt: Annotated[float, PROBABILITY] = 0.0,
     stratified: bool = False,
     micro_batch: int | None = None,
 ) -> Tensor:
@@ -433,8 +444,8 @@ def spg_lower(
 
     Args:
         masking: ``"random"`` (l-sampling over the whole completion) or ``"block"`` (SPG block-wise masking).
-        block_length: Completion positions per block for ``masking="block"`` (SPG: 32, the decoding block).
-        p_mask_prompt: Probability of masking each prompt position (SPG runs: 0.15).
+        block_length: Completion positions per block for ``masking="block"``, >= 1 (SPG: 32, the decoding block).
+        p_mask_prompt: Probability in [0, 1] of masking each prompt position (SPG runs: 0.15).
         stratified: Stratify the mask counts across draws (``masking="random"`` only; SPG draws them iid).
         micro_batch: Rows per forward; ``None`` runs all draws at once.
 
@@ -458,10 +469,10 @@ def spg_upper(
     mask_id: int,
     num_samples: int,
     generator: torch.Generator | None,
-    beta: float = 1.5,
-    masking: str = "random",
-    block_length: int = 32,
-    p_mask_prompt: float = 0.0,
+    beta: Annotated[float, RENYI_BETA] = 1.5,
+    masking: Literal["random", "block"] = "random",
+    block_length: Annotated[int, BLOCK_LENGTH] = 32,
+    p_mask_prompt: Annotated[float, PROBABILITY] = 0.0,
     stratified: bool = False,
     micro_batch: int | None = None,
 ) -> Tensor:
@@ -491,8 +502,8 @@ def spg_upper(
     Args:
         beta: Rényi order β ≥ 1 (SPG: 1.5 for GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku).
         masking: ``"random"`` or ``"block"`` (see ``spg_lower``).
-        block_length: Completion positions per block for ``masking="block"``.
-        p_mask_prompt: Probability of masking each prompt position.
+        block_length: Completion positions per block for ``masking="block"``, >= 1.
+        p_mask_prompt: Probability in [0, 1] of masking each prompt position.
         stratified: Stratify the mask counts across draws (``masking="random"`` only).
         micro_batch: Rows per forward; ``None`` runs all draws at once.
 

@@ -31,17 +31,21 @@ Advantages are ``r − group mean`` (``advantage: dr_grpo``); no ratio, no clip,
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import Tensor
 
 from mmrl.algos.advantages import advantage_estimators
 from mmrl.algos.policy_losses import broadcast_advantages, masked_mean, policy_losses
+from mmrl.registry import Range
 
 WEIGHT_TOLERANCE = 1e-4
 
 
 @advantage_estimators.register("wd1")
-def wd1_weights(rewards: Tensor, group_ids: Tensor, *, temperature: float = 1.0, negatives: bool = True) -> Tensor:
+def wd1_weights(rewards: Tensor, group_ids: Tensor, *, temperature: Annotated[float, Range(0, low_open=True)] = 1.0,
+                negatives: bool = True) -> Tensor:
     """wd1's sample weights ``w⁺ − w⁻``: group softmaxes of ``±(r − group mean)/τ`` (arXiv:2507.08838).
 
     A group of one sample, or a group whose rewards are all equal, gets weight 0 (``w⁺ = w⁻``).
@@ -105,7 +109,7 @@ def wd1_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
 
 @policy_losses.register("spg")
 def spg_policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, mix: float = 0.5
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, mix: Annotated[float, Range(0, 1)] = 0.5
 ) -> tuple[Tensor, dict]:
     """SPG: ``−A·ELBO`` for ``A > 0``; ``−A·(ω·EUBO + (1−ω)·ELBO)`` for ``A ≤ 0`` (arXiv:2510.09541).
 
@@ -114,8 +118,8 @@ def spg_policy_loss(
     per-sequence sum (``aggregation: seq_mean_token_sum``) is the SPG loss of the sample. No ratio, no clip.
 
     Args:
-        mix: ω, the weight of the upper bound for non-positive advantages (SPG "mix": 0.5; 1.0: "EUBO" only; 0.0:
-            the ELBO for every sample).
+        mix: ω in [0, 1], the weight of the upper bound for non-positive advantages (SPG "mix": 0.5; 1.0: "EUBO"
+            only; 0.0: the ELBO for every sample).
 
     Shapes:
         logp, old_logp, mask ``[N, 2]``; advantages ``[N]`` or ``[N, 2]`` → loss ``[N, 2]``.
