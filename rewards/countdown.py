@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from fractions import Fraction
-from typing import Any
+from typing import Annotated, Any
 
+from mmrl.registry import Range
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import MAX_ANSWER_CHARS, check_max_chars, completion_texts, extract_answer
 from mmrl.rewards.reasoning import last_boxed
@@ -201,8 +202,8 @@ def countdown(
     target_field: str = "target",
     output: str = "completions",
     require_all: bool = True,
-    format_score: float = 0.0,
-    max_chars: int = MAX_ANSWER_CHARS,
+    format_score: Annotated[float, Range(0, 1)] = 0.0,
+    max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the equation reaches the target with the given numbers, ``format_score`` if it is wrong, 0 if absent.
 

@@ -25,11 +25,12 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput
 from mmrl.rewards.images import ImageBatch, clip_pixels, read_images
 
@@ -326,6 +327,11 @@ def _prompts(batch: RewardInput, field: str) -> list[str]:
     return [str(value) for value in batch.column(field)]
 
 
+# The ranges of the options that _check_positive checks again when a reward is built directly.
+Positive = Annotated[float, Range(0, low_open=True)]
+BatchSize = Annotated[int, Range(1)]
+
+
 def _check_positive(reward: str, **values: float) -> None:
     for name, value in values.items():
         if not value > 0:
@@ -387,8 +393,9 @@ class ClipScore(_TextImageReward):
 
     name: ClassVar[str] = "clip_score"
 
-    def __init__(self, model: str = "ViT-L-14", pretrained: str | None = "openai", divisor: float = 30.0,
-                 field: str = "prompt", output: str = "images", batch_size: int = 32, device: str | None = None):
+    def __init__(self, model: str = "ViT-L-14", pretrained: str | None = "openai", divisor: Positive = 30.0,
+                 field: str = "prompt", output: str = "images", batch_size: BatchSize = 32,
+                 device: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -427,7 +434,8 @@ class HPSv2(_TextImageReward):
     name: ClassVar[str] = "hpsv2"
 
     def __init__(self, checkpoint: str = "hf-hub:xswu/HPSv2/HPS_v2.1_compressed.pt", model: str = "ViT-H-14",
-                 field: str = "prompt", output: str = "images", batch_size: int = 16, device: str | None = None):
+                 field: str = "prompt", output: str = "images", batch_size: BatchSize = 16,
+                 device: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -487,7 +495,7 @@ class Aesthetic(_ImageReward):
 
     def __init__(self, mlp_weights: str = "hf-hub:trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
                  model: str = "ViT-L-14", pretrained: str | None = "openai", output: str = "images",
-                 batch_size: int = 32, device: str | None = None):
+                 batch_size: BatchSize = 32, device: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -567,8 +575,9 @@ class PickScore(_TextImageReward):
     name: ClassVar[str] = "pickscore"
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
-                 processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", divisor: float = 26.0,
-                 field: str = "prompt", output: str = "images", batch_size: int = 32, device: str | None = None):
+                 processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", divisor: Positive = 26.0,
+                 field: str = "prompt", output: str = "images", batch_size: BatchSize = 32,
+                 device: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -628,7 +637,8 @@ class JpegCompressibility(_ImageReward):
     name: ClassVar[str] = "jpeg_compressibility"
     sign: ClassVar[float] = -1.0
 
-    def __init__(self, quality: int = 95, divisor: float = 500.0, output: str = "images"):
+    def __init__(self, quality: Annotated[int, Range(1, 100)] = 95, divisor: Positive = 500.0,
+                 output: str = "images"):
         """Options (the config's ``args``).
 
         Args:

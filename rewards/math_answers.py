@@ -31,8 +31,9 @@ last ``max_chars`` characters of a completion are read (references are read whol
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from mmrl.registry import Range
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import MAX_ANSWER_CHARS, check_max_chars, completion_text, completion_texts, extract_answer
 from mmrl.rewards.reasoning import last_boxed, math_equal
@@ -135,10 +136,10 @@ def gsm8k_answer(
     *,
     field: str = "solution",
     output: str = "completions",
-    rel_tol: float = 1e-4,
-    abs_tol: float = 1e-8,
+    rel_tol: Annotated[float, Range(0)] = 1e-4,
+    abs_tol: Annotated[float, Range(0)] = 1e-8,
     answer_format: AnswerFormat = "auto",
-    max_chars: int = MAX_ANSWER_CHARS,
+    max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the completion's final answer equals the reference's, else 0 (GSM8K ``####``, MATH ``\\boxed{}``).
 

@@ -35,11 +35,13 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from mmrl.registry import Range
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import (
     CONVENTIONS,
+    IMAGE_FACTOR,
     MAX_ANSWER_CHARS,
     MIN_PIXELS,
     Convention,
@@ -53,6 +55,11 @@ from mmrl.rewards.boxes import (
     parse_detections,
     qwen_resized_size,
 )
+
+# smart_resize's bounds on the processor's pixel options (boxes.py): an area is not negative, and the largest area
+# holds at least one IMAGE_FACTOR × IMAGE_FACTOR patch. It also needs min_pixels <= max_pixels, which it checks.
+MIN_PIXELS_RANGE = Range(0)
+MAX_PIXELS_RANGE = Range(IMAGE_FACTOR * IMAGE_FACTOR)
 
 # ---------------------------------------------------------------------------------------------------- assignment
 
@@ -468,8 +475,8 @@ def iou(
     allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int | None = None,
+    min_pixels: Annotated[int, MIN_PIXELS_RANGE] = MIN_PIXELS,
+    max_pixels: Annotated[int, MAX_PIXELS_RANGE] | None = None,
 ) -> list[float]:
     """IoU of the first predicted box with the ground-truth box, in [0, 1] (VLM-R1's REC reward, arXiv:2504.07615).
 
@@ -507,8 +514,8 @@ def giou(
     allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int | None = None,
+    min_pixels: Annotated[int, MIN_PIXELS_RANGE] = MIN_PIXELS,
+    max_pixels: Annotated[int, MAX_PIXELS_RANGE] | None = None,
 ) -> list[float]:
     """Generalised IoU of the first predicted box with the ground truth, mapped to [0, 1] as (GIoU + 1) / 2.
 
@@ -544,11 +551,11 @@ def detection(
     allow_convention_mismatch: bool = False,
     size_field: str = "image_size",
     resized_size_field: str = "resized_size",
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int | None = None,
+    min_pixels: Annotated[int, MIN_PIXELS_RANGE] = MIN_PIXELS,
+    max_pixels: Annotated[int, MAX_PIXELS_RANGE] | None = None,
     matching: Literal["greedy", "hungarian"] = "hungarian",
     metric: Literal["f1", "mean_iou", "map50"] = "mean_iou",
-    iou_threshold: float = 0.5,
+    iou_threshold: Annotated[float, Range(0, 1)] = 0.5,
     use_labels: bool = True,
 ) -> list[float]:
     """Multi-object detection reward in [0, 1]: match predicted boxes to ground-truth boxes, then score.
@@ -667,7 +674,7 @@ def count(
     output: str = "completions",
     mode: Literal["exact", "graded"] = "exact",
     source: Literal["answer", "boxes"] = "answer",
-    max_chars: int = MAX_ANSWER_CHARS,
+    max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """Counting reward in [0, 1]: the predicted count against the ground-truth count.
 

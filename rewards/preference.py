@@ -21,12 +21,13 @@ entry-point group ``mmrl.pairwise_judges``.
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from torch import Tensor
 
-from mmrl.registry import Registry
+from mmrl.registry import Range, Registry, RegistryError
 from mmrl.reward import Reward, RewardError, RewardInput, _as_scores, build_reward
 
 pairwise_judges: Registry[Any] = Registry("pairwise judge", entry_point_group="mmrl.pairwise_judges")
@@ -48,7 +49,7 @@ class PointwiseJudge(PairwiseJudge):
     """
 
     def __init__(self, reward: str = "pickscore", args: dict[str, Any] | None = None,
-                 tolerance: float = 0.0):
+                 tolerance: Annotated[float, Range(0)] = 0.0):
         """Options (the config's ``args``).
 
         Args:
@@ -72,6 +73,20 @@ class PointwiseJudge(PairwiseJudge):
             raise RewardError(f"pairwise judge 'pointwise': reward {reward!r} is group-wise; name a pointwise reward")
         self.tolerance = tolerance
 
+    @classmethod
+    def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
+        """Check ``args`` against the named reward's options when the config loads (called by ``bind_options``)."""
+        from mmrl.config.schema import ConfigError, bind_options
+        from mmrl.rewards import reward_functions
+
+        reward = options.get("reward", _default(cls, "reward"))
+        try:
+            entry = reward_functions.get(reward)
+        except RegistryError:
+            raise ConfigError(f"{key}.reward", reward, f"one of {', '.join(reward_functions.names())}") from None
+        args = bind_options(entry, dict(options.get("args") or {}), f"{key}.args", f"reward {reward!r}")
+        return options if options.get("args") is None else {**options, "args": args}
+
     def scores(self, batch: RewardInput) -> Tensor:
         return _as_scores(self.reward(batch), len(batch), self.name)
 
@@ -87,6 +102,11 @@ class PointwiseJudge(PairwiseJudge):
             else:
                 result.append(1.0 if a > b else 0.0)
         return result
+
+
+def _default(cls: type, name: str) -> Any:
+    """The default of the constructor parameter ``name`` of ``cls``."""
+    return inspect.signature(cls).parameters[name].default
 
 
 def win_rates(preferences: dict[tuple[int, int], float], size: int) -> list[float]:
@@ -135,6 +155,21 @@ class PrefWinRate(Reward):
         self.judge = entry(**options)
         self.judge_name = judge
         self.symmetric = symmetric
+
+    @classmethod
+    def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
+        """Check ``judge_args`` against the chosen judge's options when the config loads (called by
+        ``bind_options``), so that a judge's option out of its range stops the run before any model loads."""
+        from mmrl.config.schema import ConfigError, bind_options
+
+        judge = options.get("judge", _default(cls, "judge"))
+        try:
+            entry = pairwise_judges.get(judge)
+        except RegistryError:
+            raise ConfigError(f"{key}.judge", judge, f"one of {', '.join(pairwise_judges.names())}") from None
+        judge_args = bind_options(entry, dict(options.get("judge_args") or {}), f"{key}.judge_args",
+                                  f"pairwise judge {judge!r}")
+        return options if options.get("judge_args") is None else {**options, "judge_args": judge_args}
 
     def __call__(self, batch: RewardInput) -> list[float]:
         size = len(batch)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
 
+from mmrl.registry import Range
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import MAX_ANSWER_CHARS, MAX_WHOLE_CHARS, check_max_chars, completion_texts, extract_answer
 
@@ -57,7 +58,8 @@ def is_think_answer(text: str) -> bool:
     return False
 
 
-def format_reward(batch: RewardInput, *, output: str = "completions", max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
+def format_reward(batch: RewardInput, *, output: str = "completions",
+                  max_chars: Annotated[int, Range(1)] = MAX_WHOLE_CHARS) -> list[float]:
     """1 if the completion is ``<think>…</think>`` then ``<answer>…</answer>`` and nothing else, else 0.
 
     The test is ``re.fullmatch(r"<think>.*?</think>\\s*<answer>.*?</answer>", text, re.DOTALL)`` (newlines allowed
@@ -198,7 +200,7 @@ def choice(
     output: str = "completions",
     letters: str = "ABCDE",
     options_field: str | None = None,
-    max_chars: int = MAX_ANSWER_CHARS,
+    max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the option letter of the answer (see :func:`extract_choice`) equals the ground-truth letter, else 0.
 
@@ -545,9 +547,9 @@ def math_reward(
     *,
     field: str = "solution",
     output: str = "completions",
-    rel_tol: float = 1e-4,
-    abs_tol: float = 1e-8,
-    max_chars: int = MAX_ANSWER_CHARS,
+    rel_tol: Annotated[float, Range(0)] = 1e-4,
+    abs_tol: Annotated[float, Range(0)] = 1e-8,
+    max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """1 if the completion's final answer equals the ground truth numerically (or textually), else 0.
 

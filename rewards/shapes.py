@@ -52,13 +52,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from mmrl.plugins.flow.shapes.world import BACKGROUND, PALETTE, RELATIONS, SHAPES
+from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput
 from mmrl.rewards.images import read_images
 
@@ -253,6 +254,11 @@ def check_row(row: dict[str, Any], index: int, reward: str = "shapes") -> None:
         raise RewardError(f"{where}: relation {relation!r} needs one of {RELATIONS} and exactly two objects")
 
 
+# The ranges _RowPixelReward checks again for direct calls: a positive colour distance, an area fraction below 1.
+ColorDistance = Annotated[float, Range(0, low_open=True)]
+AreaFraction = Annotated[float, Range(0, 1, high_open=True)]
+
+
 class _RowPixelReward(Reward):
     """What ``shapes`` and ``shape_fidelity`` share: the detector's options, the row check and the per-image loop
     (non-finite images score NaN); a subclass scores one finite ``[H, W, 3]`` uint8 image for its row."""
@@ -288,8 +294,8 @@ class ShapesReward(_RowPixelReward):
 
     name = "shapes"
 
-    def __init__(self, strict: bool = False, max_color_distance: float = 80.0,
-                 min_area_fraction: float = MIN_AREA_FRACTION, output: str = "images"):
+    def __init__(self, strict: bool = False, max_color_distance: ColorDistance = 80.0,
+                 min_area_fraction: AreaFraction = MIN_AREA_FRACTION, output: str = "images"):
         """Options (the config's ``args``).
 
         Args:
@@ -333,7 +339,7 @@ class ShapeFidelityReward(_RowPixelReward):
 
     name = "shape_fidelity"
 
-    def __init__(self, max_color_distance: float = 80.0, min_area_fraction: float = MIN_AREA_FRACTION,
+    def __init__(self, max_color_distance: ColorDistance = 80.0, min_area_fraction: AreaFraction = MIN_AREA_FRACTION,
                  output: str = "images"):
         """Options (the config's ``args``): as :class:`ShapesReward` (without ``strict``)."""
         super().__init__(max_color_distance, min_area_fraction, output)

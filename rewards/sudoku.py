@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any
+from typing import Annotated, Any
 
+from mmrl.registry import Range
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import MAX_ANSWER_CHARS, answer_region, check_max_chars, completion_texts
 
@@ -67,7 +68,7 @@ def sudoku_score(text: Any, puzzle: str, solution: str, *, max_chars: int = MAX_
 
 def sudoku(
     batch: RewardInput, *, puzzle_field: str = "puzzle", solution_field: str = "solution",
-    output: str = "completions", max_chars: int = MAX_ANSWER_CHARS,
+    output: str = "completions", max_chars: Annotated[int, Range(1)] = MAX_ANSWER_CHARS,
 ) -> list[float]:
     """Fraction of the puzzle's empty cells filled correctly (0 for a malformed grid).
 

@@ -8,8 +8,9 @@ work per sample, which is linear in the text).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from mmrl.registry import Range
 from mmrl.reward import RewardInput
 from mmrl.rewards.boxes import MAX_WHOLE_CHARS, check_max_chars
 
@@ -22,7 +23,7 @@ def _tokens(text: Any, max_chars: int | None = None) -> list[str] | None:
 
 
 def exact_match(batch: RewardInput, *, field: str = "solution", output: str = "completions",
-                max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
+                max_chars: Annotated[int, Range(1)] = MAX_WHOLE_CHARS) -> list[float]:
     """1 if the completion equals the reference up to whitespace, else 0.
 
     Args:
@@ -41,7 +42,7 @@ def exact_match(batch: RewardInput, *, field: str = "solution", output: str = "c
 
 
 def token_accuracy(batch: RewardInput, *, field: str = "solution", output: str = "completions",
-                   max_chars: int = MAX_WHOLE_CHARS) -> list[float]:
+                   max_chars: Annotated[int, Range(1)] = MAX_WHOLE_CHARS) -> list[float]:
     """Fraction of reference tokens reproduced at the right position, divided by the longer of the two lengths.
 
     Extra or missing tokens therefore cost as much as wrong ones; an empty completion against an empty reference
