@@ -55,12 +55,13 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput, check_reward_context
 from mmrl.rewards.images import encode_png, read_images
 from mmrl.rewards.server_requests import context_problem, shown_json
@@ -202,8 +203,9 @@ class RemoteReward(Reward):
         return {**args, "context": context}
 
     def __init__(self, url: str = "http://127.0.0.1:8000", reward: str | None = None, images: str | None = "images",
-                 outputs: list[str] | None = None, fields: list[str] | None = None, timeout: float = 60.0,
-                 retries: int = 3, backoff: float = 1.0, check_server: bool = True,
+                 outputs: list[str] | None = None, fields: list[str] | None = None,
+                 timeout: Annotated[float, Range(0, low_open=True)] = 60.0, retries: Annotated[int, Range(0)] = 3,
+                 backoff: Annotated[float, Range(0)] = 1.0, check_server: bool = True,
                  token_env: str | None = TOKEN_ENV, token_file: str | None = None,
                  context: dict[str, Any] | None = None):
         """Options (the config's ``args``).
