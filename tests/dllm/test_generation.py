@@ -67,7 +67,11 @@ def test_commit_order_counts_and_block_boundaries_by_hand():
 
 
 def test_ties_go_to_the_leftmost_position():
-    model = ScriptedModel(targets=[1, 2, 3, 0], confidences=[2.0] * 4, prompt_length=1)
+    # The ties must be exact by construction: rows that are permutations of each other do not softmax to the same
+    # bits on every CPU (the vectorised kernels sum in lane order). With a logit of 100 the softmax of each row is
+    # exp(0) / (1 + 4·e^-100) and 4·e^-100 ≈ 1.5e-43 is far below half an ulp of 1, so every confidence is exactly
+    # 1.0 whatever the summation order.
+    model = ScriptedModel(targets=[1, 2, 3, 0], confidences=[100.0] * 4, prompt_length=1)
     out = generate(model, torch.tensor([[3]]), mask_id=MASK, gen_length=4, block_length=4, steps=4)
     assert out.step_map.tolist() == [[0, 1, 2, 3]]
 
