@@ -1,4 +1,4 @@
-"""Test helpers: small configs of the reference plugin, and a call recorder."""
+"""Test helpers: small configs of the reference plugin, a call recorder and a gradient recorder."""
 
 from __future__ import annotations
 
@@ -37,3 +37,23 @@ def record_calls(owner: object, name: str) -> list[bool]:
 
     setattr(owner, name, recorded)
     return calls
+
+
+def record_gradients(trainer, module: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Wrap ``trainer.optimizer.step`` so that every optimizer step first appends a copy of ``module``'s gradients
+    (parameter name → gradient, for the parameters that have one); returns that list, which fills as the run trains.
+
+    Runs that should train alike are compared through these gradients rather than through their parameters after
+    AdamW steps: where a gradient is (mathematically) zero, such as a key bias (it adds the same constant to every
+    attention logit of a query), the computed gradient is rounding noise, and AdamW divides that noise by its own
+    square root, moving the parameter by about lr in a direction set by the CPU's kernels.
+    """
+    steps: list[dict[str, torch.Tensor]] = []
+    step = trainer.optimizer.step
+
+    def recorded(*args, **kwargs):
+        steps.append({name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recorded
+    return steps
