@@ -1,6 +1,7 @@
 # Two commands from a fresh clone (Python >= 3.10 and pip are all you need):
 #   make demo   -- install into .venv and run the main job (Flow-GRPO in the shapes world, docs/shapes.md)
-#   make test   -- install into .venv and run the test suite
+#   make test   -- install into .venv and run the test suite (all of it: the tier CI runs)
+#   make test-fast -- the tests not marked slow (a quick tier: no multi-process, killed-run or long learning runs)
 # torch and torchvision are installed first with TORCH_SPEC; override it for your platform or CUDA version, e.g.
 #   make test TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cpu"
 
@@ -10,7 +11,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
-.PHONY: install demo shapes toy test lint clean
+.PHONY: install demo shapes toy test test-fast lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -36,6 +37,9 @@ toy: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

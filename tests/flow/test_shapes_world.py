@@ -294,6 +294,7 @@ def test_pretraining_script_writes_a_loadable_pipeline_and_continues_from_it(tmp
 
 
 # ------------------------------------------------------------------------------------------------ the main job, short
+@pytest.mark.slow  # 20-50 s on 2 cores (25 training steps of the shapes pipeline, then the scoring)
 def test_short_main_job_raises_the_reward_and_reports(tmp_path):
     """The main job's recipe (guidance-free), short: 25 steps (constant learning rate) on eight training prompts of
     the position task (the one the pretrained model gets least right), evaluated on the same prompts × 16 samples
