@@ -42,7 +42,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 lint: install
-	$(VENV)/bin/ruff check .
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
