@@ -40,13 +40,20 @@ def record_calls(owner: object, name: str) -> list[bool]:
 
 
 def record_gradients(trainer, module: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
-    """Wrap ``trainer.optimizer.step`` so that every optimizer step first appends a copy of ``module``'s gradients
-    (parameter name → gradient, for the parameters that have one); returns that list, which fills as the run trains.
+    """Wrap ``trainer.optimizer.step`` so that every optimizer step first records a copy of ``module``'s gradients.
 
     Runs that should train alike are compared through these gradients rather than through their parameters after
     AdamW steps: where a gradient is (mathematically) zero, such as a key bias (it adds the same constant to every
     attention logit of a query), the computed gradient is rounding noise, and AdamW divides that noise by its own
     square root, moving the parameter by about lr in a direction set by the CPU's kernels.
+
+    Args:
+        trainer: A :class:`mmrl.trainer.Trainer`, before ``train()``.
+        module: The module whose parameters' gradients are recorded (e.g. ``trainer.plugin.model``).
+
+    Returns:
+        A list that fills as the run trains: one ``{parameter name: gradient}`` per optimizer step, for the
+        parameters that have a gradient (after clipping, as the optimizer sees them).
     """
     steps: list[dict[str, torch.Tensor]] = []
     step = trainer.optimizer.step
