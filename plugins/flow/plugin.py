@@ -450,6 +450,13 @@ class FlowPlugin(Plugin):
     def forward(
         self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
     ) -> PolicyOutput:
+        """Recompute the log-densities of the stored actions (and the KL to the reference) with gradients.
+
+        ``rollout.old_logp`` may be None: the trainer passes None when its training forward is itself the old policy
+        (``algorithm.recompute_old_logp`` with one optimizer step per rollout); the actions that are not recomputed
+        then report 0 (the learner takes the detached output as the old log-probs, so any constant gives ratio 1),
+        and RatioNorm takes the current transition means as the old ones.
+        """
         self.credit.forward_check(actions)
         self._phase = "forward"
         replay = rollout.replay
@@ -474,7 +481,10 @@ class FlowPlugin(Plugin):
         conditioning = replay["conditioning"]
         logps, kls = [], []
         for k, column in enumerate(columns):
-            old = rollout.old_logp[:, k].detach().float()  # [n]
+            if rollout.old_logp is None:  # no old policy apart from the current weights (see the docstring)
+                old = rollout.mask.new_zeros(rollout.mask.shape[0], dtype=torch.float32)  # [n]
+            else:
+                old = rollout.old_logp[:, k].detach().float()  # [n]
             rows = active[:, k]
             if not bool(rows.any()):
                 logps.append(old)
@@ -491,12 +501,15 @@ class FlowPlugin(Plugin):
                                                          for key, value in conditioning.items()}
             velocity = self._velocity(policy, latents, timesteps, picked, self.guidance_scale)
             out = self._step(velocity, latents, sigma, sigma_next, stochastic=True, prev_sample=stored)
-            logp = out.log_prob
+            logp = out.log_prob  # [m]
             if ratio_norm:
                 from mmrl.plugins.flow.credit.guard import ratio_norm_logp
 
-                logp = ratio_norm_logp(logp, _rows(old, index), out.mean, _rows(replay["means"][:, column], index),
-                                       out.std)
+                if rollout.old_logp is None:  # the current weights are the old policy
+                    logp = ratio_norm_logp(logp, logp.detach(), out.mean, out.mean.detach(), out.std)
+                else:
+                    logp = ratio_norm_logp(logp, _rows(old, index), out.mean,
+                                           _rows(replay["means"][:, column], index), out.std)
             kl = None
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
