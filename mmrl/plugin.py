@@ -132,12 +132,17 @@ class PolicyOutput:
         kl: ``[N, A]`` the plugin's own per-action KL to the reference, with gradients. When set it replaces the
             core's estimator applied to ``logp`` and ``ref_logp`` (flow models use a KL between Gaussian means).
         entropy: ``[N, A]`` per-action policy entropy, when the plugin can compute it.
+        replay: Per-sample ``rollout.replay`` entries (tensors ``[N, ...]``) that describe the old policy along with
+            the log-probs, e.g. the flow plugin's transition means for GRPO-Guard's RatioNorm. The learner's
+            ``algorithm.recompute_old_logp`` pass stores them in the rollout with the recomputed ``old_logp``; training
+            forwards' are ignored.
     """
 
     logp: Tensor
     ref_logp: Tensor | None = None
     kl: Tensor | None = None
     entropy: Tensor | None = None
+    replay: dict[str, Tensor] | None = None
 
 
 class Plugin(ABC):

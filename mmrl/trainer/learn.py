@@ -256,10 +256,15 @@ class Learner:
 
     @torch.no_grad()
     def _recompute_old_logp(self, rollout: Rollout) -> torch.Tensor:
-        parts = []
+        """The old log-probs under the current weights; the replay entries the plugin returns with them
+        (``PolicyOutput.replay``, e.g. GRPO-Guard's old means) replace the sampler's in ``rollout``."""
+        parts, replays = [], []
         for piece in chunks(list(range(len(rollout))), self.geometry.micro_batch_size):
             part = rollout.select(torch.tensor(piece, dtype=torch.long))
-            parts.append(self.plugin.forward(self.policy, part, need_reference=False).logp.float())
+            output = self.plugin.forward(self.policy, part, need_reference=False)
+            parts.append(output.logp.float())
+            replays.append(output.replay or {})
+        rollout.replay = {**rollout.replay, **{key: torch.cat([r[key] for r in replays]) for key in replays[0]}}
         return torch.cat(parts)
 
 

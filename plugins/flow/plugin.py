@@ -455,7 +455,10 @@ class FlowPlugin(Plugin):
         ``rollout.old_logp`` may be None: the trainer passes None when its training forward is itself the old policy
         (``algorithm.recompute_old_logp`` with one optimizer step per rollout); the actions that are not recomputed
         then report 0 (the learner takes the detached output as the old log-probs, so any constant gives ratio 1),
-        and RatioNorm takes the current transition means as the old ones.
+        and RatioNorm takes the current transition means as the old ones. With ``credit.ratio_norm`` the output
+        carries the transition means of every recomputed action in ``PolicyOutput.replay["means"]`` (the stored
+        ones elsewhere): the learner's recompute pass stores them as the old means, which RatioNorm's ratio depends
+        on (:func:`~mmrl.plugins.flow.credit.guard.ratio_norm_log_ratio`).
         """
         self.credit.forward_check(actions)
         self._phase = "forward"
@@ -479,6 +482,7 @@ class FlowPlugin(Plugin):
             active = active.clone()
             active[0, 0] = True
         conditioning = replay["conditioning"]
+        means = replay["means"].detach().clone() if ratio_norm else None  # [n, width, *latent], refreshed below
         logps, kls = [], []
         for k, column in enumerate(columns):
             if rollout.old_logp is None:  # no old policy apart from the current weights (see the docstring)
@@ -502,14 +506,16 @@ class FlowPlugin(Plugin):
             velocity = self._velocity(policy, latents, timesteps, picked, self.guidance_scale)
             out = self._step(velocity, latents, sigma, sigma_next, stochastic=True, prev_sample=stored)
             logp = out.log_prob  # [m]
-            if ratio_norm:
-                from mmrl.plugins.flow.credit.guard import ratio_norm_logp
+            if means is not None:
+                from mmrl.plugins.flow.credit.guard import ratio_norm_log_ratio
 
-                if rollout.old_logp is None:  # the current weights are the old policy
-                    logp = ratio_norm_logp(logp, logp.detach(), out.mean, out.mean.detach(), out.std)
+                old_mean = (out.mean.detach() if rollout.old_logp is None
+                            else _rows(replay["means"][:, column], index))  # [m, *latent]
+                logp = _rows(old, index) + ratio_norm_log_ratio(stored, out.mean, old_mean, out.std)
+                if index is None:
+                    means[:, column] = out.mean.detach()
                 else:
-                    logp = ratio_norm_logp(logp, _rows(old, index), out.mean,
-                                           _rows(replay["means"][:, column], index), out.std)
+                    means[index.to(means.device), column] = out.mean.detach()
             kl = None
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
@@ -528,7 +534,8 @@ class FlowPlugin(Plugin):
             if need_reference:
                 kls.append(kl)
         logp = torch.stack(logps, dim=1)  # [n, len(columns)]
-        return PolicyOutput(logp=logp, kl=torch.stack(kls, dim=1) if need_reference else None)
+        return PolicyOutput(logp=logp, kl=torch.stack(kls, dim=1) if need_reference else None,
+                            replay=None if means is None else {"means": means})
 
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
