@@ -56,7 +56,8 @@ class Rollout:
             (token ids, latents before and after each step, image tensors, mask seeds, ...).
         shared: Values common to all samples (not split).
         rows: The dataset row (prompt and metadata) of each sample; the trainer fills it in.
-        action_weights: ``[N, A]`` optional weight on each action's loss (TempFlow-GRPO's noise-aware weights).
+        action_weights: ``[N, A]`` optional weight on each action's policy term (TempFlow-GRPO's noise-aware
+            weights); the KL and entropy terms are not weighted.
         chunk_ids: ``[N, A]`` optional chunk index of each action, for the chunk ratio level (Chunk-GRPO).
         action_rewards: ``[N, A]`` optional per-action rewards (branching credit).
         action_advantages: ``[N, A]`` optional per-action advantages set by the plugin; they replace the

@@ -233,7 +233,10 @@ class Learner:
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
         active = part.mask > 0
         deviation = float((logp.detach() - old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
-        total = per_action
+        # Action weights scale the policy term only, as TempFlow-GRPO (policy loss × 2.25·std_t, then + β·kl_loss;
+        # Shredded-Pork/TempFlow-GRPO e66824e, scripts/train_sd3_pr.py) and verl-omni's grpo_guard loss (÷ Δt before
+        # the KL is added): the KL coefficient stays β at every action.
+        total = per_action if part.action_weights is None else per_action * part.action_weights
         if algorithm.kl_coef > 0:
             kl = output.kl
             if kl is None:
@@ -247,8 +250,6 @@ class Learner:
             metrics["policy/entropy"] = _masked_mean(output.entropy, part.mask)
             if algorithm.entropy_coef > 0:
                 total = total - algorithm.entropy_coef * output.entropy
-        if part.action_weights is not None:
-            total = total * part.action_weights
         metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)

@@ -475,10 +475,12 @@ class FlowPlugin(Plugin):
         active = rollout.mask > 0  # [n, len(columns)]
         if rollout.action_weights is not None:
             active = active & (rollout.action_weights != 0)
-        if torch.is_grad_enabled() and not bool(active.any()):
+        forced = torch.is_grad_enabled() and not bool(active.any())
+        if forced:
             # Nothing here is trained (e.g. a micro-batch of tree members that share every edge of this column), but
             # the trainer back-propagates every forward: recompute one action so that the output has a graph through
-            # the policy (its loss is masked to 0, so the gradient is 0).
+            # the policy. Its policy term is masked or weighted to 0; its KL is zeroed below (the trainer does not
+            # weight the KL), so the gradient is 0.
             active = active.clone()
             active[0, 0] = True
         conditioning = replay["conditioning"]
@@ -526,6 +528,8 @@ class FlowPlugin(Plugin):
                                                     noise_level=self.config.noise_level)
                 kl = gaussian_kl_between_means(out.mean, ref_mean, out.std, variance=self.config.kl_variance,
                                                diffusion_coeff=coefficient)
+                if forced:
+                    kl = kl * 0
             if index is not None:  # back to all n rows; gradients flow into the computed ones
                 logp = old.index_put((index.to(old.device),), logp.float())
                 if kl is not None:

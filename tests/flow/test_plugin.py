@@ -353,3 +353,16 @@ def test_importing_the_plugin_package_does_not_import_diffusers():
             "assert 'diffusers' not in sys.modules, 'diffusers imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_action_of_weight_zero_adds_no_kl_when_recomputed_only_for_the_graph(make_plugin):
+    """The trainer weights the policy term only; a forward in which no action is trained still recomputes one (the
+    backward needs a graph), and its KL to the reference must not enter the loss either."""
+    plugin = make_plugin("sd3")
+    _perturb_lora(plugin)  # the KL is not 0
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    rollout.action_weights = torch.zeros_like(rollout.mask)
+    output = plugin.forward(policy, rollout, need_reference=True)
+    assert output.logp.requires_grad and output.kl.requires_grad
+    assert torch.equal(output.kl.detach(), torch.zeros_like(output.kl))

@@ -139,8 +139,8 @@ class CreditConfig:
         "arXiv:2507.21802; BranchGRPO arXiv:2509.06040",
     )
     noise_weighting: bool = config_field(
-        False, help="Weight each trained step's loss by its transition std, normalised to mean 1 over the steps "
-        "0..S-2 (TempFlow-GRPO's noise-aware weighting).", ref="TempFlow-GRPO arXiv:2508.04324",
+        False, help="Weight each trained step's policy loss (not the KL) by its transition std, normalised to mean 1 "
+        "over the steps 0..S-2 (TempFlow-GRPO's noise-aware weighting).", ref="TempFlow-GRPO arXiv:2508.04324",
     )
     ratio_norm: bool = config_field(
         False, help="GRPO-Guard's RatioNorm: log r' = s·(log r + mean((mu_new - mu_old)^2)/(2 s^2)) with s the "
@@ -148,8 +148,8 @@ class CreditConfig:
         ref="GRPO-Guard arXiv:2510.22319",
     )
     ratio_norm_reweight: bool = config_field(
-        False, help="GRPO-Guard's gradient reweighting: multiply each step's loss by 1/Δσ (normalised to mean 1 "
-        "over the steps 0..S-2).", ref="GRPO-Guard arXiv:2510.22319",
+        False, help="GRPO-Guard's gradient reweighting: multiply each step's policy loss (not the KL) by 1/Δσ "
+        "(normalised to mean 1 over the steps 0..S-2).", ref="GRPO-Guard arXiv:2510.22319",
     )
     chunk: ChunkCreditConfig = field(default_factory=ChunkCreditConfig)
     branch: BranchCreditConfig = field(default_factory=BranchCreditConfig)
