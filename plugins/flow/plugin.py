@@ -105,6 +105,13 @@ class FlowPluginConfig:
         0.7, minimum=0.0, help="a of the flow_grpo SDE, η of dance_grpo (0.3), the angle fraction of cps (0.8).",
         ref="Flow-GRPO: 0.7 (SD3.5), 0.9 (FLUX); DanceGRPO: 0.3",
     )
+    cps_log_prob: Literal["flow_grpo", "gaussian"] = config_field(
+        "flow_grpo", help="The log-prob of a cps step: Flow-GRPO's CPS objective -mean((x' - mu)^2) (its clip range "
+        "1e-5), or 'gaussian', the exact log-density. Warning: the exact density scales as 1/(2 std^2) with std = "
+        "sigma_next*sin(a*pi/2): 0.6 at step 0 and 6934 at step 8 of SD3.5's 10-step grid, so the last trained steps "
+        "dominate the gradient and no single clip range fits every step. Ignored by the other sde kinds.",
+        ref="Flow-GRPO code: sd3_sde_with_logprob.py, cps 'remove all constants'",
+    )
     train_steps: Literal["fraction", "random", "window"] = config_field(
         "fraction", help="Which steps are trained: the first timestep_fraction of them (Flow-GRPO), a random "
         "timestep_fraction per sample (DanceGRPO), or an SDE window with ODE outside it (Flow-GRPO-Fast).",
@@ -679,7 +686,8 @@ class FlowPlugin(Plugin):
               prev_sample: Tensor | None = None, generators: list[torch.Generator] | None = None) -> SDEStepOutput:
         kind = self.config.sde if stochastic else "ode"
         return sde_step(kind, velocity, latents, sigma, sigma_next, noise_level=self.config.noise_level,
-                        prev_sample=prev_sample, generator=generators if stochastic else None)
+                        prev_sample=prev_sample, generator=generators if stochastic else None,
+                        cps_log_prob=self.config.cps_log_prob)
 
     @contextmanager
     def _reference_module(self, policy: nn.Module) -> Iterator[nn.Module]:

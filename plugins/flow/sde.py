@@ -43,13 +43,26 @@ Kinds (:data:`SDE_KINDS`):
         std = σ_next·sin(a·π/2),   mean = (1 − σ_next)·x̂0 + √(σ_next² − std²)·ε̂ = (1 − σ_next)·x̂0 + σ_next·cos(a·π/2)·ε̂,
 
     with a = ``noise_level`` ∈ [0, 1] (a = 0 is the Euler/DDIM step, a = 1 is diffusers' ``stochastic_sampling``).
-    Flow-GRPO's CPS code scores actions with the surrogate −mean((x_next − mean)²), dropping 1/(2·std²) and the
-    normalising constants. **mmrl uses the true Gaussian log-density** for CPS as for every other kind, so
-    exp(log_prob_new − log_prob_old) is a real likelihood ratio and clip ranges mean the same thing for every kind
-    (a clip range tuned for the surrogate must be rescaled by 1/(2·std²)). Note the per-step noise of CPS does not
-    shrink with Δ: CPS is designed for the few-step rollouts used in RL and, unlike the two SDE kinds, does not
-    converge to the flow's marginals as the number of steps grows (except for a point-mass data distribution,
-    where x̂0 and ε̂ are exact and every step preserves the marginal exactly).
+    Note the per-step noise of CPS does not shrink with Δ: CPS is designed for the few-step rollouts used in RL and,
+    unlike the two SDE kinds, does not converge to the flow's marginals as the number of steps grows (except for a
+    point-mass data distribution, where x̂0 and ε̂ are exact and every step preserves the marginal exactly).
+
+    What CPS's ``log_prob`` is depends on ``cps_log_prob`` (:data:`CPS_LOG_PROBS`):
+
+    - ``"flow_grpo"`` (default): Flow-GRPO's CPS objective, −mean((x_next − mean)²), the Gaussian log-density with
+      the factor 1/(2·std²) and the normalising constants dropped (yifan123/flow_grpo 54809b5,
+      ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:70-86``; also X-GenGroup/Flow-Factory a0b2bc5,
+      ``src/flow_factory/scheduler/flow_match_euler_discrete.py:418-420``). It is not a log-density: its ratio
+      exp(Δ) is the likelihood ratio raised to the power 2·std², so every step's log-ratio is on the scale of
+      the latent's squared error whatever the step's noise. Flow-GRPO pairs it with ``clip_range = 1e-5``
+      (``config/grpo.py``, the ``*_fast_nocfg`` configs).
+    - ``"gaussian"``: the exact log N(x_next; mean, std²). Its scale 1/(2·std²) follows std = σ_next·sin(a·π/2),
+      which vanishes at the end of sampling: on SD3.5's 10-step grid (shift 3, a = 0.8) it runs from 0.60 at step 0
+      to 6934 at step 8 (std 0.0085), so |∂log p/∂v| at step 8 is about 740 times that at step 0 (0.06 times with
+      Flow-GRPO's objective), the last trained steps dominate the gradient and no single clip range fits every step.
+
+    The KL to the reference (:func:`gaussian_kl_between_means`) is the exact Gaussian KL either way, as in
+    Flow-GRPO's training scripts, which divide by 2·std² with the CPS transition std.
 
 ``"ode"``
     The deterministic Euler step of the flow ODE, mean = x − Δ·v, std = 0 (what diffusers'
@@ -77,6 +90,9 @@ from torch import Tensor
 
 SDE_KINDS: tuple[str, ...] = ("flow_grpo", "dance_grpo", "cps", "ode")
 """The step kinds :func:`sde_step` accepts."""
+
+CPS_LOG_PROBS: tuple[str, ...] = ("flow_grpo", "gaussian")
+"""What :func:`sde_step` reports as the log-prob of a ``"cps"`` step (see the module docstring)."""
 
 KL_VARIANCES: tuple[str, ...] = ("transition", "flow_grpo")
 """The denominators :func:`gaussian_kl_between_means` accepts."""
@@ -197,6 +213,16 @@ def _gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return torch.where(stochastic.reshape(-1), log_prob, torch.zeros_like(log_prob))
 
 
+def _cps_objective(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Flow-GRPO's CPS "log-prob" −mean((x − mean)²) over non-batch elements; 0 where std == 0 (a deterministic step
+    has no action: Flow-GRPO's formula would still regress the mean onto x there, a step it never trains).
+
+    Shapes: x, mean ``[B, ...]``; std ``[B, 1, ..., 1]`` → ``[B]``.
+    """
+    objective = -((x.detach() - mean) ** 2).reshape(x.shape[0], -1).mean(dim=1)  # [B]
+    return torch.where(std.reshape(-1) > 0, objective, torch.zeros_like(objective))
+
+
 def sde_step(
     kind: str,
     velocity: Tensor,
@@ -207,6 +233,7 @@ def sde_step(
     noise_level: float,
     prev_sample: Tensor | None = None,
     generator: GeneratorLike = None,
+    cps_log_prob: str = "flow_grpo",
 ) -> SDEStepOutput:
     r"""Take (or score) one step x_σ → x_σ_next of a flow-matching sampler and return its Gaussian log-density.
 
@@ -236,18 +263,24 @@ def sde_step(
             Source of z: one generator, or one per sample (as in diffusers' ``randn_tensor``). The stochastic kinds
             always draw z when sampling, even where std = 0, so the random stream does not depend on
             ``noise_level``; ``"ode"`` never draws.
+        cps_log_prob (`str`, *optional*, defaults to ``"flow_grpo"``):
+            What ``log_prob`` is for ``"cps"`` (:data:`CPS_LOG_PROBS`): Flow-GRPO's −mean((x_next − mean)²), or
+            ``"gaussian"``, the exact log-density (see the module docstring for why it is not the default). Ignored
+            by the other kinds, which always report the exact log-density.
 
     Returns:
         :class:`SDEStepOutput` ``(prev_sample, log_prob, mean, std)``: prev_sample and mean ``[B, ...]``, log_prob
         ``[B]`` (the per-element Gaussian log-density averaged over all non-batch dims, as in Flow-GRPO and
-        DanceGRPO; 0 for samples whose std is 0), std ``[B, 1, ..., 1]`` (the transition std, s·√Δ for the SDE
-        kinds). All in float32 (float64 for float64 inputs).
+        DanceGRPO, or Flow-GRPO's CPS objective; 0 for samples whose std is 0), std ``[B, 1, ..., 1]`` (the
+        transition std, s·√Δ for the SDE kinds). All in float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: an unknown ``kind``; ``noise_level < 0`` (or > 1 for ``"cps"``); ``sigma <= sigma_next`` or
-            sigmas outside [0, 1]; mismatched shapes or generator count.
+        ValueError: an unknown ``kind`` or ``cps_log_prob``; ``noise_level < 0`` (or > 1 for ``"cps"``);
+            ``sigma <= sigma_next`` or sigmas outside [0, 1]; mismatched shapes or generator count.
     """
     _check_kind(kind)
+    if cps_log_prob not in CPS_LOG_PROBS:
+        raise ValueError(f"unknown cps_log_prob {cps_log_prob!r}; expected one of {', '.join(CPS_LOG_PROBS)}")
     noise_level = _check_noise_level(kind, noise_level)
     if velocity.shape != sample.shape:
         raise ValueError(f"velocity {tuple(velocity.shape)} and sample {tuple(sample.shape)} must share one shape")
@@ -295,6 +328,8 @@ def sde_step(
 
     if kind == "ode":
         log_prob = torch.zeros(batch, dtype=dtype, device=device)
+    elif kind == "cps" and cps_log_prob == "flow_grpo":
+        log_prob = _cps_objective(prev_sample, mean, std)  # [B]
     else:
         log_prob = _gaussian_log_prob(prev_sample, mean, std)  # [B]
     return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)

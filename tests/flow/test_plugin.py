@@ -3,6 +3,7 @@ checkpoints, loading errors."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -366,3 +367,20 @@ def test_an_action_of_weight_zero_adds_no_kl_when_recomputed_only_for_the_graph(
     output = plugin.forward(policy, rollout, need_reference=True)
     assert output.logp.requires_grad and output.kl.requires_grad
     assert torch.equal(output.kl.detach(), torch.zeros_like(output.kl))
+
+
+def test_cps_steps_are_scored_with_flow_grpos_objective_unless_the_exact_density_is_asked_for(make_plugin):
+    """``sde: cps`` scores a step with Flow-GRPO's −mean((x' − μ)²) by default; ``cps_log_prob: gaussian`` with the
+    exact log-density −mean((x' − μ)²)/(2·std²) − log std − log √(2π), std = σ_next·sin(a·π/2)."""
+    default = make_plugin("sd3", sde="cps", noise_level=0.8)
+    exact = make_plugin("sd3", sde="cps", noise_level=0.8, cps_log_prob="gaussian")
+    assert default.config.cps_log_prob == "flow_grpo"
+    rollout = default.rollout(default.policy(), prompt_batch(["a cat"], 2))
+    with torch.no_grad():
+        objective = default.forward(default.policy(), rollout, need_reference=False).logp  # [2, 3]
+        density = exact.forward(exact.policy(), rollout, need_reference=False).logp
+    assert (objective < 0).all()
+    torch.testing.assert_close(objective, rollout.old_logp)  # ratio 1 on policy
+    std = rollout.replay["sigmas_next"] * math.sin(0.8 * math.pi / 2)  # [2, 3]
+    expected = objective / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(density, expected, rtol=1e-5, atol=1e-5)

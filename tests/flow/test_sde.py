@@ -38,7 +38,7 @@ def _one_thread():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def reference_step(kind, x, v, prev, sigma, sigma_next, a):
+def reference_step(kind, x, v, prev, sigma, sigma_next, a, cps_log_prob="flow_grpo"):
     """(mean list, std, log_prob) for one sample given as flat lists of floats, from the formulas in the notes."""
     delta = sigma - sigma_next
     if kind == "flow_grpo":
@@ -64,6 +64,8 @@ def reference_step(kind, x, v, prev, sigma, sigma_next, a):
         std = 0.0
     if std == 0.0:
         log_prob = 0.0
+    elif kind == "cps" and cps_log_prob == "flow_grpo":  # Flow-GRPO's CPS objective: constants and 1/(2std²) dropped
+        log_prob = -sum((p - mu) ** 2 for p, mu in zip(prev, mean, strict=True)) / len(prev)
     else:
         terms = [
             -((p - mu) ** 2) / (2 * std**2) - math.log(std) - LOG_SQRT_2PI for p, mu in zip(prev, mean, strict=True)
@@ -95,19 +97,20 @@ def test_kinds_listing():
     "sigmas", [((0.8, 0.5), (0.6, 0.2)), ((1.0, 0.3), (0.9, 0.0))], ids=["interior", "sigma1-and-sigma_next0"]
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_hand_computed_values(kind, sigmas, dtype):
+@pytest.mark.parametrize("cps_log_prob", ["flow_grpo", "gaussian"])
+def test_hand_computed_values(kind, sigmas, dtype, cps_log_prob):
     x, v, prev = tiny_inputs(dtype)
     sigma, sigma_next = sigmas
     a = 0.7
     sigma_t, sigma_next_t = torch.tensor(sigma, dtype=dtype), torch.tensor(sigma_next, dtype=dtype)
-    out = sde_step(kind, v, x, sigma_t, sigma_next_t, noise_level=a, prev_sample=prev)
+    out = sde_step(kind, v, x, sigma_t, sigma_next_t, noise_level=a, prev_sample=prev, cps_log_prob=cps_log_prob)
     assert isinstance(out, SDEStepOutput)
     assert out.mean.shape == x.shape and out.prev_sample.shape == x.shape
     assert out.std.shape == (2, 1, 1, 1) and out.log_prob.shape == (2,)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     for b in range(2):
         x_b, v_b, prev_b = (t[b].flatten().double().tolist() for t in (x, v, prev))
-        mean, std, log_prob = reference_step(kind, x_b, v_b, prev_b, sigma[b], sigma_next[b], a)
+        mean, std, log_prob = reference_step(kind, x_b, v_b, prev_b, sigma[b], sigma_next[b], a, cps_log_prob)
         torch.testing.assert_close(out.mean[b].flatten().double(), torch.tensor(mean, dtype=torch.float64), **tol)
         assert out.std[b].item() == pytest.approx(std, rel=1e-6, abs=1e-12)
         assert out.log_prob[b].item() == pytest.approx(log_prob, rel=1e-5 if dtype == torch.float32 else 1e-12)
@@ -163,24 +166,29 @@ def test_float_and_per_sample_sigmas_agree():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", STOCHASTIC_KINDS)
-def test_sampled_action_rescored_gives_ratio_one(kind):
+@pytest.mark.parametrize(("kind", "cps_log_prob"), [("flow_grpo", "flow_grpo"), ("dance_grpo", "flow_grpo"),
+                                                   ("cps", "flow_grpo"), ("cps", "gaussian")])
+def test_sampled_action_rescored_gives_ratio_one(kind, cps_log_prob):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 3, 8, 8, generator=gen)
     v = torch.randn(4, 3, 8, 8, generator=gen)
     sigma, sigma_next = torch.full((4,), 0.7), torch.full((4,), 0.55)
+    options = dict(noise_level=0.8, cps_log_prob=cps_log_prob)
 
-    rollout = sde_step(kind, v, x, sigma, sigma_next, noise_level=0.8, generator=torch.Generator().manual_seed(7))
+    rollout = sde_step(kind, v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(7), **options)
     # prev_sample = mean + std·z with z the generator's standard normal draw.
     z = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(rollout.prev_sample, rollout.mean + rollout.std * z)
-    # log_prob is the manual Gaussian log-density averaged over all non-batch dims.
-    manual = (
-        -((rollout.prev_sample - rollout.mean) ** 2) / (2 * rollout.std**2) - torch.log(rollout.std) - LOG_SQRT_2PI
-    ).mean(dim=(1, 2, 3))
+    # log_prob is the manual Gaussian log-density averaged over all non-batch dims (Flow-GRPO's CPS objective
+    # −mean((x' − μ)²) for cps by default).
+    squared = (rollout.prev_sample - rollout.mean) ** 2
+    if kind == "cps" and cps_log_prob == "flow_grpo":
+        manual = -squared.mean(dim=(1, 2, 3))
+    else:
+        manual = (-squared / (2 * rollout.std**2) - torch.log(rollout.std) - LOG_SQRT_2PI).mean(dim=(1, 2, 3))
     torch.testing.assert_close(rollout.log_prob, manual)
 
-    rescored = sde_step(kind, v, x, sigma, sigma_next, noise_level=0.8, prev_sample=rollout.prev_sample)
+    rescored = sde_step(kind, v, x, sigma, sigma_next, prev_sample=rollout.prev_sample, **options)
     assert torch.equal(rescored.log_prob, rollout.log_prob)  # ratio == 1 exactly
     assert torch.equal(rescored.mean, rollout.mean)
     assert torch.equal(torch.exp(rescored.log_prob - rollout.log_prob), torch.ones(4))
@@ -286,15 +294,50 @@ def test_cps_full_noise_matches_diffusers_stochastic_sampling():
         torch.testing.assert_close(out.prev_sample, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_cps_last_step_is_deterministic_with_zero_log_prob():
-    x, v, _ = tiny_inputs(torch.float32)
+@pytest.mark.parametrize("cps_log_prob", ["flow_grpo", "gaussian"])
+def test_cps_last_step_is_deterministic_with_zero_log_prob(cps_log_prob):
+    x, v, prev = tiny_inputs(torch.float32)
     v = v.clone().requires_grad_(True)
-    out = sde_step("cps", v, x, 0.3, 0.0, noise_level=0.8, generator=torch.Generator().manual_seed(0))
+    out = sde_step("cps", v, x, 0.3, 0.0, noise_level=0.8, generator=torch.Generator().manual_seed(0),
+                   cps_log_prob=cps_log_prob)
     assert torch.equal(out.std, torch.zeros(2, 1, 1, 1))
     torch.testing.assert_close(out.prev_sample, x - 0.3 * v.detach())  # = x̂0
     assert torch.equal(out.log_prob, torch.zeros(2))
     out.log_prob.sum().backward()  # no NaN gradients through the zero-std branch
     assert torch.equal(v.grad, torch.zeros_like(v))
+    # another action at that step is not scored either (no regression of the mean onto it)
+    rescored = sde_step("cps", v, x, 0.3, 0.0, noise_level=0.8, prev_sample=prev, cps_log_prob=cps_log_prob)
+    assert torch.equal(rescored.log_prob, torch.zeros(2))
+
+
+def test_cps_defaults_to_flow_grpos_objective_whose_scale_stays_flat_over_the_steps():
+    """Flow-GRPO scores a CPS step with −mean((x' − μ)²), dropping 1/(2·std²) and the constants (yifan123/flow_grpo
+    54809b5, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:85-86). The exact density's gradient is that one's
+    times 1/(2·std²), which on SD3.5's 10-step grid (shift 3, a = 0.8) runs from 0.600 at step 0 to 6934 at step 8."""
+    diffusers = pytest.importorskip("diffusers")
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.double()
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(1, 4, 8, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 4, 8, 8, generator=gen, dtype=torch.float64)
+    scales = []
+    for step in range(9):
+        velocity = v.clone().requires_grad_(True)
+        default = sde_step("cps", velocity, x, sigmas[step], sigmas[step + 1], noise_level=0.8,
+                           generator=torch.Generator().manual_seed(step))
+        assert default.log_prob.item() == pytest.approx(-((default.prev_sample - default.mean) ** 2).mean().item(),
+                                                        rel=1e-12)
+        exact = sde_step("cps", velocity, x, sigmas[step], sigmas[step + 1], noise_level=0.8,
+                         prev_sample=default.prev_sample, cps_log_prob="gaussian")
+        (grad_default,) = torch.autograd.grad(default.log_prob.sum(), velocity)
+        (grad_exact,) = torch.autograd.grad(exact.log_prob.sum(), velocity)
+        std = float(sigmas[step + 1]) * math.sin(0.8 * math.pi / 2)
+        torch.testing.assert_close(grad_exact, grad_default / (2 * std**2), rtol=1e-9, atol=1e-12)
+        scales.append(1 / (2 * std**2))
+    assert scales[0] == pytest.approx(0.600, abs=1e-3) and scales[8] == pytest.approx(6934, rel=1e-3)
+    with pytest.raises(ValueError, match="cps_log_prob"):
+        sde_step("cps", v, x, 0.8, 0.6, noise_level=0.8, cps_log_prob="surrogate")
 
 
 def test_flow_grpo_at_sigma_one_uses_next_grid_point():
