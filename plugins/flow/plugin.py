@@ -102,7 +102,9 @@ class FlowPluginConfig:
         ref="Flow-GRPO arXiv:2505.05470; DanceGRPO arXiv:2505.07818; CPS arXiv:2509.05952",
     )
     noise_level: float = config_field(
-        0.7, minimum=0.0, help="a of the flow_grpo SDE, η of dance_grpo (0.3), the angle fraction of cps (0.8).",
+        0.7, minimum=0.0, exclusive_minimum=True,
+        help="a of the flow_grpo SDE, η of dance_grpo (0.3), the angle fraction of cps (0.8). Above 0: with 0 every "
+        "step is deterministic, with nothing to train and an undefined KL.",
         ref="Flow-GRPO: 0.7 (SD3.5), 0.9 (FLUX); DanceGRPO: 0.3",
     )
     cps_log_prob: Literal["flow_grpo", "gaussian"] = config_field(
@@ -164,7 +166,7 @@ class FlowPluginConfig:
         if self.adapter != "auto" and self.adapter not in flow_adapters:
             raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
         if self.sde == "cps" and self.noise_level > 1:
-            raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in [0, 1] for sde 'cps'")
+            raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in (0, 1] for sde 'cps'")
         strategy = credit_strategies.get(self.credit.strategy)
         if strategy.uses_step_selection:
             if self.train_steps == "random" and self.num_steps < 2:
@@ -180,11 +182,31 @@ class FlowPluginConfig:
                 if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
                     raise ConfigError(f"{path}.window_range", self.window_range,
                                       f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
+            self._refuse_the_last_cps_step(path)
         strategy(self).validate(self, f"{path}.credit")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
             raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
+
+    def _refuse_the_last_cps_step(self, path: str) -> None:
+        """With ``sde: cps`` the last step is deterministic (std = σ_next·sin(a·π/2) = 0 at σ_next = 0): it has no
+        log-prob to train (0, no gradient) and its KL to the reference is infinite (means that differ) or NaN
+        (equal means), so a step selection that can train it is refused. Flow-GRPO never trains that step either
+        (``num_train_timesteps = num_steps - 1``; its CPS configs keep the SDE window within the first half). The
+        credit strategies that choose their own steps refuse it in their own checks (branch points, tree splits,
+        the sliding window's range)."""
+        if self.sde != "cps":
+            return
+        last = self.num_steps - 1
+        if self.train_steps == "fraction" and self.step_selection_count() > last:
+            raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
+                              f"a fraction that leaves out the last of the {self.num_steps} steps with sde 'cps' "
+                              "(its last step is deterministic: no log-prob, infinite KL), e.g. 0.99")
+        if self.train_steps == "window" and self.resolved_window_range()[1] > last:
+            raise ConfigError(f"{path}.window_range", self.window_range,
+                              f"[lo, hi] with hi <= {last} with sde 'cps' (the window must not reach the "
+                              "deterministic last step: no log-prob, infinite KL)")
 
     def num_actions(self) -> int:
         """A, the width of the action axis (trained steps per sample for 'step'; see the credit strategy)."""
@@ -425,6 +447,10 @@ class FlowPlugin(Plugin):
         if means is not None:
             replay["means"] = means  # the old transition means, for GRPO-Guard's RatioNorm
         active = mask > 0
+        if config.sde == "cps" and bool((active & (replay["sigmas_next"] == 0)).any()):
+            # The configs refuse this for the built-in strategies; a registered one may still choose the step.
+            raise RolloutError(f"credit strategy {config.credit.strategy!r} trained the last step with sde 'cps', "
+                               "which is deterministic (no log-prob, infinite KL); train steps 0..num_steps-2 only")
         trained_sigma = sigmas[step_index][active].mean() if bool(active.any()) else sigmas.new_zeros(())
         return Rollout(
             group_ids=batch.group_ids,

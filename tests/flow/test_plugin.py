@@ -384,3 +384,53 @@ def test_cps_steps_are_scored_with_flow_grpos_objective_unless_the_exact_density
     std = rollout.replay["sigmas_next"] * math.sin(0.8 * math.pi / 2)  # [2, 3]
     expected = objective / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     torch.testing.assert_close(density, expected, rtol=1e-5, atol=1e-5)
+
+
+CPS = {"sde": "cps", "noise_level": 0.8, "num_steps": 4}
+
+
+@pytest.mark.parametrize(("options", "key"), [
+    ({"timestep_fraction": 1.0}, "plugin.timestep_fraction"),
+    ({"train_steps": "window", "window_size": 2, "window_range": [2, 4]}, "plugin.window_range"),
+    ({"train_steps": "window", "window_size": 4}, "plugin.window_range"),  # the default range is then [0, 4)
+    ({"timestep_fraction": 1.0, "credit": {"strategy": "chunk", "chunk": {"sizes": [2, 2]}}},
+     "plugin.timestep_fraction"),
+    ({"credit": {"strategy": "branch", "branch": {"points": [0, 3]}}}, "plugin.credit.branch.points"),
+    ({"credit": {"strategy": "sliding_window", "sliding_window": {"size": 2}}},
+     "plugin.credit.sliding_window.window_range"),
+    ({"credit": {"strategy": "tree", "tree": {"split_points": [0, 3], "sde_steps": "splits"}}},
+     "plugin.credit.tree.split_points"),
+], ids=["fraction", "window", "default-window", "chunk", "branch", "sliding_window", "tree"])
+def test_no_strategy_trains_the_deterministic_last_cps_step(options, key):
+    """CPS's std σ_next·sin(a·π/2) is 0 at the last step: its KL to the reference is inf (means differ) or NaN (equal
+    means) and it has no log-prob to train. 'step' (and 'chunk') with timestep_fraction 1.0 or a window reaching the
+    last step used to train it; the other strategies already refused it."""
+    from mmrl.config import from_dict
+    from mmrl.plugins.flow.plugin import FlowPluginConfig
+
+    with pytest.raises(ConfigError) as error:
+        from_dict(FlowPluginConfig, {"model": "unused", "prompts": ["a"], **CPS, **options}, "plugin")
+    assert error.value.key == key and "\n" not in str(error.value)
+    # The same selection is fine for an SDE that is stochastic at the last step, and so is cps without that step.
+    from_dict(FlowPluginConfig, {"model": "unused", "prompts": ["a"], **CPS, **options, "sde": "flow_grpo"}, "plugin")
+    for allowed in ({"timestep_fraction": 0.99}, {"train_steps": "window", "window_size": 2, "window_range": [1, 3]}):
+        from_dict(FlowPluginConfig, {"model": "unused", "prompts": ["a"], **CPS, **allowed}, "plugin")
+
+
+def test_a_registered_strategy_that_trains_the_last_cps_step_stops_the_rollout(make_plugin):
+    from mmrl.rollout import RolloutError
+
+    plugin = make_plugin("sd3", **CPS)
+    plugin.config.timestep_fraction = 1.0  # past the config check, as a strategy choosing its own steps could be
+    with pytest.raises(RolloutError, match="last step with sde 'cps'"):
+        plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 2))
+
+
+@pytest.mark.parametrize("sde", ["flow_grpo", "dance_grpo", "cps"])
+def test_zero_noise_is_refused_for_training(sde):
+    from mmrl.config import from_dict
+    from mmrl.plugins.flow.plugin import FlowPluginConfig
+
+    with pytest.raises(ConfigError) as error:
+        from_dict(FlowPluginConfig, {"model": "unused", "prompts": ["a"], "sde": sde, "noise_level": 0.0}, "plugin")
+    assert error.value.key == "plugin.noise_level"
