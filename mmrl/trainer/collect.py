@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from mmrl.algos import advantage_estimators, batch_is_full, groups_with_spread, select_kept, validate_groups
+from mmrl.algos import (
+    advantage_estimators,
+    batch_is_full,
+    groups_with_spread,
+    multi_reward_advantages,
+    select_kept,
+    validate_groups,
+)
 from mmrl.config import TrainConfig
 from mmrl.plugin import Plugin, PromptBatch
 from mmrl.reward import RewardInput, RewardScorer, ScoredBatch
@@ -225,20 +232,41 @@ class Collector:
 
         per_action = self.plugin.action_rewards(rollout, scores @ weights)
         if per_action is not None:  # per-action credit: normalise per (group, action position)
-            max_width = int(acc.gather(torch.tensor([per_action.shape[1]], device=device)).max())
-            padded_rewards = torch.nn.functional.pad(per_action.float(), (0, max_width - per_action.shape[1]))
+            width = per_action.shape[1]
+            max_width = int(acc.gather(torch.tensor([width], device=device)).max())
             padded_mask = torch.nn.functional.pad(rollout.mask.float(), (0, max_width - rollout.mask.shape[1]))
-            g_rewards = acc.gather(padded_rewards.to(device)).cpu()  # [B, A_max]
             g_mask = acc.gather((padded_mask * valid.float().unsqueeze(1)).to(device)).cpu()  # [B, A_max]
-            per_action_adv = action_advantages(g_rewards, g_mask, g_groups, self.estimator,
-                                               algorithm.advantage.options, clip=algorithm.advantage_clip)
-            advantages = per_action_adv[local, : per_action.shape[1]]
+
+            def normalised(values: torch.Tensor, clip: float | None) -> torch.Tensor:  # [n, A] → [B, A_max]
+                padded = torch.nn.functional.pad(values.float(), (0, max_width - width))
+                g_values = acc.gather(padded.to(device)).cpu()  # [B, A_max]
+                return action_advantages(g_values, g_mask, g_groups, self.estimator, algorithm.advantage.options,
+                                         clip=clip)
+
+            if config.rewards.multi_reward == "normalize_then_sum":
+                per_reward = [self._action_rewards_of(rollout, scores[:, k]) for k in range(scores.shape[1])]
+                per_action_adv = _weighted_whitened(torch.stack([normalised(r, None) for r in per_reward], dim=-1),
+                                                    g_mask, weights, algorithm.advantage_clip)
+            else:
+                per_action_adv = normalised(per_action, algorithm.advantage_clip)
+            advantages = per_action_adv[local, :width]
             rollout.action_rewards = per_action
         if rollout.action_advantages is not None:
             advantages = rollout.action_advantages.float().cpu()
 
         metrics = reward_metrics(self.scorer.names, g_scores, g_valid, credit.combined, credit.advantages, g_groups)
         return advantages.to(device), keep.to(device), metrics
+
+    def _action_rewards_of(self, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
+        """The plugin's per-action rewards ``[n, A]`` of one reward column ``rewards [n]`` (``normalize_then_sum``).
+        The hook sees a shallow copy: what it sets on the rollout (the tree's width pruning, its metrics) stays from
+        the call with the combined reward."""
+        copy = replace(rollout, metrics=dict(rollout.metrics))
+        per_action = self.plugin.action_rewards(copy, rewards)
+        if per_action is None:
+            raise RolloutError(f"plugin {self.config.plugin.name!r} returned per-action rewards for the combined "
+                               "reward but None for a single reward column")
+        return per_action
 
     def generator(self, step: int, round_index: int) -> torch.Generator:
         """The per-process generator of a sampling round (for plugins that draw batched noise)."""
@@ -289,6 +317,23 @@ def reward_metrics(names: list[str], scores: torch.Tensor, valid: torch.Tensor, 
         metrics["groups/no_spread_fraction"] = float((~spread[first_member]).float().mean())
     metrics["samples/invalid"] = float((~valid).sum())
     return metrics
+
+
+def _weighted_whitened(per_reward: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,
+                       clip: float | None) -> torch.Tensor:
+    """GDPO's ``normalize_then_sum`` on per-action advantages: ``per_reward [B, A, K]`` (each reward already normalised
+    per (group, action position)) → Σ_k w_k·A_k whitened over the active entries (``mask > 0``) → ``[B, A]``.
+
+    :func:`mmrl.algos.multi_reward_advantages` with the identity as its estimator does the weighting and whitening,
+    so per-action credit uses exactly the sample-level formula (and its eps)."""
+    out = torch.zeros(per_reward.shape[:2], dtype=torch.float32)
+    active = mask > 0
+    if active.any():
+        entries = per_reward[active]  # [M, K]
+        whitened, _ = multi_reward_advantages(entries, weights.to(entries.dtype), torch.zeros(len(entries)),
+                                              lambda rewards, group_ids: rewards, order="normalize_then_sum")
+        out[active] = whitened.to(torch.float32)
+    return out if clip is None else out.clamp(-clip, clip)
 
 
 def _concat_advantages(parts: list[torch.Tensor]) -> torch.Tensor:
