@@ -27,13 +27,17 @@ Kinds (:data:`SDE_KINDS`):
 
     with diffusion coefficient s = a·√(σ/(1 − σ)), a = ``noise_level`` (0.7 in Flow-GRPO's SD3.5 configs). At
     σ = 1 the denominator would vanish; as in Flow-GRPO's code the denominator then uses the next grid point,
-    s = a·√(σ/(1 − σ_next)) (only when σ == 1 exactly).
+    s = a·√(σ/(1 − σ_next)) (only when σ == 1 exactly). Checked against yifan123/flow_grpo ac4c86e,
+    ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:47-68``.
 
 ``"dance_grpo"``
     DanceGRPO (Xue et al. 2025, "DanceGRPO: Unleashing GRPO on Visual Generation", arXiv:2505.07818): the same
     SDE family with a constant diffusion coefficient s ≡ η = ``noise_level`` (0.3 in DanceGRPO):
 
         mean = x − Δ·v − ½·η²·Δ·ε̂/σ,   std = η·√Δ.
+
+    Checked against XueZeyue/DanceGRPO 15cc71d, ``fastvideo/train_grpo_flux.py:131-168`` (``flux_step`` with
+    ``sde_solver``, whose score −(x − x̂0·(1 − σ))/σ² is −ε̂/σ).
 
 ``"cps"``
     Coefficients-Preserving Sampling (Wang & Yu 2025, "Coefficients-Preserving Sampling for Reinforcement
@@ -66,7 +70,11 @@ Kinds (:data:`SDE_KINDS`):
 
 ``"ode"``
     The deterministic Euler step of the flow ODE, mean = x − Δ·v, std = 0 (what diffusers'
-    ``FlowMatchEulerDiscreteScheduler.step`` does, and what Flow-GRPO/Fast/MixGRPO use outside the SDE window).
+    ``FlowMatchEulerDiscreteScheduler.step`` does, diffusers 0.42.1
+    ``schedulers/scheduling_flow_match_euler_discrete.py:513-520``, and what Flow-GRPO/Fast/MixGRPO use outside the
+    SDE window).
+
+docs/flow.md §2 has the fidelity table of these kinds and of GRPO-Guard's ratio, with every known deviation.
 
 Deterministic transitions (std = 0: the ``"ode"`` kind, ``"cps"`` at σ_next = 0, or ``noise_level = 0``) carry no
 stochastic action and have no density. mmrl reports ``log_prob = 0`` for every such sample, so the ratio of such a
