@@ -76,11 +76,19 @@ def action_advantages(
     *,
     clip: float | None,
 ) -> Tensor:
-    """Group-relative advantages per action position: each (group, action index) pair is its own group.
+    """Group-relative advantages per action position: the estimator runs on each action column on its own, over the
+    column's active entries (``mask > 0``), with the samples' groups; inactive entries get 0.
 
-    For plugins whose rewards are credited to individual actions (branching credit: the reward spread of a
-    branch point is credited to that step; BranchGRPO normalises per tree depth). Only active actions
-    (``mask > 0``) enter the statistics; the others get 0.
+    For plugins whose rewards are credited to individual actions (branching credit: the reward spread of a branch
+    point is credited to that step; BranchGRPO normalises per tree depth). Running the estimator per column keeps
+    every statistic inside its column: the group mean as always, and the std too, also for estimators whose std
+    spans the batch (``batch_std``: the std of the column over the batch, not of every column pooled, which would
+    shrink the advantages of a low-spread column towards 0). That is Flow-GRPO's per-prompt stat tracker on a
+    reward matrix (yifan123/flow_grpo ac4c86e, ``flow_grpo/stat_tracking.py:25-29``: mean and std over axis 0, per
+    column), which TempFlow-GRPO feeds one reward per branch step (Shredded-Pork/TempFlow-GRPO e66824e,
+    ``scripts/train_sd3_pr.py``: ``stat_tracker.update(prompts, gathered_rewards['avg'])`` with rewards
+    ``[rows, S-1]``); ``global_std=True`` there is ``batch_std`` here, ``global_std=False`` is ``grpo`` (with
+    Bessel's correction, see :func:`mmrl.algos.advantages.grpo_advantages`).
 
     Args:
         action_rewards: ``[N, A]``.
@@ -90,14 +98,15 @@ def action_advantages(
     Returns:
         ``[N, A]`` advantages.
     """
-    num_actions = action_rewards.shape[1]
     active = mask > 0  # [N, A]
     _, dense_groups = torch.unique(group_ids, return_inverse=True)  # [N]
-    keys = dense_groups.unsqueeze(1) * num_actions + torch.arange(num_actions).unsqueeze(0)  # [N, A]
     advantages = torch.zeros_like(action_rewards, dtype=torch.float32)
-    if active.any():
-        values = estimator(action_rewards[active].to(torch.float32), keys[active], **estimator_options)
-        advantages[active] = values.to(torch.float32)
+    for column in range(action_rewards.shape[1]):
+        rows = active[:, column]  # [N]
+        if rows.any():
+            values = estimator(action_rewards[rows, column].to(torch.float32), dense_groups[rows],
+                               **estimator_options)
+            advantages[rows, column] = values.to(torch.float32)
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     return advantages
