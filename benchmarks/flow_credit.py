@@ -8,10 +8,13 @@ the tiny SD3 CPU recipe ``configs/flow/tiny_sd3.yaml`` with the weight-free JPEG
 =================  ===========================================================================================
 ``step``           the recipe as it is (Flow-GRPO: every step but the last trained)
 ``chunk``          Chunk-GRPO, chunks over the trained steps, ``ratio_level: chunk``
-``branch``         TempFlow-GRPO, branch points split the group, noise-aware weights
+``branch``         TempFlow-GRPO as released: a branch at every step but the last, 2 samples per step (G = 2·(S−1)),
+                   noise-aware weights
 ``sliding_window`` MixGRPO, a window of 2 steps moving every ``--steps``/(positions) steps, DPM-Solver++(2M) tail
 ``tree``           BranchGRPO, a binary tree of G leaves, per-depth advantages (``advantage: grpo``)
 ``tree_splits``    (optional variant) the same tree with SDE and training at the split steps only
+``branch_points``  (optional variant) TempFlow-GRPO at designated branch points, the first 4 (or 2, 1) steps
+                   splitting the recipe's group
 =================  ===========================================================================================
 
 Equal compute: a training step costs ``rollout + 3·train`` transformer row evaluations ("forward equivalents": a
@@ -50,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 STRATEGIES = ("step", "chunk", "branch", "sliding_window", "tree")
-VARIANTS = ("tree_splits",)  # tree with SDE (and training) at the split steps only
+VARIANTS = ("tree_splits", "branch_points")  # tree with SDE (and training) at the split steps only; branch at a few
 TRAIN_COST = 3  # a training forward plus its backward, in forward evaluations
 CALIBRATION_POINTS = 4  # training steps each strategy's cost is measured at
 
@@ -98,7 +101,10 @@ def strategy_overrides(name: str, config: dict[str, Any], steps: int, tree_advan
         policy = algorithm.get("policy_loss", "grpo")
         algorithm["policy_loss"] = {**({"name": policy} if isinstance(policy, str) else policy), "ratio_level": "chunk"}
         algorithm["action_chunk_size"] = None
-    elif name == "branch":
+    elif name == "branch":  # the released method: a branch at every step 0..S−2, K = 2 samples each
+        rollout["group_size"] = max(2, group // (num_steps - 1)) * (num_steps - 1)
+        credit = {"strategy": "branch", "branch": {"points": None}, "noise_weighting": True}
+    elif name == "branch_points":  # designated branch points: the first steps split the recipe's group
         count = next(c for c in (4, 2, 1) if group % c == 0 and group // c >= 2 and c < num_steps)
         credit = {"strategy": "branch", "branch": {"points": list(range(count))}, "noise_weighting": True}
     elif name == "sliding_window":
@@ -117,9 +123,10 @@ def strategy_overrides(name: str, config: dict[str, Any], steps: int, tree_advan
     else:
         raise ValueError(name)
     plugin["credit"] = credit
-    if name in ("branch", "tree", "tree_splits"):
+    if name in ("branch", "branch_points", "tree", "tree_splits"):
         rollout["layout"] = "contiguous"
         batch = rollout.get("batch_size")
+        group = int(rollout.get("group_size", 8))
         if batch is not None and batch % group:
             rollout["batch_size"] = group
 

@@ -14,7 +14,7 @@ import torch
 
 from mmrl.algos import advantage_estimators
 from mmrl.plugins.flow.credit.base import guard_reweighting, noise_aware_weights, transition_std
-from mmrl.plugins.flow.credit.branch import branch_template
+from mmrl.plugins.flow.credit.branch import branch_points, branch_template
 from mmrl.plugins.flow.credit.chunk import (
     chunk_probabilities,
     chunks_from_dynamics,
@@ -174,6 +174,67 @@ def test_branch_spread_comes_only_from_the_branch_step():
 
 
 # ---------------------------------------------------------------------------------------------- tree (BranchGRPO)
+def tempflow_released_rollout(initial, sigmas, velocity, noises, noise_level=0.7):
+    """TempFlow-GRPO's sampler for one trunk, following its released code (Shredded-Pork/TempFlow-GRPO e66824e,
+    sd3_pipeline_with_logprob_perstep.py and sd3_sde_with_logprob_perstep.py, in float64): for every step i but the
+    last, the trunk's velocity gives both the ODE step (the trunk goes on) and the SDE step's mean; the K samples
+    mean + std·noises[i] leave the trunk and are completed by ODE steps over the remaining steps into images.
+
+    Returns the trunk states [S−1, *latent], the SDE actions [S−1, K, *latent] and the images [S−1, K, *latent]."""
+    num_steps = sigmas.numel() - 1
+    sigma_max = float(sigmas[1])
+    latents, trunk, actions, images = initial, [], [], []
+    for i in range(num_steps - 1):
+        sigma, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
+        v = velocity(latents, i)
+        std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * noise_level
+        mean = latents * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        sde = mean + std_dev_t * math.sqrt(-dt) * noises[i]  # [K, *latent]
+        trunk.append(latents)
+        actions.append(sde)
+        latents = latents + dt * v  # the ODE trunk
+        inner = sde
+        for j in range(i + 1, num_steps):  # the inner loop over timesteps[i+1:]
+            inner = inner + float(sigmas[j + 1] - sigmas[j]) * velocity(inner, j)
+        images.append(inner)
+    return torch.stack(trunk), torch.stack(actions), torch.stack(images)
+
+
+def test_branch_default_is_tempflow_grpos_released_branching():
+    # points null: a branch at every step 0..S−2, K = G/(S−1) samples each, every sample trains its own branch step;
+    # against the released code's loop structure (tempflow_released_rollout), with the noises the engine drew.
+    num_steps, per_step = 4, 3
+    sigmas = torch.tensor([1.0, 0.85, 0.6, 0.3, 0.0], dtype=torch.float64)
+    points = branch_points(None, num_steps)
+    assert points == [0, 1, 2]
+    group = per_step * len(points)
+    template = branch_template(group, points, num_steps)
+    velocity, step = gaussian_engine(sigmas)
+    initial = torch.randn(1, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    result = shared_rollout(template, initial, torch.arange(group).unsqueeze(0) + 7, velocity, step, keep_means=True)
+    # the trunk's S − 1 evaluations, then K·(S − 1 − i) for the branches of step i: (9+8+...+1)·K at S = 10 (#3)
+    assert result.evaluations == (num_steps - 1) + per_step * num_steps * (num_steps - 1) // 2
+    members = torch.arange(group)
+    own = members // per_step  # [G] the column (= the step) a member branches at
+    assert template.mask.tolist() == (own.unsqueeze(1) == torch.arange(3)).float().tolist()
+    stds = transition_std("flow_grpo", sigmas, 0.7)
+    after = result.after[0, members, own]  # [G, 3] each member's action at its branch step
+    noises = ((after - result.means[0, members, own]) / stds[own].unsqueeze(1)).reshape(3, per_step, 3)
+    trunk, actions, images = tempflow_released_rollout(initial[0], sigmas, lambda x, i: exact_velocity(
+        x, float(sigmas[i])), noises)
+    torch.testing.assert_close(result.before[0, members, own], trunk[own], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(after, actions.reshape(group, 3), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result.final[0], images.reshape(group, 3), rtol=1e-12, atol=1e-12)
+    # the released trainer's advantages: one reward per (row, branch step), normalised per prompt and column by
+    # Flow-GRPO's stat tracker (population std + 1e-4); one group is one prompt, so batch_std per column is that
+    rewards = images.sum(dim=-1).T  # [K, S−1]: row e holds the e-th branch of every step, as upstream's rows
+    upstream = (rewards - rewards.mean(dim=0)) / (rewards.std(dim=0, unbiased=False) + 1e-4)
+    per_member = result.final[0].sum(dim=-1).float()  # [G]
+    got = action_advantages(per_member.unsqueeze(1).expand(group, 3), template.mask, torch.zeros(group),
+                            advantage_estimators["batch_std"], {"eps": 1e-4}, clip=None)
+    torch.testing.assert_close(got[members, own], upstream.T.reshape(group).float(), rtol=1e-4, atol=1e-5)
+
+
 def test_tree_template_by_hand():
     template = tree_template(4, [0, 2], branching=2, num_steps=4)
     assert template.node.tolist() == [[0, 0, 0, 0], [0, 0, 1, 1], [1, 1, 2, 2], [1, 1, 3, 3]]

@@ -112,6 +112,24 @@ def test_branch_shares_the_ode_trunk_and_trains_only_the_branch_step(make_plugin
                                                     [0, 0]]), atol=1e-6)
 
 
+def test_branch_default_branches_at_every_step_but_the_last(make_plugin):
+    # TempFlow-GRPO's released method: 4 steps → branch points 0, 1, 2 with K = 6 / 3 = 2 samples each; the trunk
+    # is shared by all, each sample trains the step it branched at.
+    plugin = make_plugin("sd3", credit={"strategy": "branch", "noise_weighting": True})
+    assert plugin.config.num_actions() == 3
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 6)).validate()
+    replay = rollout.replay
+    assert replay["step_index"].tolist() == [[0, 1, 2]] * 6
+    assert rollout.mask.tolist() == [[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 1, 0], [0, 0, 1], [0, 0, 1]]
+    for column in range(3):  # the two samples of a step leave the same trunk state with their own noise
+        a, b = 2 * column, 2 * column + 1
+        assert torch.equal(replay["latents"][a, column], replay["latents"][b, column])
+        assert not torch.equal(replay["next_latents"][a, column], replay["next_latents"][b, column])
+    assert plugin.model_evaluations["rollout"] == 3 + 2 * (3 + 2 + 1)  # trunk, then the branches to the end
+    with pytest.raises(RolloutError, match=r"multiple of 3 with at least 2 per step \(e.g. 6"):
+        plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 4))
+
+
 def test_tree_edges_are_shared_trained_once_and_pruned(make_plugin):
     plugin = make_plugin("sd3", credit=STRATEGIES["tree"])
     rollout = plugin.rollout(plugin.policy(), _batch())
@@ -237,6 +255,7 @@ def _config(**options):
     ({"strategy": "nope"}, "plugin.credit.strategy"),
     ({"strategy": "branch", "branch": {"points": [2, 1]}}, "plugin.credit.branch.points"),
     ({"strategy": "branch", "branch": {"points": [0, 10]}}, "plugin.credit.branch.points"),
+    ({"strategy": "branch", "branch": {"points": []}}, "plugin.credit.branch.points"),
     ({"strategy": "tree", "tree": {"split_points": [0, 12]}}, "plugin.credit.tree.split_points"),
     ({"strategy": "tree", "tree": {"sde_steps": "splits", "width_pruning": 0.5}}, "plugin.credit.tree.width_pruning"),
     ({"strategy": "chunk", "chunk": {"sizes": [2, 2]}}, "plugin.credit.chunk.sizes"),
@@ -256,3 +275,6 @@ def test_action_budget_follows_the_strategy():
     assert _config(credit={"strategy": "tree"}).num_actions() == 10  # splits (0, 3, 6, 9): steps 0..8, and 9
     assert _config(credit={"strategy": "tree", "tree": {"sde_steps": "splits"}}).num_actions() == 4
     assert _config(num_steps=1, credit={"strategy": "branch", "branch": {"points": [0]}}).num_actions() == 1
+    assert _config(credit={"strategy": "branch"}).num_actions() == 9  # TempFlow-GRPO: a branch at steps 0..8
+    with pytest.raises(ConfigError, match="no step to branch at"):
+        _config(num_steps=1, credit={"strategy": "branch"})

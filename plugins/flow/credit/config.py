@@ -50,17 +50,20 @@ class ChunkCreditConfig:
 class BranchCreditConfig:
     """``credit.branch``: TempFlow-GRPO's trajectory branching (He et al. 2025, arXiv:2508.04324)."""
 
-    points: list[int] = config_field(
-        default_factory=lambda: [0, 1],
-        help="Branch steps k. The G samples of a group follow one shared ODE trajectory, the group is split evenly "
-        "over the branch points (G must be a multiple of their number), each sample takes its own SDE step at its "
-        "branch point and the ODE afterwards; only the branch steps are trained.",
-        ref="TempFlow-GRPO code (Shredded-Pork/TempFlow-GRPO): 4 branch points x 6 branches (G = 24)",
+    points: list[int] | None = config_field(
+        None, help="Branch steps. Null (the default): every step 0..num_steps-2, TempFlow-GRPO's released method: "
+        "the group follows one ODE trunk, at every step K = G/(num_steps-1) samples leave it with one SDE step and "
+        "finish by the ODE, each trains its own branch step with the advantage of its step's samples. A list: only "
+        "these steps branch (designated branch points, G/len(points) samples each); cheaper per group, and the "
+        "credit goes only where the list says.",
+        ref="TempFlow-GRPO code (Shredded-Pork/TempFlow-GRPO e66824e, sd3_pipeline_with_logprob_perstep.py): a "
+        "branch at every step but the last, 6 per step (sd3_sde_with_logprob_perstep.py num_samples = 6)",
     )
 
     def validate(self, path: str) -> None:
-        if not self.points or sorted(set(self.points)) != list(self.points) or min(self.points) < 0:
-            raise ConfigError(f"{path}.points", self.points, "a non-empty, increasing list of distinct steps >= 0")
+        points = self.points
+        if points is not None and (not points or sorted(set(points)) != list(points) or min(points) < 0):
+            raise ConfigError(f"{path}.points", points, "null or a non-empty, increasing list of distinct steps >= 0")
 
 
 @dataclass
