@@ -10,7 +10,8 @@ the tiny SD3 CPU recipe ``configs/flow/tiny_sd3.yaml`` with the weight-free JPEG
 ``chunk``          Chunk-GRPO, chunks over the trained steps, ``ratio_level: chunk``
 ``branch``         TempFlow-GRPO as released: a branch at every step but the last, 2 samples per step (G = 2·(S−1)),
                    noise-aware weights
-``sliding_window`` MixGRPO, a window of 2 steps moving every ``--steps``/(positions) steps, DPM-Solver++(2M) tail
+``sliding_window`` MixGRPO, a window of 2 steps in steps 0..S−3 moving every ``--steps``/(positions) steps,
+                   DPM-Solver++(2M) tail
 ``tree``           BranchGRPO, a binary tree of G leaves, per-depth advantages (``advantage: grpo``)
 ``tree_splits``    (optional variant) the same tree with SDE and training at the split steps only
 ``branch_points``  (optional variant) TempFlow-GRPO at designated branch points, the first 4 (or 2, 1) steps
@@ -109,7 +110,7 @@ def strategy_overrides(name: str, config: dict[str, Any], steps: int, tree_advan
         credit = {"strategy": "branch", "branch": {"points": list(range(count))}, "noise_weighting": True}
     elif name == "sliding_window":
         size = 2
-        positions = num_steps - size + 1
+        positions = (num_steps - 2) - size + 1  # the default window range, MixGRPO's [0, S − 2)
         credit = {"strategy": "sliding_window", "sliding_window": {
             "size": size, "shift_every": max(1, math.ceil(steps / positions)), "solver": "dpm2m", "solver_steps": 0.5}}
     elif name in ("tree", "tree_splits"):

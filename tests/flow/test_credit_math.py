@@ -25,7 +25,7 @@ from mmrl.plugins.flow.credit.chunk import (
 from mmrl.plugins.flow.credit.config import SlidingWindowCreditConfig
 from mmrl.plugins.flow.credit.guard import ratio_norm_logp
 from mmrl.plugins.flow.credit.sharing import shared_rollout
-from mmrl.plugins.flow.credit.sliding_window import window_start
+from mmrl.plugins.flow.credit.sliding_window import window_bounds, window_start
 from mmrl.plugins.flow.credit.solvers import ode_tail, tail_grid
 from mmrl.plugins.flow.credit.tree import node_rewards, tree_template, width_pruning_keep
 from mmrl.plugins.flow.sde import sde_step
@@ -299,11 +299,17 @@ def test_width_pruning_keeps_the_best_and_the_worst_leaves():
 
 # ---------------------------------------------------------------------------------------------- sliding window
 def test_progressive_window_moves_every_shift_and_rolls_back():
+    # The default range is MixGRPO's: max_timesteps = sampling_steps − 2 and the window range(cur, min(cur + W,
+    # max_timesteps)) (Tencent-Hunyuan/MixGRPO e5cdd6a, train_grpo_flux.py:919, utils/grpo_states.py:148), so no
+    # window reaches step S − 2 or the nearly deterministic last step S − 1.
     options = SlidingWindowCreditConfig(size=4, shift_every=2)
-    starts = [window_start(options, 10, step=t, max_steps=100, run_seed=0) for t in range(16)]
-    assert starts == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 0, 0]  # 7 positions (0..6), then back to 0
+    assert window_bounds(options, 10) == (0, 8)
+    starts = [window_start(options, 10, step=t, max_steps=100, run_seed=0) for t in range(12)]
+    assert starts == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 0, 0]  # 5 positions (0..4: steps 0..7), then back to 0
     clipped = SlidingWindowCreditConfig(size=4, shift_every=2, roll_back=False)
-    assert window_start(clipped, 10, step=15, max_steps=100, run_seed=0) == 6
+    assert window_start(clipped, 10, step=15, max_steps=100, run_seed=0) == 4
+    randomised_default = SlidingWindowCreditConfig(size=4, schedule="random")
+    assert max(window_start(randomised_default, 10, step=t, max_steps=100, run_seed=1) for t in range(200)) == 4
     spread = SlidingWindowCreditConfig(size=2, shift_every=None, window_range=[0, 5])  # 4 positions over 8 steps
     assert [window_start(spread, 6, step=t, max_steps=8, run_seed=0) for t in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     randomised = SlidingWindowCreditConfig(size=3, schedule="random", window_range=[1, 8])

@@ -208,11 +208,12 @@ def test_sliding_window_follows_the_training_step_and_the_tail_solver_saves_call
     plugin = make_plugin("sd3", num_steps=6, credit={"strategy": "sliding_window",
                                                      "sliding_window": {"size": 2, "shift_every": 2}})
     starts = []
-    for step in (0, 1, 2, 5, 10):
+    for step in (0, 1, 2, 5, 6):
         rollout = plugin.rollout(plugin.policy(), _batch(step))
         starts.append(rollout.replay["step_index"][0, 0].item())
         assert (rollout.replay["step_index"] == rollout.replay["step_index"][:1]).all()  # one window for all
-    assert starts == [0, 0, 1, 2, 0]  # 5 positions, moving every 2 steps, back to 0 at step 10
+    # 3 positions (the window stays in steps 0..3 of 6, MixGRPO's range), moving every 2 steps, back to 0 at step 6
+    assert starts == [0, 0, 1, 2, 0]
     flash = make_plugin("sd3", num_steps=6, credit={"strategy": "sliding_window", "sliding_window": {
         "size": 2, "shift_every": 2, "solver": "dpm2m", "solver_steps": 0.5}})
     plain, fast = (p.rollout(p.policy(), _batch(0)) for p in (plugin, flash))
@@ -261,6 +262,9 @@ def _config(**options):
     ({"strategy": "chunk", "chunk": {"sizes": [2, 2]}}, "plugin.credit.chunk.sizes"),
     ({"strategy": "sliding_window", "sliding_window": {"size": 4, "window_range": [0, 3]}},
      "plugin.credit.sliding_window.window_range"),
+    # the last step (9 of 10) is never trained: Flow-GRPO trains steps 0..S−2, MixGRPO's window ends before S − 2
+    ({"strategy": "sliding_window", "sliding_window": {"size": 4, "window_range": [4, 10]}},
+     "plugin.credit.sliding_window.window_range"),
 ])
 def test_impossible_credit_settings_are_config_errors(credit, key):
     with pytest.raises(ConfigError) as error:
@@ -272,6 +276,9 @@ def test_action_budget_follows_the_strategy():
     assert _config().num_actions() == 9  # Flow-GRPO: 10 steps × 0.99
     assert _config(credit={"strategy": "branch", "branch": {"points": [0, 1, 2, 3]}}).num_actions() == 4
     assert _config(credit={"strategy": "sliding_window"}).num_actions() == 4
+    assert _config(credit={"strategy": "sliding_window", "sliding_window": {"window_range": [5, 9]}}).num_actions() == 4
+    with pytest.raises(ConfigError, match=r"null is \[0, 2\) with num_steps 4"):
+        _config(num_steps=4, credit={"strategy": "sliding_window"})  # a window of 4 in steps 0..1
     assert _config(credit={"strategy": "tree"}).num_actions() == 10  # splits (0, 3, 6, 9): steps 0..8, and 9
     assert _config(credit={"strategy": "tree", "tree": {"sde_steps": "splits"}}).num_actions() == 4
     assert _config(num_steps=1, credit={"strategy": "branch", "branch": {"points": [0]}}).num_actions() == 1

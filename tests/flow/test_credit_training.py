@@ -15,8 +15,9 @@ RUNS = {
     "chunk": ({"strategy": "chunk", "chunk": {"sizes": [1, 2], "sample": "weighted"}},
               ("algorithm.policy_loss.ratio_level=chunk", "algorithm.action_chunk_size=null")),
     "branch": ({"strategy": "branch", "branch": {"points": [0, 2]}, "noise_weighting": True}, WHOLE_GROUPS),
-    "sliding_window": ({"strategy": "sliding_window",
-                        "sliding_window": {"size": 2, "shift_every": 1, "solver": "dpm2m"}}, ()),
+    "sliding_window": ({"strategy": "sliding_window",  # 4 steps: windows at steps 0-1 and 1-2, never the last
+                        "sliding_window": {"size": 2, "shift_every": 1, "solver": "dpm2m", "window_range": [0, 3]}},
+                       ()),
     "tree": ({"strategy": "tree", "tree": {"split_points": [0, 2]}}, (*WHOLE_GROUPS, "algorithm.advantage=grpo")),
     "guard": ({"strategy": "step", "ratio_norm": True, "ratio_norm_reweight": True}, ()),
 }

@@ -78,7 +78,9 @@ class SlidingWindowCreditConfig:
     stride: int = config_field(1, minimum=1, help="Steps the window moves each time.",
                                ref="MixGRPO prog_overlap_step: 1")
     window_range: list[int] | None = config_field(
-        None, help="[lo, hi): the window lies within steps lo..hi-1. Null: [0, num_steps).",
+        None, help="[lo, hi): the window lies within steps lo..hi-1, hi <= num_steps-1 (the last step is never "
+        "trained). Null: [0, num_steps-2), MixGRPO's range.",
+        ref="MixGRPO train_grpo_flux.py: max_timesteps = sampling_steps - 2",
     )
     schedule: Literal["progressive", "random"] = config_field(
         "progressive", help="'progressive': start at lo and move on every shift_every steps; 'random': a start drawn "

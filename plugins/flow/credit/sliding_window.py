@@ -4,7 +4,7 @@ Li et al. 2025, "MixGRPO: Unlocking Flow-based GRPO Efficiency with Mixed ODE-SD
 takes SDE steps inside a window of W consecutive steps [l, l + W) and ODE (Euler) steps outside it; only the window
 is trained, so the whole terminal advantage goes to the window steps and the training cost is W steps per sample.
 
-Window start at training step t (``PromptBatch.step``), within ``window_range`` [lo, hi) (default [0, S)), with
+Window start at training step t (``PromptBatch.step``), within ``window_range`` [lo, hi) (default [0, S − 2)), with
 P = ⌊(hi − lo − W)/stride⌋ + 1 positions:
 
 - ``progressive`` (MixGRPO's default): l = lo + stride·(⌊t / shift_every⌋ mod P) with ``roll_back`` (back to lo after
@@ -13,6 +13,15 @@ P = ⌊(hi − lo − W)/stride⌋ + 1 positions:
 - ``random``: l drawn uniformly from the P positions, from (run seed, t).
 
 Every sample of a training step shares the window (it is a function of t only), so resuming is exact.
+
+The range: MixGRPO's trainer sets ``max_timesteps = sampling_steps - 2`` and trains ``range(cur_timestep,
+min(cur_timestep + group_size, max_timesteps))`` (Tencent-Hunyuan/MixGRPO e5cdd6a, ``fastvideo/train_grpo_flux.py:919``,
+``fastvideo/utils/grpo_states.py:148``), so its window never reaches step S − 2, nor the last step S − 1, whose
+transition is nearly deterministic (SD3.5's 10-step grid: Δσ = 0.0089 there; GRPO-Guard's 1/Δσ weight 8.6). The
+default [0, S − 2) is that range; an explicit ``window_range`` may end at S − 1 (Flow-GRPO trains steps 0..S − 2,
+``timestep_fraction`` 0.99: yifan123/flow_grpo ac4c86e, ``scripts/train_sd3.py:345``), never at S. Where MixGRPO
+differs: near the end of its range it truncates the window (fewer than W steps, and an empty one at
+``cur_timestep == max_timesteps``); here the window always has W steps (P full positions), so A is constant.
 
 MixGRPO-Flash: ``solver: dpm2m`` integrates the steps after the window with DPM-Solver++(2M), and ``solver_steps: f``
 takes only ⌈f·(S − l − W)⌉ of them (on a subset of the σ grid; :mod:`.solvers`). Neither touches a trained step, so
@@ -43,8 +52,9 @@ _RANDOM_WINDOW_TAG = 0x51D3
 
 
 def window_bounds(options: SlidingWindowCreditConfig, num_steps: int) -> tuple[int, int]:
+    """[lo, hi): the steps the window may cover; null is MixGRPO's [0, S − 2) (see the module docstring)."""
     if options.window_range is None:
-        return 0, num_steps
+        return 0, num_steps - 2
     return int(options.window_range[0]), int(options.window_range[1])
 
 
@@ -76,13 +86,13 @@ class SlidingWindowCredit(CreditStrategy):
 
     def validate(self, config: FlowPluginConfig, path: str) -> None:
         options = config.credit.sliding_window
-        lo, hi = window_bounds(options, config.num_steps)
-        if not 0 <= lo < hi <= config.num_steps or hi - lo < options.size:
+        steps = config.num_steps
+        lo, hi = window_bounds(options, steps)
+        if not 0 <= lo < hi <= steps - 1 or hi - lo < options.size:
+            default = f" (null is [0, {steps - 2}) with num_steps {steps})" if options.window_range is None else ""
             raise ConfigError(f"{path}.sliding_window.window_range", options.window_range,
-                              f"[lo, hi] with 0 <= lo < hi <= {config.num_steps} and hi - lo >= size ({options.size})")
-        if config.sde == "cps" and hi == config.num_steps:
-            raise ConfigError(f"{path}.sliding_window.window_range", options.window_range,
-                              f"hi <= {config.num_steps - 1} with sde 'cps' (its last step is deterministic)")
+                              f"[lo, hi] with 0 <= lo < hi <= {steps - 1} and hi - lo >= size ({options.size}); the "
+                              f"last step {steps - 1} is never trained{default}")
 
     def num_actions(self, config: FlowPluginConfig) -> int:
         return config.credit.sliding_window.size
