@@ -16,6 +16,7 @@ the tiny SD3 CPU recipe ``configs/flow/tiny_sd3.yaml`` with the weight-free JPEG
 ``tree_splits``    (optional variant) the same tree with SDE and training at the split steps only
 ``branch_points``  (optional variant) TempFlow-GRPO at designated branch points, the first 4 (or 2, 1) steps
                    splitting the recipe's group
+``chunk_mean``     (optional variant) ``chunk`` with the released code's chunk-mean loss (``weighting: chunk_mean``)
 =================  ===========================================================================================
 
 Equal compute: a training step costs ``rollout + 3·train`` transformer row evaluations ("forward equivalents": a
@@ -54,7 +55,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 STRATEGIES = ("step", "chunk", "branch", "sliding_window", "tree")
-VARIANTS = ("tree_splits", "branch_points")  # tree with SDE (and training) at the split steps only; branch at a few
+# tree with SDE (and training) at the split steps only; branch at a few points; chunk with GCPO's chunk-mean loss
+VARIANTS = ("tree_splits", "branch_points", "chunk_mean")
 TRAIN_COST = 3  # a training forward plus its backward, in forward evaluations
 CALIBRATION_POINTS = 4  # training steps each strategy's cost is measured at
 
@@ -93,12 +95,13 @@ def strategy_overrides(name: str, config: dict[str, Any], steps: int, tree_advan
     fraction = float(plugin.get("timestep_fraction", 0.99))
     if name == "step":
         credit: dict[str, Any] = {"strategy": "step"}
-    elif name == "chunk":
+    elif name in ("chunk", "chunk_mean"):
         # The steps plugin.train_steps trains: the window of Flow-GRPO-Fast recipes, else the first fraction.
         trained = int(plugin.get("window_size", 3)) if plugin.get("train_steps") == "window" \
             else int(num_steps * fraction)
         sizes = [1] + [2] * ((trained - 1) // 2) + ([1] if (trained - 1) % 2 else [])  # small chunks at high noise
-        credit = {"strategy": "chunk", "chunk": {"sizes": sizes}}
+        credit = {"strategy": "chunk", "chunk": {"sizes": sizes,
+                                                 "weighting": "chunk_mean" if name == "chunk_mean" else "step"}}
         policy = algorithm.get("policy_loss", "grpo")
         algorithm["policy_loss"] = {**({"name": policy} if isinstance(policy, str) else policy), "ratio_level": "chunk"}
         algorithm["action_chunk_size"] = None

@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 
-from mmrl.algos import advantage_estimators
+from mmrl.algos import advantage_estimators, aggregate, policy_losses
 from mmrl.plugins.flow.credit.base import guard_reweighting, noise_aware_weights, transition_std
 from mmrl.plugins.flow.credit.branch import branch_points, branch_template
 from mmrl.plugins.flow.credit.chunk import (
+    chunk_mean_weights,
     chunk_probabilities,
     chunks_from_dynamics,
     chunks_from_sizes,
@@ -387,3 +388,62 @@ def test_chunk_sampling_follows_the_dynamics():
     frequency = torch.stack([mask[:, 0], mask[:, 1], mask[:, 3]], dim=1).mean(dim=0).double()
     p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
     assert ((frequency - p).abs() < 5 * (p * (1 - p) / n).sqrt()).all(), frequency
+
+
+def gcpo_chunk_loss(logp, old_logp, advantages, sizes, trained, clip):
+    """The released Chunk-GRPO/GCPO loss (xingzhejun/GCPO ea6cc4d, fastvideo/train_grpo_flux_clip.py): per sample and
+    trained chunk, the chunk log-probs are the means of the steps' (lines 475, 638), the chunk ratio is clipped PPO
+    style, and each chunk's loss is divided by the number of trained chunks and the accumulation steps, one sample
+    per step (line 777)."""
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    total = logp.new_zeros(())
+    for i in range(logp.shape[0]):
+        chunks = trained[i]
+        for c in chunks:
+            steps = slice(starts[c], starts[c] + sizes[c])
+            ratio = torch.exp(logp[i, steps].mean() - old_logp[i, steps].mean())
+            policy_loss = torch.maximum(-advantages[i] * ratio, -advantages[i] * ratio.clamp(1 - clip, 1 + clip))
+            total = total + policy_loss / (logp.shape[0] * len(chunks))
+    return total
+
+
+def test_chunk_mean_weights_by_hand():
+    ids = chunks_from_sizes([2, 3, 4, 7], 16).expand(2, 16)
+    mask = torch.ones(2, 16)
+    mask[1, 2:5] = 0  # the second sample trains chunks 0, 2 and 3 only
+    mask[1, 9:] = 0  # ... and not 3 either: chunks 0 and 2, 6 steps
+    weights = chunk_mean_weights(ids, mask)
+    per_step = {0: 16 / (4 * 2), 1: 16 / (4 * 3), 2: 16 / (4 * 4), 3: 16 / (4 * 7)}
+    torch.testing.assert_close(weights[0], torch.tensor([per_step[int(c)] for c in ids[0]]))
+    # under token_mean over the 16 steps: 0.125, 0.083, 0.0625, 0.036 per step against a flat 0.0625 (issue 20)
+    torch.testing.assert_close(weights[0, [0, 2, 5, 9]] / 16, torch.tensor([0.125, 1 / 12, 0.0625, 1 / 28]))
+    expected = torch.tensor([6 / (2 * 2)] * 2 + [1.0] * 3 + [6 / (2 * 4)] * 4 + [1.0] * 7)
+    torch.testing.assert_close(weights[1], expected)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chunk_mean_weighting_gives_the_released_chunk_loss(sampled):
+    # Off policy, chunk ratios clipped by the core: the core's loss with the chunk_mean action weights equals the
+    # released code's loss and gradient (token_mean when every sample trains all its chunks; seq_mean_token_mean
+    # when samples train different chunks), while the default step weighting differs.
+    generator = torch.Generator().manual_seed(4)
+    sizes, n = [2, 3, 4, 7], 3
+    ids = chunks_from_sizes(sizes, 16).expand(n, 16).clone()
+    old_logp = torch.randn(n, 16, generator=generator, dtype=torch.float64)
+    logp = (old_logp + 0.05 * torch.randn(n, 16, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    trained = [[0, 2], [1, 2, 3], [3]] if sampled else [[0, 1, 2, 3]] * n
+    mask = torch.stack([torch.isin(ids[i], torch.tensor(trained[i])) for i in range(n)]).double()
+    mode = "seq_mean_token_mean" if sampled else "token_mean"
+    loss_fn = policy_losses["grpo"]
+    per_action, _ = loss_fn(logp, old_logp, advantages, mask, clip_low=0.02, clip_high=0.02, ratio_level="chunk",
+                            chunk_ids=ids)
+    weights = chunk_mean_weights(ids, mask).double()
+    got = aggregate(per_action * weights, mask, mode)
+    reference = gcpo_chunk_loss(logp, old_logp, advantages, sizes, trained, clip=0.02)
+    torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-9)  # the weights are float32
+    (grad,) = torch.autograd.grad(got, logp, retain_graph=True)
+    (grad_reference,) = torch.autograd.grad(reference, logp, retain_graph=True)
+    torch.testing.assert_close(grad, grad_reference, rtol=1e-6, atol=1e-9)
+    (grad_step,) = torch.autograd.grad(aggregate(per_action, mask, mode), logp)
+    assert (grad_step - grad_reference).abs().max() > 1e-3

@@ -204,6 +204,20 @@ def test_chunks_follow_the_sizes_and_untrained_chunks_cost_nothing(make_plugin):
     assert ids.shape == (8, 5) and (ids[:, 0] == 0).all() and (ids.diff(dim=1) >= 0).all() and ids.max() <= 1
 
 
+def test_chunk_mean_weighting_sets_gcpos_action_weights(make_plugin):
+    # 3 trained steps in chunks [1, 2]: GCPO's chunk mean weighs step 0 by 3/(2·1) and steps 1, 2 by 3/(2·2), times
+    # the noise-aware weights when both are on; the default 'step' weighting leaves the steps alike.
+    plain = make_plugin("sd3", credit={"strategy": "chunk", "chunk": {"sizes": [1, 2]}})
+    assert plain.rollout(plain.policy(), _batch()).action_weights is None
+    plugin = make_plugin("sd3", credit={"strategy": "chunk", "noise_weighting": True,
+                                        "chunk": {"sizes": [1, 2], "weighting": "chunk_mean"}})
+    rollout = plugin.rollout(plugin.policy(), _batch())
+    from mmrl.plugins.flow.credit.base import noise_aware_weights
+
+    noise = noise_aware_weights("flow_grpo", plugin.sigma_grid(), 0.7)[:3].float()
+    torch.testing.assert_close(rollout.action_weights, (torch.tensor([1.5, 0.75, 0.75]) * noise).expand(8, 3))
+
+
 def test_sliding_window_follows_the_training_step_and_the_tail_solver_saves_calls(make_plugin):
     plugin = make_plugin("sd3", num_steps=6, credit={"strategy": "sliding_window",
                                                      "sliding_window": {"size": 2, "shift_every": 2}})

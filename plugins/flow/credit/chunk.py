@@ -23,8 +23,26 @@ Chunk boundaries (``credit.chunk``):
 Weighted chunk sampling (``sample: weighted``, the paper's optional strategy): each sample trains
 max(1, ⌊C·sample_fraction⌋) of its C chunks, drawn without replacement with probabilities ∝ the chunk's mean d_t
 (``weights: l1``) or softmax(mean d_t) (``weights: softmax``); the other chunks get mask 0 (and are not recomputed).
-As in the code of GCPO (xingzhejun/GCPO, a chunk-level follow-up; Chunk-GRPO's own code is not public), there is no
-importance correction for the sampling: chunks of high dynamics are trained more often on purpose.
+As in the released code (xingzhejun/GCPO, whose README names the method GCPO and links the same paper,
+arXiv:2510.21583), there is no importance correction for the sampling: chunks of high dynamics are trained more
+often on purpose.
+
+How the chunks enter the loss (``weighting``):
+
+- ``step`` (the default): every trained step is one action of the core's aggregation, each carrying its chunk's
+  clipped ratio, so a chunk counts in proportion to its size; under ``token_mean`` step t of sample n weighs 1/T
+  (T the trained steps of the batch's samples). On policy (ratio 1) this is Flow-GRPO's gradient exactly: each step
+  of a chunk carries ∂r_c/∂ℓ_t = 1/|c| times |c| actions;
+- ``chunk_mean``: each chunk's loss counts once, divided by the number of trained chunks C_n of its sample, as the
+  released code does (xingzhejun/GCPO ea6cc4d, ``fastvideo/train_grpo_flux_clip.py``: the chunk log-prob is the
+  mean of its steps' log-probs, lines 475 and 638; line 777: ``loss = policy_loss / (gradient_accumulation_steps *
+  train_chunks)``).
+  A step of chunk c then weighs 1/(C_n·|c|) in its sample: for sizes [2, 3, 4, 7], 0.125, 0.083, 0.0625 and 0.036
+  against a flat 0.0625, so short (high-noise) chunks weigh more per step. Implemented as action weights
+  T_n/(C_n·|c|) (T_n the sample's trained steps, so a sample's weights average 1 over its steps): the loss is GCPO's
+  exactly under ``aggregation: seq_mean_token_mean``, and under ``token_mean`` whenever every sample trains the same
+  number of steps (``sample: all``), up to the core's constant normalisation. GCPO's optional per-chunk factor
+  √((S − mid)/mid) (``use_reweight``) is not implemented.
 """
 
 from __future__ import annotations
@@ -96,6 +114,25 @@ def chunk_probabilities(dynamics: Tensor, chunk_ids: Tensor, how: str) -> Tensor
     return scores / scores.sum(dim=1, keepdim=True)
 
 
+def chunk_mean_weights(chunk_ids: Tensor, mask: Tensor) -> Tensor:
+    """GCPO's chunk-mean weighting as action weights ``[N, A]``: T_n/(C_n·|c|) on the trained steps of chunk c of
+    sample n (T_n trained steps and C_n trained chunks of the sample), 1 on the others (they do not enter the loss).
+
+    Args:
+        chunk_ids: ``[N, A]`` chunk id of every step (consecutive ids from 0 per row).
+        mask: ``[N, A]`` 1 on the trained steps (whole chunks).
+    """
+    active = (mask > 0).to(torch.float64)  # [N, A]
+    num_chunks = int(chunk_ids.max()) + 1
+    ids = chunk_ids.long().cpu()
+    sizes = torch.zeros(ids.shape[0], num_chunks, dtype=torch.float64).scatter_add(1, ids, active.cpu())  # [N, C]
+    trained_steps = sizes.sum(dim=1, keepdim=True)  # [N, 1] T_n
+    trained_chunks = (sizes > 0).sum(dim=1, keepdim=True).to(torch.float64)  # [N, 1] C_n
+    size = sizes.gather(1, ids)  # [N, A] |c| of every step's chunk
+    weights = trained_steps / (trained_chunks * size).clamp(min=1.0)
+    return torch.where(active.cpu() > 0, weights, torch.ones_like(weights)).to(torch.float32)
+
+
 def sample_chunk_mask(chunk_ids: Tensor, probabilities: Tensor, fraction: float, seeds: Tensor) -> Tensor:
     """``[N, A]`` float mask: per row, max(1, ⌊C·fraction⌋) of its C chunks drawn without replacement from
     ``probabilities [N, C]`` with the row's seed."""
@@ -146,6 +183,9 @@ class ChunkCredit(CreditStrategy):
             probabilities = chunk_probabilities(dynamics, chunk_ids, how)
             rollout.mask = sample_chunk_mask(chunk_ids, probabilities, options.sample_fraction, batch.seeds).to(
                 rollout.mask)
+        if options.weighting == "chunk_mean":
+            weights = chunk_mean_weights(chunk_ids, rollout.mask.cpu()).to(rollout.mask)
+            rollout.action_weights = weights if rollout.action_weights is None else rollout.action_weights * weights
         rollout.metrics["chunks_per_sample"] = float((chunk_ids.max(dim=1).values + 1).float().mean())
         return rollout
 

@@ -21,7 +21,7 @@ class ChunkCreditConfig:
     sizes: list[int] | None = config_field(
         None, help="Fixed chunk sizes over the trained steps, high noise first; they must add up to the number of "
         "trained steps. Null: boundaries from the relative L1 change of the latents (num_chunks chunks of equal "
-        "change).", ref="GCPO code (xingzhejun/GCPO, a chunk-level follow-up): [2, 3, 4, 7] for 17 steps",
+        "change).", ref="GCPO code (xingzhejun/GCPO, released for arXiv:2510.21583): [2, 3, 4, 7] for 17 steps",
     )
     num_chunks: int = config_field(
         4, minimum=1, help="Chunks per sample when sizes is null (at most this many; empty chunks are dropped).",
@@ -39,6 +39,13 @@ class ChunkCreditConfig:
     weights: Literal["l1", "softmax"] = config_field(
         "l1", help="How chunk dynamics become sampling probabilities: divided by their sum ('l1') or a softmax.",
         ref="GCPO code: sample_weight_method normalized",
+    )
+    weighting: Literal["step", "chunk_mean"] = config_field(
+        "step", help="How chunks enter the loss: 'step', every trained step counts once (a chunk in proportion to "
+        "its size; on policy the gradient is Flow-GRPO's); 'chunk_mean', each chunk's loss counts once, divided by "
+        "the sample's number of trained chunks (a step of chunk c weighs 1/(C·|c|): short chunks weigh more).",
+        ref="GCPO code (xingzhejun/GCPO, the code released for arXiv:2510.21583): loss = policy_loss / "
+        "(gradient_accumulation_steps * train_chunks), train_grpo_flux_clip.py:775-777",
     )
 
     def validate(self, path: str) -> None:
