@@ -40,11 +40,18 @@ Peak memory:
   profiler memory events; allocator caches and Python objects are not counted), and the process's peak RSS
   (``ru_maxrss``: weights, libraries and everything else included).
 
-TRL is a benchmark-only dependency (``pip install trl``). Examples::
+TRL is a benchmark-only dependency (``pip install trl``); without it the comparison stops with a one-line error,
+and ``--no-trl`` times mmrl's step alone (no TRL process, no ratios). ``--json`` writes ``settings`` (the arguments),
+``trl_version``, ``mmrl`` and ``trl`` (each ``times`` and ``cpu_times`` in seconds, ``median_s``, ``median_cpu_s``,
+``round_medians``, ``peak_bytes``, ``peak_rss``, ``completion_length``), ``round_ratios`` and ``round_cpu_ratios``;
+under ``--no-trl`` the TRL entries are null. Examples::
 
     python benchmarks/vlm_grpo_step.py                       # CPU, tiny Qwen2.5-VL, LoRA, 4 prompts x G=4
     python benchmarks/vlm_grpo_step.py --size small --family qwen2_vl --full
     python benchmarks/vlm_grpo_step.py --device cuda --size small --json vlm_step.json
+    # the smallest run (what tests/benchmarks/test_smoke.py does): one step of mmrl alone, 1 prompt x G=2, 4 tokens
+    python benchmarks/vlm_grpo_step.py --no-trl --rounds 1 --warmup 0 --steps 1 --prompts 1 --group 2 \
+        --max-new-tokens 4 --json vlm_step.json
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--force-old-logp-pass", action="store_true",
                         help="mmrl: run the teacher-forced old_logp pass although mu = 1 and one mini-batch do not "
                         "need it (plugin.force_old_logp_pass), to measure what skipping it saves.")
+    parser.add_argument("--no-trl", action="store_true",
+                        help="Time mmrl's step alone: no TRL process (TRL need not be installed) and no ratios.")
     parser.add_argument("--json", default=None, help="Also write the results here.")
     parser.add_argument("--side", choices=["mmrl", "trl"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -187,7 +196,9 @@ def run_mmrl(args: argparse.Namespace) -> dict[str, Any]:
             "freeze_vision": True, "gradient_checkpointing": args.gradient_checkpointing,
             "cache_image_features": not args.no_feature_cache, "force_old_logp_pass": args.force_old_logp_pass,
             "prompt_template": TEMPLATE,
-            "data": {"synthetic": {"train_size": 64, "eval_size": 0, "tasks": ["grounding"], "seed": 0}},
+            # The trainer refuses an empty eval split; the benchmark never evaluates, and make_shapes draws its rows
+            # in order, so the 64 training rows are the ones TRL trains on (dataset_rows) whatever eval_size is.
+            "data": {"synthetic": {"train_size": 64, "eval_size": 4, "tasks": ["grounding"], "seed": 0}},
         },
         "run": {"output_dir": output, "max_steps": 10_000, "seed": 0, "progress": False,
                 "cpu": args.device == "cpu", "mixed_precision": "bf16" if args.device == "cuda" else "no"},
@@ -360,12 +371,11 @@ def table(results: dict[str, Any]) -> str:
     lines = [header]
     for side, name in (("mmrl", "mmrl (vlm plugin)"), ("trl", f"TRL {results['trl_version']} GRPOTrainer")):
         data = results[side]
+        if data is None:  # --no-trl
+            continue
         rss = f"{data['peak_rss'] / 2**20:.0f} MiB" if data.get("peak_rss") else "-"
         lines.append(f"| {name} | {data['median_s']:.3f} s | {data['median_cpu_s']:.3f} s | {len(data['times'])} "
                      f"| {data['completion_length']:.1f} | {data['peak_bytes'] / 2**20:.1f} MiB | {rss} |")
-    ratio_time = statistics.median(results["round_ratios"])  # paired by round: robust to load drift
-    ratio_cpu = statistics.median(results["round_cpu_ratios"])
-    ratio_memory = results["mmrl"]["peak_bytes"] / max(results["trl"]["peak_bytes"], 1)
     mode = "full fine-tuning" if settings["full"] else "LoRA r=8"
     if settings.get("no_feature_cache"):
         mode += ", mmrl without the image-feature cache"
@@ -373,19 +383,36 @@ def table(results: dict[str, Any]) -> str:
         mode += ", mmrl with the old_logp pass forced"
     summary = (f"\n\n{settings['size']} {settings['family']}, {mode}, {settings['prompts']} prompts x "
                f"G={settings['group']}, max_new_tokens {settings['max_new_tokens']}, beta {settings['beta']}, "
-               f"{settings['attn']} attention, {settings['device']}, {settings['threads']} thread(s). "
-               f"mmrl / TRL (medians of the per-round ratios): CPU time x{ratio_cpu:.2f} "
-               f"({', '.join(f'{r:.2f}' for r in results['round_cpu_ratios'])}), wall time x{ratio_time:.2f} "
-               f"({', '.join(f'{r:.2f}' for r in results['round_ratios'])}), peak memory x{ratio_memory:.2f}. "
-               f"Memory column: {memory}.")
-    return "\n".join(lines) + summary
+               f"{settings['attn']} attention, {settings['device']}, {settings['threads']} thread(s). ")
+    if results["trl"] is None:
+        summary += "mmrl alone (--no-trl): no TRL comparison. "
+    else:
+        ratio_time = statistics.median(results["round_ratios"])  # paired by round: robust to load drift
+        ratio_cpu = statistics.median(results["round_cpu_ratios"])
+        ratio_memory = results["mmrl"]["peak_bytes"] / max(results["trl"]["peak_bytes"], 1)
+        summary += (f"mmrl / TRL (medians of the per-round ratios): CPU time x{ratio_cpu:.2f} "
+                    f"({', '.join(f'{r:.2f}' for r in results['round_cpu_ratios'])}), wall time x{ratio_time:.2f} "
+                    f"({', '.join(f'{r:.2f}' for r in results['round_ratios'])}), peak memory x{ratio_memory:.2f}. ")
+    return "\n".join(lines) + summary + f"Memory column: {memory}."
+
+
+def trl_version(args: argparse.Namespace) -> str | None:
+    """The installed TRL's version, None under ``--no-trl``; a missing TRL is a one-line error naming the ways out."""
+    if args.no_trl:
+        return None
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit("benchmarks/vlm_grpo_step.py: TRL is not installed, and the comparison runs its GRPOTrainer: "
+                         "pip install trl, or pass --no-trl to time mmrl's step alone") from None
+    return str(trl.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side is not None:
         return run_side(args)
-    import trl
+    version = trl_version(args)
 
     from mmrl.plugins.vlm.testing import build_tiny_model
 
@@ -394,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
     if args.json:  # drop "--json PATH" as well
         passthrough = [a for a in passthrough if a != args.json]
+    sides = ("mmrl",) if args.no_trl else ("mmrl", "trl")
     collected: dict[str, dict[str, Any]] = {
-        side: {"times": [], "cpu_times": [], "peak_bytes": 0, "peak_rss": 0, "lengths": []} for side in ("mmrl", "trl")
+        side: {"times": [], "cpu_times": [], "peak_bytes": 0, "peak_rss": 0, "lengths": []} for side in sides
     }
     for round_index in range(args.rounds):
-        for side in ("mmrl", "trl") if round_index % 2 == 0 else ("trl", "mmrl"):
+        for side in sides if round_index % 2 == 0 else sides[::-1]:
             out = folder / f"{side}-{round_index}.json"
             command = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--side", side,
                        "--model", str(model), "--out", str(out)]
@@ -415,14 +443,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_index} {side}: median {statistics.median(data['times']):.3f} s wall, "
                   f"{statistics.median(data['cpu_times']):.3f} s CPU", flush=True)
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("side", "model", "out")},
-                               "trl_version": trl.__version__}
+                               "trl_version": version, "trl": None, "round_ratios": None, "round_cpu_ratios": None}
     for side, data in collected.items():
         results[side] = {"times": data["times"], "median_s": statistics.median(data["times"]),
                          "cpu_times": data["cpu_times"], "median_cpu_s": statistics.median(data["cpu_times"]),
                          "round_medians": data["round_medians"], "peak_bytes": data["peak_bytes"],
                          "peak_rss": data["peak_rss"], "completion_length": statistics.mean(data["lengths"])}
-    for key, source in (("round_ratios", "round_medians"), ("round_cpu_ratios", "round_cpu_medians")):
-        results[key] = [m / t for m, t in zip(collected["mmrl"][source], collected["trl"][source], strict=True)]
+    if "trl" in collected:
+        for key, source in (("round_ratios", "round_medians"), ("round_cpu_ratios", "round_cpu_medians")):
+            results[key] = [m / t for m, t in zip(collected["mmrl"][source], collected["trl"][source], strict=True)]
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
