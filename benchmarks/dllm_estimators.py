@@ -10,16 +10,27 @@ estimate (root mean over completions of the per-completion variance), and the st
 
 Part 2 (``--part training``): held-out greedy accuracy against RL steps on the toy world (configs/dllm/toy.yaml) for
 the one_step, elbo_l and coupled estimators at the same number of masked forwards per completion, over several
-seeds. Writes a table and, when matplotlib is installed, a PNG.
+seeds. Writes a table and, when matplotlib is installed, a PNG into ``--output-dir``; the training runs themselves
+go to a temporary folder (so the benchmark can be run again: a run folder holding another run's checkpoints is
+refused by the trainer).
+
+``--json`` also writes the raw results: for ``variance`` a list of rows (``estimator``, ``name``, ``forwards``,
+``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``, ``seconds``),
+for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seconds": ...}}}``.
 
     python benchmarks/dllm_estimators.py --part variance --threads 1
     python benchmarks/dllm_estimators.py --part training --threads 1 --seeds 0 1 2 --steps 60 --eval-every 15
+    # the smallest runs (what tests/benchmarks/test_smoke.py does)
+    python benchmarks/dllm_estimators.py --part variance --completions 2 --repeats 2 --budgets 2 --json v.json
+    python benchmarks/dllm_estimators.py --part training --seeds 0 --steps 1 --eval-every 1 --output-dir out \
+        --json t.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,20 +132,21 @@ def training_curves(args: argparse.Namespace) -> dict:
         "coupled": ["plugin.estimator=coupled"],
     }
     results: dict = {}
-    for name, overrides in variants.items():
-        for seed in args.seeds:
-            started = time.perf_counter()
-            output = Path(args.output_dir) / f"{name}_seed{seed}"
-            config = load_config(config_path, [
-                *overrides, f"plugin.num_mc_samples={args.forwards}", f"run.seed={seed}",
-                f"run.max_steps={args.steps}", f"eval.every={args.eval_every}", f"run.output_dir={output}",
-                "run.progress=false", "eval.save_samples=false",
-            ])
-            result = Trainer(config).train()
-            _reset_accelerate()  # each run builds its own Accelerator
-            curve = {step: metrics["eval/reward_mean"] for step, metrics in sorted(result.evaluations.items())}
-            results.setdefault(name, {})[seed] = {"curve": curve, "seconds": time.perf_counter() - started}
-            print(json.dumps({"estimator": name, "seed": seed, **results[name][seed]}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-dllm-") as runs:
+        for name, overrides in variants.items():
+            for seed in args.seeds:
+                started = time.perf_counter()
+                output = Path(runs) / f"{name}_seed{seed}"
+                config = load_config(config_path, [
+                    *overrides, f"plugin.num_mc_samples={args.forwards}", f"run.seed={seed}",
+                    f"run.max_steps={args.steps}", f"eval.every={args.eval_every}", f"run.output_dir={output}",
+                    "run.progress=false", "eval.save_samples=false",
+                ])
+                result = Trainer(config).train()
+                _reset_accelerate()  # each run builds its own Accelerator
+                curve = {step: metrics["eval/reward_mean"] for step, metrics in sorted(result.evaluations.items())}
+                results.setdefault(name, {})[seed] = {"curve": curve, "seconds": time.perf_counter() - started}
+                print(json.dumps({"estimator": name, "seed": seed, **results[name][seed]}), flush=True)
     return results
 
 
@@ -186,7 +198,7 @@ def training_plot(results: dict, path: Path) -> bool:
     return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["variance", "training"], required=True)
     parser.add_argument("--threads", type=int, default=1)
@@ -198,9 +210,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=15)
     parser.add_argument("--forwards", type=int, default=2, help="masked forwards per completion in part 2")
-    parser.add_argument("--output-dir", default="runs/bench_dllm")
+    parser.add_argument("--output-dir", default="runs/bench_dllm", help="where the training part's plot goes")
     parser.add_argument("--json", default=None, help="also write the raw results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.part == "variance":
         rows = variance_table(args)
@@ -210,6 +222,7 @@ def main() -> None:
         results = training_curves(args)
         print(training_markdown(results))
         plot = Path(args.output_dir) / "dllm_estimators_training.png"
+        plot.parent.mkdir(parents=True, exist_ok=True)
         if training_plot(results, plot):
             print(f"plot: {plot}")
         raw = results
