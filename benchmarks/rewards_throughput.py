@@ -13,14 +13,21 @@
    (the host waits, as for GPU sampling) and ``compute`` (CPU matrix products, competing with the reward for the
    same cores). The scores of both schedules are checked to be identical.
 
-Example::
+Prints markdown tables; ``--json`` also writes ``settings`` (the arguments and torch's thread count),
+``throughput`` (per reward: ``reward``, ``seconds_per_batch``, ``images_per_second``) and ``async_vs_sync`` (per
+simulated rollout: ``rollout``, ``rollout_seconds``, ``reward_seconds``, ``sync_seconds``, ``async_seconds``,
+``speedup``). Examples::
 
-    python benchmarks/rewards_throughput.py            # CPU; prints markdown tables
+    python benchmarks/rewards_throughput.py            # CPU; what docs/rewards.md reports
+    # the smallest run (what tests/benchmarks/test_smoke.py does): 2 images of 32 px, one timed call, one chunk
+    python benchmarks/rewards_throughput.py --batch 2 --resolution 32 --repeats 1 --chunks 1 --workers 1 \
+        --rollout-seconds 0 --threads 1 --json rewards.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -49,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "where overlapping can at best halve the loop's time).")
     parser.add_argument("--workers", type=int, default=2, help="num_workers of the asynchronous scorer.")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
+    parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
     return parser.parse_args(argv)
 
 
@@ -160,19 +168,34 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         rewards = build_rewards(Path(folder))
-        print(f"### Reward throughput (CPU, torch threads: {torch.get_num_threads()}, batch {args.batch}, "
-              f"{args.resolution}×{args.resolution} images, tiny random models)\n")
-        print("| reward | s / batch | images / s |")
-        print("|---|---:|---:|")
-        for name, seconds, rate in throughput(rewards, args):
-            print(f"| {name} | {seconds:.4f} | {rate:,.0f} |")
-        print(f"\n### Async vs sync scoring ({args.chunks} chunks of {args.batch} images, rewards clip_score + "
-              f"jpeg_compressibility, {args.workers} workers)\n")
-        print("| rollout | rollout s / chunk | reward s / chunk | sync s | async s | speed-up | scores identical |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-        for kind, rollout_seconds, reward_seconds, sync_time, async_time in async_vs_sync(rewards, args):
-            print(f"| {kind} | {rollout_seconds:.3f} | {reward_seconds:.3f} | {sync_time:.2f} | {async_time:.2f} | "
-                  f"{sync_time / async_time:.2f}× | yes |")
+        rates = throughput(rewards, args)
+        loops = async_vs_sync(rewards, args)
+    print(f"### Reward throughput (CPU, torch threads: {torch.get_num_threads()}, batch {args.batch}, "
+          f"{args.resolution}×{args.resolution} images, tiny random models)\n")
+    print("| reward | s / batch | images / s |")
+    print("|---|---:|---:|")
+    for name, seconds, rate in rates:
+        print(f"| {name} | {seconds:.4f} | {rate:,.0f} |")
+    print(f"\n### Async vs sync scoring ({args.chunks} chunks of {args.batch} images, rewards clip_score + "
+          f"jpeg_compressibility, {args.workers} workers)\n")
+    print("| rollout | rollout s / chunk | reward s / chunk | sync s | async s | speed-up | scores identical |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for kind, rollout_seconds, reward_seconds, sync_time, async_time in loops:
+        print(f"| {kind} | {rollout_seconds:.3f} | {reward_seconds:.3f} | {sync_time:.2f} | {async_time:.2f} | "
+              f"{sync_time / async_time:.2f}× | yes |")
+    if args.json:
+        results = {
+            "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                         "torch_threads": torch.get_num_threads()},
+            "throughput": [{"reward": name, "seconds_per_batch": seconds, "images_per_second": rate}
+                           for name, seconds, rate in rates],
+            # async_vs_sync raises when the two schedules' scores differ, so every row here had identical scores
+            "async_vs_sync": [{"rollout": kind, "rollout_seconds": rollout_seconds, "reward_seconds": reward_seconds,
+                               "sync_seconds": sync_time, "async_seconds": async_time,
+                               "speedup": sync_time / async_time}
+                              for kind, rollout_seconds, reward_seconds, sync_time, async_time in loops],
+        }
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
