@@ -30,9 +30,16 @@ and ``tree`` come from their own samplers and are not comparable). Wall-clock co
 (evaluations excluded).
 
 Writes ``results.json`` and, when matplotlib is installed (``pip install matplotlib``), ``flow_credit.png`` into
-``--out``. Example (what docs/performance.md reports)::
+``--out``. ``results.json`` holds ``args`` (the arguments as strings), ``calibration`` (forward equivalents per prompt
+of each calibrated strategy; empty under ``--equal-compute off``), ``rows`` (one summary per strategy, the table's
+columns), ``records`` (per strategy and seed: ``prompts_per_step``, every training step's clock and cost, every
+evaluation's reward), ``matplotlib`` (its version, null without a plot), ``torch`` and ``threads``. Examples
+(docs/performance.md gives the exact commands behind its tables)::
 
     python benchmarks/flow_credit.py --steps 24 --eval-every 4 --seeds 0 1 --threads 1
+    # the smallest run (what tests/benchmarks/test_smoke.py does): every strategy, calibrated, one step each
+    python benchmarks/flow_credit.py --strategies step chunk branch sliding_window tree tree_splits --steps 1 \
+        --eval-every 1 --eval-samples 1 --threads 1 --out out
 """
 
 from __future__ import annotations

@@ -14,12 +14,18 @@ drifts during the run). Peak memory:
 - CPU: the high-water mark of bytes held by torch tensors allocated during the call, from the torch profiler's
   memory events (one extra, untimed call per side), so allocator caching and Python objects are not counted.
 
-Examples::
+``--json`` also writes the settings (``kind``, ``size``, ``device``, ``dtype``, ``batch``, ``steps``, ``resolution``,
+``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``, the median times ``pipeline_seconds`` and
+``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios), ``time_ratio_of_fastest`` and the peaks
+``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
     # CPU, tiny random SD3 (what docs/performance.md reports)
     python benchmarks/flow_rollout.py
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
+    # the smallest run (what tests/benchmarks/test_smoke.py does): one image, 2 steps, one timed pair
+    python benchmarks/flow_rollout.py --device cpu --batch 1 --steps 2 --warmup 0 --repeats 1 --threads 1 \
+        --json rollout.json
 """
 
 from __future__ import annotations
