@@ -1,0 +1,202 @@
+"""Smoke tests of every script in benchmarks/: each runs as users run it (``python benchmarks/X.py ...`` in a
+subprocess, from the repository root) at its smallest settings, must exit 0 and must write a JSON file holding the
+keys its module docstring promises, with values consistent with the settings asked for.
+
+They check that a benchmark still runs against the current core, not what it measures: timings are only checked to
+be positive. A benchmark that compares against a peer library runs its mmrl side here; the peer side runs only where
+the peer is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+# One thread and no network, as the benchmarks' documented CPU commands run.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script>`` with ``args``; fail with the end of its output unless it exits 0."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+    return done
+
+
+def read_json(path: Path) -> Any:
+    assert path.is_file(), f"the benchmark wrote no {path.name}"
+    return json.loads(path.read_text())
+
+
+def load_module(script: str) -> Any:
+    spec = importlib.util.spec_from_file_location(Path(script).stem, BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_has_a_smoke_test():
+    """A new script in benchmarks/ needs its smoke test here (a test function naming it)."""
+    source = Path(__file__).read_text()
+    scripts = sorted(path.name for path in BENCHMARKS.glob("*.py"))
+    assert scripts, "no benchmarks found"
+    missing = [name for name in scripts if f'"{name}"' not in source]
+    assert not missing, f"benchmarks without a smoke test in {Path(__file__).name}: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------------- flow
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_flow_rollout(tmp_path, kind):
+    out = tmp_path / "rollout.json"
+    run_benchmark("flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
+                  "--warmup", "0", "--repeats", "1", "--threads", "1", "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"kind", "size", "device", "dtype", "batch", "steps", "resolution", "cfg", "threads",
+                           "transformer_parameters", "trained_steps", "pipeline_seconds", "rollout_seconds",
+                           "time_ratio", "time_ratio_of_fastest", "pipeline_peak_bytes", "rollout_peak_bytes"}
+    assert (result["kind"], result["device"], result["dtype"], result["batch"], result["steps"], result["threads"]) \
+        == (kind, "cpu", "fp32", 1, 2, 1)
+    assert result["trained_steps"] == 1  # the first 0.99 of 2 steps: int(2 * 0.99)
+    assert result["pipeline_seconds"] > 0 and result["rollout_seconds"] > 0
+    # One timed pair: the median of the per-pair ratios and the ratio of the fastest calls are that pair's ratio.
+    ratio = result["rollout_seconds"] / result["pipeline_seconds"]
+    assert result["time_ratio"] == pytest.approx(ratio) and result["time_ratio_of_fastest"] == pytest.approx(ratio)
+    assert result["pipeline_peak_bytes"] > 0 and result["rollout_peak_bytes"] > 0
+
+
+def test_flow_credit(tmp_path):
+    """Every strategy (the optional tree_splits variant included), calibrated to equal compute, one step each."""
+    strategies = ["step", "chunk", "branch", "sliding_window", "tree", "tree_splits"]
+    out = tmp_path / "credit"
+    run_benchmark("flow_credit.py", "--strategies", *strategies, "--steps", "1", "--eval-every", "1",
+                  "--eval-samples", "1", "--threads", "1", "--out", str(out))
+    result = read_json(out / "results.json")
+    assert set(result) == {"args", "calibration", "rows", "records", "matplotlib", "torch", "threads"}
+    assert set(result["calibration"]) == set(strategies) and all(c > 0 for c in result["calibration"].values())
+    assert [row["strategy"] for row in result["rows"]] == strategies
+    assert [(record["strategy"], record["seed"]) for record in result["records"]] == [(s, 0) for s in strategies]
+    for record in result["records"]:
+        assert [e["step"] for e in record["evals"]] == [0, 1] and [s["step"] for s in record["steps"]] == [1]
+        assert record["prompts_per_step"] >= 1 and record["steps"][0]["forward_equivalents"] > 0
+    # step runs the recipe's prompts per step: the calibration target is its own cost.
+    assert result["records"][0]["prompts_per_step"] == 2  # configs/flow/tiny_sd3.yaml
+    assert (out / "flow_credit.png").is_file() == (result["matplotlib"] is not None)
+
+
+# ---------------------------------------------------------------------------------------------------- dllm
+
+
+def test_dllm_estimators_variance(tmp_path):
+    out = tmp_path / "variance.json"
+    run_benchmark("dllm_estimators.py", "--part", "variance", "--completions", "2", "--repeats", "2", "--budgets",
+                  "2", "--json", str(out))
+    rows = read_json(out)
+    module = load_module("dllm_estimators.py")
+    assert [row["estimator"] for row in rows] == [label for label, _, _ in module.ESTIMATORS]
+    for row in rows:
+        assert set(row) == {"estimator", "name", "forwards", "bias_vs_exact_elbo", "sd", "sd_difference_shared_plan",
+                            "sd_difference_independent_plans", "seconds"}
+        assert row["sd"] >= 0 and row["sd_difference_shared_plan"] >= 0
+    # one_step on a clean prompt is deterministic and takes one forward whatever the budget; the others take 2.
+    assert [row["forwards"] for row in rows] == [1] + [2] * (len(rows) - 1)
+    assert rows[0]["sd"] == pytest.approx(0, abs=1e-6)
+
+
+def test_dllm_estimators_training(tmp_path):
+    """One RL step per estimator. The training runs must leave nothing in --output-dir but the plot: the trainer
+    refuses a run folder that holds another run's checkpoints, so run folders there would fail the next invocation."""
+    out, plots = tmp_path / "training.json", tmp_path / "plots"
+    run_benchmark("dllm_estimators.py", "--part", "training", "--seeds", "0", "--steps", "1", "--eval-every", "1",
+                  "--output-dir", str(plots), "--json", str(out))
+    results = read_json(out)
+    assert set(results) == {"one_step", "elbo_l", "coupled"}
+    for runs in results.values():
+        assert set(runs) == {"0"} and set(runs["0"]) == {"curve", "seconds"}
+        assert set(runs["0"]["curve"]) == {"0", "1"}  # evaluated at the start and after the step
+        assert all(0 <= accuracy <= 1 for accuracy in runs["0"]["curve"].values())
+    # every estimator starts from the same pretrained weights: the same accuracy at step 0
+    assert len({runs["0"]["curve"]["0"] for runs in results.values()}) == 1
+    assert sorted(path.name for path in plots.iterdir()) in ([], ["dllm_estimators_training.png"])
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+
+
+def test_rewards_throughput(tmp_path):
+    out = tmp_path / "rewards.json"
+    run_benchmark("rewards_throughput.py", "--batch", "2", "--resolution", "32", "--repeats", "1", "--chunks", "1",
+                  "--workers", "1", "--rollout-seconds", "0", "--threads", "1", "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"settings", "throughput", "async_vs_sync"}
+    assert result["settings"]["batch"] == 2 and result["settings"]["torch_threads"] == 1
+    names = [row["reward"] for row in result["throughput"]]
+    assert names[:-1] == ["clip_score", "pickscore", "hpsv2", "aesthetic", "jpeg_compressibility",
+                          "jpeg_incompressibility", "pref_winrate"]
+    assert names[-1].startswith("remote")
+    for row in result["throughput"]:
+        assert row["images_per_second"] == pytest.approx(2 / row["seconds_per_batch"])
+    assert [row["rollout"] for row in result["async_vs_sync"]] == ["sleep", "compute"]
+    for row in result["async_vs_sync"]:
+        assert row["rollout_seconds"] == 0 and row["sync_seconds"] > 0 and row["async_seconds"] > 0
+        assert row["speedup"] == pytest.approx(row["sync_seconds"] / row["async_seconds"])
+
+
+# ---------------------------------------------------------------------------------------------------- vlm
+
+VLM_SMALLEST = ["--rounds", "1", "--warmup", "0", "--steps", "1", "--prompts", "1", "--group", "2",
+                "--max-new-tokens", "4"]
+VLM_SIDE_KEYS = {"times", "median_s", "cpu_times", "median_cpu_s", "round_medians", "peak_bytes", "peak_rss",
+                 "completion_length"}
+
+
+def check_vlm_side(side: dict[str, Any], steps: int) -> None:
+    assert set(side) == VLM_SIDE_KEYS
+    assert len(side["times"]) == len(side["cpu_times"]) == steps and all(t > 0 for t in side["times"])
+    assert 0 < side["completion_length"] <= 4  # max_new_tokens
+    assert side["peak_bytes"] > 0 and side["peak_rss"] > 0
+
+
+def test_vlm_grpo_step_mmrl_side(tmp_path):
+    """mmrl's step alone (--no-trl), so that it runs where TRL is not installed."""
+    out = tmp_path / "vlm.json"
+    run_benchmark("vlm_grpo_step.py", "--no-trl", *VLM_SMALLEST, "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"settings", "trl_version", "mmrl", "trl", "round_ratios", "round_cpu_ratios"}
+    assert result["settings"]["no_trl"] is True and result["settings"]["steps"] == 1
+    assert result["trl"] is None and result["trl_version"] is None and result["round_ratios"] is None
+    check_vlm_side(result["mmrl"], steps=1)
+
+
+def test_vlm_grpo_step_without_trl_is_a_one_line_error(monkeypatch):
+    module = load_module("vlm_grpo_step.py")
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError, installed or not
+    with pytest.raises(SystemExit, match=r"^benchmarks/vlm_grpo_step.py: TRL is not installed.*--no-trl[^\n]*$"):
+        module.trl_version(module.parse_args([]))
+    assert module.trl_version(module.parse_args(["--no-trl"])) is None
+
+
+@pytest.mark.slow
+def test_vlm_grpo_step_against_trl(tmp_path):
+    """Both sides, where TRL is installed (a benchmark-only dependency)."""
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (pip install trl): the TRL side of vlm_grpo_step.py is not run")
+    out = tmp_path / "vlm.json"
+    run_benchmark("vlm_grpo_step.py", *VLM_SMALLEST, "--json", str(out), timeout=600)
+    result = read_json(out)
+    assert isinstance(result["trl_version"], str)
+    check_vlm_side(result["mmrl"], steps=1)
+    check_vlm_side(result["trl"], steps=1)
+    assert result["round_ratios"] == pytest.approx([result["mmrl"]["median_s"] / result["trl"]["median_s"]])
