@@ -185,7 +185,9 @@ def run_mmrl(args: argparse.Namespace) -> dict[str, Any]:
 
     for name, function in reward_functions(args.family):
         registry.register(f"bench_{name}", function)
-    output = tempfile.mkdtemp(prefix="mmrl-bench-")
+    # Scratch folders are TemporaryDirectory objects: removed when dropped or at exit, even after an error.
+    scratch = tempfile.TemporaryDirectory(prefix="mmrl-bench-")
+    output = scratch.name
     samples = args.prompts * args.group
     config = load_config({
         "plugin": {
@@ -279,8 +281,9 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
     samples = args.prompts * args.group
     dtype = torch.bfloat16 if args.device == "cuda" and not args.full else torch.float32
+    scratch = tempfile.TemporaryDirectory(prefix="trl-bench-")
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=samples,
+        output_dir=scratch.name, per_device_train_batch_size=samples,
         gradient_accumulation_steps=1, steps_per_generation=1, num_generations=args.group,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
         beta=args.beta, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    folder = Path(tempfile.mkdtemp(prefix="vlm-bench-"))
+    scratch = tempfile.TemporaryDirectory(prefix="vlm-bench-")  # the model and the sides' results
+    folder = Path(scratch.name)
     model = build_tiny_model(args.family, folder / f"{args.size}-{args.family}", size=args.size)
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")]
     if args.json:  # drop "--json PATH" as well
