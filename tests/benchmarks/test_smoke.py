@@ -9,11 +9,13 @@ the peer is installed.
 
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +23,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-# One thread and no network, as the benchmarks' documented CPU commands run.
+# One thread and no network, as the benchmarks' documented CPU commands run. torch's compile cache stays where torch
+# puts it by default (a folder in the temporary directory), as run_benchmark moves TMPDIR.
+INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+       "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE}
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``benchmarks/<script>`` with ``args``; fail with the end of its output unless it exits 0."""
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def run_benchmark(tmp_path: Path, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script>`` with ``args``; fail with the end of its output unless it exits 0, or if it leaves
+    anything in its temporary folder (``TMPDIR``; a benchmark removes its scratch files, also those of its
+    subprocesses)."""
+    scratch = tmp_path / "TMPDIR"
+    scratch.mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT,
+                          env={**ENV, "TMPDIR": str(scratch)}, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+    left = sorted(path.name for path in scratch.iterdir())
+    assert not left, f"{script} left temporary files: {left}"
     return done
 
 
@@ -61,7 +73,7 @@ def test_every_benchmark_has_a_smoke_test():
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_flow_rollout(tmp_path, kind):
     out = tmp_path / "rollout.json"
-    run_benchmark("flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
+    run_benchmark(tmp_path, "flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
                   "--warmup", "0", "--repeats", "1", "--threads", "1", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"kind", "size", "device", "dtype", "batch", "steps", "resolution", "cfg", "threads",
@@ -81,7 +93,7 @@ def test_flow_credit(tmp_path):
     """Every strategy (the optional tree_splits variant included), calibrated to equal compute, one step each."""
     strategies = ["step", "chunk", "branch", "sliding_window", "tree", "tree_splits"]
     out = tmp_path / "credit"
-    run_benchmark("flow_credit.py", "--strategies", *strategies, "--steps", "1", "--eval-every", "1",
+    run_benchmark(tmp_path, "flow_credit.py", "--strategies", *strategies, "--steps", "1", "--eval-every", "1",
                   "--eval-samples", "1", "--threads", "1", "--out", str(out))
     result = read_json(out / "results.json")
     assert set(result) == {"args", "calibration", "rows", "records", "matplotlib", "torch", "threads"}
@@ -101,8 +113,8 @@ def test_flow_credit(tmp_path):
 
 def test_dllm_estimators_variance(tmp_path):
     out = tmp_path / "variance.json"
-    run_benchmark("dllm_estimators.py", "--part", "variance", "--completions", "2", "--repeats", "2", "--budgets",
-                  "2", "--json", str(out))
+    run_benchmark(tmp_path, "dllm_estimators.py", "--part", "variance", "--completions", "2", "--repeats", "2",
+                  "--budgets", "2", "--json", str(out))
     rows = read_json(out)
     module = load_module("dllm_estimators.py")
     assert [row["estimator"] for row in rows] == [label for label, _, _ in module.ESTIMATORS]
@@ -119,8 +131,8 @@ def test_dllm_estimators_training(tmp_path):
     """One RL step per estimator. The training runs must leave nothing in --output-dir but the plot: the trainer
     refuses a run folder that holds another run's checkpoints, so run folders there would fail the next invocation."""
     out, plots = tmp_path / "training.json", tmp_path / "plots"
-    run_benchmark("dllm_estimators.py", "--part", "training", "--seeds", "0", "--steps", "1", "--eval-every", "1",
-                  "--output-dir", str(plots), "--json", str(out))
+    run_benchmark(tmp_path, "dllm_estimators.py", "--part", "training", "--seeds", "0", "--steps", "1",
+                  "--eval-every", "1", "--output-dir", str(plots), "--json", str(out))
     results = read_json(out)
     assert set(results) == {"one_step", "elbo_l", "coupled"}
     for runs in results.values():
@@ -137,8 +149,8 @@ def test_dllm_estimators_training(tmp_path):
 
 def test_rewards_throughput(tmp_path):
     out = tmp_path / "rewards.json"
-    run_benchmark("rewards_throughput.py", "--batch", "2", "--resolution", "32", "--repeats", "1", "--chunks", "1",
-                  "--workers", "1", "--rollout-seconds", "0", "--threads", "1", "--json", str(out))
+    run_benchmark(tmp_path, "rewards_throughput.py", "--batch", "2", "--resolution", "32", "--repeats", "1",
+                  "--chunks", "1", "--workers", "1", "--rollout-seconds", "0", "--threads", "1", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "throughput", "async_vs_sync"}
     assert result["settings"]["batch"] == 2 and result["settings"]["torch_threads"] == 1
@@ -172,7 +184,7 @@ def check_vlm_side(side: dict[str, Any], steps: int) -> None:
 def test_vlm_grpo_step_mmrl_side(tmp_path):
     """mmrl's step alone (--no-trl), so that it runs where TRL is not installed."""
     out = tmp_path / "vlm.json"
-    run_benchmark("vlm_grpo_step.py", "--no-trl", *VLM_SMALLEST, "--json", str(out))
+    run_benchmark(tmp_path, "vlm_grpo_step.py", "--no-trl", *VLM_SMALLEST, "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "trl_version", "mmrl", "trl", "round_ratios", "round_cpu_ratios"}
     assert result["settings"]["no_trl"] is True and result["settings"]["steps"] == 1
@@ -194,7 +206,7 @@ def test_vlm_grpo_step_against_trl(tmp_path):
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed (pip install trl): the TRL side of vlm_grpo_step.py is not run")
     out = tmp_path / "vlm.json"
-    run_benchmark("vlm_grpo_step.py", *VLM_SMALLEST, "--json", str(out), timeout=600)
+    run_benchmark(tmp_path, "vlm_grpo_step.py", *VLM_SMALLEST, "--json", str(out), timeout=600)
     result = read_json(out)
     assert isinstance(result["trl_version"], str)
     check_vlm_side(result["mmrl"], steps=1)
