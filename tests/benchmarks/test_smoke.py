@@ -1,6 +1,7 @@
 """Smoke tests of every script in benchmarks/: each runs as users run it (``python benchmarks/X.py ...`` in a
-subprocess, from the repository root) at its smallest settings, must exit 0 and must write a JSON file holding the
-keys its module docstring promises, with values consistent with the settings asked for.
+subprocess, from the repository root) at its smallest settings, must exit 0, must write a JSON file holding the keys
+its module docstring promises, with values consistent with the settings asked for, and must leave nothing in its
+temporary folder.
 
 They check that a benchmark still runs against the current core, not what it measures: timings are only checked to
 be positive. A benchmark that compares against a peer library runs its mmrl side here; the peer side runs only where
