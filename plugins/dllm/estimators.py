@@ -6,9 +6,11 @@ Every registered estimator has the signature
        **options) -> Tensor[B]  (float32)
 
 where ``model(input_ids[R, P+L]) -> logits[R, P+L, V]`` scores token ``i`` at position ``i`` (no shift: the model
-adapter hides Dream-style shifts) and ``completion_mask`` marks real completion tokens (1) and padding (0). The
-result estimates the sequence log-likelihood ``log π_θ(x | c)`` of the completion ``x`` given the prompt ``c``
-through its ELBO (or, for ``spg_upper``, an upper-bound surrogate). Gradients flow to the model; wrap calls for the
+adapter hides Dream-style shifts) and ``completion_mask`` marks the real completion tokens (1: up to and including
+the first EOS) and the tail after them (0). The tail is replaced by the mask token in every forward and never scored
+(d1 and SPG do the same; see :mod:`mmrl.plugins.dllm.masking`), so the result estimates the log-likelihood
+``log π_θ(x | c)`` of the real tokens ``x`` given the prompt ``c``, the tail marginalised, through its ELBO (or, for
+``spg_upper``, an upper-bound surrogate). Gradients flow to the model; wrap calls for the
 old/reference policies in ``torch.no_grad()``.
 
 Notation: ``L_b`` real tokens ``x = (x^1..x^L)``, ``x_S`` = ``x`` with positions ``S`` masked,
@@ -246,14 +248,15 @@ def one_step(
 ) -> Tensor:
     """d1 one-step ("mean-field") score: all completion tokens masked, one forward, Σ_i log p(x^i | c̃, m…m).
 
-    est = Σ_{i real} log p_θ(x^i | c̃, x_{all}), where every real completion token is masked and each prompt token
-    is masked independently w.p. ``p_mask_prompt`` (c̃). Zhao et al. 2025 (d1), arXiv:2504.12216; wd1
+    est = Σ_{i real} log p_θ(x^i | c̃, x_{all}), where every completion position is masked (the tail too) and each
+    prompt token is masked independently w.p. ``p_mask_prompt`` (c̃). Zhao et al. 2025 (d1), arXiv:2504.12216; wd1
     (arXiv:2507.08838) uses the same score.
 
-    **Biased, not a bound.** It equals ``L·h_L``, i.e. ``L`` times the ``l = L`` term of the ELBO
-    ``Σ_l h_l / l``: every token is predicted with no completion context, so it is typically far below the ELBO
-    for a trained model (on a random model it can be close by accident). Prompt masking changes the target further
-    (it scores a corrupted prompt) and acts as a regularizer across d1's inner iterations; d1 runs use 0.15.
+    **Biased, not a bound.** It equals ``h_L = g(all)`` (with a clean prompt), which is ``L`` times the ``l = L``
+    term ``h_L / L`` of the ELBO ``Σ_l h_l / l``: every token is predicted with no completion context, so it is
+    typically far below the ELBO for a trained model (on a random model it can be close by accident). Prompt
+    masking changes the target further (it scores a corrupted prompt) and acts as a regularizer across d1's inner
+    iterations, each of which draws new prompt masks; d1 runs use 0.15.
 
     Args:
         p_mask_prompt: Probability in [0, 1] of masking each prompt position (d1 runs: 0.15; 0 scores the clean
@@ -552,7 +555,8 @@ def exact_elbo(
 ) -> Tensor:
     """Exact masked-diffusion ELBO by enumerating every mask set (a test oracle for small L).
 
-    ELBO = Σ_{l=1..L} (1/l) · (1/C(L,l)) · Σ_{|S|=l} Σ_{i∈S} log p_θ(x^i | c, x_S)   (real tokens only).
+    ELBO = Σ_{l=1..L} (1/l) · (1/C(L,l)) · Σ_{|S|=l} Σ_{i∈S} log p_θ(x^i | c, x_S)   (real tokens only; the tail
+    after the first EOS is masked in every row, as in every estimator).
 
     Derivation. ``ELBO = ∫_0^1 E_{S~Bern(t)^L}[(1/t)·g(S)] dt``. Given ``t``, ``|S| ~ Bin(L, t)`` and, given
     ``|S| = l``, ``S`` is a uniform ``l``-subset, so ``E[g(S) | t] = Σ_l C(L,l) t^l (1−t)^{L−l} h_l`` (the ``l = 0``
@@ -604,7 +608,7 @@ def exact_elbo(
             results.append(torch.zeros((), dtype=torch.float32, device=completion_ids.device))
             continue
         scored = torch.stack([row for row, _ in masks])  # [R, L]
-        masked = scored.clone()
+        masked = scored | ~real[b]  # the tail after the first EOS is masked in every row
         for r, (_, later) in enumerate(masks):
             masked[r, later] = True
         rows = scored.shape[0]

@@ -16,9 +16,13 @@ where ``x̃_{n,b}`` is copy ``n`` of sample ``b`` with the planned positions rep
 For all unbiased plans below, ``(1/N) Σ_n E[w[n, b, i]] = 1`` for every real completion token ``i``.
 
 Conventions:
-    - ``completion_mask`` marks real completion tokens (1) and padding (0). Padding positions are never masked,
-      never scored and never counted: the caller chooses what the model sees there (pad or EOS tokens; a model that
-      honours an attention mask can ignore them). ``L_b`` is the number of real tokens of sample ``b``.
+    - ``completion_mask`` marks the real completion tokens (1: up to and including the first EOS) and the tail after
+      them (0). **The tail is masked in every draw** and never scored or counted: the model is scored on the
+      completion with everything after its end unseen, as the sampler produced it (d1 masks every completion
+      position, ``diffu_grpo_trainer.py`` L252 at dllm-reasoning/d1@837888f; SPG masks the positions after the first
+      EOS in every forward type, ``spg_trainer.py`` L302/L377 at facebookresearch/SPG@a1c7120). What the tail holds
+      therefore never changes an estimate; the estimate is the ELBO of the real tokens with the tail marginalised.
+      ``L_b`` is the number of real tokens of sample ``b``.
     - Random numbers are drawn in float64 on ``generator.device`` (CPU generators give the same plan on every
       accelerator and rank) and moved to the device of ``completion_ids``; the draw order is fixed, so one seed
       gives one plan.
@@ -250,6 +254,15 @@ def _num_tokens(real: Tensor) -> Tensor:
     return real.sum(dim=-1).to(torch.float32)
 
 
+def _with_tail(masked: Tensor, real: Tensor) -> Tensor:
+    """``masked`` with every tail position (``completion_mask`` 0, after the first EOS) masked as well.
+
+    Shapes:
+        masked ``bool [N, B, L]``, real ``bool [B, L]`` → ``bool [N, B, L]``.
+    """
+    return masked | ~real.unsqueeze(0)
+
+
 # ---------------------------------------------------------------------- plans
 def one_step_plan(
     prompt_ids: Tensor,
@@ -260,7 +273,7 @@ def one_step_plan(
     generator: torch.Generator | None = None,
     p_mask_prompt: float = 0.0,
 ) -> MaskPlan:
-    """d1's mean-field plan: every real completion token masked and scored with weight 1.
+    """d1's mean-field plan: every completion position masked (the tail too), every real token scored with weight 1.
 
     With ``p_mask_prompt > 0`` each prompt position is masked independently in each of the ``num_samples`` draws
     and the estimate averages them; with ``p_mask_prompt == 0`` all draws would be identical, so one is made.
@@ -269,8 +282,9 @@ def one_step_plan(
     device = completion_ids.device
     num = num_samples if p_mask_prompt > 0 else 1
     prompt_masked = _prompt_masks(num, prompt_ids, p_mask_prompt, generator, device)
-    masked = real.unsqueeze(0).expand(num, -1, -1).clone()
-    return MaskPlan(masked, masked.to(torch.float32), _num_tokens(real), prompt_masked, name="one_step")
+    scored = real.unsqueeze(0).expand(num, -1, -1)
+    masked = torch.ones_like(scored)  # every completion position, the tail included (d1)
+    return MaskPlan(masked, scored.to(torch.float32), _num_tokens(real), prompt_masked, name="one_step")
 
 
 def elbo_t_plan(
@@ -293,7 +307,7 @@ def elbo_t_plan(
     masked = (r < t.unsqueeze(-1)) & real
     # t == 0 (u == 0 with eps == 0) masks nothing, so its weight is never used.
     weights = torch.where(masked, 1.0 / t.clamp_min(1e-300).unsqueeze(-1), 0.0).to(torch.float32)
-    return MaskPlan(masked, weights, _num_tokens(real), name="elbo_t")
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="elbo_t")
 
 
 def _counts(real_count: Tensor, num: int, stratified: bool, generator, device) -> Tensor:
@@ -322,7 +336,7 @@ def elbo_l_plan(
     masked = random_subset(real.unsqueeze(0).expand(n, -1, -1), counts, keys)
     scale = real_count.unsqueeze(0).to(torch.float64) / counts.clamp(min=1).to(torch.float64)  # L_b / l
     weights = torch.where(masked, scale.unsqueeze(-1), 0.0).to(torch.float32)
-    return MaskPlan(masked, weights, _num_tokens(real), name="elbo_l")
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="elbo_l")
 
 
 def coupled_plan(
@@ -358,7 +372,7 @@ def coupled_plan(
     weights = torch.cat(
         [torch.where(first, w_first.unsqueeze(-1), 0.0), torch.where(second, w_second.unsqueeze(-1), 0.0)], dim=0
     ).to(torch.float32)
-    return MaskPlan(masked, weights, _num_tokens(real), name="coupled")
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="coupled")
 
 
 def block_plan(
@@ -405,7 +419,7 @@ def block_plan(
     )
     weights = torch.where(scored, scale.unsqueeze(-1), 0.0).to(torch.float32)
     prompt_masked = _prompt_masks(n, prompt_ids, p_mask_prompt, generator, device)
-    return MaskPlan(scored | later, weights, _num_tokens(real), prompt_masked, name="block")
+    return MaskPlan(_with_tail(scored | later, real), weights, _num_tokens(real), prompt_masked, name="block")
 
 
 def spg_plan(

@@ -22,8 +22,8 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   fine-tuning, kept only when ``Runtime.needs_reference``. Its estimate uses the same plan and is computed once per
   step at rollout time (``Rollout.ref_logp``).
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
-  the completion mask (tokens up to and including the first EOS), ``prompt_width`` and the ``step_map`` of the
-  decoder.
+  the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
+  masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
 """
 
 from __future__ import annotations
@@ -271,12 +271,13 @@ class DLLMPlugin(Plugin):
         module = self.runtime.unwrap(policy)
         prompt_ids, lengths = self.encode_prompts(batch.rows)  # [N, w], [N]
         completion_ids, step_map = self._decode(module, prompt_ids, batch)
+        # Kept as sampled: the tail after the first EOS is masked in every scoring forward (d1, SPG), so what it
+        # holds never matters.
         real = completion_mask(completion_ids, self.adapter.stop_ids)  # [N, G]
-        completion_ids = torch.where(real.bool(), completion_ids, self.adapter.eos_id)  # EOS after the end
         texts = self.decode_texts(completion_ids, real)
         n, width = prompt_ids.shape
         stops = torch.tensor(self.adapter.stop_ids, device=completion_ids.device)
-        finished = torch.isin(completion_ids, stops).any(dim=1)  # the fill after the end is a stop token too
+        finished = torch.isin(completion_ids, stops).any(dim=1)
         metrics = {"completion_length": float(real.sum(dim=1).float().mean()),
                    "finished_fraction": float(finished.float().mean())}
         replay: dict[str, Any] = {

@@ -117,6 +117,6 @@ def test_scorer_feeds_the_estimators(tmp_path):
     with torch.no_grad():
         estimate: Tensor = likelihood_estimators.get("one_step")(
             adapter.scorer(model), prompt, completion, mask, mask_id=adapter.mask_id)
-        inputs = torch.tensor([[0, 11, 12, 14, 7, 18, 1, 1, 2, 2]])
+        inputs = torch.tensor([[0, 11, 12, 14, 7, 18, 1, 1, 1, 1]])  # the tail after EOS is masked as well
         logp = adapter.logits(model, inputs)[0, 6:8].log_softmax(-1)
     assert estimate.item() == pytest.approx(float(logp[0, 9] + logp[1, 2]), abs=1e-5)

@@ -69,12 +69,14 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def _logp_table(model, prompt: Tensor, completion: Tensor, positions: list[int]) -> dict[frozenset, Tensor]:
-    """log p(x^i | c, x_S) for every non-empty subset S of `positions` (one sample): {S: [L] log-probs}."""
+    """log p(x^i | c, x_S) for every non-empty subset S of the real positions `positions` (one sample), with every
+    other completion position (the tail after EOS) masked too: {S: [L] log-probs}."""
     subsets = [frozenset(s) for l in range(1, len(positions) + 1) for s in itertools.combinations(positions, l)]
+    tail = [i for i in range(completion.shape[0]) if i not in positions]
     rows = []
     for subset in subsets:
         row = completion.clone()
-        row[list(subset)] = MASK
+        row[list(subset) + tail] = MASK
         rows.append(torch.cat([prompt, row]))
     with torch.no_grad():
         logits = model(torch.stack(rows))[:, prompt.shape[0] :].double()
@@ -128,15 +130,33 @@ def test_exact_elbo_matches_brute_force(model, length):
     assert exact.shape == (1,) and exact.dtype == torch.float32
     assert exact.item() == pytest.approx(subset_form.item(), abs=1e-4)
     assert exact.item() == pytest.approx(order_form.item(), abs=1e-4)
+    # one_step (every position masked, clean prompt) is h_L = g(all): L times the l = L term h_L / L of the ELBO.
+    every = frozenset(range(length))
+    h_last = table[every][list(every)].sum()
+    last_term = sum(table[frozenset(s)][list(s)].sum() for s in itertools.combinations(range(length), length)) / length
+    with torch.no_grad():
+        one_step = likelihood_estimators["one_step"](model, prompt, completion, mask, mask_id=MASK, num_samples=1,
+                                                     generator=None)
+    assert one_step.item() == pytest.approx(h_last.item(), abs=1e-5)
+    assert one_step.item() == pytest.approx(length * last_term.item(), abs=1e-5)
 
 
-def test_padding_does_not_change_the_exact_elbo(model, batch):
+def test_the_tail_is_masked_so_its_content_never_changes_an_estimate(model, batch):
     prompt, completion, mask = batch
-    padded = exact_elbo(model, prompt, completion, mask, mask_id=MASK)
-    for b, length in enumerate(mask.sum(-1).tolist()):
-        alone = exact_elbo(model, prompt[b : b + 1], completion[b : b + 1, :length], mask[b : b + 1, :length],
-                           mask_id=MASK)
-        assert padded[b].item() == pytest.approx(alone.item(), abs=1e-4)
+    other = torch.where(mask.bool(), completion, torch.tensor([[3, 7, 0, 9, 1, 4]]))  # another tail, same tokens
+    exact = exact_elbo(model, prompt, completion, mask, mask_id=MASK)
+    assert torch.allclose(exact, exact_elbo(model, prompt, other, mask, mask_id=MASK), atol=1e-6)
+    with torch.no_grad():
+        for name, options in ALL:
+            first = likelihood_estimators[name](model, prompt, completion, mask, mask_id=MASK, num_samples=4,
+                                                generator=_generator(3), **options)
+            second = likelihood_estimators[name](model, prompt, other, mask, mask_id=MASK, num_samples=4,
+                                                 generator=_generator(3), **options)
+            assert torch.allclose(first, second, atol=1e-6), name
+            plan = draw_plan(name, prompt, completion, mask, num_samples=4, generator=_generator(3), **options)
+            tail = ~mask.bool().unsqueeze(0)
+            assert plan.completion_masked[tail.expand_as(plan.completion_masked)].all(), name  # masked in every row
+            assert not (plan.scored & tail).any(), name  # and never scored
 
 
 # ---------------------------------------------------------------------- unbiasedness
@@ -215,7 +235,7 @@ def test_stratification_removes_count_variance(batch, name):
 # ---------------------------------------------------------------------- deterministic values
 def test_one_step_equals_single_forward(model, batch):
     prompt, completion, mask = batch
-    inputs = torch.cat([prompt, torch.where(mask.bool(), MASK, completion)], dim=1)
+    inputs = torch.cat([prompt, torch.full_like(completion, MASK)], dim=1)  # every completion position masked
     with torch.no_grad():
         logp = model(inputs)[:, 3:].double().log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         expected = (logp * mask).sum(-1)
@@ -232,19 +252,6 @@ def test_one_step_equals_single_forward(model, batch):
     assert torch.allclose(got_masked.double(), expected_masked, atol=1e-5)
     # One forward only: the plan has one draw without prompt masking.
     assert draw_plan("one_step", prompt, completion, mask, num_samples=4, generator=None).num_samples == 1
-
-
-def test_one_step_ignores_padding(model, batch):
-    prompt, completion, mask = batch
-    with torch.no_grad():
-        padded = likelihood_estimators["one_step"](model, prompt, completion, mask, mask_id=MASK, num_samples=1,
-                                                    generator=None)
-        for b, length in enumerate(mask.sum(-1).tolist()):
-            alone = likelihood_estimators["one_step"](
-                model, prompt[b : b + 1], completion[b : b + 1, :length], mask[b : b + 1, :length], mask_id=MASK,
-                num_samples=1, generator=None,
-            )
-            assert padded[b].item() == pytest.approx(alone.item(), abs=1e-5)
 
 
 def test_eubo_and_elbo_reductions_by_hand(model):
@@ -359,13 +366,14 @@ def test_plan_structure(batch):
     real = mask.bool()
     coupled = draw_plan("coupled", prompt, completion, mask, num_samples=10, generator=_generator(9))
     first, second = coupled.completion_masked.chunk(2, dim=0)
-    assert torch.equal(first | second, real.expand_as(first)) and not (first & second).any()
-    assert not (coupled.completion_masked & ~real).any()  # padding is never masked
+    tail = ~real.expand_as(first)
+    assert torch.equal((first | second) & ~tail, ~tail) and torch.equal(first & second, tail)  # a partition + tail
+    assert not (coupled.scored & ~real).any()  # the tail is never scored
     # Stratified counts with N = L_b are a permutation of 1..L_b.
     counts = stratified_counts(uniform((2,), _generator(0), torch.device("cpu")), torch.tensor([3, 5]), 5)
     assert sorted(counts[:, 1].tolist()) == [1, 2, 3, 4, 5]
     plan = draw_plan("elbo_l", prompt, completion, mask, num_samples=5, generator=_generator(0))
-    sizes = plan.completion_masked.sum(-1)  # [N, B]
+    sizes = plan.scored.sum(-1)  # [N, B] masked real tokens (the one tail position is masked besides)
     assert sorted(sizes[:, 1].tolist()) == [1, 2, 3, 4, 5]
     assert torch.allclose(plan.weights.sum(-1), real.sum(-1).float().expand(5, -1))  # (L/l)·l = L per draw
     # Block masking: one block scored, earlier blocks clean, later real tokens masked.

@@ -47,9 +47,9 @@ def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
     assert rollout.replay["plan_masked"].shape == (n, 4, g)  # per sample: [N, draws, L]
     assert (rollout.replay["step_map"] >= 0).all()
     assert len(rollout.payload["completions"]) == n
-    # The plan only masks and scores real completion tokens.
+    # The plan scores real completion tokens only; the tail after the first EOS is masked in every draw.
     real = rollout.replay["completion_mask"].bool().unsqueeze(1)
-    assert not (rollout.replay["plan_masked"] & ~real).any()
+    assert (rollout.replay["plan_masked"] | real).all()
     assert not ((rollout.replay["plan_weights"] != 0) & ~real).any()
     # forward() on the whole rollout reproduces old_logp exactly (the same rows through the same code); a shuffled
     # subset is another batch shape, whose matmuls may round differently on other CPUs: equal to float32 rounding.
@@ -83,7 +83,7 @@ def test_one_step_estimate_matches_a_direct_forward(rows):
     rollout = plugin.rollout(plugin.policy(), _batch(rows[:4], [5, 6, 7, 8]))
     prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
     real = rollout.replay["completion_mask"].bool()
-    inputs = torch.cat([prompt, torch.where(real, plugin.adapter.mask_id, completion)], dim=1)
+    inputs = torch.cat([prompt, torch.full_like(completion, plugin.adapter.mask_id)], dim=1)  # the tail masked too
     attention = (inputs != plugin.adapter.pad_id).long()
     with torch.no_grad():
         logits = plugin.model(input_ids=inputs, attention_mask=attention,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -86,3 +87,37 @@ def test_pretraining_script_writes_a_loadable_checkpoint(tmp_path):
     assert summary["command"].startswith("python -m mmrl.plugins.dllm.pretrain --output")
     adapter = MaskedLMAdapter(str(tmp_path))
     assert adapter.load_model().config.hidden_size == 16
+
+
+def test_the_eos_tail_is_masked_when_the_toy_model_scores_3_plus_4_is_17():
+    """Issue 21's example: "3+4=" → "17", EOS, then one tail position. The ELBO is enumerated here by hand over the
+    7 mask sets of the 3 real tokens, the tail masked in every row (d1/SPG); with the tail left visible (as the EOS
+    fill used to be) it is a different number, so the test tells the two apart."""
+    from mmrl.plugins.dllm.estimators import exact_elbo
+
+    adapter = MaskedLMAdapter(str(toy.ASSETS))
+    model = adapter.load_model(attn_implementation="eager").eval()
+    tokenizer, mask_id, eos = adapter.tokenizer, adapter.mask_id, adapter.eos_id
+    prompt = torch.tensor([tokenizer("3+4=", add_special_tokens=False)["input_ids"]])
+    completion = torch.tensor([tokenizer("17", add_special_tokens=False)["input_ids"] + [eos, eos]])
+    real = torch.tensor([[1, 1, 1, 0]])
+
+    def enumerated(tail_masked: bool) -> float:
+        total = 0.0
+        for size in (1, 2, 3):
+            subsets = list(itertools.combinations(range(3), size))
+            for subset in subsets:
+                row = completion[0].clone()
+                row[list(subset)] = mask_id
+                if tail_masked:
+                    row[3] = mask_id
+                with torch.no_grad():
+                    logp = adapter.logits(model, torch.cat([prompt[0], row]).unsqueeze(0))[0, 4:].log_softmax(-1)
+                total += sum(float(logp[i, completion[0, i]]) for i in subset) / size / len(subsets)
+        return total
+
+    with torch.no_grad():
+        got = exact_elbo(adapter.scorer(model), prompt, completion, real, mask_id=mask_id).item()
+    masked, visible = enumerated(True), enumerated(False)
+    assert got == pytest.approx(masked, abs=1e-4)
+    assert abs(masked - visible) > 0.3  # -11.94 against -11.21 on the committed checkpoint
