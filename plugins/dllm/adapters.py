@@ -17,6 +17,7 @@ completion (EOS), the token that fills a completion after its end and the token 
                    was adapted from an autoregressive LM); the adapter returns ``cat(logits[:, :1], logits[:, :-1])``
                    so that position i scores token i, as Dream's own sampler does. A 4-D bidirectional attention mask
                    and position ids counted from the first real token are passed when a sequence has left padding.
+                   Dream pads with its EOS (151643); only the leading run of it is padding (:func:`padding_inputs`).
 =================  =====================================================================================================
 
 Adapters are registered in :data:`dllm_adapters`; ``plugin.adapter: auto`` picks one from ``config.json``'s
@@ -167,20 +168,35 @@ class DLLMAdapter:
         """``input_ids → logits`` for generation and the likelihood estimators."""
         return lambda input_ids: self.logits(model, input_ids)
 
+    @property
+    def pad_is_stop(self) -> bool:
+        """Whether the prompt padding id is also a stop token (Dream, LLaDA): left padding is then recognised by its
+        position (the leading run, see :func:`padding_inputs`), never by the id alone."""
+        return self.pad_id in self.stop_ids
+
     def describe(self) -> str:
-        return (f"{self.name} adapter: mask {self.mask_id}, stop {list(self.stop_ids)}, pad {self.pad_id}, "
+        return (f"{self.name} adapter: mask {self.mask_id}, stop {list(self.stop_ids)}, pad {self.pad_id}"
+                f"{' (= a stop token: left padding is the leading run of it)' if self.pad_is_stop else ''}, "
                 f"attention mask {'yes' if self.supports_attention_mask else 'no'}, "
                 f"shifted logits {'yes' if self.shifted_logits else 'no'}")
 
 
 def padding_inputs(input_ids: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
-    """``(attention_mask, position_ids)`` of left-padded ids: pads hidden, positions counted from the first real
-    token (pad positions get 0; nothing attends to them).
+    """``(attention_mask, position_ids)`` of left-padded ids: the left padding hidden, positions counted from the first
+    real token (pad positions get 0; nothing attends to them).
+
+    The left padding is the run of ``pad_id`` at the start of a row, and only that: a ``pad_id`` after the first real
+    token is a real token. This matters when the pad id is also the EOS (Dream: ``pad_token`` = ``eos_token`` =
+    ``<|endoftext|>`` = 151643 in its ``tokenizer_config.json``, ``config.json`` and ``generation_config.json``):
+    comparing every id with ``pad_id`` would hide each generated EOS and shift the positions after it, where Dream's
+    own sampler takes the tokenizer's mask for the prompt and attends to every generated token (``generation_utils.py``
+    of the Dream checkpoints: the prompt mask is padded with ones for the new tokens). Prompts must therefore not
+    start with the pad id (the plugin checks it when it encodes them).
 
     Shapes:
         input_ids ``[B, T]`` → ``[B, T]`` long each.
     """
-    attention = (input_ids != pad_id).long()
+    attention = ((input_ids != pad_id).long().cumsum(dim=1) > 0).long()  # 0 only before the first real token
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return attention, positions
 

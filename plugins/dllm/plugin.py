@@ -349,6 +349,10 @@ class DLLMPlugin(Plugin):
             raise ValueError("a prompt encodes to no tokens; check plugin.prompt_template")
         width = max(len(ids) for ids in encoded)
         pad = self.adapter.pad_id
+        starts = [i for i, ids in enumerate(encoded) if ids[0] == pad]
+        if starts:  # left padding is the leading run of the pad id (adapters.padding_inputs): it would swallow it
+            raise ValueError(f"prompt {starts[0]} starts with the padding token id {pad}, which would be read as left "
+                             "padding; set plugin.pad_token_id to an id prompts do not start with")
         ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], dtype=torch.long)
         lengths = torch.tensor([len(row) for row in encoded], dtype=torch.long)
         return ids.to(self.runtime.device), lengths.to(self.runtime.device)

@@ -120,3 +120,43 @@ def test_scorer_feeds_the_estimators(tmp_path):
         inputs = torch.tensor([[0, 11, 12, 14, 7, 18, 1, 1, 1, 1]])  # the tail after EOS is masked as well
         logp = adapter.logits(model, inputs)[0, 6:8].log_softmax(-1)
     assert estimate.item() == pytest.approx(float(logp[0, 9] + logp[1, 2]), abs=1e-5)
+
+
+def _pad_is_eos_checkpoint(tmp_path) -> str:
+    """A Dream-style folder whose tokenizer and config set pad = EOS, as Dream-v0's do (151643 for both); here the
+    toy tokenizer with its pad token set to [EOS] (id 2)."""
+    folder = tmp_path / "dream_pad_eos"
+    tokenizer = toy.build_tokenizer()
+    tokenizer.pad_token = "[EOS]"
+    tokenizer.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "Dream", "vocab_size": 23, "mask_token_id": 1,
+                                                    "eos_token_id": 2, "pad_token_id": 2, "bos_token_id": 2}))
+    return str(folder)
+
+
+def test_pad_equal_to_eos_hides_only_the_left_padding(tmp_path):
+    adapter = DreamAdapter(_pad_is_eos_checkpoint(tmp_path), trust_remote_code=True)
+    assert adapter.pad_id == adapter.eos_id == 2 and adapter.pad_is_stop and "leading run" in adapter.describe()
+    recorder = Recorder(23)
+    ids = torch.tensor([[2, 2, 5, 6, 7, 2, 1, 1],  # two pads, a prompt, a completion "7 EOS" and a masked tail
+                        [5, 6, 5, 7, 2, 2, 1, 1]])  # no padding; the EOS after the prompt is a real token
+    adapter.logits(recorder, ids)
+    _, kwargs = recorder.calls[0]
+    visible = kwargs["attention_mask"][:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T]: which positions are attended
+    assert visible.tolist() == [[False, False] + [True] * 6, [True] * 8]
+    assert kwargs["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3, 4, 5], list(range(8))]
+    attention, positions = padding_inputs(ids, 2)
+    assert attention.tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
+
+
+def test_pad_equal_to_eos_leaves_the_toy_logits_unchanged():
+    # The toy model with the padding id overridden to EOS must score a sequence that contains EOS exactly as with
+    # its real padding id: an EOS after the first real token is a real token, not padding.
+    model = MaskedLMAdapter(str(toy.ASSETS)).load_model().eval()
+    sequence = torch.tensor([[11, 12, 14, 7, 18, 9, 2, 1]])  # "34+9=", then "7", EOS and a mask
+    with torch.no_grad():
+        real_pad = MaskedLMAdapter(str(toy.ASSETS)).logits(model, sequence)
+        eos_pad = MaskedLMAdapter(str(toy.ASSETS), pad_id=2).logits(model, sequence)
+        padded = MaskedLMAdapter(str(toy.ASSETS), pad_id=2).logits(model, torch.cat([torch.full((1, 2), 2), sequence],
+                                                                                    dim=1))[:, 2:]
+    assert torch.allclose(real_pad, eos_pad, atol=1e-6) and torch.allclose(real_pad, padded, atol=1e-5)

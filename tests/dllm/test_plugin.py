@@ -183,6 +183,11 @@ def test_files_dataset_and_prompt_template(tmp_path):
     bad = _plugin(dataset=str(folder), prompt_template="{question}")
     with pytest.raises(ValueError, match="prompt_template"):
         bad.encode_prompts(bad.dataset("train"))
+    # Left padding is the leading run of the pad id: a prompt that starts with it would lose its first token.
+    digit_pad = _plugin(dataset=str(folder), pad_token_id=plugin.adapter.tokenizer.convert_tokens_to_ids("3"))
+    digit_pad.encode_prompts(plugin.dataset("eval"))  # "1+1=" does not start with "3"
+    with pytest.raises(ValueError, match="prompt 1 starts with the padding token id"):
+        digit_pad.encode_prompts(digit_pad.dataset("train"))
 
 
 def test_bundled_checkpoint_is_the_default():
