@@ -9,7 +9,8 @@ plugin                  an action is                                 A
 reference (``toy``)     one generated token                           max generated length
 vlm                     one completion token                          max completion length in the batch
 flow                    one SDE denoising step (x_t → x_{t−1})        number of sampled steps
-dllm                    the whole completion, scored by an ELBO       1 (a sequence-level score)
+dllm                    one completion token (grpo; ELBO/L for the    completion length (wd1: 1, spg: 2:
+                        ELBO estimators), or the whole completion      a sequence-level score)
 ======================  ==========================================  =====================================
 
 The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-action extras (``old_logp`` may be

@@ -2,13 +2,19 @@
 
 How it maps onto the rollout contract (docs/dllm.md has the long version):
 
-- **An action is the whole completion**, scored by a likelihood estimator (:mod:`mmrl.plugins.dllm.estimators`).
-  ``A = 1`` (``objective: grpo`` or ``wd1``) or ``A = 2`` (``objective: spg``: column 0 the ELBO, column 1 the EUBO).
-  ``old_logp[N, A]`` is the estimate under the sampling policy, divided by the number of real completion tokens for
-  ``grpo`` (so the core's ratio ``exp(logp − old_logp)`` is the length-normalised sequence ELBO ratio), ``mask = 1``.
-  When the run does not need it (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch) the scoring pass is
-  skipped and ``old_logp`` is None: the core uses the detached training estimate, the same loss and gradient
-  (``force_old_logp_pass`` keeps the pass).
+- **Actions.** ``objective: grpo``: one action per completion position (``A = G``, mask = the real tokens, up to and
+  including the first EOS). With ``one_step`` each column holds the token's own log-prob under the one-step forward,
+  so the core's clipped ratio, clipping and KL act per token as in d1 (``diffu_grpo_trainer.py`` L114-121 at
+  dllm-reasoning/d1@837888f); with the ELBO estimators (and ``spg_upper``) every real column holds ``ELBO / L``, so
+  each token's ratio is the sequence ratio ``exp((ELBO_θ − ELBO_old) / L)`` whatever ``ratio_level`` says. In both
+  cases the columns sum to the sequence estimate and ``algorithm.aggregation`` sets the length weighting
+  (``token_mean``: each sequence's gradient is ``A·∇ELBO / T``, T the step's tokens, as d1; ``seq_mean_token_mean``:
+  ``A·∇ELBO / (S·L)``; ``seq_mean_token_sum_norm``: Dr. GRPO's ``A·∇ELBO / (S·G)``). ``objective: wd1``: ``A = 1``,
+  the sequence estimate; ``objective: spg``: ``A = 2`` (column 0 the ELBO, column 1 the EUBO); divided by the
+  length with ``normalize_by_length``. ``old_logp[N, A]`` is scored under the sampling policy. When the run does not
+  need it (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch) the scoring pass is skipped and ``old_logp``
+  is None: the core uses the detached training estimate, the same loss and gradient (``force_old_logp_pass`` keeps
+  the pass).
 - **The mask plan travels with the sample.** At rollout time each sample draws its masks, timesteps and weights
   (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed; the plan's tensors
   are stored per sample in ``replay`` (``[N, draws, L]``: the plan's ``[draws, N, L]`` transposed so that the
@@ -153,10 +159,12 @@ class DLLMPluginConfig:
     generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
     # ---------------------------------------------------------------- likelihood and objective
     objective: Literal["grpo", "wd1", "spg"] = config_field(
-        "grpo", help="What the action log-probs are: 'grpo' (length-normalised ELBO, ratio objectives grpo/gspo), "
-        "'wd1' (sequence estimate, pair with policy_loss wd1 and advantage wd1), 'spg' (ELBO and EUBO columns, "
-        "pair with policy_loss spg and advantage dr_grpo).",
-        ref="wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
+        "grpo", help="What the action log-probs are: 'grpo' (one action per completion token: one_step's per-token "
+        "log-probs, d1's per-token ratio; the ELBO estimators' ELBO/L in every token, a sequence ratio; for the "
+        "ratio objectives grpo/gspo, weighted by algorithm.aggregation), 'wd1' (sequence estimate, pair with "
+        "policy_loss wd1 and advantage wd1), 'spg' (ELBO and EUBO columns, pair with policy_loss spg and advantage "
+        "dr_grpo).",
+        ref="d1 diffu_grpo_trainer.py L114-121; wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
     )
     estimator: str | None = config_field(
         None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, spg_lower, spg_upper. Null: elbo_l for "
@@ -171,8 +179,9 @@ class DLLMPluginConfig:
         "{stratified: false} for elbo_l, {masking: block, block_length: 32} for spg_lower.",
     )
     normalize_by_length: bool | None = config_field(
-        None, help="Divide each estimate by the number of real completion tokens. Null: yes for grpo (the ratio of "
-        "length-normalised ELBOs), no for wd1 and spg (their losses weight sequence log-likelihoods).",
+        None, help="wd1 and spg: divide each sequence estimate by the number of real completion tokens (null: no; "
+        "their losses weight sequence log-likelihoods). Must be null for grpo, whose token columns already hold "
+        "per-token values and whose length weighting is algorithm.aggregation's.",
     )
     spg_beta: float = config_field(1.5, minimum=1.0, help="Rényi order β of SPG's upper bound.",
                                    ref="SPG: 1.5 GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku")
@@ -207,6 +216,10 @@ class DLLMPluginConfig:
                               "e.g. '{prompt}'")
         if self.dataset in BUILTIN_DATASETS and self.model is not None and self.adapter not in ("auto", "masked_lm"):
             raise ConfigError(f"{path}.dataset", self.dataset, "a JSONL file or folder for a non-toy model")
+        if self.objective == "grpo" and self.normalize_by_length is not None:
+            raise ConfigError(f"{path}.normalize_by_length", self.normalize_by_length,
+                              "null with objective grpo (each token column holds a per-token value; "
+                              "algorithm.aggregation sets the length weighting)")
 
     @property
     def resolved_estimator(self) -> str:
@@ -214,10 +227,23 @@ class DLLMPluginConfig:
 
     @property
     def normalized(self) -> bool:
-        return self.objective == "grpo" if self.normalize_by_length is None else self.normalize_by_length
+        """wd1/spg: whether the sequence estimates are divided by the completion length."""
+        return bool(self.normalize_by_length)
+
+    @property
+    def token_columns(self) -> bool:
+        """Whether the actions are the completion's token positions (objective grpo) rather than the completion."""
+        return self.objective == "grpo"
+
+    @property
+    def per_token(self) -> bool:
+        """Whether each token column holds the token's own log-prob (one_step, d1) rather than ELBO/L."""
+        return self.token_columns and self.resolved_estimator == "one_step"
 
     @property
     def num_actions(self) -> int:
+        if self.token_columns:
+            return self.gen_length
         return 2 if self.objective == "spg" else 1
 
 
@@ -302,13 +328,12 @@ class DLLMPlugin(Plugin):
                 with self._reference_module(policy) as reference:
                     ref_logp = self.score(self.adapter.scorer(reference), replay)
         if old_logp is not None:
-            metrics["estimate_mean"] = float(old_logp[:, 0].mean())
-            if actions == 2:
+            metrics["estimate_mean"] = float(self.sequence_estimates(old_logp).mean())
+            if config.objective == "spg":
                 metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
         return Rollout(
-            group_ids=batch.group_ids, old_logp=old_logp,
-            mask=torch.ones(n, actions, device=device), payload={"completions": texts}, replay=replay,
-            ref_logp=None if ref_logp is None else ref_logp.float(), metrics=metrics,
+            group_ids=batch.group_ids, old_logp=old_logp, mask=self.action_mask(real), payload={"completions": texts},
+            replay=replay, ref_logp=None if ref_logp is None else ref_logp.float(), metrics=metrics,
         )
 
     def forward(
@@ -323,6 +348,25 @@ class DLLMPlugin(Plugin):
         return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float())
 
     # ------------------------------------------------------------------ building blocks
+    def action_mask(self, real: Tensor) -> Tensor:
+        """The rollout's action mask: the completion mask over the token columns (grpo), else one per column.
+
+        Shapes:
+            real ``[N, G]`` → ``[N, A]`` float32.
+        """
+        if self.config.token_columns:
+            return real.float()
+        return torch.ones(real.shape[0], self.config.num_actions, device=real.device)
+
+    def sequence_estimates(self, scores: Tensor) -> Tensor:
+        """The sequence estimate (nats per completion, or per token with ``normalize_by_length``) of action scores:
+        the sum of the token columns for grpo, column 0 (the ELBO) otherwise.
+
+        Shapes:
+            scores ``[N, A]`` → ``[N]``.
+        """
+        return scores.sum(dim=1) if self.config.token_columns else scores[:, 0]
+
     def encode_prompts(self, rows: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
         """Prompt ids left-padded to the longest prompt of ``rows`` (after truncation to ``max_prompt_length``),
         and the number of real tokens of each.
@@ -427,8 +471,11 @@ class DLLMPlugin(Plugin):
         were right-padded with zeros then, and the first ``prompt_width`` columns are the sample's own prompt).
 
         Shapes:
-            → ``[n, A]`` float32: the ELBO estimate (and, for spg, the EUBO), divided by the number of real completion
-            tokens when ``normalized``.
+            → ``[n, A]`` float32. grpo (``A = G`` token columns, zero after the first EOS): one_step's per-token
+            log-probs (their sum is the estimate; d1's per-token ratio), or for the other estimators the sequence
+            estimate divided by the number of real tokens in every real column (their sum is the estimate; the ratio
+            of every token is the sequence ratio ``exp(ΔELBO / L)``). wd1: the estimate; spg: the ELBO and the EUBO;
+            divided by the number of real tokens when ``normalize_by_length``.
         """
         config = self.config
         widths = replay["prompt_width"]
@@ -457,9 +504,16 @@ class DLLMPlugin(Plugin):
                 columns = [lower.reduce(token_logp), upper.reduce(token_logp)]
             else:
                 columns = [plan.reduce(token_logp)]
-            scores = torch.stack(columns, dim=1)  # [n, A]
-            if config.normalized:
-                scores = scores / num_tokens.clamp(min=1.0).unsqueeze(1)
+            if config.token_columns:
+                real = replay["completion_mask"].index_select(0, rows).to(token_logp.dtype)  # [n, G]
+                if config.per_token:  # d1: each token's own (draw-averaged) log-prob, for a per-token ratio
+                    scores = (plan.weights.to(token_logp.dtype) * token_logp).mean(dim=0)  # [n, G]
+                else:  # the sequence estimate spread evenly: every token's ratio is exp(ΔELBO / L)
+                    scores = real * (columns[0] / num_tokens.clamp(min=1.0)).unsqueeze(1)  # [n, G]
+            else:
+                scores = torch.stack(columns, dim=1)  # [n, A]
+                if config.normalized:
+                    scores = scores / num_tokens.clamp(min=1.0).unsqueeze(1)
             parts.append(scores)
             order.append(rows)
         scores = torch.cat(parts)

@@ -42,7 +42,8 @@ def rows(plugin):
 def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
     rollout = plugin.rollout(plugin.policy(), _batch(rows, list(range(100, 106)))).validate()
     n, g = len(rows), plugin.config.gen_length
-    assert rollout.old_logp.shape == (n, 1) and torch.equal(rollout.mask, torch.ones(n, 1))
+    # grpo: one action per completion position, trained up to and including the first EOS.
+    assert rollout.old_logp.shape == (n, g) and torch.equal(rollout.mask, rollout.replay["completion_mask"].float())
     assert rollout.replay["completion_ids"].shape == (n, g)
     assert rollout.replay["plan_masked"].shape == (n, 4, g)  # per sample: [N, draws, L]
     assert (rollout.replay["step_map"] >= 0).all()
@@ -77,29 +78,31 @@ def test_a_sample_is_the_same_alone_or_in_a_batch_with_other_prompt_widths(plugi
                                rtol=0, atol=1e-5)
 
 
-def test_one_step_estimate_matches_a_direct_forward(rows):
-    # Independent formula: every completion token masked, one forward, Σ log softmax at the real tokens.
-    plugin = _plugin(estimator="one_step", normalize_by_length=False)
+def test_one_step_gives_d1_per_token_log_probs(rows):
+    # Independent formula (d1's _get_per_token_logps): every completion position masked, one forward, the log-softmax
+    # of each real token; the token columns hold them, zero after the first EOS.
+    plugin = _plugin(estimator="one_step")
     rollout = plugin.rollout(plugin.policy(), _batch(rows[:4], [5, 6, 7, 8]))
     prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
     real = rollout.replay["completion_mask"].bool()
-    inputs = torch.cat([prompt, torch.full_like(completion, plugin.adapter.mask_id)], dim=1)  # the tail masked too
+    inputs = torch.cat([prompt, torch.full_like(completion, plugin.adapter.mask_id)], dim=1)
     attention = (inputs != plugin.adapter.pad_id).long()
     with torch.no_grad():
         logits = plugin.model(input_ids=inputs, attention_mask=attention,
                               position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
     logp = logits[:, prompt.shape[1]:].log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-    expected = (logp * real).sum(dim=1)
-    assert torch.allclose(rollout.old_logp[:, 0], expected, atol=1e-5)
+    torch.testing.assert_close(rollout.old_logp, torch.where(real, logp, 0.0), rtol=0, atol=1e-5)
 
 
-def test_grpo_scores_are_length_normalised_and_spg_returns_both_bounds(rows):
-    grpo = _plugin(estimator="one_step")
-    raw = _plugin(estimator="one_step", normalize_by_length=False)
+def test_elbo_columns_spread_the_estimate_and_spg_returns_both_bounds(rows):
+    grpo = _plugin(estimator="coupled", num_mc_samples=2)
+    wd1 = _plugin(objective="wd1", estimator="coupled", num_mc_samples=2)
     a = grpo.rollout(grpo.policy(), _batch(rows[:4], [1, 2, 3, 4]))
-    b = raw.rollout(raw.policy(), _batch(rows[:4], [1, 2, 3, 4]))
-    lengths = a.replay["completion_mask"].sum(1).float()
-    assert torch.allclose(a.old_logp[:, 0] * lengths, b.old_logp[:, 0], atol=1e-5)
+    b = wd1.rollout(wd1.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    real = a.replay["completion_mask"].float()
+    sequence = b.old_logp[:, 0]  # wd1: the sequence estimate (same seeds, same plans)
+    torch.testing.assert_close(a.old_logp, real * (sequence / real.sum(1)).unsqueeze(1), rtol=0, atol=1e-6)
+    assert grpo.max_actions() == grpo.config.gen_length and wd1.max_actions() == 1
     # With one draw of weight 1 per token the EUBO is (1/β)·log p^β = log p per token: both columns agree.
     spg = _plugin(objective="spg", estimator="one_step")
     c = spg.rollout(spg.policy(), _batch(rows[:4], [1, 2, 3, 4]))
@@ -165,6 +168,7 @@ def test_config_errors_name_the_key():
         ({"adapter": "gpt"}, "plugin.adapter"),
         ({"objective": "ppo"}, "plugin.objective"),
         ({"prompt_template": "no fields"}, "plugin.prompt_template"),
+        ({"normalize_by_length": True}, "plugin.normalize_by_length"),  # grpo: the aggregation weights tokens
     ]
     for options, key in cases:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

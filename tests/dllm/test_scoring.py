@@ -1,0 +1,97 @@
+"""How the dLLM plugin scores completions for the core's losses (issue 21): token columns and the length weighting
+of algorithm.aggregation, per-token (one_step, d1) against sequence (ELBO) ratios, mask plans redrawn per inner
+epoch, classifier-free guidance in scoring. Toy checkpoint, CPU."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.algos.aggregation import aggregate
+from mmrl.algos.policy_losses import policy_losses
+from mmrl.config import load_config
+from mmrl.plugin import PromptBatch, Runtime, plugin_registry
+
+torch.set_num_threads(1)
+
+
+def _plugin(runtime: Runtime | None = None, **plugin):
+    data = {"plugin": {"name": "dllm", "train_size": 64, "eval_size": 16, **plugin},
+            "rewards": {"functions": [{"name": "gsm8k_answer"}]}}
+    return plugin_registry.get("dllm")(load_config(data).plugin.config, runtime or Runtime())
+
+
+def _batch(rows, seeds):
+    return PromptBatch(rows=rows, group_ids=torch.arange(len(rows)) // 2, group_size=2, seeds=torch.tensor(seeds),
+                       generator=torch.Generator())
+
+
+def _rows(plugin, count):
+    return plugin.dataset("train")[:count]
+
+
+def test_length_weighting_follows_the_aggregation():
+    """ELBO estimators at ratio 1: the gradient of the aggregated GRPO loss is Σ_i c_i ∇ELBO_i with c_i = −A_i/T
+    (token_mean, T the step's tokens: d1), −A_i/(S·L_i) (seq_mean_token_mean: the old hard-coded 1/|o|) or
+    −A_i/(S·G) (seq_mean_token_sum_norm: Dr.GRPO's constant), S the sequences and L_i the real tokens of each."""
+    plugin = _plugin(estimator="coupled", num_mc_samples=2)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, _batch(_rows(plugin, 8), list(range(20, 28))))
+    lengths = rollout.mask.sum(1).double()
+    assert len(set(lengths.tolist())) > 1  # completions of different lengths, or the modes would agree
+    advantages = torch.linspace(-1.0, 1.2, len(lengths))
+    params = [p for p in policy.parameters() if p.requires_grad]
+    total, count, width = float(lengths.sum()), float(len(lengths)), float(plugin.max_actions())
+    for mode, coefficient in (("token_mean", -advantages / total),
+                              ("seq_mean_token_mean", -advantages / (count * lengths.float())),
+                              ("seq_mean_token_sum_norm", -advantages / (count * width))):
+        logp = plugin.forward(policy, rollout, need_reference=False).logp
+        per_action, _ = policy_losses.get("grpo")(logp, rollout.old_logp, advantages, rollout.mask)
+        loss = aggregate(per_action, rollout.mask, mode, max_actions=width)
+        got = torch.autograd.grad(loss, params, retain_graph=True)
+        expected = torch.autograd.grad((coefficient * logp.sum(1)).sum(), params)  # logp.sum(1): the ELBO estimates
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7, msg=mode)
+
+
+def test_one_step_ratio_is_per_token_and_elbo_ratios_are_per_sequence():
+    for estimator, options in (("one_step", {}), ("coupled", {"num_mc_samples": 2})):
+        plugin = _plugin(estimator=estimator, **options)
+        rollout = plugin.rollout(plugin.policy(), _batch(_rows(plugin, 6), [1, 2, 3, 4, 5, 6]))
+        moved = copy.deepcopy(plugin.policy())
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        logp = plugin.forward(moved, rollout, need_reference=False).logp
+        real = rollout.mask.bool()
+        log_ratio = (logp - rollout.old_logp).masked_fill(~real, float("nan"))  # [N, G]
+        spread = (log_ratio.nan_to_num(0.0).amax(1) - log_ratio.nan_to_num(0.0).amin(1))[real.sum(1) > 1]
+        if estimator == "one_step":  # d1: each token has its own ratio
+            assert (spread > 1e-4).any()
+        else:  # every token carries exp((ELBO_θ − ELBO_old) / L)
+            sequence = (logp.sum(1) - rollout.old_logp.sum(1)) / real.sum(1)
+            torch.testing.assert_close(torch.where(real, log_ratio, 0.0),
+                                       torch.where(real, sequence.unsqueeze(1).expand_as(logp), 0.0),
+                                       rtol=0, atol=1e-6)
+
+
+def test_llada_recipe_uses_d1_per_token_numbers():
+    """configs/dllm/llada8b_gsm8k_lora.yaml: d1's per-token clip 0.5 and β 0.04 (k3) apply to one_step's per-token
+    ratio, averaged over the step's tokens (diffu_grpo_trainer.py L114-121), with d1's training settings
+    (slurm_scripts/train.yaml)."""
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "dllm" / "llada8b_gsm8k_lora.yaml")
+    plugin, algorithm = config.plugin.config, config.algorithm
+    assert plugin.resolved_estimator == "one_step" and plugin.per_token
+    assert plugin.estimator_options["p_mask_prompt"] == pytest.approx(0.15) and plugin.num_mc_samples == 1
+    options = algorithm.policy_loss.options
+    assert algorithm.policy_loss.name == "grpo" and options.get("ratio_level", "token") == "token"
+    assert options["clip_low"] == options["clip_high"] == pytest.approx(0.5)
+    assert algorithm.kl_coef == pytest.approx(0.04) and algorithm.kl_estimator == "k3"
+    assert algorithm.aggregation == "token_mean" and algorithm.advantage.name == "dr_grpo"
+    assert algorithm.inner_epochs == 12
+    assert (plugin.gen_length, plugin.block_length, plugin.steps, plugin.max_prompt_length) == (256, 32, 128, 200)
+    assert plugin.temperature == pytest.approx(0.9)
+    assert (config.rollout.group_size, config.optim.lr, config.optim.max_grad_norm) == (6, 3e-6, 0.2)
