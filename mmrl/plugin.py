@@ -62,6 +62,10 @@ class Runtime:
             optimizer step all see the same weights, so they do not matter. True (the default) outside a trainer; a
             plugin that returns None while it is True fails the rollout check. A plugin whose own :meth:`Plugin.forward`
             reads ``old_logp`` keeps computing them.
+        inner_epochs: ``algorithm.inner_epochs`` (μ), the number of passes the learner makes over each training
+            rollout, so that a plugin that redraws its noise for every inner epoch (the dLLM plugin's mask plans, as
+            d1 draws a mask seed per inner iteration) can score the sampling policy on every epoch's draw at rollout
+            time (see :meth:`Plugin.start_inner_epoch` and :attr:`PolicyOutput.old_logp`). 1 outside a trainer.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -77,6 +81,7 @@ class Runtime:
     needs_reference: bool = False
     ratio_level: str | None = None
     needs_old_logp: bool = True
+    inner_epochs: int = 1
 
     @property
     def is_main_process(self) -> bool:
@@ -136,6 +141,10 @@ class PolicyOutput:
             the log-probs, e.g. the flow plugin's transition means for GRPO-Guard's RatioNorm. The learner's
             ``algorithm.recompute_old_logp`` pass stores them in the rollout with the recomputed ``old_logp``; training
             forwards' are ignored.
+        old_logp: ``[N, A]`` log-probs of the same actions under the sampling policy *with the noise this forward
+            used*, for plugins whose log-probs are Monte Carlo estimates redrawn every inner epoch (computed at rollout
+            time for each epoch's draw). When set it replaces :attr:`mmrl.rollout.Rollout.old_logp` in this forward's
+            ratio, so that the ratio compares the two policies on one draw; None (the default) keeps the rollout's.
     """
 
     logp: Tensor
@@ -143,6 +152,7 @@ class PolicyOutput:
     kl: Tensor | None = None
     entropy: Tensor | None = None
     replay: dict[str, Tensor] | None = None
+    old_logp: Tensor | None = None
 
 
 class Plugin(ABC):
@@ -198,6 +208,12 @@ class Plugin(ABC):
         to those columns (``replay`` is not: it still describes whole trajectories)."""
 
     # ------------------------------------------------------------------ optional
+    def start_inner_epoch(self, epoch: int) -> None:
+        """Called by the learner at the start of each inner epoch (0-based, ``< Runtime.inner_epochs``) of a training
+        step, before any :meth:`forward` of that epoch. Plugins that redraw their Monte Carlo noise per epoch select
+        the epoch's draw here; the default does nothing."""
+        return None
+
     def max_actions(self) -> int | None:
         """The action budget (e.g. ``max_new_tokens``); Dr.GRPO's constant in ``seq_mean_token_sum_norm``."""
         return None

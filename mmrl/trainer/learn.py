@@ -132,6 +132,7 @@ class Learner:
         steps_before = self.optimizer_steps
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
+            self.plugin.start_inner_epoch(epoch)
             # The same samples share a mini-batch on any number of processes (see minibatch_partition).
             partition = minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
                                             acc.num_processes, acc.process_index,
@@ -224,8 +225,10 @@ class Learner:
                 f"plugin forward returned logp {tuple(logp.shape)} for a rollout whose mask is {tuple(part.mask.shape)}"
             )
         # Without old_logp (Runtime.needs_old_logp False: one optimizer step on the sampling weights) the old
-        # policy is the current one: ratio ≡ 1, and the deviation below is 0 by construction.
-        old_logp = part.old_logp if part.old_logp is not None else logp.detach()  # [n, A]
+        # policy is the current one: ratio ≡ 1, and the deviation below is 0 by construction. A plugin that redrew
+        # its noise for this inner epoch returns the sampling policy's log-probs on the same draw.
+        old_logp = output.old_logp if output.old_logp is not None else part.old_logp
+        old_logp = old_logp if old_logp is not None else logp.detach()  # [n, A]
         options = dict(algorithm.policy_loss.options)
         if self.loss_accepts_chunks:
             options["chunk_ids"] = part.chunk_ids

@@ -91,6 +91,7 @@ class Trainer:
             needs_reference=config.algorithm.kl_coef > 0,
             ratio_level=ratio_level(config),
             needs_old_logp=needs_old_logp(config),
+            inner_epochs=config.algorithm.inner_epochs,
         )
         self.plugin: Plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, self.runtime)
         chunked = chunked_geometry(config, self.plugin, acc.num_processes)

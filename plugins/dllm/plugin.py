@@ -15,18 +15,23 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   need it (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch) the scoring pass is skipped and ``old_logp``
   is None: the core uses the detached training estimate, the same loss and gradient (``force_old_logp_pass`` keeps
   the pass).
-- **The mask plan travels with the sample.** At rollout time each sample draws its masks, timesteps and weights
-  (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed; the plan's tensors
-  are stored per sample in ``replay`` (``[N, draws, L]``: the plan's ``[draws, N, L]`` transposed so that the
-  trainer can split it by sample). :meth:`DLLMPlugin.forward` rebuilds the plan of whatever samples a micro-batch
-  holds and scores the current policy, and the reference, with exactly the masks the old policy was scored with:
-  the ratio is exactly 1 on the first inner step, and ``est_θ − est_ref`` has the variance of a difference of
-  antithetic estimates (VRPO, arXiv:2505.19223). The plan is fixed for the step: every inner epoch reuses it (d1
-  redraws a mask per inner iteration and rescores π_old with it; one plan per step keeps ``old_logp`` a constant of
-  the step and the ratio a comparison of the same Monte Carlo noise). A new step draws new plans (new seeds).
+- **The mask plans travel with the sample.** At rollout time each sample draws its masks, timesteps and weights
+  (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed: one plan per
+  inner epoch (``redraw_masks``, the default, when μ > 1 and the plan is random), as d1, wd1 and SPG draw a new mask
+  seed for every inner iteration (``mask_seeds = torch.randint(0, 2**12, (num_iterations,))``,
+  ``diffu_grpo_trainer.py`` L449-451 at dllm-reasoning/d1@837888f); d1 credits the fresh prompt masks with a
+  regularising effect. The plans' tensors are stored per sample in ``replay`` (``[N, E, draws, L]``), so that the
+  trainer can split them by sample. The sampling policy and the reference are scored on every plan at rollout time
+  (``replay["epoch_old_logp"]``, ``["epoch_ref_logp"]``, ``[N, E, A]``; d1 does the same). The learner calls
+  :meth:`DLLMPlugin.start_inner_epoch` before each epoch; :meth:`DLLMPlugin.forward` rebuilds plan ``e`` of whatever
+  samples a micro-batch holds, scores the current policy with it and returns π_old and π_ref on that plan
+  (``PolicyOutput.old_logp`` / ``ref_logp``): within an epoch the ratio and the KL compare the policies on one draw
+  (the ratio is exactly 1 on the first inner step, and ``est_θ − est_ref`` has the variance of a difference of
+  antithetic estimates, VRPO, arXiv:2505.19223), while the gradient averages over E draws in the step. With
+  ``redraw_masks: false`` one plan serves every epoch (one scoring pass). A new step draws new plans (new seeds).
 - **The reference** is the policy with its LoRA adapter disabled, or a frozen copy of the initial weights for full
-  fine-tuning, kept only when ``Runtime.needs_reference``. Its estimate uses the same plan and is computed once per
-  step at rollout time (``Rollout.ref_logp``).
+  fine-tuning, kept only when ``Runtime.needs_reference``. Its estimates use the same plans and are computed at
+  rollout time (``Rollout.ref_logp`` for plan 0, ``replay["epoch_ref_logp"]`` for every plan).
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
   the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
   masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
@@ -183,6 +188,13 @@ class DLLMPluginConfig:
         "their losses weight sequence log-likelihoods). Must be null for grpo, whose token columns already hold "
         "per-token values and whose length weighting is algorithm.aggregation's.",
     )
+    redraw_masks: bool = config_field(
+        True, help="Draw a new mask plan for every inner epoch: the sampling policy and the reference are scored on "
+        "each epoch's plan at rollout time (μ scoring passes each), and epoch k's training forward uses plan k, so "
+        "the ratio and the KL of an epoch compare the policies on one draw. False: one plan serves all inner epochs "
+        "(one scoring pass). No effect on deterministic plans (one_step without prompt masking).",
+        ref="d1 / wd1 / SPG: mask_seeds = torch.randint(0, 2**12, (num_iterations,)), random_masking: True",
+    )
     spg_beta: float = config_field(1.5, minimum=1.0, help="Rényi order β of SPG's upper bound.",
                                    ref="SPG: 1.5 GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku")
     score_micro_batch: int | None = config_field(None, minimum=1, help="Masked rows per forward when scoring "
@@ -277,6 +289,7 @@ class DLLMPlugin(Plugin):
             model.gradient_checkpointing_enable()
         self.model = model
         self.estimator = config.resolved_estimator
+        self._inner_epoch = 0  # set by start_inner_epoch; selects the mask plan of the epoch
         self._rows = {split: self._load_rows(split) for split in ("train", "eval")}
 
     # ------------------------------------------------------------------ contract
@@ -318,36 +331,77 @@ class DLLMPlugin(Plugin):
             zeros = torch.zeros(n, actions, device=device)
             return Rollout(group_ids=batch.group_ids, old_logp=zeros, mask=zeros.clone(),
                            payload={"completions": texts}, replay=replay, metrics=metrics)
-        replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds))
-        old_logp = None  # [N, A] when scored; the core substitutes the detached training estimate otherwise
+        self._inner_epoch = 0  # the learner's first inner epoch uses plan 0 (and a recomputation of old_logp too)
+        num_plans = self.num_plans()
+        replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds, num_plans=num_plans))
+        olds, refs = [], []  # per plan, [N, A] each
         with self.runtime.autocast():
             if self.runtime.needs_old_logp or config.force_old_logp_pass:
-                old_logp = self.score(self.adapter.scorer(module), replay).float()  # [N, A]
-            ref_logp = None
+                olds = [self.score(self.adapter.scorer(module), replay, plan=e).float() for e in range(num_plans)]
             if self.runtime.needs_reference:
                 with self._reference_module(policy) as reference:
-                    ref_logp = self.score(self.adapter.scorer(reference), replay)
+                    refs = [self.score(self.adapter.scorer(reference), replay, plan=e).float()
+                            for e in range(num_plans)]
+        # Plan 0's scores are the rollout's; later epochs' are handed to the learner by forward() (PolicyOutput).
+        old_logp = olds[0] if olds else None  # [N, A]; None: the core substitutes the detached training estimate
+        ref_logp = refs[0] if refs else None
+        if num_plans > 1:
+            if olds:
+                replay["epoch_old_logp"] = torch.stack(olds, dim=1)  # [N, E, A]
+            if refs:
+                replay["epoch_ref_logp"] = torch.stack(refs, dim=1)
         if old_logp is not None:
             metrics["estimate_mean"] = float(self.sequence_estimates(old_logp).mean())
             if config.objective == "spg":
                 metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
         return Rollout(
             group_ids=batch.group_ids, old_logp=old_logp, mask=self.action_mask(real), payload={"completions": texts},
-            replay=replay, ref_logp=None if ref_logp is None else ref_logp.float(), metrics=metrics,
+            replay=replay, ref_logp=ref_logp, metrics=metrics,
         )
+
+    def start_inner_epoch(self, epoch: int) -> None:
+        """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""
+        self._inner_epoch = int(epoch)
 
     def forward(
         self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
     ) -> PolicyOutput:
+        replay = rollout.replay
+        plan = self.plan_index(replay)
         with self.runtime.autocast():
-            logp = self.score(self.adapter.scorer(policy), rollout.replay)
+            logp = self.score(self.adapter.scorer(policy), replay, plan=plan)
             ref_logp = None
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
-                    ref_logp = self.score(self.adapter.scorer(reference), rollout.replay)
-        return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float())
+                    ref_logp = self.score(self.adapter.scorer(reference), replay, plan=plan)
+        old_logp = None
+        if plan > 0:  # the sampling policy and the reference on this epoch's plan, scored at rollout time
+            old_logp = replay["epoch_old_logp"][:, plan] if "epoch_old_logp" in replay else None
+            if ref_logp is None and "epoch_ref_logp" in replay:
+                ref_logp = replay["epoch_ref_logp"][:, plan]
+        return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float(),
+                            old_logp=None if old_logp is None else old_logp.float())
 
     # ------------------------------------------------------------------ building blocks
+    def num_plans(self) -> int:
+        """Mask plans drawn per training sample: one per inner epoch with ``redraw_masks`` (when μ > 1 and the plan
+        is random), else one."""
+        config = self.config
+        deterministic = self.estimator == "one_step" and not config.estimator_options.get("p_mask_prompt", 0.0)
+        if config.redraw_masks and not deterministic:
+            return max(int(self.runtime.inner_epochs), 1)
+        return 1
+
+    def plan_index(self, replay: dict[str, Any]) -> int:
+        """The plan of the current inner epoch (0 when a single plan serves every epoch)."""
+        drawn = replay["plan_masked"].shape[1]
+        if drawn == 1:
+            return 0
+        if not 0 <= self._inner_epoch < drawn:
+            raise RuntimeError(f"dllm plugin: inner epoch {self._inner_epoch} but {drawn} mask plans were drawn per "
+                               "sample (Runtime.inner_epochs and the learner disagree)")
+        return self._inner_epoch
+
     def action_mask(self, real: Tensor) -> Tensor:
         """The rollout's action mask: the completion mask over the token columns (grpo), else one per column.
 
@@ -432,15 +486,17 @@ class DLLMPlugin(Plugin):
         return torch.cat(completions), torch.cat(step_maps)
 
     def draw_plans(self, prompt_ids: Tensor, lengths: Tensor, completion_ids: Tensor, real: Tensor,
-                   seeds: Tensor) -> dict[str, Tensor]:
-        """Each sample's mask plan, drawn from its own seed on the CPU, stored per sample.
+                   seeds: Tensor, *, num_plans: int = 1) -> dict[str, Tensor]:
+        """Each sample's mask plans (``num_plans``, one per inner epoch), drawn from its own seed on the CPU, stored
+        per sample.
 
-        A sample's plan depends on its seed, its completion mask and its prompt length only (prompt masking covers
-        the real prompt tokens, never the left padding), not on the batch it was sampled in.
+        A sample's plans depend on its seed, its completion mask and its prompt length only (prompt masking covers
+        the real prompt tokens, never the left padding), not on the batch it was sampled in. Plan ``e`` is the
+        ``e``-th draw of one generator, so plan 0 is the same whatever ``num_plans``.
 
         Shapes:
-            → ``plan_masked`` bool ``[N, D, L]``, ``plan_weights`` float32 ``[N, D, L]`` and, with prompt
-            masking, ``plan_prompt_masked`` bool ``[N, D, w]`` (``D`` draws).
+            → ``plan_masked`` bool ``[N, E, D, L]``, ``plan_weights`` float32 ``[N, E, D, L]`` and, with prompt
+            masking, ``plan_prompt_masked`` bool ``[N, E, D, w]`` (``E`` plans of ``D`` draws).
         """
         from mmrl.trainer.sampler import derive_seed
 
@@ -449,23 +505,24 @@ class DLLMPlugin(Plugin):
         for i, seed in enumerate(seeds.tolist()):
             generator = torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG))
             length = int(lengths[i])
-            plan = draw_plan(
+            plans = [draw_plan(
                 self.estimator, prompt_ids[i:i + 1, width - length:].cpu(), completion_ids[i:i + 1].cpu(),
                 real[i:i + 1].cpu(), num_samples=self.config.num_mc_samples, generator=generator,
                 **self.config.estimator_options,
-            )
-            masked.append(plan.completion_masked[:, 0])
-            weights.append(plan.weights[:, 0])
-            if plan.prompt_masked is not None:
-                prompt_masked.append(torch.nn.functional.pad(plan.prompt_masked[:, 0], (width - length, 0)))
+            ) for _ in range(num_plans)]
+            masked.append(torch.stack([plan.completion_masked[:, 0] for plan in plans]))  # [E, D, L]
+            weights.append(torch.stack([plan.weights[:, 0] for plan in plans]))
+            if plans[0].prompt_masked is not None:
+                prompt_masked.append(torch.stack([torch.nn.functional.pad(plan.prompt_masked[:, 0], (width - length, 0))
+                                                  for plan in plans]))
         device = completion_ids.device
         out = {"plan_masked": torch.stack(masked).to(device), "plan_weights": torch.stack(weights).to(device)}
         if prompt_masked:
             out["plan_prompt_masked"] = torch.stack(prompt_masked).to(device)
         return out
 
-    def score(self, scorer: Callable[[Tensor], Tensor], replay: dict[str, Any]) -> Tensor:
-        """The action log-probs of the samples in ``replay`` under ``scorer`` with their stored plans.
+    def score(self, scorer: Callable[[Tensor], Tensor], replay: dict[str, Any], *, plan: int = 0) -> Tensor:
+        """The action log-probs of the samples in ``replay`` under ``scorer`` with their stored plan number ``plan``.
 
         Samples are grouped by prompt width (rollouts of different widths may have been concatenated; their prompts
         were right-padded with zeros then, and the first ``prompt_width`` columns are the sample's own prompt).
@@ -487,27 +544,27 @@ class DLLMPlugin(Plugin):
             num_tokens = replay["completion_mask"].index_select(0, rows).sum(dim=1).float()
             prompt_masked = replay.get("plan_prompt_masked")
             if prompt_masked is not None:
-                prompt_masked = prompt_masked.index_select(0, rows)[:, :, :width].transpose(0, 1).bool()
+                prompt_masked = prompt_masked.index_select(0, rows)[:, plan, :, :width].transpose(0, 1).bool()
             reduction, beta = ("eubo", float(config.estimator_options.get("beta", 1.5))) \
                 if self.estimator == "spg_upper" else ("elbo", 1.0)
-            plan = MaskPlan(
-                completion_masked=replay["plan_masked"].index_select(0, rows).transpose(0, 1).bool(),
-                weights=replay["plan_weights"].index_select(0, rows).transpose(0, 1).float(),
+            masks = MaskPlan(
+                completion_masked=replay["plan_masked"].index_select(0, rows)[:, plan].transpose(0, 1).bool(),
+                weights=replay["plan_weights"].index_select(0, rows)[:, plan].transpose(0, 1).float(),
                 num_tokens=num_tokens, prompt_masked=prompt_masked, reduction=reduction, beta=beta,
                 name=self.estimator,
             )
-            token_logp = plan_token_logprobs(scorer, prompt, completion, plan, mask_id=self.adapter.mask_id,
+            token_logp = plan_token_logprobs(scorer, prompt, completion, masks, mask_id=self.adapter.mask_id,
                                              micro_batch=config.score_micro_batch)  # [D, n, L]
             if config.objective == "spg":  # one set of forwards, reduced two ways (SPG's ELBO and EUBO)
-                lower = dataclasses.replace(plan, reduction="elbo")
-                upper = dataclasses.replace(plan, reduction="eubo", beta=config.spg_beta)
+                lower = dataclasses.replace(masks, reduction="elbo")
+                upper = dataclasses.replace(masks, reduction="eubo", beta=config.spg_beta)
                 columns = [lower.reduce(token_logp), upper.reduce(token_logp)]
             else:
-                columns = [plan.reduce(token_logp)]
+                columns = [masks.reduce(token_logp)]
             if config.token_columns:
                 real = replay["completion_mask"].index_select(0, rows).to(token_logp.dtype)  # [n, G]
                 if config.per_token:  # d1: each token's own (draw-averaged) log-prob, for a per-token ratio
-                    scores = (plan.weights.to(token_logp.dtype) * token_logp).mean(dim=0)  # [n, G]
+                    scores = (masks.weights.to(token_logp.dtype) * token_logp).mean(dim=0)  # [n, G]
                 else:  # the sequence estimate spread evenly: every token's ratio is exp(ΔELBO / L)
                     scores = real * (columns[0] / num_tokens.clamp(min=1.0)).unsqueeze(1)  # [n, G]
             else:

@@ -86,6 +86,7 @@ def test_llada_recipe_uses_d1_per_token_numbers():
     plugin, algorithm = config.plugin.config, config.algorithm
     assert plugin.resolved_estimator == "one_step" and plugin.per_token
     assert plugin.estimator_options["p_mask_prompt"] == pytest.approx(0.15) and plugin.num_mc_samples == 1
+    assert plugin.redraw_masks  # a new prompt mask per inner iteration (d1's random_masking: True)
     options = algorithm.policy_loss.options
     assert algorithm.policy_loss.name == "grpo" and options.get("ratio_level", "token") == "token"
     assert options["clip_low"] == options["clip_high"] == pytest.approx(0.5)
@@ -95,3 +96,47 @@ def test_llada_recipe_uses_d1_per_token_numbers():
     assert (plugin.gen_length, plugin.block_length, plugin.steps, plugin.max_prompt_length) == (256, 32, 128, 200)
     assert plugin.temperature == pytest.approx(0.9)
     assert (config.rollout.group_size, config.optim.lr, config.optim.max_grad_norm) == (6, 3e-6, 0.2)
+
+
+def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_reference():
+    """μ = 3, one_step with prompt masking (d1/wd1 redraw the prompt masks every inner iteration): three plans per
+    sample; epoch e's forward scores plan e, and hands back π_old and π_ref on plan e (scored at rollout time)."""
+    plugin = _plugin(Runtime(needs_reference=True, inner_epochs=3), estimator="one_step", num_mc_samples=1,
+                     estimator_options={"p_mask_prompt": 0.5})
+    policy = plugin.policy()
+    rows = _rows(plugin, 6)
+    rollout = plugin.rollout(policy, _batch(rows, [11, 12, 13, 14, 15, 16]))
+    replay = rollout.replay
+    prompt_masks = replay["plan_prompt_masked"]  # [N, 3, 1, w]
+    assert prompt_masks.shape[:3] == (6, 3, 1) and replay["epoch_old_logp"].shape == (6, 3, plugin.max_actions())
+    assert not torch.equal(prompt_masks[:, 0], prompt_masks[:, 1]) and not torch.equal(prompt_masks[:, 1],
+                                                                                       prompt_masks[:, 2])
+    # Plan 0 is the plan a single-plan run draws from the same seeds.
+    single = _plugin(estimator="one_step", num_mc_samples=1, estimator_options={"p_mask_prompt": 0.5})
+    assert torch.equal(single.rollout(single.policy(), _batch(rows, [11, 12, 13, 14, 15, 16]))
+                       .replay["plan_prompt_masked"][:, 0], prompt_masks[:, 0])
+    prompt, completion = replay["prompt_ids"], replay["completion_ids"]
+    real = replay["completion_mask"].bool()
+    for epoch in range(3):
+        plugin.start_inner_epoch(epoch)
+        out = plugin.forward(policy, rollout, need_reference=False)
+        # Independent one-step forward with epoch e's prompt mask (d1's forward_process with that epoch's seed).
+        masked_prompt = torch.where(prompt_masks[:, epoch, 0], plugin.adapter.mask_id, prompt)
+        inputs = torch.cat([masked_prompt, torch.full_like(completion, plugin.adapter.mask_id)], dim=1)
+        with torch.no_grad():
+            logits = plugin.adapter.logits(plugin.model, inputs)[:, prompt.shape[1]:]
+        expected = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(out.logp.detach(), torch.where(real, expected, 0.0), rtol=0, atol=1e-5)
+        old = rollout.old_logp if epoch == 0 else out.old_logp  # epoch 0: the rollout's own
+        ref = rollout.ref_logp if epoch == 0 else out.ref_logp
+        assert torch.equal(old, replay["epoch_old_logp"][:, epoch]) and torch.equal(ref, replay["epoch_ref_logp"][:,
+                                                                                                                  epoch])
+        torch.testing.assert_close(out.logp.detach(), old, rtol=0, atol=1e-6)  # unchanged weights: ratio 1
+    with pytest.raises(RuntimeError, match="inner epoch 3"):
+        plugin.start_inner_epoch(3)
+        plugin.forward(policy, rollout, need_reference=False)
+    # redraw_masks false, or a deterministic plan: one plan for every epoch.
+    for options in ({"redraw_masks": False, "estimator_options": {"p_mask_prompt": 0.5}}, {}):
+        once = _plugin(Runtime(inner_epochs=3), estimator="one_step", num_mc_samples=1, **options)
+        kept = once.rollout(once.policy(), _batch(rows[:2], [1, 2]))
+        assert kept.replay["plan_masked"].shape[1] == 1 and "epoch_old_logp" not in kept.replay

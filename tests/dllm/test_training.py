@@ -70,7 +70,7 @@ def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_sa
     # 2 steps x 16 samples in micro-batches of 8: two training forwards per step; the scoring pass, one per rollout.
     assert fast_calls == [True] * 4
     assert sorted(forced_calls) == [False, False, True, True, True, True]
-    assert runs["epochs"][1].count(False) == 2
+    assert runs["epochs"][1].count(False) == 4  # μ = 2: π_old scored on each epoch's mask plan, two per rollout
     assert "rollout/estimate_mean" not in fast_result.history[0] and "rollout/estimate_mean" in forced_result.history[0]
     assert all(record["loss/first_step_ratio_deviation"] == 0.0 for record in fast_result.history)
     assert len(fast_gradients) == len(forced_gradients) == 2 and fast_gradients[0].keys() == forced_gradients[0].keys()
@@ -103,3 +103,29 @@ def test_lora_with_a_kl_to_the_adapter_off_model(tmp_path):
     assert 0.0 < record["policy/kl"] < 1e-2
     assert changed and all("lora_" in name for name in changed)
     assert (tmp_path / "checkpoints" / "step-00000001" / "policy" / "adapter_model.safetensors").is_file()
+
+
+def test_each_inner_epoch_scores_its_own_mask_plan(tmp_path):
+    """μ = 2 with one_step prompt masking (d1: a new mask seed per inner iteration): the training forwards of epoch e
+    use plan e, and the learner takes π_old and π_ref on that plan from the plugin (PolicyOutput.old_logp / ref_logp),
+    so at a negligible learning rate every ratio and the KL stay at their on-policy values in both epochs."""
+    trainer = Trainer(load_config(BASE, [
+        f"run.output_dir={tmp_path}", "run.max_steps=1", "eval.every=0", "plugin.estimator=one_step",
+        "plugin.num_mc_samples=1", "plugin.estimator_options={p_mask_prompt: 0.5}", "algorithm.kl_coef=0.04",
+        "optim.lr=1e-12",
+    ]))
+    plans: list[tuple[bool, int]] = []
+    score = trainer.plugin.score
+
+    def recorded(scorer, replay, *, plan=0):
+        plans.append((torch.is_grad_enabled(), plan))
+        return score(scorer, replay, plan=plan)
+
+    trainer.plugin.score = recorded
+    record = trainer.train().history[0]
+    # Rollout: π_old and π_ref on plans 0 and 1 (no grad); training: two micro-batches in each epoch, with grad.
+    assert sorted(p for grad, p in plans if not grad) == [0, 0, 1, 1]
+    assert [p for grad, p in plans if grad] == [0, 0, 1, 1]
+    assert record["policy/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert record["policy/ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert record["policy/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy at step 1
