@@ -167,8 +167,7 @@ def generate(
             if cfg_scale > 0:
                 unconditional = x.clone()
                 unconditional[:, :prompt_length] = torch.where(uncond_prompt, mask_id, prompt_ids)
-                logits_u = model(unconditional)
-                logits = logits_u + (cfg_scale + 1.0) * (logits - logits_u)
+                logits = apply_guidance(logits, model(unconditional), cfg_scale)
             block_logits = logits[:, start:end].to(torch.float64)  # [B, K, V]
             block_logits = block_logits.index_fill(-1, mask_index, float("-inf"))  # the mask token is no output
             uniforms = None
@@ -192,6 +191,42 @@ def generate(
     return GenerationOutput(completion_ids=x[:, prompt_length:], step_map=step_map, steps_per_block=steps_per_block)
 
 
+def apply_guidance(conditional: Tensor, unconditional: Tensor, scale: float) -> Tensor:
+    """Classifier-free guidance as LLaDA and d1 write it: ``un + (s + 1)·(cond − un)``.
+
+    Shapes:
+        conditional, unconditional ``[B, T, V]`` → ``[B, T, V]``.
+    """
+    return unconditional + (scale + 1.0) * (conditional - unconditional)
+
+
+def guided(model: Callable[[Tensor], Tensor], *, scale: float, mask_id: int, pad_id: int,
+           prompt_length: int) -> Callable[[Tensor], Tensor]:
+    """``model`` under classifier-free guidance, for scoring what a guided sampler produced.
+
+    The unconditional pass replaces the real prompt tokens (the first ``prompt_length`` positions after the left
+    padding, which is the leading run of ``pad_id``) by the mask token, as :func:`generate` does with the prompt mask
+    the dLLM plugin passes it; completion positions are left as they are. d1 applies the same guidance in every
+    scoring pass (``get_logits`` in ``diffu_grpo_trainer.py`` L269-283 at dllm-reasoning/d1@837888f), so the policy
+    that is scored is the one that sampled. d1 masks the left padding too; here the padding stays padding, in
+    decoding and in scoring alike.
+
+    Shapes:
+        the returned callable: input_ids ``[R, prompt_length + L]`` → logits ``[R, prompt_length + L, V]``.
+    """
+    if not scale > 0:
+        raise ValueError(f"guidance needs a scale > 0, got {scale}")
+
+    def scorer(input_ids: Tensor) -> Tensor:
+        prompt = input_ids[:, :prompt_length]
+        real = (prompt != pad_id).long().cumsum(dim=1) > 0  # [R, P]: after the left padding
+        unconditional = input_ids.clone()
+        unconditional[:, :prompt_length] = torch.where(real, mask_id, prompt)
+        return apply_guidance(model(input_ids), model(unconditional), scale)
+
+    return scorer
+
+
 def completion_mask(completion_ids: Tensor, stop_ids: Sequence[int]) -> Tensor:
     """1 for the tokens up to and including the first stop token (EOS), 0 after it; all 1 without a stop token.
 
@@ -205,5 +240,5 @@ def completion_mask(completion_ids: Tensor, stop_ids: Sequence[int]) -> Tensor:
     return (before == 0).long()
 
 
-__all__ = ["REMASKING", "GenerationOutput", "check_schedule", "completion_mask", "generate", "gumbel_argmax",
-           "transfer_schedule"]
+__all__ = ["REMASKING", "GenerationOutput", "apply_guidance", "check_schedule", "completion_mask", "generate",
+           "guided", "gumbel_argmax", "transfer_schedule"]

@@ -65,9 +65,9 @@ from mmrl.plugin import (
     save_peft_adapter,
 )
 from mmrl.plugins.dllm import toy
-from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters
+from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters, padding_inputs
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
-from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate
+from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
 from mmrl.rollout import Rollout
 
 OBJECTIVES = ("grpo", "wd1", "spg")
@@ -160,7 +160,12 @@ class DLLMPluginConfig:
     eval_temperature: float = config_field(0.0, minimum=0.0, help="Temperature of evaluation (0: greedy).")
     eval_remasking: Literal["low_confidence", "random"] = config_field("low_confidence", help="Remasking of "
                                                                          "evaluation.")
-    cfg_scale: float = config_field(0.0, minimum=0.0, help="Classifier-free guidance scale of decoding (0: off).")
+    cfg_scale: float = config_field(
+        0.0, minimum=0.0, help="Classifier-free guidance scale s (0: off) of decoding and of every scoring pass "
+        "(policy, old and reference: the scored policy is the sampled one), logits = un + (s+1)(cond - un) with the "
+        "real prompt tokens masked in the unconditional pass. Doubles the forwards.",
+        ref="LLaDA generate.py; d1 get_logits (diffu_grpo_trainer.py L269-283)",
+    )
     generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
     # ---------------------------------------------------------------- likelihood and objective
     objective: Literal["grpo", "wd1", "spg"] = config_field(
@@ -479,7 +484,7 @@ class DLLMPlugin(Plugin):
                     scorer, prompt_ids[part], mask_id=self.adapter.mask_id, gen_length=config.gen_length,
                     block_length=config.block_length, steps=config.steps, temperature=temperature,
                     remasking=remasking, generators=generators[part], cfg_scale=config.cfg_scale,
-                    prompt_mask=prompt_ids[part] != self.adapter.pad_id,
+                    prompt_mask=padding_inputs(prompt_ids[part], self.adapter.pad_id)[0].bool(),  # real prompt tokens
                 )
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
@@ -553,7 +558,11 @@ class DLLMPlugin(Plugin):
                 num_tokens=num_tokens, prompt_masked=prompt_masked, reduction=reduction, beta=beta,
                 name=self.estimator,
             )
-            token_logp = plan_token_logprobs(scorer, prompt, completion, masks, mask_id=self.adapter.mask_id,
+            model = scorer
+            if config.cfg_scale > 0:  # score the guided policy that sampled (d1's get_logits)
+                model = guided(scorer, scale=config.cfg_scale, mask_id=self.adapter.mask_id,
+                               pad_id=self.adapter.pad_id, prompt_length=width)
+            token_logp = plan_token_logprobs(model, prompt, completion, masks, mask_id=self.adapter.mask_id,
                                              micro_batch=config.score_micro_batch)  # [D, n, L]
             if config.objective == "spg":  # one set of forwards, reduced two ways (SPG's ELBO and EUBO)
                 lower = dataclasses.replace(masks, reduction="elbo")

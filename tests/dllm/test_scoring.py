@@ -140,3 +140,31 @@ def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_referenc
         once = _plugin(Runtime(inner_epochs=3), estimator="one_step", num_mc_samples=1, **options)
         kept = once.rollout(once.policy(), _batch(rows[:2], [1, 2]))
         assert kept.replay["plan_masked"].shape[1] == 1 and "epoch_old_logp" not in kept.replay
+
+
+def test_classifier_free_guidance_is_applied_when_scoring():
+    """cfg_scale s > 0 decodes with guided logits un + (s+1)(cond − un); the policy, π_old and the reference are
+    scored with the same guidance (d1's get_logits), so the scored policy is the sampled one. Independent check on
+    the one-step columns: two forwards by hand, the unconditional one with the real prompt tokens masked."""
+    scale = 1.5
+    plugin = _plugin(Runtime(needs_reference=True), estimator="one_step", cfg_scale=scale)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, _batch(_rows(plugin, 4), [3, 4, 5, 6]))
+    prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
+    real = rollout.replay["completion_mask"].bool()
+    mask_id, pad_id = plugin.adapter.mask_id, plugin.adapter.pad_id
+    masked_completion = torch.full_like(completion, mask_id)
+    conditional = torch.cat([prompt, masked_completion], dim=1)
+    unconditional = torch.cat([torch.where(prompt != pad_id, mask_id, prompt), masked_completion], dim=1)
+    with torch.no_grad():
+        cond = plugin.adapter.logits(plugin.model, conditional)[:, prompt.shape[1]:]
+        uncond = plugin.adapter.logits(plugin.model, unconditional)[:, prompt.shape[1]:]
+        unguided = cond.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        guided = (uncond + (scale + 1) * (cond - uncond)).log_softmax(-1)
+    expected = guided.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(rollout.old_logp, torch.where(real, expected, 0.0), rtol=0, atol=1e-5)
+    assert not torch.allclose(rollout.old_logp, torch.where(real, unguided, 0.0), atol=1e-3)
+    torch.testing.assert_close(rollout.ref_logp, rollout.old_logp, rtol=0, atol=0)  # the reference is guided too
+    out = plugin.forward(policy, rollout, need_reference=True)
+    torch.testing.assert_close(out.logp.detach(), rollout.old_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.ref_logp, rollout.ref_logp, rtol=0, atol=1e-6)
