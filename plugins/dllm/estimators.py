@@ -55,6 +55,7 @@ from torch import Tensor
 
 from mmrl.plugins.dllm.masking import (
     MaskPlan,
+    coupled_cv_plan,
     coupled_plan,
     elbo_l_plan,
     elbo_t_plan,
@@ -87,6 +88,7 @@ __all__ = [
     "elbo_t",
     "elbo_l",
     "coupled",
+    "coupled_cv",
     "spg_lower",
     "spg_upper",
 ]
@@ -200,6 +202,7 @@ _PLANS: dict[str, Callable[..., MaskPlan]] = {
     "elbo_t": elbo_t_plan,
     "elbo_l": elbo_l_plan,
     "coupled": coupled_plan,
+    "coupled_cv": coupled_cv_plan,
     "spg_lower": lambda *args, **kwargs: spg_plan(*args, bound="lower", **kwargs),
     "spg_upper": lambda *args, **kwargs: spg_plan(*args, bound="upper", **kwargs),
 }
@@ -405,6 +408,65 @@ def coupled(
     plan = coupled_plan(
         prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
         stratified=stratified,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("coupled_cv")
+def coupled_cv(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    stratified: bool = True,
+    control: float = 1.0,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """Complementary pairs with the fully masked forward as the exact ``l = L`` term and a control variate.
+
+    ``num_samples = N ≥ 2`` forwards: one with every real token masked (d1's one-step forward), giving
+    ``ℓ_i^0 = log p_θ(x^i | c, all masked)`` for every token, and ``R = N − 1`` "D rows": complementary pairs
+    ``(S, S^c)`` with ``|S| = m`` stratified over ``1..L−1`` (plus one row of uniform size when ``R`` is odd). With
+    ``w_S = (L−1)/(|S|·R)`` and ``W_i = Σ_{D rows S ∋ i} w_S``,
+
+        est = (1/L)·g(all) + Σ_{D rows} w_S·g(S) + β·( ((L−1)/L)·g(all) − Σ_i W_i·ℓ_i^0 ),   g(all) = Σ_i ℓ_i^0.
+
+    Derivation. ``ELBO = Σ_{l=1..L} h_l/l`` (:func:`exact_elbo`); the ``l = L`` term is ``g(all)/L``, computed exactly
+    by row 0. Every D row's set is uniform given its size ``l ∈ 1..L−1`` and the expected number of D rows of size
+    ``l`` is ``Q(l) = R/(L−1)`` (each pair contributes ``2/(L−1)``, the odd row ``1/(L−1)``), so with the weight
+    ``1/(l·Q(l))`` (the balance heuristic of multiple importance sampling), ``E[Σ w_S·g(S)] = Σ_{l<L} h_l/l``: the
+    first two terms are unbiased for the ELBO. The same weights applied to the row-0 log-probs of the D rows' tokens
+    have the known mean ``Σ_{l<L} (1/l)·(l/L)·g(all) = ((L−1)/L)·g(all)``, so the β term has mean zero for every β: the
+    estimate is unbiased whatever ``control`` is. With β = 1 it is
+    ``g(all) + Σ_S w_S Σ_{i∈S} (ℓ_i(S) − ℓ_i^0)``: the D rows only estimate how much each token gains from the
+    context it sees, and which tokens fall in which row no longer matters when that gain is similar across tokens.
+    That is the regime of the toy benchmark (docs/performance.md: 15× lower sd than ``elbo_t`` at 8 forwards);
+    when the all-masked log-probs are far below the in-context ones and vary a lot across tokens (long LLaDA
+    completions), a smaller β may do better: β = 0 keeps the exact ``l = L`` row and drops the control.
+
+    Relation to the others: the complementary pairs are DiffuCoder's coupling (Gong et al. 2025,
+    arXiv:2506.20639), the stratified counts LLaDA's (``get_log_likelihood.py``), the shared plan for π_θ, π_old and
+    π_ref VRPO's antithetic sampling (arXiv:2505.19223). Unlike :func:`coupled`, the fully masked configuration is
+    always evaluated (one row) instead of being drawn with probability ``1/L`` per pair, where its ``L/2``-fold weight
+    was the largest source of between-count variance. The weights of row 0 can be negative (``MaskPlan.reduce`` is
+    linear; the EUBO reduction is not defined for this plan).
+
+    Args:
+        stratified: Spread the pair sizes ``m`` of each sample evenly over ``1..L−1``.
+        control: β, the weight of the control variate (any finite number keeps the estimate unbiased; 1 removes
+            the token-selection noise of the D rows, 0 disables the control).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = coupled_cv_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        stratified=stratified, control=control,
     )
     return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
 

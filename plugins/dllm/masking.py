@@ -83,6 +83,9 @@ class MaskPlan:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.reduction == "eubo" and not self.beta >= 1.0:
             raise ValueError(f"the EUBO needs beta >= 1 (Rényi order), got {self.beta}")
+        if self.reduction == "eubo" and bool((self.weights < 0).any()):
+            raise ValueError(f"the EUBO needs nonnegative weights (densities over the draws); plan {self.name!r} has "
+                             "negative ones")
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -373,6 +376,61 @@ def coupled_plan(
         [torch.where(first, w_first.unsqueeze(-1), 0.0), torch.where(second, w_second.unsqueeze(-1), 0.0)], dim=0
     ).to(torch.float32)
     return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="coupled")
+
+
+def coupled_cv_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    stratified: bool = True,
+    control: float = 1.0,
+) -> MaskPlan:
+    """A fully masked row (one_step's forward) plus complementary pairs over the counts ``1..L_b−1``, with the fully
+    masked row's per-token log-probs as a control variate of weight ``control`` (β).
+
+    Row 0 masks every real token. The ``R = N − 1`` other rows ("D rows") come in pairs ``(S, S^c)`` with
+    ``|S| = m ∈ {1..L_b−1}`` (stratified across pairs like :func:`stratified_counts`, each ``m`` marginally
+    uniform) and, when ``R`` is odd, one more row of uniform size in ``1..L_b−1``; every D row's set is uniform given
+    its size. D row weight: ``(L_b−1)/(|S|·R)`` (``1/(l·Q(l))`` with ``Q(l) = R/(L_b−1)`` the expected number of D
+    rows of size ``l``). Row 0 weight of token ``i``: ``1/L_b + β·(L_b−1)/L_b − β·W_i``, ``W_i`` the total D-row weight
+    on token ``i``. Stored weights are ``N×`` these, since :meth:`MaskPlan.reduce` averages over the ``N`` rows.
+    See :func:`~mmrl.plugins.dllm.estimators.coupled_cv` for the derivation. ``L_b = 1``: row 0 alone is exact.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if num_samples < 2:
+        raise ValueError(f"the coupled_cv estimator needs num_samples >= 2 (a fully masked row and at least one "
+                         f"partly masked row), got {num_samples}")
+    if not math.isfinite(control):
+        raise ValueError(f"control must be a finite number, got {control}")
+    device = completion_ids.device
+    n, (b, length) = num_samples, completion_ids.shape
+    rows = n - 1  # D rows
+    pairs, odd = rows // 2, rows % 2
+    real_count = real.sum(dim=-1)  # [B]
+    high = (real_count - 1).clamp(min=0)  # sizes 1..L_b−1 (none when L_b = 1)
+    eligible = real.unsqueeze(0)
+    sets = []
+    if pairs:
+        counts = _counts(high, pairs, stratified, generator, device)  # [P, B], 0 where L_b = 1
+        first = random_subset(eligible.expand(pairs, -1, -1), counts, uniform((pairs, b, length), generator, device))
+        second = eligible & ~first & (counts > 0).unsqueeze(-1)  # S^c (nothing when L_b = 1)
+        sets += [first, second]
+    if odd:
+        count = uniform_count(uniform((1, b), generator, device), high.unsqueeze(0))  # [1, B]
+        sets.append(random_subset(eligible, count, uniform((1, b, length), generator, device)))
+    d_masked = torch.cat(sets, dim=0)  # [R, B, L]
+    sizes = d_masked.sum(dim=-1).to(torch.float64)  # [R, B]
+    d_weight = torch.where(sizes > 0, high.to(torch.float64) / (sizes.clamp(min=1) * rows), 0.0)  # (L−1)/(l·R)
+    d_weights = torch.where(d_masked, d_weight.unsqueeze(-1), 0.0)  # [R, B, L]
+    total = real_count.to(torch.float64).clamp(min=1).unsqueeze(-1)  # [B, 1]
+    covered = d_weights.sum(dim=0)  # [B, L]: W_i
+    full_weight = torch.where(real, 1.0 / total + control * (total - 1.0) / total - control * covered, 0.0)
+    masked = torch.cat([torch.ones_like(eligible), d_masked], dim=0)  # row 0: every position
+    weights = (n * torch.cat([full_weight.unsqueeze(0), d_weights], dim=0)).to(torch.float32)
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="coupled_cv")
 
 
 def block_plan(

@@ -177,12 +177,12 @@ class DLLMPluginConfig:
         ref="d1 diffu_grpo_trainer.py L114-121; wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
     )
     estimator: str | None = config_field(
-        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, spg_lower, spg_upper. Null: elbo_l for "
-        "grpo, one_step for wd1, spg_lower for spg.",
+        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper. Null: "
+        "elbo_l for grpo, one_step for wd1, spg_lower for spg.",
     )
     num_mc_samples: int = config_field(
-        4, minimum=1, help="Masked forwards per completion (coupled: an even number; one_step without prompt "
-        "masking uses one).", ref="LLaDA likelihood: 128; SPG num_t: 2",
+        4, minimum=1, help="Masked forwards per completion (coupled: an even number; coupled_cv: at least 2; "
+        "one_step without prompt masking uses one).", ref="LLaDA likelihood: 128; SPG num_t: 2",
     )
     estimator_options: dict[str, Any] = config_field(
         default_factory=dict, help="Options of the estimator, e.g. {p_mask_prompt: 0.15} for one_step, "
@@ -228,6 +228,12 @@ class DLLMPluginConfig:
         if name == "coupled" and self.num_mc_samples % 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "an even number for the coupled estimator (pairs of complementary masks)")
+        if name == "coupled_cv" and self.num_mc_samples < 2:
+            raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
+                              "at least 2 for coupled_cv (a fully masked row and a partly masked one)")
+        if name == "coupled_cv" and self.objective == "spg" and self.estimator_options.get("control", 1.0) != 0:
+            raise ConfigError(f"{path}.estimator", name, "an estimator with nonnegative weights for objective spg "
+                              "(SPG's EUBO); coupled_cv's control variate gives negative ones (or set control: 0)")
         if "{" not in self.prompt_template:
             raise ConfigError(f"{path}.prompt_template", self.prompt_template, "a format string using a row field, "
                               "e.g. '{prompt}'")

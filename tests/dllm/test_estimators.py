@@ -165,6 +165,9 @@ UNBIASED = [
     ("elbo_l", {"stratified": False}, 8),
     ("coupled", {"stratified": True}, 8),
     ("coupled", {"stratified": False}, 8),
+    ("coupled_cv", {}, 8),
+    ("coupled_cv", {"control": 0.0, "stratified": False}, 3),
+    ("coupled_cv", {"control": -1.5}, 2),  # any β: the control term has mean zero
     ("spg_lower", {"masking": "random"}, 8),
     ("elbo_t", {"eps": 0.05}, 8),  # target: exact_elbo(eps=0.05), the exact mean of the truncated-t estimator
     ("elbo_t", {}, 8),  # default ε = 1e-3: bias ≤ 2ε/(1−ε)·L·max|log p| ≈ 0.05, far below 4 SE
@@ -230,6 +233,53 @@ def test_stratification_removes_count_variance(batch, name):
                                       generator=_generator(4), stratified=False)
     assert torch.allclose(stratified, exact, atol=1e-5)
     assert not torch.allclose(iid, exact, atol=1e-3)
+
+
+def _context_free_model(input_ids: Tensor) -> Tensor:
+    """Logits that depend on the position only, never on the context: log p(x^i | c, x_S) is the same for every S."""
+    table = torch.sin(torch.arange(input_ids.shape[1] * VOCAB, dtype=torch.float32)).reshape(-1, VOCAB) * 3.0
+    return table.unsqueeze(0).expand(input_ids.shape[0], -1, -1)
+
+
+def test_coupled_cv_control_removes_token_selection_noise(batch):
+    # Without context effects every token's log-prob is the same in every row, so with β = 1 each draw returns the
+    # exact ELBO (Σ_i log p_i); coupled weights its two rows unequally (L/(2m), L/(2(L−m))) and varies.
+    prompt, completion, mask = _replicated(batch, 20)
+    exact = exact_elbo(_context_free_model, *batch, mask_id=MASK).repeat(20)
+    for num in (2, 3, 8):
+        cv = likelihood_estimators["coupled_cv"](_context_free_model, prompt, completion, mask, mask_id=MASK,
+                                                 num_samples=num, generator=_generator(num))
+        assert torch.allclose(cv, exact, atol=1e-4), num
+    coupled = likelihood_estimators["coupled"](_context_free_model, prompt, completion, mask, mask_id=MASK,
+                                               num_samples=2, generator=_generator(0))
+    assert coupled.std() > 0.1
+
+
+def test_coupled_cv_plan_by_hand():
+    # L = 4 real tokens and a tail, N = 4: row 0 masks everything; a complementary pair with sizes m and 4 − m in
+    # 1..3; one odd row of size in 1..3. D weights (L−1)/(l·R) = 1/l (R = 3); row-0 weight of token i:
+    # 1/4 + β·3/4 − β·W_i. Stored weights are N× these.
+    prompt = torch.tensor([[1, 2]])
+    completion = torch.tensor([[3, 4, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    for control in (1.0, 0.0, 0.5):
+        plan = draw_plan("coupled_cv", prompt, completion, mask, num_samples=4, generator=_generator(5),
+                         control=control)
+        masked, weights = plan.completion_masked[:, 0], plan.weights[:, 0].double() / 4  # [4, 5]
+        assert masked.all(dim=1)[0] and masked[:, 4].all()  # row 0 everything; the tail in every row
+        first, second, odd = masked[1, :4], masked[2, :4], masked[3, :4]
+        assert not (first & second).any() and (first | second).all() and 1 <= int(first.sum()) <= 3
+        assert 1 <= int(odd.sum()) <= 3
+        covered = torch.zeros(4, dtype=torch.float64)
+        for row in (1, 2, 3):
+            size = int(masked[row, :4].sum())
+            expected = torch.where(masked[row, :4], 1.0 / size, 0.0).double()
+            torch.testing.assert_close(weights[row, :4], expected, rtol=1e-6, atol=1e-7)
+            covered += expected
+        torch.testing.assert_close(weights[0, :4], 0.25 + control * 0.75 - control * covered, rtol=1e-6, atol=1e-6)
+        assert not (weights[:, 4] != 0).any()
+    with pytest.raises(ValueError, match="num_samples >= 2"):
+        draw_plan("coupled_cv", prompt, completion, mask, num_samples=1, generator=None)
 
 
 # ---------------------------------------------------------------------- deterministic values
@@ -323,6 +373,7 @@ ALL = [
     ("elbo_t", {}),
     ("elbo_l", {}),
     ("coupled", {}),
+    ("coupled_cv", {}),
     ("spg_lower", {"masking": "block", "block_length": 2, "p_mask_prompt": 0.15}),
     ("spg_upper", {}),
 ]
@@ -389,8 +440,8 @@ def test_plan_structure(batch):
 
 def test_registry_and_validation(batch):
     prompt, completion, mask = batch
-    assert set(likelihood_estimators.names()) == {"one_step", "elbo_t", "elbo_l", "coupled", "spg_lower",
-                                                  "spg_upper"}
+    assert set(likelihood_estimators.names()) == {"one_step", "elbo_t", "elbo_l", "coupled", "coupled_cv",
+                                                  "spg_lower", "spg_upper"}
     assert likelihood_estimators.describe("elbo_l").startswith("LLaDA l-sampling")
     options = {option.name for option in likelihood_estimators.options("spg_upper")}
     assert {"beta", "masking", "block_length", "p_mask_prompt"} <= options

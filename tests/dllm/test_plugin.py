@@ -45,11 +45,11 @@ def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
     # grpo: one action per completion position, trained up to and including the first EOS.
     assert rollout.old_logp.shape == (n, g) and torch.equal(rollout.mask, rollout.replay["completion_mask"].float())
     assert rollout.replay["completion_ids"].shape == (n, g)
-    assert rollout.replay["plan_masked"].shape == (n, 4, g)  # per sample: [N, draws, L]
+    assert rollout.replay["plan_masked"].shape == (n, 1, 4, g)  # per sample: [N, plans, draws, L], μ = 1
     assert (rollout.replay["step_map"] >= 0).all()
     assert len(rollout.payload["completions"]) == n
     # The plan scores real completion tokens only; the tail after the first EOS is masked in every draw.
-    real = rollout.replay["completion_mask"].bool().unsqueeze(1)
+    real = rollout.replay["completion_mask"].bool()[:, None, None]
     assert (rollout.replay["plan_masked"] | real).all()
     assert not ((rollout.replay["plan_weights"] != 0) & ~real).any()
     # forward() on the whole rollout reproduces old_logp exactly (the same rows through the same code); a shuffled
@@ -165,6 +165,8 @@ def test_config_errors_name_the_key():
         ({"estimator": "elbo_l", "estimator_options": {"p_mask_prompt": 0.1}}, "plugin.estimator_options"),
         ({"estimator": "one_step", "estimator_options": {"p_mask_prompt": "high"}}, "plugin.estimator_options"),
         ({"estimator": "coupled", "num_mc_samples": 3}, "plugin.num_mc_samples"),
+        ({"estimator": "coupled_cv", "num_mc_samples": 1}, "plugin.num_mc_samples"),
+        ({"estimator": "coupled_cv", "objective": "spg"}, "plugin.estimator"),
         ({"adapter": "gpt"}, "plugin.adapter"),
         ({"objective": "ppo"}, "plugin.objective"),
         ({"prompt_template": "no fields"}, "plugin.prompt_template"),
