@@ -9,10 +9,10 @@ estimate (root mean over completions of the per-completion variance), and the st
 (as the plugin does for π_θ / π_old / π_ref) and on independent plans.
 
 Part 2 (``--part training``): held-out greedy accuracy against RL steps on the toy world (configs/dllm/toy.yaml) for
-the one_step, elbo_l and coupled estimators at the same number of masked forwards per completion, over several
-seeds. Writes a table and, when matplotlib is installed, a PNG into ``--output-dir``; the training runs themselves
-go to a temporary folder (so the benchmark can be run again: a run folder holding another run's checkpoints is
-refused by the trainer).
+the one_step (per-token ratio), elbo_l, coupled and coupled_cv (sequence ratio) estimators at the same number of masked
+forwards per completion, over several seeds. Writes a table and, when matplotlib is installed, a PNG into
+``--output-dir``; the training runs themselves go to a temporary folder (so the benchmark can be run again: a run
+folder holding another run's checkpoints is refused by the trainer).
 
 ``--json`` also writes the raw results: for ``variance`` a list of rows (``estimator``, ``name``, ``forwards``,
 ``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``, ``seconds``),
@@ -29,7 +29,9 @@ for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seco
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +52,8 @@ ESTIMATORS = [
     ("elbo_l iid", "elbo_l", {"stratified": False}),
     ("elbo_l stratified", "elbo_l", {"stratified": True}),
     ("coupled (complementary pairs)", "coupled", {}),
+    ("coupled_cv (full row + pairs, control 1)", "coupled_cv", {}),
+    ("coupled_cv (full row + pairs, control 0)", "coupled_cv", {"control": 0.0}),
     ("spg_lower (block masking, 2 blocks)", "spg_lower", {"masking": "block", "block_length": 2}),
     ("spg_upper (EUBO, beta 1.5)", "spg_upper", {"beta": 1.5}),
 ]
@@ -62,8 +66,45 @@ def _sampled_completions(adapter, model, count: int, seed: int):
     out = generate(adapter.scorer(model), prompt_ids, mask_id=adapter.mask_id, gen_length=toy.GEN_LENGTH,
                    block_length=toy.GEN_LENGTH, steps=toy.GEN_LENGTH, temperature=1.0, generators=generators)
     real = completion_mask(out.completion_ids, adapter.stop_ids)
-    completion = torch.where(real.bool(), out.completion_ids, adapter.eos_id)
-    return prompt_ids, completion, real
+    return prompt_ids, out.completion_ids, real  # the tail after EOS is masked in every forward
+
+
+@torch.no_grad()
+def exact_elbo_t_sd(scorer, prompt, completion, real, mask_id: int, budgets: list[int], eps: float = 1e-3) -> dict:
+    """The exact sd of ``elbo_t`` (the benchmark's root mean over completions of the per-completion variance).
+
+    One draw is ``Y = g(S)/t`` with ``t ~ U(ε, 1)`` and ``S ~ Bern(t)`` over the real tokens, so with
+    ``m_k(l) = mean_{|S|=l} g(S)^k`` (enumerated: the completions have at most 4 real tokens),
+    ``E[Y^k] = ∫_ε^1 Σ_l C(L,l) t^l (1−t)^{L−l} m_k(l) / t^k dt / (1−ε)``, integrated on a log-spaced grid; N draws
+    divide the variance by N. The 1/t weights make the sampled sd heavy-tailed, so 100 repetitions estimate it
+    poorly; this is the value they estimate.
+    """
+    grid = torch.logspace(math.log10(eps), 0.0, 200_001, dtype=torch.float64)
+    variances = []
+    for b in range(completion.shape[0]):
+        positions = real[b].nonzero().squeeze(-1).tolist()
+        size = len(positions)
+        rows, sizes = [], []
+        for l in range(1, size + 1):
+            for subset in itertools.combinations(positions, l):
+                row = torch.where(real[b].bool(), completion[b], mask_id)  # the tail masked
+                row[list(subset)] = mask_id
+                rows.append(torch.cat([prompt[b], row]))
+                sizes.append(l)
+        logits = scorer(torch.stack(rows))[:, prompt.shape[1]:].double().log_softmax(-1)
+        logp = logits.gather(-1, completion[b].expand(len(rows), -1).unsqueeze(-1)).squeeze(-1)  # [R, G]
+        masked = torch.stack(rows)[:, prompt.shape[1]:] == mask_id
+        g = (logp * (masked & real[b].bool())).sum(-1)  # [R]
+        sizes_t = torch.tensor(sizes)
+        first = second = 0.0
+        for l in range(1, size + 1):
+            values = g[sizes_t == l]
+            density = math.comb(size, l) * grid ** l * (1 - grid) ** (size - l) / (1 - eps)
+            first += float(torch.trapezoid(density * values.mean() / grid, grid))
+            second += float(torch.trapezoid(density * (values ** 2).mean() / grid ** 2, grid))
+        variances.append(second - first ** 2)
+    single = sum(variances) / len(variances)
+    return {budget: math.sqrt(single / budget) for budget in budgets}
 
 
 @torch.no_grad()
@@ -77,6 +118,8 @@ def variance_table(args: argparse.Namespace) -> list[dict]:
     scorer, scorer2 = adapter.scorer(model), adapter.scorer(perturbed)
     prompt, completion, real = _sampled_completions(adapter, model, args.completions, seed=7)
     exact = exact_elbo(scorer, prompt, completion, real, mask_id=adapter.mask_id)  # [C]
+    exact_t = exact_elbo_t_sd(scorer, prompt, completion, real, adapter.mask_id, args.budgets)
+    print(json.dumps({"elbo_t exact sd by forwards": exact_t}), flush=True)
     c, r = prompt.shape[0], args.repeats
     rep = lambda t: t.repeat(r, 1)  # noqa: E731 — row k·C + i is repeat k of completion i
     rows = []
@@ -103,6 +146,8 @@ def variance_table(args: argparse.Namespace) -> list[dict]:
                 "seconds": round(time.perf_counter() - started, 2),
             })
             print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        row["elbo_t_exact_sd"] = exact_t.get(row["forwards"])
     return rows
 
 
@@ -118,6 +163,9 @@ def variance_markdown(rows: list[dict], args: argparse.Namespace) -> str:
     for row in rows:
         lines.append(f"| {row['estimator']} | {row['forwards']} | {row['bias_vs_exact_elbo']:+.3f} | {row['sd']:.3f} "
                      f"| {row['sd_difference_shared_plan']:.4f} | {row['sd_difference_independent_plans']:.3f} |")
+    exact = {row["forwards"]: row["elbo_t_exact_sd"] for row in rows if row.get("elbo_t_exact_sd")}
+    lines += ["", "elbo_t's exact sd (enumerated, eps 1e-3): "
+              + ", ".join(f"{value:.3f} at {budget} forwards" for budget, value in sorted(exact.items()))]
     return "\n".join(lines)
 
 
@@ -130,8 +178,11 @@ def training_curves(args: argparse.Namespace) -> dict:
         "one_step": ["plugin.estimator=one_step", "plugin.estimator_options={p_mask_prompt: 0.15}"],
         "elbo_l": ["plugin.estimator=elbo_l"],
         "coupled": ["plugin.estimator=coupled"],
+        "coupled_cv": ["plugin.estimator=coupled_cv"],
     }
     results: dict = {}
+    if args.estimators:
+        variants = {name: variants[name] for name in args.estimators}
     with tempfile.TemporaryDirectory(prefix="bench-dllm-") as runs:
         for name, overrides in variants.items():
             for seed in args.seeds:
@@ -211,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=15)
     parser.add_argument("--forwards", type=int, default=2, help="masked forwards per completion in part 2")
     parser.add_argument("--output-dir", default="runs/bench_dllm", help="where the training part's plot goes")
+    parser.add_argument("--estimators", nargs="+", default=None, help="part 2: only these estimators")
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
