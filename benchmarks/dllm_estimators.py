@@ -15,7 +15,8 @@ forwards per completion, over several seeds. Writes a table and, when matplotlib
 folder holding another run's checkpoints is refused by the trainer).
 
 ``--json`` also writes the raw results: for ``variance`` a list of rows (``estimator``, ``name``, ``forwards``,
-``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``, ``seconds``),
+``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``, ``seconds``,
+``elbo_t_exact_sd``: elbo_t's exact sd at that number of forwards, the reference of the variance goal),
 for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seconds": ...}}}``.
 
     python benchmarks/dllm_estimators.py --part variance --threads 1

@@ -62,7 +62,7 @@ from mmrl.plugins.dllm.masking import (
     one_step_plan,
     spg_plan,
 )
-from mmrl.registry import Range, Registry
+from mmrl.registry import ANY_FINITE, Range, Registry
 
 # The plugin passes the model inputs, the mask id, the number of draws (plugin.num_mc_samples), the generator and
 # the micro-batch (plugin.score_micro_batch); the other keyword parameters are the config's estimator_options.
@@ -423,7 +423,7 @@ def coupled_cv(
     num_samples: int,
     generator: torch.Generator | None,
     stratified: bool = True,
-    control: float = 1.0,
+    control: Annotated[float, ANY_FINITE] = 1.0,
     micro_batch: int | None = None,
 ) -> Tensor:
     """Complementary pairs with the fully masked forward as the exact ``l = L`` term and a control variate.

@@ -121,7 +121,7 @@ def test_dllm_estimators_variance(tmp_path):
     assert [row["estimator"] for row in rows] == [label for label, _, _ in module.ESTIMATORS]
     for row in rows:
         assert set(row) == {"estimator", "name", "forwards", "bias_vs_exact_elbo", "sd", "sd_difference_shared_plan",
-                            "sd_difference_independent_plans", "seconds"}
+                            "sd_difference_independent_plans", "seconds", "elbo_t_exact_sd"}
         assert row["sd"] >= 0 and row["sd_difference_shared_plan"] >= 0
     # one_step on a clean prompt is deterministic and takes one forward whatever the budget; the others take 2.
     assert [row["forwards"] for row in rows] == [1] + [2] * (len(rows) - 1)
@@ -135,7 +135,7 @@ def test_dllm_estimators_training(tmp_path):
     run_benchmark(tmp_path, "dllm_estimators.py", "--part", "training", "--seeds", "0", "--steps", "1",
                   "--eval-every", "1", "--output-dir", str(plots), "--json", str(out))
     results = read_json(out)
-    assert set(results) == {"one_step", "elbo_l", "coupled"}
+    assert set(results) == {"one_step", "elbo_l", "coupled", "coupled_cv"}
     for runs in results.values():
         assert set(runs) == {"0"} and set(runs["0"]) == {"curve", "seconds"}
         assert set(runs["0"]["curve"]) == {"0", "1"}  # evaluated at the start and after the step
