@@ -132,7 +132,10 @@ def _train(args: argparse.Namespace) -> int:
     with stop_signals():  # SIGTERM/SIGINT while the models load are honoured like during training
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
-        result = trainer.train()
+        try:
+            result = trainer.train()
+        finally:
+            trainer.close()
     if trainer.accelerator.is_main_process:
         steps = sorted(result.evaluations)
         if steps:
@@ -156,7 +159,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
-    metrics = trainer.evaluate_checkpoint()
+    try:
+        metrics = trainer.evaluate_checkpoint()
+    finally:
+        trainer.close()
     if trainer.accelerator.is_main_process:
         for name, value in sorted(metrics.items()):
             print(f"{name}: {value:.6g}")

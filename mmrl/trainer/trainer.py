@@ -234,6 +234,15 @@ class Trainer:
         if not self._evaluated_at(self.step):  # a relaunched finished run was evaluated already
             result.evaluations[self.step] = self.evaluate()
 
+    def close(self) -> None:
+        """Release what the trainer holds across processes: the reward worker pools and the process group. Call it
+        when the trainer is done (``mmrl train`` and ``mmrl eval`` do): a gloo or NCCL group left to the interpreter's
+        exit can abort a process in its destructor ("terminate called without an active exception"). No collective
+        works afterwards. Not a collective itself: after an error on one process it does not wait for the others."""
+        self.scorer.close(wait=False)
+        self.eval_scorer.close(wait=False)
+        self.accelerator.state.destroy_process_group()
+
     def training_step(self) -> dict[str, float]:
         """One full step: collect (with dynamic sampling), then update. Returns the step's metrics."""
         started = time.perf_counter()

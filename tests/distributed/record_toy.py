@@ -95,6 +95,8 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         torch.save({k: v.detach().cpu() for k, v in trainer.plugin.model.state_dict().items()}, out / "params.pt")
         torch.save(torch.stack(gradients), out / "gradients.pt")
+    trainer.close()  # the process group is destroyed before the interpreter exits
+    assert not torch.distributed.is_initialized()
 
 
 if __name__ == "__main__":
