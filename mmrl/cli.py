@@ -127,10 +127,13 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.trainer import Trainer
+    from mmrl.trainer.checkpoint import refuse_existing_run
     from mmrl.trainer.signals import stop_signals
 
     with stop_signals():  # SIGTERM/SIGINT while the models load are honoured like during training
         config = load_config(args.config, args.overrides)
+        if config.run.resume is None:  # before minutes of model loading (train() checks it again for library users)
+            refuse_existing_run(config.run.output_dir)
         trainer = Trainer(config)
         try:
             result = trainer.train()

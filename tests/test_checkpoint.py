@@ -138,6 +138,16 @@ def test_a_fresh_run_into_a_folder_holding_another_run_is_refused(tmp_path):
     ckpt.refuse_existing_run(tmp_path / "elsewhere")  # a new folder is fine
 
 
+def test_mmrl_train_refuses_a_full_folder_before_building_anything(tmp_path, monkeypatch, capsys):
+    from mmrl.cli import main
+
+    _save(tmp_path, 3, "three")
+    monkeypatch.setattr(Trainer, "__init__", lambda self, config: pytest.fail("built before the folder check"))
+    assert main(["train", "configs/toy.yaml", f"run.output_dir={tmp_path}"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "holds step-00000003" in error and "run.resume=latest" in error
+
+
 def test_an_unusable_output_dir_is_one_line_before_anything_is_built(tmp_path, monkeypatch):
     in_the_way = tmp_path / "file"
     in_the_way.write_text("")
