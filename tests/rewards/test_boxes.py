@@ -319,15 +319,14 @@ def test_parse_never_raises_and_returns_valid_boxes(text, convention):
         assert detection.score is None or not math.isnan(detection.score)
 
 
-def test_parse_is_fast_on_adversarial_text():
-    import time
-
-    texts = ["[" * 20000, "1" * 50000, "[1," * 10000, "{" * 20000 + "}", "(1,2)," * 10000, "\\boxed{" * 5000,
-             "[1, 2, 3, 4]" * 3000]
-    start = time.perf_counter()
-    for text in texts:
-        parse_boxes(text, "absolute", (100, 100))
-    assert time.perf_counter() - start < 5.0
+def test_adversarial_texts_parse_to_what_they_hold():
+    """Bracket, number and \\boxed runs of tens of thousands of characters hold no box, and 3,000 repeated boxes are
+    all found. (That parsing them takes linear time is checked without a clock below: the rewritten patterns agree
+    with the old ones on random texts, and the overlap test with a brute-force one.)"""
+    empty = ["[" * 20000, "1" * 50000, "[1," * 10000, "{" * 20000 + "}", "(1,2)," * 10000, "\\boxed{" * 5000]
+    for text in empty:
+        assert parse_boxes(text, "absolute", (100, 100)) == [], text[:12]
+    assert parse_boxes("[1, 2, 3, 4]" * 3000, "absolute", (100, 100)) == [[1.0, 2.0, 3.0, 4.0]] * 3000
 
 
 # ---------------------------------------------------------------------------------------------------- linear time
