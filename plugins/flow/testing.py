@@ -1,4 +1,4 @@
-"""Tiny SD3 and FLUX pipelines with random weights and locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX and Qwen-Image pipelines with random weights and locally built tokenizers, for tests and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -189,13 +189,84 @@ def build_flux_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     )
 
 
-BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline}
+#: QwenImagePipeline's prompt template (its ``prompt_template_encode``); the pipeline drops the first 34 tokens
+#: (``prompt_template_encode_start_idx``): the system turn and ``<|im_start|>user\n`` in Qwen2.5-VL's tokenizer.
+_QWEN_IMAGE_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+
+
+def tiny_qwen_image_tokenizer() -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with Qwen's special tokens, trained on QwenImagePipeline's prompt template
+    and the test words, so that the template's system turn is 34 tokens as in the real tokenizer (each word one
+    token): the pipeline's fixed ``drop_idx`` then removes exactly the template, as it does for Qwen-Image."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
+
+    corpus = _QWEN_IMAGE_TEMPLATE_PREFIX + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([corpus] * 8, trainer)
+    wrapped = Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                             unk_token=None)
+    prefix_tokens = len(wrapped(_QWEN_IMAGE_TEMPLATE_PREFIX).input_ids)
+    if prefix_tokens != 34:
+        raise RuntimeError(f"tiny Qwen-Image tokenizer: the template prefix is {prefix_tokens} tokens, not 34")
+    return wrapped
+
+
+def build_qwen_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``QwenImagePipeline`` with random weights: a two-layer Qwen2.5-VL text encoder (the tiny one of the VLM
+    tests) with :func:`tiny_qwen_image_tokenizer`, a two-block Qwen-Image MMDiT, a causal 3-D VAE
+    (``AutoencoderKLQwenImage``, one downsampling: 16 px images have 8×8 latents) with per-channel
+    ``latents_mean``/``latents_std``, and Qwen-Image's dynamically shifted scheduler."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmrl.plugins.vlm.testing import tiny_config
+
+    if size != "tiny":
+        raise ValueError(f"unknown Qwen-Image pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen_image_tokenizer()
+        text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_config("qwen2_5_vl", tokenizer))
+        text_width, latent_channels = text_encoder.config.text_config.hidden_size, 4
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * latent_channels, out_channels=latent_channels, num_layers=2,
+            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=text_width, axes_dims_rope=(2, 2, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler/scheduler_config.json
+            num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        )
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+
+
+BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
-    """Build the ``kind`` (``"sd3"`` or ``"flux"``) pipeline and ``save_pretrained`` it to ``directory`` (in
-    ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on disk)."""
+    """Build the ``kind`` (``"sd3"``, ``"flux"`` or ``"qwen_image"``) pipeline and ``save_pretrained`` it to
+    ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on
+    disk)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown pipeline kind {kind!r}; choose one of {', '.join(BUILDERS)}")
     directory = Path(directory)
@@ -207,10 +278,11 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmrl.plugins.flow.testing {sd3,flux} FOLDER``: write a tiny pipeline for CPU smoke runs."""
+    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image} FOLDER``: write a tiny pipeline for CPU smoke
+    runs."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Write a tiny random SD3 or FLUX pipeline folder.")
+    parser = argparse.ArgumentParser(description="Write a tiny random SD3, FLUX or Qwen-Image pipeline folder.")
     parser.add_argument("kind", choices=sorted(BUILDERS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)

@@ -26,6 +26,7 @@ flow_adapters: Registry[type[FlowAdapter]] = Registry("flow model adapter", entr
 
 flow_adapters.register_lazy("sd3", "mmrl.plugins.flow.adapters.sd3:SD3Adapter")
 flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter")
+flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:

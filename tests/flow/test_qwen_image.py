@@ -1,0 +1,119 @@
+"""The Qwen-Image adapter on a tiny ``QwenImagePipeline`` (Qwen2.5-VL text encoder, Qwen-Image MMDiT, causal 3-D
+VAE) built from config classes, saved and loaded back through ``from_pretrained``: the plugin's ODE is the
+pipeline's own sampler, the training forward gives ratio 1 on-policy, and GRPO steps train the LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmrl.trainer import Trainer
+from tests.flow.conftest import prompt_batch
+from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
+
+
+@pytest.fixture(scope="session")
+def pipelines(pipelines, tmp_path_factory):
+    """The conftest's tiny pipelines plus a tiny Qwen-Image, built once per session (about 3 s)."""
+    from mmrl.plugins.flow.testing import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("qwen_image", tmp_path_factory.mktemp("flow_qwen_image") / "tiny-qwen_image")
+    return {**pipelines, "qwen_image": folder}
+
+
+def _pipeline_images(plugin, prompts, seeds, steps, scale, cfg):
+    """The diffusers pipeline's own output for ``prompts``, one generator per sample as the plugin seeds them."""
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    guidance = {"true_cfg_scale": scale, "negative_prompt": ""} if cfg else {"true_cfg_scale": 1.0}
+    with torch.no_grad():
+        return plugin.adapter.pipeline(prompts, height=16, width=16, num_inference_steps=steps, generator=generators,
+                                       output_type="pt", max_sequence_length=8, **guidance).images
+
+
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
+def test_evaluation_is_the_qwen_image_pipeline_ode(make_plugin, cfg):
+    # The pipeline pads text to the longest prompt of its batch ("a cat": 7 tokens, "a big red dog": 9, cut to 8)
+    # and runs the negative prompt as a second call; the plugin pads every prompt to 8 with a mask and runs
+    # [uncond; cond] in one call. Masked keys get exactly zero attention weight, so only float32 rounding of
+    # differently shaped matmuls separates the two: 1e-5 on pixels in [0, 1] after 5 steps.
+    plugin = make_plugin("qwen_image", cfg=cfg, eval_num_steps=5, eval_guidance_scale=3.0 if cfg else None)
+    prompts = ["a cat", "a big red dog"]
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
+    assert rollout.payload["images"].shape == (2, 3, 16, 16)
+    expected = _pipeline_images(plugin, prompts, (5, 6), 5, 3.0, cfg)
+    torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
+
+
+def test_guided_velocity_is_rescaled_to_the_conditional_norm(make_plugin):
+    """v = (v_u + w(v_c − v_u))·‖v_c‖/‖·‖ per token, from two separate transformer calls computed here."""
+    plugin = make_plugin("qwen_image", cfg=True, guidance_scale=4.0)
+    _perturb_lora(plugin)
+    adapter, policy = plugin.adapter, plugin.policy()
+    conditioning = plugin.conditioning(["a cat", "a red dog"])
+    negative = plugin.negative_conditioning()
+    latents = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))  # [n, (16/4)², 4·4]
+    timesteps = torch.tensor([743.0, 424.0])
+    with torch.no_grad():
+        guided = adapter.velocity(policy, latents, timesteps, conditioning, guidance_scale=4.0, negative=negative)
+        cond = adapter.call_transformer(policy, latents, timesteps, conditioning, 4.0)
+        uncond = adapter.call_transformer(policy, latents, timesteps,
+                                          {k: v.expand(2, *v.shape[1:]) for k, v in negative.items()}, 4.0)
+    combined = uncond + 4.0 * (cond - uncond)  # [2, 16, 16]
+    expected = torch.empty_like(combined)
+    for row in range(2):
+        for token in range(16):
+            expected[row, token] = combined[row, token] * (cond[row, token].norm() / combined[row, token].norm())
+    # One [uncond; cond] call against two separate calls: float32 rounding of differently shaped matmuls, amplified
+    # by w = 4 in the combination; 1e-5 of the largest component bounds it.
+    torch.testing.assert_close(guided, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    assert not torch.allclose(guided, combined, rtol=1e-3, atol=1e-4)  # the rescale is not the identity here
+
+
+def test_prompt_rows_do_not_depend_on_their_batch_companions(make_plugin):
+    """Cached prompts are encoded in batches but reused one by one: padding to max_sequence_length with a mask must
+    give each prompt the same row whatever else was encoded with it."""
+    plugin = make_plugin("qwen_image")
+    together = plugin.adapter.encode_prompts(["a cat", "a big red dog"], 8)
+    alone = plugin.adapter.encode_prompts(["a cat"], 8)
+    assert together["prompt_embeds"].shape == (2, 8, 32)
+    assert together["prompt_embeds_mask"].tolist()[0] == [1] * 7 + [0]  # "a cat" + 5 template tokens
+    assert together["prompt_embeds_mask"].tolist()[1] == [1] * 8  # truncated at max_sequence_length
+    torch.testing.assert_close(together["prompt_embeds"][:1], alone["prompt_embeds"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(together["prompt_embeds_mask"][:1], alone["prompt_embeds_mask"])
+    assert together["prompt_embeds"][0, 7].abs().max() == 0  # padding is zeros, as the pipeline pads
+
+
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
+def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, cfg):
+    plugin = make_plugin("qwen_image", cfg=cfg)
+    assert plugin.adapter.name == "qwen_image"  # detected from model_index.json
+    _perturb_lora(plugin)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog", "a red car"], 2)).validate()
+    assert rollout.old_logp.shape == (6, 3)
+    with torch.no_grad():
+        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
+            part = rollout.select(torch.tensor(split))
+            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
+        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
+        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+
+
+def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, tmp_path):
+    trainer = Trainer(train_config("qwen_image", tmp_path))
+    transformer = trainer.plugin.policy()
+    frozen = {name: module for name, module in trainer.plugin.adapter.pipeline.components.items()
+              if isinstance(module, torch.nn.Module) and name != "transformer"}
+    before = {name: {key: p.detach().clone() for key, p in module.named_parameters()}
+              for name, module in [("transformer", transformer), *frozen.items()]}
+    history = trainer.train().history
+
+    assert [record["step"] for record in history] == [1, 2]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
+    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before["transformer"][key], p)}
+    lora = {key for key, _ in transformer.named_parameters() if "lora_" in key}
+    assert changed and changed <= lora  # only the adapter moves
+    assert any(".img_mlp.net.2.lora_B" in key for key in changed)  # the default targets include the FFN outputs
+    for name, module in frozen.items():
+        assert all(torch.equal(before[name][key], p) for key, p in module.named_parameters()), f"{name} changed"
+    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "pytorch_lora_weights.safetensors").is_file()
