@@ -19,7 +19,7 @@ drifts during the run). Peak memory:
 ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios), ``time_ratio_of_fastest`` and the peaks
 ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
-    # CPU, tiny random SD3 (what docs/performance.md reports)
+    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux or qwen_image for the other families)
     python benchmarks/flow_rollout.py
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
@@ -52,7 +52,8 @@ PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux"], default="sd3", help="Model family.")
+    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image"], default="sd3",
+                        help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -156,16 +157,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows=[{"prompt": prompt} for prompt in prompts], group_ids=torch.zeros(args.batch, dtype=torch.long),
         group_size=args.batch, seeds=torch.arange(args.batch), generator=torch.Generator(), training=True,
     )
-    conditioning = plugin.conditioning(prompts)
-    embeds = {"prompt_embeds": conditioning["prompt_embeds"], "pooled_prompt_embeds":
-              conditioning["pooled_prompt_embeds"]}
+    # The adapters' conditioning keys are the pipelines' own keyword arguments (prompt_embeds and
+    # pooled_prompt_embeds or prompt_embeds_mask), and the negative ones the same names with "negative_" in front.
+    embeds = dict(plugin.conditioning(prompts))
     if plugin.cfg:
-        negative = plugin.negative_conditioning()
-        embeds["negative_prompt_embeds"] = negative["prompt_embeds"].expand(args.batch, -1, -1)
-        embeds["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"].expand(args.batch, -1)
+        for key, value in plugin.negative_conditioning().items():
+            embeds[f"negative_{key}"] = value.expand(args.batch, *value.shape[1:])
     kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
     if args.kind == "sd3" and not plugin.cfg:
         kwargs["guidance_scale"] = 1.0  # the SD3 pipeline runs CFG whenever guidance_scale > 1
+    if args.kind == "qwen_image":  # true CFG runs when true_cfg_scale > 1 and negative embeddings are given
+        kwargs = {"true_cfg_scale": plugin.guidance_scale if plugin.cfg else 1.0}
 
     def plugin_rollout() -> Any:
         with torch.no_grad():
