@@ -123,6 +123,18 @@ class FlowAdapter(ABC):
         """Custom σ grid the pipeline passes to ``set_timesteps`` (None: the scheduler's own spacing)."""
         return None
 
+    def dynamic_shift_mu(self, num_steps: int, resolution: int) -> float:
+        """μ of a dynamically shifting scheduler (``use_dynamic_shifting``): FLUX's ``calculate_shift`` of the image
+        tokens with the scheduler config's base/max shift. Overridden where the pipeline computes μ otherwise
+        (FLUX.2: from the image tokens and the number of steps)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.scheduler.config
+        return calculate_shift(
+            self.image_seq_len(resolution), config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )
+
     def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
         """``(sigmas [S+1], timesteps [S])`` float32 on the device: σ from ~1 down to 0 (the last entry) and the
         timestep value the transformer is given at each step, computed by the pipeline's scheduler exactly as its
@@ -132,13 +144,7 @@ class FlowAdapter(ABC):
             config = self.scheduler.config
             kwargs: dict[str, Any] = {}
             if config.get("use_dynamic_shifting", False):
-                from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-                kwargs["mu"] = calculate_shift(
-                    self.image_seq_len(resolution), config.get("base_image_seq_len", 256),
-                    config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                    config.get("max_shift", 1.15),
-                )
+                kwargs["mu"] = self.dynamic_shift_mu(num_steps, resolution)
             sigmas = None if config.get("use_flow_sigmas", False) else self.default_sigmas(num_steps)
             if sigmas is None:
                 self.scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
