@@ -259,7 +259,85 @@ def build_qwen_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                              transformer=transformer)
 
 
-BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline}
+_FLUX2_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                         "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+_FLUX2_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{% else %}[INST]{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'system' %}[/SYSTEM_PROMPT]{% else %}[/INST]{% endif %}{% endfor %}"
+)
+"""Mistral's chat layout for text-only messages: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``."""
+
+
+def tiny_pixtral_processor() -> Any:
+    """A ``PixtralProcessor`` (what Flux2Pipeline's ``tokenizer`` is) around a byte-level BPE tokenizer with
+    Mistral's special tokens, trained on FLUX.2's system message and the test words (about 33 tokens for the system
+    turn), and a text-only Mistral chat template."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(_FLUX2_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([SYSTEM_MESSAGE + " " + " ".join(_WORDS)] * 8, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                      unk_token="<unk>", pad_token="<pad>")
+    return PixtralProcessor(image_processor=PixtralImageProcessor(patch_size=16), tokenizer=wrapped,
+                            chat_template=_FLUX2_CHAT_TEMPLATE, patch_size=16, spatial_merge_size=2)
+
+
+def build_flux2_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``Flux2Pipeline`` with random weights: a Mistral-3 text encoder of 30 layers of width 16 (the pipeline
+    stacks hidden layers 10, 20 and 30) with a one-layer Pixtral vision tower, a 1+1-block FLUX.2 transformer with
+    the guidance embedding, a VAE whose batch-norm statistics are random (so the decode's un-normalisation
+    matters), and FLUX.1-dev's scheduler config (FLUX.2's μ comes from ``compute_empirical_mu``)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    if size != "tiny":
+        raise ValueError(f"unknown FLUX.2 pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        processor = tiny_pixtral_processor()
+        tokenizer = processor.tokenizer
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _FLUX2_SPECIAL_TOKENS}
+        width, latent_channels = 16, 4
+        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=width,
+                             intermediate_size=2 * width, num_hidden_layers=30, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                             bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]),
+            vision_config=dict(model_type="pixtral", hidden_size=width, intermediate_size=2 * width,
+                               num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=64, patch_size=16),
+            image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1,
+        ))
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
+            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=True,
+        )
+        vae = AutoencoderKLFlux2(
+            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
+            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
+        )
+        with torch.no_grad():
+            vae.bn.running_mean.normal_()
+            vae.bn.running_var.uniform_(0.5, 2.0)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor,
+                         transformer=transformer)
+
+
+BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
+            "flux2": build_flux2_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
