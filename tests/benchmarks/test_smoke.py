@@ -71,7 +71,7 @@ def test_every_benchmark_has_a_smoke_test():
 # ---------------------------------------------------------------------------------------------------- flow
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2"])
 def test_flow_rollout(tmp_path, kind):
     out = tmp_path / "rollout.json"
     run_benchmark(tmp_path, "flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
