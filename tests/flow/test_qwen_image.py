@@ -83,6 +83,12 @@ def test_prompt_rows_do_not_depend_on_their_batch_companions(make_plugin):
     assert together["prompt_embeds"][0, 7].abs().max() == 0  # padding is zeros, as the pipeline pads
 
 
+def test_text_longer_than_the_pipeline_allows_is_refused_in_one_line(make_plugin):
+    plugin = make_plugin("qwen_image", max_sequence_length=1025)
+    with pytest.raises(ValueError, match=r"^plugin.max_sequence_length is 1025; Qwen-Image takes at most 1024 [^\n]*$"):
+        plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 2))
+
+
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
 def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, cfg):
     plugin = make_plugin("qwen_image", cfg=cfg)

@@ -59,6 +59,10 @@ class QwenImageAdapter(FlowAdapter):
         return 2 * (resolution // (self.vae_scale_factor * 2))
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+        limit = self.pipeline.tokenizer_max_length  # 1024: QwenImagePipeline.check_inputs refuses longer
+        if max_sequence_length > limit:
+            raise ValueError(f"plugin.max_sequence_length is {max_sequence_length}; Qwen-Image takes at most {limit} "
+                             "text tokens (and pads every prompt to this length: set it near the longest prompt)")
         embeds, mask = self.pipeline.encode_prompt(
             prompt=prompts, device=self.device, num_images_per_prompt=1, max_sequence_length=max_sequence_length,
         )
