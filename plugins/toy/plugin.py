@@ -117,25 +117,29 @@ class ToyPlugin(Plugin):
                 torch.rand(steps, self.tiny.num_outputs, generator=g) for g in batch.sample_generators()
             ]).to(device)
             gumbel = -torch.log(-torch.log(noise.clamp(1e-10, 1.0 - 1e-7)))
-        state, *memory = model.encode(prompt_ids)
-        previous = torch.full((len(batch),), self.tiny.bos_id, dtype=torch.long, device=device)
-        finished = torch.zeros(len(batch), dtype=torch.bool, device=device)
-        tokens, mask = [], []
-        for t in range(steps):
-            logits, state = model.step(state, previous, memory)  # [N, V_out]
-            if batch.training:
-                choice = torch.argmax(logits.float() / self.config.temperature + gumbel[:, t], dim=-1)
-            else:
-                choice = torch.argmax(logits, dim=-1)  # greedy evaluation
-            choice = torch.where(finished, torch.full_like(choice, self.tiny.eos_id), choice)
-            mask.append((~finished).float())
-            tokens.append(choice)
-            finished = finished | (choice == self.tiny.eos_id)
-            previous = choice
+        tokens, mask, step_logits = [], [], []
+        with self.runtime.autocast():  # as the teacher-forced forward runs: the logits below are the ones it computes
+            state, *memory = model.encode(prompt_ids)
+            previous = torch.full((len(batch),), self.tiny.bos_id, dtype=torch.long, device=device)
+            finished = torch.zeros(len(batch), dtype=torch.bool, device=device)
+            for t in range(steps):
+                logits, state = model.step(state, previous, memory)  # [N, V_out]
+                step_logits.append(logits)
+                if batch.training:
+                    choice = torch.argmax(logits.float() / self.config.temperature + gumbel[:, t], dim=-1)
+                else:
+                    choice = torch.argmax(logits, dim=-1)  # greedy evaluation
+                choice = torch.where(finished, torch.full_like(choice, self.tiny.eos_id), choice)
+                mask.append((~finished).float())
+                tokens.append(choice)
+                finished = finished | (choice == self.tiny.eos_id)
+                previous = choice
         tokens_t = torch.stack(tokens, dim=1)  # [N, T]
         mask_t = torch.stack(mask, dim=1)  # [N, T]: up to and including EOS
-        # old_logp through exactly the computation forward() uses, so the first inner step has ratio == 1.
-        old_logp, _ = self._token_logp(model, prompt_ids, tokens_t)
+        # old_logp from the sampling pass's own logits: forward() feeds the decoder's step() the same prompt and the
+        # same tokens (each step's input is the token sampled before it, EOS after the end), so a second
+        # teacher-forced pass would compute these logits again; the log-prob math is forward()'s own.
+        old_logp, _ = self._log_probs(torch.stack(step_logits, dim=1), tokens_t)  # [N, T]
         return Rollout(
             group_ids=batch.group_ids,
             old_logp=old_logp,
@@ -167,6 +171,10 @@ class ToyPlugin(Plugin):
         """Log-prob and entropy of each token, in float32: ``[N, T]`` each."""
         with self.runtime.autocast():
             logits = model(prompt_ids, tokens)  # [N, T, V_out]
+        return self._log_probs(logits, tokens)
+
+    def _log_probs(self, logits: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Log-prob and entropy of ``tokens [N, T]`` under ``logits [N, T, V_out]``, in float32: ``[N, T]`` each."""
         log_probs = F.log_softmax(logits.float() / self.config.temperature, dim=-1)  # [N, T, V_out]
         token_logp = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [N, T]
         entropy = -(log_probs.exp() * log_probs).sum(-1)  # [N, T]
