@@ -213,3 +213,45 @@ def test_vlm_grpo_step_against_trl(tmp_path):
     check_vlm_side(result["mmrl"], steps=1)
     check_vlm_side(result["trl"], steps=1)
     assert result["round_ratios"] == pytest.approx([result["mmrl"]["median_s"] / result["trl"]["median_s"]])
+
+
+# ---------------------------------------------------------------------------------------------------- step floors
+
+STEP_FLOORS_KEYS = {"settings", "parameters", "floor", "seconds", "cpu_seconds", "median_seconds", "floor_parts",
+                    "step_phases", "step_over_floor", "step_over_floor_rounds", "cpu_step_over_floor", "breakdown",
+                    "identical_steps"}
+
+
+@pytest.mark.parametrize("plugin", ["toy", "flow", "vlm", "dllm"])
+def test_step_floors(tmp_path, plugin):
+    """One round, no warm-up, on each plugin's default recipe (toy also with --profile and an override)."""
+    out = tmp_path / "floor.json"
+    extra = ["--profile", "--override", "algorithm.minibatches=1"] if plugin == "toy" else []
+    run_benchmark(tmp_path, "step_floors.py", "--plugin", plugin, "--rounds", "1", "--warmup", "0", "--threads", "1",
+                  "--json", str(out), *extra)
+    result = read_json(out)
+    assert set(result) == STEP_FLOORS_KEYS | ({"profile"} if plugin == "toy" else set())
+    settings = result["settings"]
+    assert (settings["plugin"], settings["device"], settings["threads"], settings["rounds"], settings["warmup"]) \
+        == (plugin, "cpu", 1, 1, 0)
+    assert settings["overrides"] == (["algorithm.minibatches=1"] if plugin == "toy" else [])
+    assert 0 < result["parameters"]["trainable"] <= result["parameters"]["total"]
+    timed = set(result["seconds"])
+    assert {"step", "floor", "logprob_math"} <= timed <= {"step", "floor", "reference", "old_logp", "logprob_math"}
+    assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
+    assert set(result["cpu_seconds"]) == timed
+    median = result["median_seconds"]
+    assert result["step_over_floor"] == pytest.approx(median["step"] / median["floor"])
+    assert result["step_over_floor_rounds"] == pytest.approx([result["step_over_floor"]])
+    assert set(result["floor_parts"]) == {"generation", "forward_backward", "optimizer"}
+    assert sum(result["floor_parts"].values()) <= median["floor"]
+    assert {"rollout", "reward", "advantage", "train"} <= set(result["step_phases"])
+    # The breakdown adds up to the step: floor + each extra + rewards and advantages + other.
+    breakdown = result["breakdown"]
+    assert set(breakdown) == (timed - {"step"}) | {"rewards_and_advantages", "other"}
+    assert sum(breakdown.values()) == pytest.approx(median["step"])
+    assert result["identical_steps"] is True
+    assert result["floor"]["backward_passes"] >= 1 and result["floor"]["optimizer_steps"] >= 1
+    if plugin == "toy":  # one mini-batch: one optimizer step
+        assert result["floor"]["optimizer_steps"] == 1
+        assert result["profile"] and all(row["calls"] > 0 for row in result["profile"])

@@ -1,0 +1,166 @@
+"""Floor of the vlm plugin: a transformers vision-language model (Qwen2-VL family) with its LoRA adapter.
+
+- generation: per rollout call, the vision tower once over the call's distinct images (the plugin caches the frozen
+  tower's features per prompt), the prefill of each distinct prompt but its last token (a group's samples share
+  it, as the plugin's ``share_prompt_prefill`` does) with the KV cache copied to the samples, then one single-token
+  forward per generated position over the whole batch (as many as the longest completion), fed the sampled tokens
+  (the sampler's token choice is left out);
+- forward and backward: per backward pass, the teacher-forced forward of the pass's samples (prompt with the cached
+  image features, completion), the LM head over the completion positions, reduced to a scalar, then one backward;
+- extras: ``reference``, the same teacher-forced forwards without gradients and with the LoRA adapter disabled (or
+  the frozen copy), when ``kl_coef > 0``; ``old_logp``, the rollout's teacher-forced no-grad pass over each call when
+  the plugin runs it; ``logprob_math``, the plugin's tempered log-softmax of the completion tokens
+  (:func:`~mmrl.plugins.vlm.logprobs.selective_log_softmax`, with entropy when configured) on logits of the same
+  shapes, for every scoring pass (with gradients and their backward for the training passes).
+
+Position ids (M-RoPE) are computed once outside the timed region and passed to every call, so the floor does not
+pay for the model's rope-index computation.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmrl.plugins.vlm.adapters.base import _base_model
+from mmrl.plugins.vlm.plugin import replay_prompts
+
+from . import Floor, scalar
+
+
+class VLMFloor(Floor):
+    """Floor of the ``vlm`` plugin (module docstring)."""
+
+    def __init__(self, trainer: Any, capture: Any):
+        super().__init__(trainer, capture)
+        plugin = self.plugin
+        if not plugin.cache_features:
+            raise SystemExit("benchmarks/step_floors.py: the vlm floor assumes the frozen vision tower's features are "
+                             "cached (plugin.freeze_vision and plugin.cache_image_features)")
+        self.adapter = plugin.adapter
+        self.hf = _base_model(self.policy)
+        self.cache_name = "cache" if "cache" in inspect.signature(type(self.hf).forward).parameters \
+            else "past_key_values"
+        self.calls = [self._generation_inputs(batch, call) for batch, call in zip(capture.batches, capture.rollouts,
+                                                                                   strict=True)]
+
+    # ------------------------------------------------------------------ inputs
+    def positions(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """M-RoPE position ids ``[3, n, T]`` of collated inputs."""
+        return self.hf.model.get_rope_index(
+            inputs["input_ids"], mm_token_type_ids=inputs.get("mm_token_type_ids"),
+            image_grid_thw=inputs.get("image_grid_thw"), attention_mask=inputs["attention_mask"])[0]
+
+    def _generation_inputs(self, batch: Any, call: Any) -> dict[str, Any]:
+        prompts = replay_prompts(call.replay)  # per sample
+        completions = call.replay["completion_ids"]
+        groups = [int(g) for g in batch.group_ids.tolist()]
+        first = {group: i for i, group in reversed(list(enumerate(groups)))}  # a group's first sample
+        unique = [prompts[i] for i in first.values()]
+        order = {group: k for k, group in enumerate(first)}
+        raw = self.plugin.encode_rows(batch.rows, batch.group_ids)  # pixel values, one entry per sample
+        with_images = [raw[i] for i in first.values() if raw[i]["image_grid_thw"].numel()]
+        pixels = torch.cat([p["pixel_values"] for p in with_images]).to(self.device)  # [Σ rows, D]
+        grids = torch.cat([p["image_grid_thw"] for p in with_images]).to(self.device)  # [Σ images, 3]
+        prefill, width = self.adapter.collate(unique, device=self.device)
+        prefill["position_ids"] = self.positions(prefill)
+        per_token = ("input_ids", "attention_mask", "mm_token_type_ids", "position_ids")
+        prefix = {key: (value[..., :-1] if key in per_token else value) for key, value in prefill.items()}
+        full, _ = self.adapter.collate(prompts, completions, device=self.device)
+        steps = max(len(c) for c in completions)
+        full_positions = self.positions(full)  # [3, n, P + C]
+        attention = torch.cat([full["attention_mask"][:, :width],
+                               torch.ones_like(full["attention_mask"][:, width:])], dim=1)  # generated: all attend
+        return {"pixels": pixels, "grids": grids, "prefix": prefix, "width": width, "steps": steps,
+                "select": torch.tensor([order[group] for group in groups], device=self.device),
+                "tokens": full["input_ids"], "attention": attention, "positions": full_positions,
+                "teacher": {**full, "position_ids": full_positions}}
+
+    # ------------------------------------------------------------------ model calls
+    def generation(self) -> None:
+        for call in self.calls:
+            self.hf.get_image_features(call["pixels"], call["grids"], return_dict=True)
+            output = self.hf(**call["prefix"], use_cache=True, logits_to_keep=1)
+            cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+            cache.batch_select_indices(call["select"])
+            width = call["width"]
+            for t in range(call["steps"]):
+                position = width - 1 + t
+                self.hf(input_ids=call["tokens"][:, position:position + 1],
+                        attention_mask=call["attention"][:, :position + 1],
+                        position_ids=call["positions"][..., position:position + 1],
+                        use_cache=True, logits_to_keep=1, **{self.cache_name: cache})
+
+    def teacher_forced(self, module: torch.nn.Module, inputs: dict[str, torch.Tensor], completion: int
+                       ) -> torch.Tensor:
+        """Logits ``[n, C, V]`` of the completion positions (the LM head over those positions only)."""
+        return module(**inputs, logits_to_keep=completion + 1, use_cache=False).logits[:, :-1]
+
+    def unit_inputs(self, epoch: int, indices: list[int], columns: torch.Tensor | None) -> Any:
+        index = torch.tensor(indices, dtype=torch.long, device=self.device)
+        part = self.rollout.select(index)
+        completions = part.replay["completion_ids"]
+        inputs, width = self.adapter.collate(replay_prompts(part.replay), completions, device=self.device)
+        inputs["position_ids"] = self.positions(inputs)
+        return inputs, int(inputs["input_ids"].shape[1]) - width
+
+    def loss(self, inputs: Any) -> torch.Tensor:
+        teacher, completion = inputs
+        return scalar(self.teacher_forced(self.hf, teacher, completion))
+
+    # ------------------------------------------------------------------ extras
+    def extras(self) -> dict[str, Callable[[], None]]:
+        plugin, runtime = self.plugin, self.plugin.runtime
+        units = [unit.inputs for minibatch in self.schedule for unit in minibatch]
+        extras: dict[str, Callable[[], None]] = {}
+        algorithm = self.trainer.config.algorithm
+        if algorithm.kl_coef > 0:
+            def reference() -> None:
+                with torch.no_grad(), plugin.reference_model(self.policy) as module, runtime.autocast():
+                    reference_model = _base_model(module)
+                    for teacher, completion in units:
+                        self.teacher_forced(reference_model, teacher, completion)
+
+            extras["reference"] = reference
+        old_passes = []
+        if runtime.needs_old_logp or plugin.config.force_old_logp_pass:
+            old_passes = [(call["teacher"], call["tokens"].shape[1] - call["width"]) for call in self.calls]
+
+            def old_logp() -> None:
+                with torch.no_grad(), runtime.autocast():
+                    for teacher, completion in old_passes:
+                        self.teacher_forced(self.hf, teacher, completion)
+
+            extras["old_logp"] = old_logp
+        scored = [(teacher["input_ids"][:, -completion:], False) for teacher, completion in old_passes]
+        if "reference" in extras:
+            scored += [(teacher["input_ids"][:, -completion:], False) for teacher, completion in units]
+        scored += [(teacher["input_ids"][:, -completion:], True) for teacher, completion in units]
+        vocab = self.hf.get_output_embeddings().weight.shape[0]
+        logits = [(torch.randn(*tokens.shape, vocab, device=self.device), tokens, grad) for tokens, grad in scored]
+        suppress = torch.tensor(plugin.suppressed_ids, dtype=torch.long, device=self.device)
+        config = plugin.config
+
+        def logprob_math() -> None:
+            from mmrl.plugins.vlm.logprobs import selective_log_softmax
+
+            for values, tokens, grad in logits:
+                with torch.set_grad_enabled(grad):
+                    leaf = values.detach().requires_grad_(grad)
+                    logp, entropy = selective_log_softmax(
+                        leaf, tokens, temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                        with_entropy=grad and config.entropy, suppress=suppress)
+                    if grad:
+                        (logp.sum() + (entropy.sum() if entropy is not None else 0.0)).backward()
+
+        extras["logprob_math"] = logprob_math
+        return extras
+
+    def describe(self) -> dict[str, Any]:
+        calls = [(int(c["select"].shape[0]), int(c["prefix"]["input_ids"].shape[0]), c["steps"]) for c in self.calls]
+        units = [tuple(u.inputs[0]["input_ids"].shape) for m in self.schedule for u in m]
+        return {"generation": f"rollout calls (samples, distinct prompts, decode steps): {calls}",
+                "forward_backward": f"{self.backward_passes()} teacher-forced passes of [n, P + C] = {units}"}

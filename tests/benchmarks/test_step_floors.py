@@ -1,0 +1,90 @@
+"""benchmarks/step_floors.py beyond its smoke test: the floor replays the learner's loop on the captured batch, and a
+restored step samples the same batch again (what makes the timed steps comparable and the floor the step's own)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import step_floors  # noqa: E402
+from floors import capturing  # noqa: E402
+
+
+def toy_trainer(tmp_path: Path):
+    # 6 prompts x 4 samples = 24; 2 inner epochs x 2 mini-batches of 12 x micro-batches of 5 (5, 5, 2):
+    # 2 * 2 * 3 = 12 backward passes and 2 * 2 = 4 optimizer steps per training step.
+    args = step_floors.parse_args(["--plugin", "toy", "--override", "rollout.prompts_per_step=6",
+                                   "rollout.group_size=4", "algorithm.inner_epochs=2", "algorithm.minibatches=2",
+                                   "algorithm.micro_batch_size=5", "algorithm.kl_coef=0.1", "plugin.train_size=32",
+                                   "plugin.eval_size=4"])
+    return step_floors.build_trainer(args, tmp_path)
+
+
+def test_the_floor_replays_the_learners_passes(tmp_path):
+    trainer = toy_trainer(tmp_path)
+    try:
+        passes = []  # the tokens of the samples of each training forward the learner makes, in order
+        forward = trainer.plugin.forward
+
+        def recorded(policy, rollout, **kwargs):
+            if torch.is_grad_enabled():
+                passes.append(rollout.replay["tokens"].clone())
+            return forward(policy, rollout, **kwargs)
+
+        trainer.plugin.forward = recorded
+        steps_before = trainer.learner.optimizer_steps
+        with capturing(trainer) as capture:
+            trainer.training_step()
+        del trainer.plugin.forward
+        optimizer_steps = trainer.learner.optimizer_steps - steps_before
+        floor = step_floors.floor_class("toy")(trainer, capture)
+
+        assert (len(passes), optimizer_steps) == (12, 4)
+        assert (floor.backward_passes(), len(floor.schedule)) == (12, 4)
+        assert [len(unit.indices) for minibatch in floor.schedule for unit in minibatch] == [5, 5, 2] * 4
+        floor_tokens = [unit.inputs[1] for minibatch in floor.schedule for unit in minibatch]
+        for learner_tokens, replayed in zip(passes, floor_tokens, strict=True):
+            assert torch.equal(learner_tokens, replayed)
+        # Every inner epoch covers every sample once.
+        for epoch in range(2):
+            seen = sorted(i for minibatch in floor.schedule for unit in minibatch if unit.epoch == epoch
+                          for i in unit.indices)
+            assert seen == list(range(24))
+        # kl_coef > 0: the reference pass is timed as an extra; the toy runs no separate old-policy pass.
+        assert set(floor.extras()) == {"reference", "logprob_math"}
+        parts = floor.run()
+        assert set(parts) == {"generation", "forward_backward", "optimizer"} and all(v > 0 for v in parts.values())
+    finally:
+        trainer.close()
+
+
+def test_a_restored_step_samples_the_same_batch_and_the_floor_leaves_the_weights(tmp_path):
+    trainer = toy_trainer(tmp_path)
+    try:
+        trainer.training_step()  # a step with Adam state, so that the snapshot holds some
+        snapshot = step_floors.Snapshot(trainer)
+        with capturing(trainer) as first:
+            trainer.training_step()
+        after_first = [p.detach().clone() for p in trainer.policy.parameters()]
+        snapshot.restore(trainer)
+        with capturing(trainer) as second:
+            trainer.training_step()
+        for a, b in zip(first.rollouts, second.rollouts, strict=True):
+            assert torch.equal(a.replay["tokens"], b.replay["tokens"])
+        for a, b in zip(after_first, trainer.policy.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach())
+        # The floor's optimizer has learning rate 0 and no weight decay moves (lr 0): the weights stay put, so the
+        # floor does not change what the next timed step samples.
+        floor = step_floors.floor_class("toy")(trainer, second)
+        before = [p.detach().clone() for p in trainer.policy.parameters()]
+        floor.run()
+        for a, b in zip(before, trainer.policy.parameters(), strict=True):
+            assert torch.equal(a, b.detach())
+    finally:
+        trainer.close()
