@@ -255,3 +255,34 @@ def test_step_floors(tmp_path, plugin):
     if plugin == "toy":  # one mini-batch: one optimizer step
         assert result["floor"]["optimizer_steps"] == 1
         assert result["profile"] and all(row["calls"] > 0 for row in result["profile"])
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def test_memory_estimate(tmp_path):
+    """LLaDA-8B only (the fastest to build on the meta device), FSDP over 2, with the tiny-model check."""
+    out = tmp_path / "memory.json"
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "--check", "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
+    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128"]
+    recipe = result["recipes"]["LLaDA-8B LoRA r128"]
+    assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
+    one = recipe["without_checkpointing"]["one_gpu"]
+    # By hand: embeddings and head 2 · 126464 · 4096, per layer 4 · 4096² (attention) + 3 · 4096 · 12288 (MLP)
+    # + 2 · 4096 (norms), 32 layers, final norm 4096. LoRA r 128: per layer 128 · (4 · 8192 + 2 · 16384 + 16384).
+    assert one["parameters"] == 2 * 126464 * 4096 + 32 * (4 * 4096**2 + 3 * 4096 * 12288 + 2 * 4096) + 4096
+    assert one["trainable"] == 32 * 128 * (4 * 8192 + 2 * 16384 + 16384)
+    gib = one["gib"]
+    assert gib["weights"] == pytest.approx(one["parameters"] * 2 / 2**30)  # bfloat16 base
+    assert gib["trainable_state"] == pytest.approx(one["trainable"] * 16 / 2**30)  # fp32 LoRA, grads, 2 moments
+    assert gib["reference"] == 0 and gib["rollout_kv_cache"] == 0
+    sharded = recipe["without_checkpointing"]["fsdp_2"]["gib"]
+    assert sharded["weights"] == pytest.approx(gib["weights"] / 2)
+    assert sharded["activations"] == pytest.approx(gib["activations"])
+    assert recipe["with_checkpointing"]["one_gpu"]["gib"]["activations"] < gib["activations"]
+    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models.
+    assert len(result["check"]) == 12
+    for row in result["check"]:
+        assert 0.95 < row["ratio"] < 1.05, row

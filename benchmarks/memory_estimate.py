@@ -1,0 +1,467 @@
+"""Per-GPU memory of the shipped recipes at full size, estimated from parameter counts and activation sizes, and the
+estimator checked against measurements on tiny models on the CPU (issue 26 item 4).
+
+Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
+published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel`` and
+``FluxTransformer2DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``, and ``LlamaForCausalLM`` for
+LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
+``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
+
+- weights: the trained module (the frozen base in the recipe's weight dtype with LoRA; float32 master weights with
+  full fine-tuning) and the frozen modules that stay on the device (text encoders and VAE for flow, the vision tower
+  for vlm: counted in its module; the reward model is not counted);
+- trainable state: float32 trainable weights (LoRA), their gradients and AdamW's two moments (4 + 4 + 8 bytes per
+  trainable parameter), the EMA copy when the recipe keeps one;
+- reference: a frozen float32 copy of the trained module when full fine-tuning has ``kl_coef > 0`` (LoRA disables
+  the adapter instead: no copy);
+- activations of one micro-batch's training forward, kept for its backward: tokens × blocks × bytes per token per
+  block (:data:`ACTIVATION_BYTES`, counted with ``torch.autograd.graph.saved_tensors_hooks`` on tiny models of the
+  same classes, see ``--check``), plus, for language models, the completion logits and their float32 log-softmax;
+  with gradient checkpointing each block keeps only its input (h values per token) and one block is recomputed at a
+  time;
+- rollout: the KV cache of generation (vlm); it and the training transients are not alive at the same time;
+- FSDP (FULL_SHARD over ``--gpus``): the trained module's weights, gradients, optimizer state, EMA and reference
+  are divided by the number of GPUs; activations, frozen extras and the rollout are per GPU.
+
+Not counted: the CUDA context and allocator fragmentation (budget 1–3 GiB), the reward model, the VAE decode and
+text-encoder peaks, temporary copies inside kernels. The numbers are a floor to plan with, not a guarantee.
+
+``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted
+on), runs a forward and one AdamW step in float32 on the CPU and compares the measured bytes (saved activations;
+weights, gradients and optimizer state) with the estimator's. ``--json`` writes ``settings`` (``gpus``,
+``torch``), ``recipes`` (per recipe and variant: ``parameters``, ``trainable``, ``gib`` per component, ``peak_gib``)
+and, with ``--check``, ``check`` (per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``). Examples::
+
+    python benchmarks/memory_estimate.py                   # the table for 1 GPU and for FSDP over 8
+    python benchmarks/memory_estimate.py --gpus 1 4 --check --json memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+GIB = 1024**3
+FLOW_SD3_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                    "attn.add_v_proj", "attn.to_add_out")  # plugins/flow/adapters/sd3.py
+FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                        "ff_context.net.2")  # plugins/flow/adapters/flux.py
+LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
+
+# Bytes per token per transformer block saved for the backward, in units of the activation dtype's size D (so bytes =
+# D · value), as counted on tiny models in float32 (--check re-measures them at other sizes). ``h`` hidden size,
+# ``kv`` key/value width, ``f`` MLP width, ``r`` LoRA rank. Decoder (Qwen2/Llama, sdpa attention, SwiGLU): the two
+# RMSNorms' inputs and normalised outputs, the q/k/v input, q, k, v and the attention output, the o_proj input,
+# the MLP input and four f-wide tensors (gate, silu, up, product); with LoRA the normalised outputs are not kept (the
+# norm weights are frozen) and each of the 7 adapted linears keeps its r-wide intermediate. MMDiT and FLUX blocks
+# (MLP 4h, adaLN modulation, qk RMSNorm): per token of either stream; SD3.5's dual-attention blocks keep more per image
+# token.
+ACTIVATION_BYTES = {
+    ("decoder", "full"): lambda h, kv, f, r: 8 * h + 2 * kv + 4 * f,
+    ("decoder", "lora"): lambda h, kv, f, r: 6 * h + 2 * kv + 4 * f + 7 * r,
+    ("mmdit", "full"): lambda h, kv, f, r: 25.25 * h,
+    ("mmdit", "lora"): lambda h, kv, f, r: 14.5 * h,
+    ("mmdit_dual_image", "full"): lambda h, kv, f, r: 35.44 * h,
+    ("mmdit_dual_image", "lora"): lambda h, kv, f, r: 20.69 * h,
+    ("flux_double", "full"): lambda h, kv, f, r: 25.25 * h,
+    ("flux_double", "lora"): lambda h, kv, f, r: 19.63 * h,
+    ("flux_single", "full"): lambda h, kv, f, r: 21.22 * h,
+    ("flux_single", "lora"): lambda h, kv, f, r: 12.41 * h,
+}
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def build_sd35_medium() -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(  # stabilityai/stable-diffusion-3.5-medium, transformer/config.json
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+
+
+def build_flux_dev() -> nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(guidance_embeds=True)  # the class defaults are FLUX.1-dev's (19 + 38 blocks, 3072)
+
+
+def build_qwen25vl(size: str) -> nn.Module:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+            "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)}[size]
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=text["hidden_size"])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_llada_8b() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=32, vocab_size=126464,
+                                        tie_word_embeddings=False))
+
+
+def build_text_encoders(kind: str) -> list[nn.Module]:
+    """The pipeline's text encoders (CLIP-L, OpenCLIP bigG and T5-XXL for SD3.5; CLIP-L and T5-XXL for FLUX)."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_l = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                                        num_attention_heads=12, projection_dim=768))
+    t5 = T5EncoderModel(T5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64, vocab_size=32128,
+                                 feed_forward_proj="gated-gelu"))
+    if kind == "flux":
+        return [clip_l, t5]
+    clip_g = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                                        num_attention_heads=20, projection_dim=1280))
+    return [clip_l, clip_g, t5]
+
+
+def build_vae() -> nn.Module:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=2)
+
+
+def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, exclude: str | None = None) -> int:
+    """``rank · (in + out)`` over the ``nn.Linear`` modules whose name ends with one of ``targets`` (PEFT's rule)."""
+    total = 0
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            if exclude is None or exclude not in name:
+                total += rank * (child.in_features + child.out_features)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- recipes
+@dataclass
+class Blocks:
+    """A stack of ``count`` blocks of kind ``kind`` (see :data:`ACTIVATION_BYTES`) seeing ``tokens`` tokens per
+    sequence (``dual_image_tokens`` of them through SD3.5's dual-attention image path)."""
+
+    kind: str
+    count: int
+    tokens: int
+    dual_image_tokens: int = 0
+
+
+@dataclass
+class Recipe:
+    """One configuration to estimate: a model, a training mode and the recipe's batch geometry.
+
+    ``sequences`` is the number of sequences in one training forward (micro-batch × 2 with CFG), ``completion`` the
+    scored positions per sequence of a language model (logits), ``kv_cache`` (samples, positions) of generation.
+    """
+
+    name: str
+    config: str
+    build: Any
+    hidden: int
+    kv_width: int
+    mlp: int
+    blocks: list[Blocks]
+    sequences: int
+    lora_targets: tuple[str, ...]
+    lora_rank: int | None
+    weight_bytes: int  # bytes per frozen base weight under LoRA (the recipe's dtype)
+    activation_bytes: int = 2
+    checkpointing: bool = False
+    kl: bool = False
+    ema: bool = False
+    frozen_in_module: str | None = None  # submodule name kept frozen under full fine-tuning too (vision tower)
+    extras: Any = None  # callable → frozen modules resident on the device (text encoders, VAE)
+    extras_bytes: int = 2
+    vocab: int = 0
+    completion: int = 0
+    kv_cache: tuple[int, int] = (0, 0)
+    layers_for_cache: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def recipes() -> list[Recipe]:
+    sd3_tokens = (512 // 16) ** 2 + 77 + 256  # 1024 image patches (512 px, VAE /8, patch 2) + CLIP 77 + T5 256
+    flux_tokens = (720 // 16) ** 2 + 512  # 2025 packed latents (720 px) + T5 512
+    vlm_seq = 401408 // (28 * 28) + 80 + 512  # ≤ 512 image tokens (max_pixels), ~80 prompt tokens, 512 new tokens
+    llada_seq = 200 + 256  # max_prompt_length + gen_length
+    # SD3.5-M: the first 13 of 24 blocks add a second attention over the 1024 image tokens (MMDiT-X)
+    sd35_blocks = [Blocks("mmdit", 13, sd3_tokens, dual_image_tokens=1024), Blocks("mmdit", 11, sd3_tokens)]
+    return [
+        Recipe("SD3.5-M LoRA r32", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
+               sd35_blocks, sequences=9 * 2, lora_targets=FLOW_SD3_TARGETS,
+               lora_rank=32, weight_bytes=2, kl=True, ema=True, extras=lambda: [*build_text_encoders("sd3"),
+                                                                                   build_vae()],
+               notes=["micro-batch 9 × 2 (CFG), one denoising step per backward (action_chunk_size 1)"]),
+        Recipe("SD3.5-M full", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
+               sd35_blocks, sequences=9 * 2, lora_targets=(), lora_rank=None, weight_bytes=2,
+               kl=True, ema=True, extras=lambda: [*build_text_encoders("sd3"), build_vae()]),
+        Recipe("FLUX.1-dev LoRA r128", "configs/flow/flux_hpsv2.yaml", build_flux_dev, 3072, 3072, 12288,
+               [Blocks("flux_double", 19, flux_tokens), Blocks("flux_single", 38, flux_tokens)], sequences=4,
+               lora_targets=FLOW_FLUX_TARGETS, lora_rank=128, weight_bytes=2, checkpointing=True,
+               extras=lambda: [*build_text_encoders("flux"), build_vae()]),
+        Recipe("FLUX.1-dev full", "configs/flow/flux_hpsv2.yaml", build_flux_dev, 3072, 3072, 12288,
+               [Blocks("flux_double", 19, flux_tokens), Blocks("flux_single", 38, flux_tokens)], sequences=4,
+               lora_targets=(), lora_rank=None, weight_bytes=2, checkpointing=True,
+               extras=lambda: [*build_text_encoders("flux"), build_vae()]),
+        Recipe("Qwen2.5-VL-3B LoRA r64", "configs/vlm/qwen25vl_3b_grounding.yaml", lambda: build_qwen25vl("3b"),
+               2048, 256, 11008, [Blocks("decoder", 36, vlm_seq)], sequences=8, lora_targets=LM_TARGETS,
+               lora_rank=64, weight_bytes=2, checkpointing=True, kl=True, frozen_in_module="visual", vocab=151936,
+               completion=512, kv_cache=(64, vlm_seq), layers_for_cache=36),
+        Recipe("Qwen2.5-VL-3B full", "configs/vlm/qwen25vl_counting.yaml", lambda: build_qwen25vl("3b"),
+               2048, 256, 11008, [Blocks("decoder", 36, vlm_seq)], sequences=4, lora_targets=(), lora_rank=None,
+               weight_bytes=4, checkpointing=True, kl=True, frozen_in_module="visual", vocab=151936, completion=512,
+               kv_cache=(128, vlm_seq), layers_for_cache=36),
+        Recipe("Qwen2.5-VL-7B LoRA r64", "configs/vlm/qwen25vl_3b_grounding.yaml (7B model)",
+               lambda: build_qwen25vl("7b"), 3584, 512, 18944, [Blocks("decoder", 28, vlm_seq)], sequences=8,
+               lora_targets=LM_TARGETS, lora_rank=64, weight_bytes=2, checkpointing=True, kl=True,
+               frozen_in_module="visual", vocab=152064, completion=512, kv_cache=(64, vlm_seq), layers_for_cache=28),
+        Recipe("Qwen2.5-VL-7B full", "configs/vlm/qwen25vl_counting.yaml (7B model)", lambda: build_qwen25vl("7b"),
+               3584, 512, 18944, [Blocks("decoder", 28, vlm_seq)], sequences=4, lora_targets=(), lora_rank=None,
+               weight_bytes=4, checkpointing=True, kl=True, frozen_in_module="visual", vocab=152064, completion=512,
+               kv_cache=(128, vlm_seq), layers_for_cache=28),
+        Recipe("LLaDA-8B LoRA r128", "configs/dllm/llada8b_gsm8k_lora.yaml", build_llada_8b, 4096, 4096, 12288,
+               [Blocks("decoder", 32, llada_seq)], sequences=6, lora_targets=LM_TARGETS, lora_rank=128,
+               weight_bytes=2, kl=True, vocab=126464, completion=256,
+               notes=["no KV cache: each of the 128 decoding steps is a full forward of 6 sequences"]),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------- estimate
+def activation_bytes(recipe: Recipe, mode: str) -> float:
+    """Saved activations of one training forward (one micro-batch), in bytes."""
+    h, d = recipe.hidden, recipe.activation_bytes
+    rank = recipe.lora_rank or 0
+    total, largest_block = 0.0, 0.0
+    for blocks in recipe.blocks:
+        per_token = ACTIVATION_BYTES[(blocks.kind, mode)](h, recipe.kv_width, recipe.mlp, rank)
+        per_block = per_token * blocks.tokens
+        if blocks.dual_image_tokens:
+            extra = ACTIVATION_BYTES[("mmdit_dual_image", mode)](h, 0, 0, rank) - per_token
+            per_block += extra * blocks.dual_image_tokens
+        per_block *= d * recipe.sequences
+        largest_block = max(largest_block, per_block)
+        if recipe.checkpointing:  # each block keeps its input; one block at a time is recomputed in the backward
+            total += blocks.count * blocks.tokens * h * d * recipe.sequences
+        else:
+            total += blocks.count * per_block
+    if recipe.checkpointing:
+        total += largest_block
+    if recipe.vocab:  # completion logits in the activation dtype and their float32 log-softmax
+        total += recipe.sequences * recipe.completion * recipe.vocab * (d + 4)
+    return total
+
+
+def estimate(recipe: Recipe, gpus: int, fsdp: bool) -> dict[str, Any]:
+    """Per-GPU memory of ``recipe`` (GiB per component and the peak)."""
+    with torch.device("meta"):
+        module = recipe.build()
+        extras = recipe.extras() if recipe.extras else []
+    total = sum(p.numel() for p in module.parameters())
+    frozen_part = sum(p.numel() for n, p in module.named_parameters()
+                      if recipe.frozen_in_module and recipe.frozen_in_module in n)
+    mode = "lora" if recipe.lora_rank else "full"
+    if mode == "lora":
+        trainable = lora_parameters(module, recipe.lora_targets, recipe.lora_rank, exclude=recipe.frozen_in_module)
+        weights = total * recipe.weight_bytes
+        sharded = 16 * trainable  # float32 adapter weights, gradients, two AdamW moments
+    else:
+        trainable = total - frozen_part
+        weights = frozen_part * recipe.weight_bytes + trainable * 4  # float32 master weights
+        sharded = 12 * trainable  # gradients and two AdamW moments
+    ema = 4 * trainable if recipe.ema else 0
+    reference = total * 4 if (recipe.kl and mode == "full") else 0  # a float32 copy (flow and vlm plugins)
+    extras_bytes = sum(p.numel() for m in extras for p in m.parameters()) * recipe.extras_bytes
+    shards = gpus if fsdp else 1
+    kv = 0.0
+    if recipe.kv_cache[0]:
+        samples, positions = recipe.kv_cache
+        kv = samples * positions * recipe.layers_for_cache * 2 * recipe.kv_width * recipe.activation_bytes
+    activations = activation_bytes(recipe, mode)
+    parts = {"weights": weights / shards, "trainable_state": (sharded + ema) / shards, "reference": reference / shards,
+             "frozen_extras": extras_bytes, "activations": activations, "rollout_kv_cache": kv}
+    # Gradients and activations live during training; the KV cache during generation: not at the same time.
+    static = parts["weights"] + parts["trainable_state"] + parts["reference"] + parts["frozen_extras"]
+    peak = static + max(parts["activations"], parts["rollout_kv_cache"])
+    return {"parameters": total, "trainable": trainable, "gib": {k: v / GIB for k, v in parts.items()},
+            "peak_gib": peak / GIB}
+
+
+# ---------------------------------------------------------------------------------------------------- check
+def saved_activation_bytes(model: nn.Module, run: Any) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves while ``run()`` builds the graph."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(seen.values())
+
+
+def check() -> list[dict[str, Any]]:
+    """Tiny models of the same classes in float32 on the CPU: measured against estimated bytes (module docstring).
+
+    The activation difference between a 4-block and a 2-block model isolates two blocks (embeddings, final norm and
+    head cancel); the state check sums parameter, gradient and AdamW state storages after one optimizer step."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    h, heads, head_dim, f, kv_heads, rank, batch = 96, 6, 16, 256, 2, 4, 2
+    rows = []
+
+    def decoder(layers: int, lora: bool) -> nn.Module:
+        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=h, intermediate_size=f, num_hidden_layers=layers,
+                                             num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=101,
+                                             max_position_embeddings=128, attn_implementation="sdpa"))
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(LM_TARGETS))) if lora \
+            else model
+
+    def sd3(layers: int, lora: bool, dual: bool) -> nn.Module:
+        model = SD3Transformer2DModel(sample_size=12, patch_size=2, in_channels=4, out_channels=4, num_layers=layers,
+                                      attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32,
+                                      caption_projection_dim=h, pooled_projection_dim=16, pos_embed_max_size=32,
+                                      dual_attention_layers=tuple(range(layers)) if dual else (),
+                                      qk_norm="rms_norm")
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(FLOW_SD3_TARGETS))) \
+            if lora else model
+
+    def flux(double: int, single: int, lora: bool) -> nn.Module:
+        model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=double, num_single_layers=single,
+                                       attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32,
+                                       pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(FLOW_FLUX_TARGETS))) \
+            if lora else model
+
+    seq, image_side, text = 40, 12, 10
+    ids = torch.randint(0, 101, (batch, seq))
+    latents, context = torch.randn(batch, 4, image_side, image_side), torch.randn(batch, text, 32)
+    pooled, timestep = torch.randn(batch, 16), torch.rand(batch) * 1000
+    flux_tokens = 36
+    packed, image_ids, text_ids = torch.randn(batch, flux_tokens, 16), torch.zeros(flux_tokens, 3), torch.zeros(text, 3)
+
+    def run_decoder(model: nn.Module) -> Any:
+        return lambda: model(input_ids=ids, logits_to_keep=1).logits.sum()
+
+    def run_sd3(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=latents, encoder_hidden_states=context, pooled_projections=pooled,
+                             timestep=timestep).sample.sum()
+
+    def run_flux(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=packed, encoder_hidden_states=context, pooled_projections=pooled,
+                             timestep=timestep / 1000, img_ids=image_ids, txt_ids=text_ids,
+                             guidance=torch.full((batch,), 3.5)).sample.sum()
+
+    sd3_tokens = (image_side // 2) ** 2 + text
+    cases = [("decoder", seq, lambda n, lora: decoder(n, lora), run_decoder, 0),
+             ("mmdit", sd3_tokens, lambda n, lora: sd3(n, lora, False), run_sd3, 0),
+             ("mmdit (dual attention)", sd3_tokens, lambda n, lora: sd3(n, lora, True), run_sd3,
+              (image_side // 2) ** 2),
+             ("flux_double", flux_tokens + text, lambda n, lora: flux(n, 1, lora), run_flux, 0),
+             ("flux_single", flux_tokens + text, lambda n, lora: flux(1, n, lora), run_flux, 0)]
+    for kind, tokens, build, runner, dual_tokens in cases:
+        for mode in ("full", "lora"):
+            small, large = build(2, mode == "lora"), build(4, mode == "lora")
+            measured = (saved_activation_bytes(large, runner(large)) - saved_activation_bytes(small, runner(small)))
+            block_kind = kind.split(" ")[0]
+            recipe = Recipe(kind, "", None, h, kv_heads * head_dim, f, [Blocks(block_kind, 2, tokens, dual_tokens)],
+                            sequences=batch, lora_targets=(), lora_rank=rank if mode == "lora" else None,
+                            weight_bytes=4, activation_bytes=4)
+            estimated = activation_bytes(recipe, mode)
+            rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
+                         "measured_bytes": measured, "ratio": measured / estimated})
+    for mode in ("full", "lora"):  # weights, gradients and AdamW state after one step
+        model = decoder(2, mode == "lora")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+        run_decoder(model)().backward()
+        optimizer.step()
+        measured = sum(p.numel() * p.element_size() for p in model.parameters())
+        measured += sum(p.grad.numel() * p.grad.element_size() for p in trainable)
+        measured += sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                        if t.dim() > 0)
+        total = sum(p.numel() for p in model.parameters())
+        count = sum(p.numel() for p in trainable)
+        estimated = total * 4 + 12 * count  # float32 weights, gradients and two moments of the trainable ones
+        rows.append({"model": f"decoder ({mode}), weights + gradients + AdamW state", "estimated_bytes": estimated,
+                     "measured_bytes": measured, "ratio": measured / estimated})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8], help="FSDP world sizes to estimate (and 1 GPU).")
+    parser.add_argument("--only", nargs="*", default=None, help="Recipes whose name contains one of these.")
+    parser.add_argument("--check", action="store_true", help="Also check the estimator on tiny CPU models.")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if any(g < 1 for g in args.gpus):
+        parser.error("--gpus must be positive integers")
+    return args
+
+
+def without_with(rows: dict[bool, Any], key: str, part: str | None, own: bool) -> str:
+    """``"a/b"``: a value without and with gradient checkpointing, the recipe's own setting marked ``*``."""
+    values = [rows[c][key]["gib"][part] if part else rows[c][key]["peak_gib"] for c in (False, True)]
+    marks = ["*" if c == own else "" for c in (False, True)]
+    return f"{values[0]:.1f}{marks[0]}/{values[1]:.1f}{marks[1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results: dict[str, Any] = {"settings": {"gpus": args.gpus, "torch": torch.__version__}, "recipes": {}}
+    print("GiB per GPU; peaks without / with gradient checkpointing (the recipe's own setting marked *)")
+    print(f"{'recipe':24} {'params':>7} {'trained':>8} {'weights':>7} {'state':>6} {'ref':>5} {'extras':>6} "
+          f"{'act':>11} {'kv':>5} {'1 GPU':>13}" + "".join(f" {'FSDP ' + str(g):>13}" for g in args.gpus))
+    for recipe in recipes():
+        if args.only and not any(part.lower() in recipe.name.lower() for part in args.only):
+            continue
+        rows = {}
+        for checkpointing in (False, True):
+            variant = replace(recipe, checkpointing=checkpointing)
+            rows[checkpointing] = {"one_gpu": estimate(variant, 1, fsdp=False),
+                                   **{f"fsdp_{g}": estimate(variant, g, fsdp=True) for g in args.gpus}}
+        results["recipes"][recipe.name] = {"config": recipe.config, "recipe_checkpointing": recipe.checkpointing,
+                                           "without_checkpointing": rows[False], "with_checkpointing": rows[True]}
+
+        own = recipe.checkpointing
+        single = rows[own]["one_gpu"]
+        gib = single["gib"]
+        activations = without_with(rows, "one_gpu", "activations", own)
+        peaks = [without_with(rows, key, None, own) for key in ["one_gpu", *(f"fsdp_{g}" for g in args.gpus)]]
+        print(f"{recipe.name:24} {single['parameters'] / 1e9:6.2f}B {single['trainable'] / 1e6:7.1f}M "
+              f"{gib['weights']:7.1f} {gib['trainable_state']:6.1f} {gib['reference']:5.1f} "
+              f"{gib['frozen_extras']:6.1f} {activations:>11} {gib['rollout_kv_cache']:5.1f}"
+              + "".join(f" {peak:>13}" for peak in peaks))
+    if args.check:
+        results["check"] = check()
+        print("\ncheck on tiny float32 CPU models (measured / estimated bytes):")
+        for row in results["check"]:
+            print(f"  {row['model']:58} {row['measured_bytes']:>10,} / {row['estimated_bytes']:>12,.0f}"
+                  f" = {row['ratio']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
