@@ -16,8 +16,8 @@ generation and logging included). Time is reported as wall time and as the proce
 step does). Known differences that remain:
 
 - Neither side runs an old-policy pass here: with one optimizer step per generation and μ = 1, TRL uses the detached
-  current log-probs, and mmrl's trainer sets ``Runtime.needs_old_logp`` False, so the vlm plugin skips its
-  teacher-forced ``old_logp`` pass and the core uses ``logp.detach()`` (ratio 1, the same gradient). Both run
+  current log-probs, and mmrl's learner needs no old log-probs either (the vlm rollout leaves them out and the core
+  uses ``logp.detach()``: ratio 1, the same gradient). Both run
   generation, one no-grad reference pass (β > 0) and the training forward. (Before issue 8's change mmrl always ran
   the extra pass: about 14% of its step on the small model.)
 - mmrl runs the frozen vision tower once per prompt and prefills each prompt once for its G samples
@@ -97,9 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU).")
     parser.add_argument("--no-feature-cache", action="store_true",
                         help="mmrl: re-run the frozen vision tower in every pass (plugin.cache_image_features false).")
-    parser.add_argument("--force-old-logp-pass", action="store_true",
-                        help="mmrl: run the teacher-forced old_logp pass although mu = 1 and one mini-batch do not "
-                        "need it (plugin.force_old_logp_pass), to measure what skipping it saves.")
     parser.add_argument("--no-trl", action="store_true",
                         help="Time mmrl's step alone: no TRL process (TRL need not be installed) and no ratios.")
     parser.add_argument("--json", default=None, help="Also write the results here.")
@@ -196,7 +193,7 @@ def run_mmrl(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": 1.0, "lora": None if args.full else {"rank": 8, "alpha": 16.0},
             "dtype": "bfloat16" if args.device == "cuda" and not args.full else "auto",
             "freeze_vision": True, "gradient_checkpointing": args.gradient_checkpointing,
-            "cache_image_features": not args.no_feature_cache, "force_old_logp_pass": args.force_old_logp_pass,
+            "cache_image_features": not args.no_feature_cache,
             "prompt_template": TEMPLATE,
             # The trainer refuses an empty eval split; the benchmark never evaluates, and make_shapes draws its rows
             # in order, so the 64 training rows are the ones TRL trains on (dataset_rows) whatever eval_size is.
@@ -382,8 +379,6 @@ def table(results: dict[str, Any]) -> str:
     mode = "full fine-tuning" if settings["full"] else "LoRA r=8"
     if settings.get("no_feature_cache"):
         mode += ", mmrl without the image-feature cache"
-    if settings.get("force_old_logp_pass"):
-        mode += ", mmrl with the old_logp pass forced"
     summary = (f"\n\n{settings['size']} {settings['family']}, {mode}, {settings['prompts']} prompts x "
                f"G={settings['group']}, max_new_tokens {settings['max_new_tokens']}, beta {settings['beta']}, "
                f"{settings['attn']} attention, {settings['device']}, {settings['threads']} thread(s). ")

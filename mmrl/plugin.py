@@ -7,11 +7,17 @@ the trainer. Data flows one way::
                                                                                         │
     optimizer step ◄── aggregate(policy loss + β·KL) ◄── Plugin.forward(policy, Rollout) ◄┘
 
-Built-in plugins are registered lazily by :mod:`mmrl.plugins`. A third-party package registers its plugin class
-through the entry-point group ``mmrl.plugins``; ``pip install`` is then enough for configs and ``mmrl list``::
+A plugin class is registered through the entry-point group ``mmrl.plugins``, the built-in ones in mmrl's own
+pyproject.toml exactly as a third-party package registers its own; ``pip install`` is then enough for configs and
+``mmrl list``::
 
     [project.entry-points."mmrl.plugins"]
     my_modality = "my_package.plugin:MyPlugin"
+
+What the core owns, so that a plugin does not: the old-policy log-probs (a rollout may leave ``old_logp`` None; the
+learner computes them with :meth:`Plugin.forward` under ``no_grad`` when the run needs them), group statistics and
+advantages (a plugin only says how a sample's reward is credited to its actions, :meth:`Plugin.action_rewards`),
+seeds (:mod:`mmrl.seeding`) and cross-section config checks (:meth:`Plugin.check_config`).
 
 docs/plugins.md walks through writing one, using the reference plugin :mod:`mmrl.plugins.toy` as the example.
 """
@@ -53,19 +59,10 @@ class Runtime:
             so that a plugin keeps a frozen copy only when the KL term needs one.
         ratio_level: The importance-ratio level the policy loss uses (``"token"``, ``"chunk"``, ``"sequence"``;
             None when unknown, e.g. outside a trainer), so that a plugin providing chunk ids can insist on it.
-        needs_old_logp: Whether the trainer reads :attr:`Rollout.old_logp` of training rollouts. The trainer sets it
-            False exactly when each rollout batch is consumed by one optimizer step on the weights that sampled it
-            (``algorithm.inner_epochs == 1`` and ``algorithm.minibatches == 1``, whatever
-            ``algorithm.recompute_old_logp`` says): the old log-probs then equal the training forward's, so a plugin may
-            skip the pass that computes them and return ``old_logp=None``; the core then uses the detached training
-            log-probs (ratio ≡ 1, clipping inactive, the same gradient). Micro-batches and action chunks of that one
-            optimizer step all see the same weights, so they do not matter. True (the default) outside a trainer; a
-            plugin that returns None while it is True fails the rollout check. A plugin whose own :meth:`Plugin.forward`
-            reads ``old_logp`` keeps computing them.
         inner_epochs: ``algorithm.inner_epochs`` (μ), the number of passes the learner makes over each training
-            rollout, so that a plugin that redraws its noise for every inner epoch (the dLLM plugin's mask plans, as
-            d1 draws a mask seed per inner iteration) can score the sampling policy on every epoch's draw at rollout
-            time (see :meth:`Plugin.start_inner_epoch` and :attr:`PolicyOutput.old_logp`). 1 outside a trainer.
+            rollout: how many noise draws a plugin that redraws its noise per inner epoch prepares at rollout time
+            (:attr:`Plugin.redraws_per_epoch`; the dLLM plugin's mask plans, as d1 draws a mask seed per inner
+            iteration). 1 outside a trainer.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -80,7 +77,6 @@ class Runtime:
     seed: int = 0
     needs_reference: bool = False
     ratio_level: str | None = None
-    needs_old_logp: bool = True
     inner_epochs: int = 1
 
     @property
@@ -138,13 +134,9 @@ class PolicyOutput:
             core's estimator applied to ``logp`` and ``ref_logp`` (flow models use a KL between Gaussian means).
         entropy: ``[N, A]`` per-action policy entropy, when the plugin can compute it.
         replay: Per-sample ``rollout.replay`` entries (tensors ``[N, ...]``) that describe the old policy along with
-            the log-probs, e.g. the flow plugin's transition means for GRPO-Guard's RatioNorm. The learner's
-            ``algorithm.recompute_old_logp`` pass stores them in the rollout with the recomputed ``old_logp``; training
-            forwards' are ignored.
-        old_logp: ``[N, A]`` log-probs of the same actions under the sampling policy *with the noise this forward
-            used*, for plugins whose log-probs are Monte Carlo estimates redrawn every inner epoch (computed at rollout
-            time for each epoch's draw). When set it replaces :attr:`mmrl.rollout.Rollout.old_logp` in this forward's
-            ratio, so that the ratio compares the two policies on one draw; None (the default) keeps the rollout's.
+            the log-probs, e.g. the flow plugin's transition means for GRPO-Guard's RatioNorm. The learner's old-policy
+            pass (the ``no_grad`` forward that computes ``old_logp``, see :meth:`Plugin.forward`) stores them in the
+            rollout of that inner epoch together with the log-probs; training forwards' are ignored.
     """
 
     logp: Tensor
@@ -152,7 +144,6 @@ class PolicyOutput:
     kl: Tensor | None = None
     entropy: Tensor | None = None
     replay: dict[str, Tensor] | None = None
-    old_logp: Tensor | None = None
 
 
 class Plugin(ABC):
@@ -174,6 +165,22 @@ class Plugin(ABC):
     #: by back-propagating a few actions at a time, as Flow-GRPO does one timestep at a time.
     supports_action_chunks: ClassVar[bool] = False
 
+    @classmethod
+    def check_config(cls, train_config: Any) -> None:
+        """Refuse a config whose other sections contradict this plugin's section; the default accepts everything.
+
+        Called when a config is loaded (:class:`mmrl.config.TrainConfig` validates every section first, then asks the
+        plugin), before any model is built, with the whole validated config. Raise
+        :class:`mmrl.config.ConfigError` naming the key that is wrong and what is allowed with the plugin's choice,
+        e.g. the dLLM plugin refuses ``plugin.objective: spg`` unless ``algorithm.policy_loss`` is ``spg``. Checks
+        within the plugin's own section belong in its config class's ``validate``.
+
+        Args:
+            train_config: The :class:`mmrl.config.TrainConfig` being loaded (``train_config.plugin.config`` is this
+                plugin's validated section).
+        """
+        return None
+
     def __init__(self, config: Any, runtime: Runtime):
         self.config = config
         self.runtime = runtime
@@ -191,9 +198,13 @@ class Plugin(ABC):
     @abstractmethod
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         """Sample one trajectory per row of ``batch`` (under ``torch.no_grad``) and return them as a rollout whose
-        ``group_ids`` equal ``batch.group_ids``. ``old_logp`` must come from the same computation as
-        :meth:`forward`, so that the ratio is exactly 1 on the first inner step. It may be None for evaluation
-        batches, and for training batches when :attr:`Runtime.needs_old_logp` is False."""
+        ``group_ids`` equal ``batch.group_ids``.
+
+        ``old_logp`` may be None: the core then computes the old policy's log-probs itself when the run needs them
+        (several optimizer steps per rollout), with :meth:`forward` under ``no_grad`` before the first update, so a
+        plugin never needs to know whether they are needed. Return them only when sampling produces them anyway (the
+        flow plugin's SDE step log-densities); they must then come from the same computation as :meth:`forward`, so
+        that the ratio is 1 on the first inner step."""
 
     @abstractmethod
     def forward(
@@ -205,13 +216,27 @@ class Plugin(ABC):
 
         ``actions`` (only passed when :attr:`supports_action_chunks` is set) holds the indices of the action columns
         to recompute; the outputs are then ``[N, len(actions)]`` and ``rollout``'s action fields are already sliced
-        to those columns (``replay`` is not: it still describes whole trajectories)."""
+        to those columns (``replay`` is not: it still describes whole trajectories).
+
+        The learner also calls it under ``torch.no_grad`` with the policy in eval mode (as when sampling), on the
+        unchanged weights before the step's first update, to compute the old log-probs that the rollout left out
+        (or all of them with ``algorithm.recompute_old_logp``): the ratio is then 1 on the first inner step by
+        construction."""
 
     # ------------------------------------------------------------------ optional
+    @property
+    def redraws_per_epoch(self) -> bool:
+        """Whether :meth:`forward`'s log-probs depend on the inner epoch: Monte Carlo estimates whose noise is drawn
+        anew for every epoch (:attr:`Runtime.inner_epochs` draws prepared at rollout time, selected by
+        :meth:`start_inner_epoch`). The learner then computes the old log-probs once per epoch, each on that epoch's
+        draw, so that every epoch's ratio compares the two policies on one draw. Default False: one old-policy pass
+        serves every epoch."""
+        return False
+
     def start_inner_epoch(self, epoch: int) -> None:
-        """Called by the learner at the start of each inner epoch (0-based, ``< Runtime.inner_epochs``) of a training
-        step, before any :meth:`forward` of that epoch. Plugins that redraw their Monte Carlo noise per epoch select
-        the epoch's draw here; the default does nothing."""
+        """Select the noise draw of inner epoch ``epoch`` (0-based, ``< Runtime.inner_epochs``) for the following
+        :meth:`forward` calls. The learner calls it before the old-policy pass of that epoch's draw and before the
+        training forwards of that epoch; only plugins with :attr:`redraws_per_epoch` need it. Default: nothing."""
         return None
 
     def max_actions(self) -> int | None:
@@ -230,15 +255,18 @@ class Plugin(ABC):
         return {}
 
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
-        """Credit the sample rewards to individual actions, for plugins whose credit is not uniform over time.
+        """The one credit hook: how a sample's reward is credited to its actions, for plugins whose credit is not
+        uniform over time.
 
-        Called after scoring with this process's rollout and its combined rewards ``[N]``; return ``[N, A]``
-        per-action rewards (e.g. a tree node's reward = the mean of its leaves), or None for the default of one
-        group-relative advantage per sample broadcast over its actions. The core then normalises per (group,
-        action position), see :func:`mmrl.trainer.credit.action_advantages`. The default returns
-        ``rollout.action_rewards`` (usually None).
+        Called after scoring with this process's rollout and rewards ``[N]`` (the combined reward; with
+        ``rewards.multi_reward: normalize_then_sum`` once more per reward column, on a shallow copy of the rollout);
+        return ``[N, A]`` per-action rewards (e.g. a tree node's reward = the mean of its leaves, a branch point's
+        reward spread), or None (the default) for one group-relative advantage per sample broadcast over its actions.
+        The core computes every advantage: per-action rewards are normalised per (group, action position), see
+        :func:`mmrl.trainer.credit.action_advantages`. A plugin returns rewards, never advantages, so that the
+        configured estimator, clipping and multi-reward order apply to every plugin alike.
         """
-        return rollout.action_rewards
+        return None
 
     def trainable_parameters(self, policy: nn.Module) -> Iterator[nn.Parameter]:
         """Parameters the optimizer updates (default: those with ``requires_grad``)."""
@@ -358,4 +386,6 @@ def load_adapter_state(module: nn.Module, state: dict[str, Tensor], source: str 
     set_peft_model_state_dict(module, state, adapter_name="default")
 
 
-plugin_registry: Registry[type[Plugin]] = Registry("plugin", entry_point_group="mmrl.plugins", populate="mmrl.plugins")
+# The built-in plugins are entry points of mmrl's own pyproject.toml, declared as a third-party package declares its
+# own.
+plugin_registry: Registry[type[Plugin]] = Registry("plugin", entry_point_group="mmrl.plugins")

@@ -3,10 +3,15 @@
 Every algorithm in mmrl (advantage estimators, policy losses, KL estimators, aggregation modes), every plugin and
 every reward is reached through a :class:`Registry`. Configs name entries by string; ``mmrl list`` prints them.
 
-Entries are either objects registered eagerly (``@registry.register("name")``) or *lazy* references
-``"package.module:attribute"`` that are imported on first use, so that listing plugins does not import diffusers.
-Third-party packages add entries through an entry-point group (for example ``mmrl.plugins``): installing the
-package is enough for configs and ``mmrl list`` to find them.
+Entries are either objects registered eagerly (``@registry.register("name")``) by the module that defines the
+registry, or *lazy* references ``"package.module:attribute"`` that are imported on first use, so that listing plugins
+does not import diffusers. Everything defined outside a registry's own module arrives through the registry's
+entry-point group, the built-in plugins and what they contribute included: mmrl's pyproject.toml declares the built-in
+plugins in ``mmrl.plugins`` and the dLLM plugin's ``wd1`` and ``spg`` in ``mmrl.advantage_estimators`` and
+``mmrl.policy_losses``, exactly as a third-party package declares its own. Installing a package is then enough for
+configs and ``mmrl list`` to find its entries, and the core never imports a plugin to fill its registries.
+Registries of a plugin's own (its model adapters, its credit strategies) are announced to ``mmrl list`` through the
+group ``mmrl.registries`` (:data:`REGISTRY_GROUP`).
 
 A numeric keyword option declares the values it accepts on its parameter with :class:`Range`, which the config
 checks when it loads (``mmrl.config.schema.bind_options``) and ``mmrl list --options`` shows::
@@ -30,6 +35,15 @@ from importlib import metadata
 from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
+
+REGISTRY_GROUP = "mmrl.registries"
+"""Entry-point group of the registries that ``mmrl list`` shows besides the core's: each entry point's name is the
+title (``flow.credit_strategies``: the credit strategies of plugin flow) and its value ``module:attribute`` the
+:class:`Registry`."""
+
+# The entry-point groups mmrl's own pyproject.toml fills: an installed mmrl whose metadata declares none of them was
+# installed before its entry points were (an editable install is not refreshed by editing pyproject.toml).
+OWN_ENTRY_POINT_GROUPS = frozenset({"mmrl.plugins", "mmrl.advantage_estimators", "mmrl.policy_losses", REGISTRY_GROUP})
 
 
 class RegistryError(KeyError):
@@ -146,8 +160,9 @@ class Registry(Generic[T]):
         kind: What the entries are, used in messages (``"advantage estimator"``).
         entry_point_group: Optional entry-point group scanned once, on first lookup, for third-party entries.
             Each entry point's name is the registry name and its value ``module:attribute`` the object.
-        populate: Optional module imported on first lookup; importing it registers the built-in entries
-            (``"mmrl.plugins"`` registers the built-in plugins lazily, without importing their dependencies).
+        populate: Optional module imported on first lookup; importing it registers entries that live in other
+            modules of the same package (``"mmrl.rewards"`` declares the built-in rewards lazily). Never a plugin
+            package: plugins contribute through entry points.
         supplied: Keyword parameters the registry's caller passes itself (the aggregation counts, an estimator's
             model inputs): they are not options, so :meth:`options` and ``mmrl list --options`` leave them out.
     """
@@ -207,7 +222,8 @@ class Registry(Generic[T]):
             # Importing the module may itself have registered the object under this name.
             self._lazy.pop(name, None)
             return self.register(name, obj)
-        raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or '(none)'}")
+        raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or '(none)'}"
+                            + _stale_install_hint(self.entry_point_group))
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)
@@ -247,6 +263,20 @@ class Registry(Generic[T]):
         for entry_point in metadata.entry_points(group=self.entry_point_group):
             if entry_point.name not in self._entries and entry_point.name not in self._lazy:
                 self._lazy[entry_point.name] = entry_point.value
+
+
+def _stale_install_hint(group: str | None) -> str:
+    """A hint for an unknown name in a group that mmrl's own metadata should fill but does not (a stale install)."""
+    if group not in OWN_ENTRY_POINT_GROUPS:
+        return ""
+    try:
+        declared = {entry_point.group for entry_point in metadata.distribution("mmrl").entry_points}
+    except metadata.PackageNotFoundError:
+        return " (mmrl is not installed, so its built-in entries are missing: pip install -e .)"
+    if group in declared:
+        return ""
+    return (f" (mmrl's installed metadata has no {group!r} entry points: reinstall it, pip install -e ., after "
+            "pyproject.toml changed)")
 
 
 def _qualname(obj: Any) -> str:

@@ -14,13 +14,13 @@ dllm                    one completion token (grpo; ELBO/L for the    completion
 ======================  ==========================================  =====================================
 
 The core only ever sees ``old_logp[N, A]``, ``mask[N, A]`` and the optional per-action extras (``old_logp`` may be
-None when the trainer does not need it, see :attr:`mmrl.plugin.Runtime.needs_old_logp`; ``mask`` fixes A); it never
-looks inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs). Everything in
-``payload`` and ``replay`` is per sample: tensors have N as their first dimension and lists have N items, so the
-core can split, shuffle and concatenate rollouts without knowing the modality. Values shared by all samples (a
-timestep grid, a guidance scale) go in ``shared``. When rollouts of different widths are concatenated (dynamic
-sampling pools several rounds), tensors are right-padded with zeros along their non-batch dimensions: pad token
-ids and attention masks alike come out consistent, and padded actions carry mask 0.
+None: the learner then computes it when the run needs it, see :meth:`mmrl.plugin.Plugin.rollout`; ``mask`` fixes A);
+it never looks inside ``payload`` (read by rewards) or ``replay`` (read back by the plugin to recompute log-probs).
+Everything in ``payload`` and ``replay`` is per sample: tensors have N as their first dimension and lists have N
+items, so the core can split, shuffle and concatenate rollouts without knowing the modality. Values shared by all
+samples (a timestep grid, a guidance scale) go in ``shared``. When rollouts of different widths are concatenated
+(dynamic sampling pools several rounds), tensors are right-padded with zeros along their non-batch dimensions: pad
+token ids and attention masks alike come out consistent, and padded actions carry mask 0.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Optional per-action tensors, all [N, A].
-ACTION_FIELDS = ("action_weights", "chunk_ids", "action_rewards", "action_advantages", "ref_logp")
+# Optional per-action tensors, all [N, A]. Credit is not among them: per-action rewards come from the one credit hook,
+# mmrl.plugin.Plugin.action_rewards, and advantages are always the core's.
+ACTION_FIELDS = ("action_weights", "chunk_ids", "ref_logp")
 
 
 class RolloutError(ValueError):
@@ -46,10 +47,10 @@ class Rollout:
 
     Attributes:
         group_ids: ``[N]`` int64, the group (prompt) of each sample; the trainer checks it against the batch.
-        old_logp: ``[N, A]`` float32, log-prob of each action under the policy that sampled it; None when the
-            plugin skipped computing them because the run does not need them
-            (:attr:`mmrl.plugin.Runtime.needs_old_logp` False: the learner then uses the detached training
-            log-probs) or for evaluation rollouts.
+        old_logp: ``[N, A]`` float32, log-prob of each action under the policy that sampled it, or None: the
+            learner then computes them with the plugin's forward under ``no_grad`` when the run needs them (several
+            optimizer steps per rollout) and uses the detached training log-probs when it does not (one optimizer
+            step on the weights that sampled it). Evaluation rollouts never need them.
         mask: ``[N, A]`` float32, 1 for actions that are trained, 0 for padding or untrained steps.
         payload: Per-sample outputs that rewards read, e.g. ``{"images": [N,3,H,W]}`` or
             ``{"completions": list[str]}``.
@@ -60,9 +61,6 @@ class Rollout:
         action_weights: ``[N, A]`` optional weight on each action's policy term (TempFlow-GRPO's noise-aware
             weights); the KL and entropy terms are not weighted.
         chunk_ids: ``[N, A]`` optional chunk index of each action, for the chunk ratio level (Chunk-GRPO).
-        action_rewards: ``[N, A]`` optional per-action rewards (branching credit).
-        action_advantages: ``[N, A]`` optional per-action advantages set by the plugin; they replace the
-            group-relative advantage broadcast over actions (BranchGRPO's per-depth advantages).
         ref_logp: ``[N, A]`` optional reference log-probs computed at sampling time.
         metrics: Scalars the plugin wants logged for this rollout (not split).
     """
@@ -76,8 +74,6 @@ class Rollout:
     rows: list[dict[str, Any]] = field(default_factory=list)
     action_weights: Tensor | None = None
     chunk_ids: Tensor | None = None
-    action_rewards: Tensor | None = None
-    action_advantages: Tensor | None = None
     ref_logp: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 

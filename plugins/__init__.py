@@ -1,30 +1,14 @@
 """Modality plugins, installed as ``mmrl.plugins``.
 
-Built-in plugins are registered lazily here (``mmrl list`` does not import diffusers or transformers); third-party
-plugins register through the entry-point group ``mmrl.plugins``. See :mod:`mmrl.plugin` for the contract.
+Importing this package registers nothing. The built-in plugins (``toy``, ``flow``, ``dllm``, ``vlm``) and what they
+contribute to the core's registries (the dLLM plugin's ``wd1`` advantage weights and its ``wd1`` and ``spg`` policy
+losses) are entry points of mmrl's own pyproject.toml, declared exactly as a third-party package declares its plugin::
+
+    [project.entry-points."mmrl.plugins"]
+    my_modality = "my_package.plugin:MyPlugin"
+
+    [project.entry-points."mmrl.policy_losses"]
+    my_loss = "my_package.losses:my_loss"
+
+See :mod:`mmrl.plugin` for the contract and docs/plugins.md for a walk-through.
 """
-
-from mmrl.algos.advantages import advantage_estimators
-from mmrl.algos.policy_losses import policy_losses
-from mmrl.plugin import plugin_registry
-
-_BUILTIN = {
-    "toy": "mmrl.plugins.toy.plugin:ToyPlugin",
-    "flow": "mmrl.plugins.flow.plugin:FlowPlugin",
-    "dllm": "mmrl.plugins.dllm.plugin:DLLMPlugin",
-    "vlm": "mmrl.plugins.vlm.plugin:VLMPlugin",
-}
-
-for _name, _target in _BUILTIN.items():
-    plugin_registry.register_lazy(_name, _target)
-
-# Algorithms a plugin contributes to the core registries, declared here so that `mmrl list` and config validation
-# see them without importing the plugin's dependencies (the dLLM objectives need only torch).
-_PLUGIN_ALGORITHMS = (
-    (advantage_estimators, "wd1", "mmrl.plugins.dllm.objectives:wd1_weights"),
-    (policy_losses, "wd1", "mmrl.plugins.dllm.objectives:wd1_policy_loss"),
-    (policy_losses, "spg", "mmrl.plugins.dllm.objectives:spg_policy_loss"),
-)
-for _registry, _name, _target in _PLUGIN_ALGORITHMS:
-    if _name not in _registry:  # a reload after the objectives module registered itself
-        _registry.register_lazy(_name, _target)

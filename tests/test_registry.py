@@ -78,3 +78,60 @@ def test_builtin_registries_hold_what_the_core_promises():
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"}
     assert "toy" in plugin_registry
     assert {"exact_match", "token_accuracy"} <= set(reward_functions.names())
+
+
+def test_the_core_fills_its_registries_without_importing_the_plugins():
+    """Issue 23: the built-in plugins and the dLLM plugin's wd1 and spg arrive through entry points declared in
+    mmrl's pyproject.toml, as a third party's would; listing them, and validating a config that names them, imports
+    no plugin package (only the objectives module, on the first lookup of one of its entries)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from mmrl.algos import advantage_estimators, policy_losses\n"
+        "from mmrl.plugin import plugin_registry\n"
+        "import mmrl.trainer, mmrl.cli\n"
+        "assert {'toy', 'flow', 'dllm', 'vlm'} <= set(plugin_registry.names()), plugin_registry.names()\n"
+        "assert {'wd1', 'spg'} <= set(policy_losses.names()) and 'wd1' in advantage_estimators.names()\n"
+        "assert not [m for m in sys.modules if m.startswith('mmrl.plugins')], sorted(sys.modules)\n"
+        "assert policy_losses.get('spg').__module__ == 'mmrl.plugins.dllm.objectives'\n"
+        "assert 'mmrl.plugins.dllm.plugin' not in sys.modules and 'diffusers' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_stale_install_is_named_when_an_own_entry_point_group_is_missing(monkeypatch):
+    """An editable install made before pyproject.toml declared the entry points has none of them: the unknown-name
+    error says to reinstall instead of only listing what is there."""
+    from mmrl import registry as registry_module
+
+    class Distribution:
+        entry_points = [metadata.EntryPoint(name="mmrl", value="mmrl.cli:main", group="console_scripts")]
+
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(metadata, "distribution", lambda name: Distribution())
+    stale = Registry("plugin", entry_point_group="mmrl.plugins")
+    with pytest.raises(RegistryError, match=r"unknown plugin 'toy'; registered: \(none\) \(mmrl's installed metadata "
+                       r"has no 'mmrl.plugins' entry points: reinstall it, pip install -e \., after pyproject.toml "
+                       r"changed\)$"):
+        stale.get("toy")
+    other = Registry("thing", entry_point_group="third.party")  # not a group of mmrl's own: no hint
+    with pytest.raises(RegistryError, match=r"registered: \(none\)$"):
+        other.get("x")
+    assert registry_module.REGISTRY_GROUP in registry_module.OWN_ENTRY_POINT_GROUPS
+
+
+def test_derive_seed_is_public_in_the_core():
+    """Plugins derive their seeds from mmrl.seeding (not from trainer internals); the trainer's name is the same
+    function, so seeds, and runs, are unchanged. SplitMix64 of 0 is 0xE220A8397B1DCDAF (Steele et al. 2014's
+    reference output for a zero state); derive_seed(0) mixes 0 ^ 0 once and drops the lowest bit."""
+    from mmrl.seeding import derive_seed, splitmix64
+    from mmrl.trainer import sampler
+
+    assert sampler.derive_seed is derive_seed
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+    assert derive_seed(0) == 0xE220A8397B1DCDAF >> 1
+    assert derive_seed(7, 9) == splitmix64(splitmix64(7) ^ 9) >> 1

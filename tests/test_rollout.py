@@ -64,7 +64,7 @@ def test_concat_refuses_optional_fields_set_in_only_some_rollouts():
 
 
 def test_old_logp_may_be_missing_and_every_operation_keeps_it_missing():
-    """Runtime.needs_old_logp False lets a plugin return old_logp=None; the mask then fixes the action axis."""
+    """A plugin may return old_logp=None (the learner computes them when needed); the mask fixes the action axis."""
     rollout = _rollout(4, 3)
     rollout.old_logp = None
     assert rollout.validate() is rollout and rollout.num_actions == 3

@@ -77,15 +77,19 @@ def test_action_chunks_do_not_change_the_gradient(tmp_path, mode):
         torch.testing.assert_close(chunked[name], whole[name], rtol=1e-4, atol=1e-7)
 
 
-def _without_old_logp(trainer, *, shift=None):
-    """Make the trainer's toy plugin return training rollouts with ``old_logp=None`` (or, with ``shift``, with its
-    old_logp moved by that much, to show that the comparison below can tell a wrong old policy apart)."""
-    original = trainer.plugin.rollout
+def _with_old_logp(trainer, *, shift=0.0):
+    """Make the trainer's toy plugin return training rollouts that carry their own ``old_logp`` (replacing the toy's
+    own): the sampling weights' log-probs through the forward's computation, moved by
+    ``shift`` (a wrong old policy, to show that the comparisons below can tell one apart)."""
+    original, plugin = trainer.plugin.rollout, trainer.plugin
 
     def rollout(policy, batch):
         result = original(policy, batch)
         if batch.training:
-            result.old_logp = None if shift is None else result.old_logp + shift
+            with torch.no_grad():
+                logp, _ = plugin._token_logp(plugin.runtime.unwrap(policy), result.replay["prompt_ids"],
+                                             result.replay["tokens"])
+            result.old_logp = logp + shift
         return result
 
     trainer.plugin.rollout = rollout
@@ -105,20 +109,22 @@ def _without_old_logp(trainer, *, shift=None):
 )
 def test_training_without_old_logp_matches_training_with_it(tmp_path, overrides):
     """μ = 1 and one mini-batch: every sample trains one optimizer step on the weights that sampled it, so the
-    learner's substitute old_logp = logp.detach() gives the same gradient, at every optimizer step, as the plugin's
-    computed old_logp. Gradients are compared, not parameters after AdamW (see tests.helpers.record_gradients)."""
+    learner's substitute old_logp = logp.detach() gives the same gradient, at every optimizer step, as old log-probs
+    the plugin computed itself, and no old-policy pass runs. Gradients are compared, not parameters after AdamW (see
+    tests.helpers.record_gradients)."""
     common = ("run.max_steps=4", "optim.lr=3e-2", *overrides)
-    computed = Trainer(toy_config(tmp_path / "computed", *common))
-    assert computed.runtime.needs_old_logp is False and computed.plugin.runtime.needs_old_logp is False
+    computed = _with_old_logp(Trainer(toy_config(tmp_path / "computed", *common)))
     expected = record_gradients(computed, computed.plugin.model)
     computed.train()
-    skipped = _without_old_logp(Trainer(toy_config(tmp_path / "skipped", *common)))
+    skipped = Trainer(toy_config(tmp_path / "skipped", *common))
+    calls = record_calls(skipped.plugin, "forward")
     got = record_gradients(skipped, skipped.plugin.model)
     result = skipped.train()
-    wrong = _without_old_logp(Trainer(toy_config(tmp_path / "wrong", *common)), shift=0.3)
+    wrong = _with_old_logp(Trainer(toy_config(tmp_path / "wrong", *common)), shift=0.3)
     off = record_gradients(wrong, wrong.plugin.model)
     wrong.train()
     assert len(expected) == len(got) == 4 and expected[0].keys() == got[0].keys()
+    assert calls and all(calls)  # training forwards only: no no-grad old-policy pass
     # The two runs differ by the last bits of old_logp (the sampler's vs the training forward's); gradients are
     # O(1e-2) here (clipped to norm 1), their float32 rounding ~1e-8, and a wrong old policy moves them by > 1e-2.
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):
@@ -132,35 +138,39 @@ def test_training_without_old_logp_matches_training_with_it(tmp_path, overrides)
 
 
 def test_needs_old_logp_only_for_several_optimizer_steps_per_rollout(tmp_path):
+    from mmrl.plugin import Runtime
     from mmrl.trainer.learn import needs_old_logp
 
-    assert Trainer(toy_config(tmp_path / "one", "algorithm.micro_batch_size=4")).runtime.needs_old_logp is False
-    assert Trainer(toy_config(tmp_path / "epochs", "algorithm.inner_epochs=2")).runtime.needs_old_logp is True
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.micro_batch_size=4")) is False
+    assert needs_old_logp(toy_config(tmp_path, "algorithm.inner_epochs=2")) is True
     assert needs_old_logp(toy_config(tmp_path, "algorithm.minibatches=2")) is True
     # One optimizer step on the sampling weights: the training forward is the old policy, recompute or not.
     assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true")) is False
     assert needs_old_logp(toy_config(tmp_path, "algorithm.recompute_old_logp=true", "algorithm.minibatches=2")) is True
     assert needs_old_logp(toy_config(tmp_path, "algorithm.action_chunk_size=2")) is False
+    assert not hasattr(Runtime(), "needs_old_logp")  # the core decides; plugins are never told
 
 
-@pytest.mark.parametrize("minibatches, passes_per_step", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("minibatches, training_passes", [(1, 2), (2, 2)])
 def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_the_training_forward(
-        tmp_path, minibatches, passes_per_step):
+        tmp_path, minibatches, training_passes):
     """32 samples in micro-batches of 16: the training forwards take 2 plugin.forward calls per step; the recompute
-    pass takes 2 more, which only several optimizer steps per rollout need (at μ = 1 with one mini-batch it would
-    compute the detached training log-probs again). Either way the sampler's old log-probs are replaced: made wrong
-    here (shifted by 0.3, which clips), the run still gives the parameters of a run with the right ones."""
+    pass takes one more (no-grad, the 32 samples in one piece: rollout.batch_size is null), which only several
+    optimizer steps per rollout need (at μ = 1 with one mini-batch it would compute the detached training log-probs
+    again). Either way the plugin's old log-probs are replaced: made wrong here (shifted by 0.3, which clips), the
+    run still gives the gradients of a run whose old log-probs come from the core."""
     common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16",
               f"algorithm.minibatches={minibatches}")
-    recomputed = _without_old_logp(Trainer(toy_config(tmp_path / "recomputed", *common,
-                                                      "algorithm.recompute_old_logp=true")), shift=0.3)
+    recomputed = _with_old_logp(Trainer(toy_config(tmp_path / "recomputed", *common,
+                                                   "algorithm.recompute_old_logp=true")), shift=0.3)
     calls = record_calls(recomputed.plugin, "forward")
     got = record_gradients(recomputed, recomputed.plugin.model)
     assert recomputed.geometry.micro_batch_size * 2 == recomputed.config.rollout.prompts_per_step * \
         recomputed.config.rollout.group_size
     recomputed.train()
-    assert len(calls) == 2 * passes_per_step  # two training steps
-    assert calls.count(False) == (0 if minibatches == 1 else 4)  # the no-grad recompute pass, 2 per step
+    old_passes = 0 if minibatches == 1 else 1
+    assert len(calls) == 2 * (training_passes + old_passes)  # two training steps
+    assert calls.count(False) == 2 * old_passes  # the no-grad recompute pass, one per step
     plain = Trainer(toy_config(tmp_path / "plain", *common))
     expected = record_gradients(plain, plain.plugin.model)
     plain.train()
@@ -172,10 +182,84 @@ def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_
 
 
 @pytest.mark.parametrize("override", ["algorithm.inner_epochs=2", "algorithm.minibatches=2"])
-def test_a_plugin_that_skips_old_logp_when_they_are_needed_is_named(tmp_path, override):
-    trainer = _without_old_logp(Trainer(toy_config(tmp_path, override)))
-    with pytest.raises(RolloutError, match="plugin 'toy' returned old_logp=None but this run needs them"):
+def test_the_core_computes_old_logp_that_a_rollout_leaves_out(tmp_path, override):
+    """Several optimizer steps per rollout and a rollout without old_logp (the toy's): the learner runs one no-grad
+    old-policy pass per step, in eval mode, before the first update, and the run trains with the gradients of a run
+    whose plugin computed the same old log-probs itself (a wrong old policy would move them by > 1e-3, see
+    test_training_without_old_logp_matches_training_with_it)."""
+    common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16", override)
+    core = Trainer(toy_config(tmp_path / "core", *common))
+    modes: list[tuple[bool, bool]] = []  # (gradients enabled, policy in training mode) of every forward
+    forward = core.plugin.forward
+
+    def recorded(policy, *args, **kwargs):
+        modes.append((torch.is_grad_enabled(), policy.training))
+        return forward(policy, *args, **kwargs)
+
+    core.plugin.forward = recorded
+    got = record_gradients(core, core.plugin.model)
+    result = core.train()
+    own = _with_old_logp(Trainer(toy_config(tmp_path / "own", *common)))
+    expected = record_gradients(own, own.plugin.model)
+    own.train()
+    assert modes.count((False, False)) == 2 and (False, True) not in modes  # one eval-mode pass per step
+    assert all(mode == (True, True) for mode in modes if mode[0])
+    assert len(got) == len(expected) == 4
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+    for record in result.history:  # the old pass and the first training forward score the same weights
+        assert record["loss/first_step_ratio_deviation"] < 1e-5
+
+
+def _epoch_noise(trainer, *, declare: bool) -> list[tuple[str, object]]:
+    """Give the trainer's toy plugin per-epoch 'noise': ``forward`` adds ``0.2 * epoch`` to every log-prob (as a Monte
+    Carlo estimate redrawn per inner epoch shifts it), and ``redraws_per_epoch`` says ``declare``. The shift cancels
+    in ``logp - old_logp`` exactly when epoch e's old log-probs were computed on epoch e's draw. Returns the list of
+    ``("epoch", e)`` and ``("forward", gradients enabled)`` events, filled as the plugin is called."""
+    plugin = trainer.plugin
+    plugin.__class__ = type("EpochNoiseToy", (type(plugin),), {"redraws_per_epoch": property(lambda self: declare)})
+    forward, events = plugin.forward, []
+    epoch = [0]
+
+    def start_inner_epoch(index):
+        events.append(("epoch", index))
+        epoch[0] = index
+
+    def shifted(policy, rollout, **kwargs):
+        events.append(("forward", torch.is_grad_enabled()))
+        output = forward(policy, rollout, **kwargs)
+        output.logp = output.logp + 0.2 * epoch[0]
+        return output
+
+    plugin.start_inner_epoch, plugin.forward = start_inner_epoch, shifted
+    return events
+
+
+def test_plugins_that_redraw_noise_per_epoch_get_old_logp_on_each_epochs_draw(tmp_path):
+    """μ = 2 with noise redrawn per epoch (``redraws_per_epoch``): the learner runs one old-policy pass per epoch, each
+    after ``start_inner_epoch(e)``, so epoch e's ratio compares the two policies on draw e and the run trains like a
+    run without the noise. One pass shared by both epochs (a plugin that does not declare the redraw) leaves epoch 1
+    with a ratio off by e^0.2 and other gradients."""
+    common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.inner_epochs=2", "algorithm.micro_batch_size=16")
+    runs = {}
+    for name, declare in (("redraws", True), ("undeclared", False)):
+        trainer = Trainer(toy_config(tmp_path / name, *common))
+        events = _epoch_noise(trainer, declare=declare)
+        runs[name] = (record_gradients(trainer, trainer.plugin.model), events)
         trainer.train()
+    plain = Trainer(toy_config(tmp_path / "plain", *common))
+    expected = record_gradients(plain, plain.plugin.model)
+    plain.train()
+    got, events = runs["redraws"]
+    per_step = [("epoch", 0), ("forward", False), ("epoch", 1), ("forward", False),
+                ("epoch", 0), ("forward", True), ("forward", True), ("epoch", 1), ("forward", True), ("forward", True)]
+    assert events == per_step * 2
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+    shared, _ = runs["undeclared"]
+    assert max(float((shared[1][name] - expected[1][name]).abs().max()) for name in expected[1]) > 1e-3
 
 
 def test_evaluation_rollouts_may_omit_old_logp_in_any_run(tmp_path):

@@ -23,7 +23,9 @@ from torch import Tensor
 from mmrl.algos.groups import group_stats
 from mmrl.registry import Range, Registry
 
-advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator", populate="mmrl.plugins")
+# Filled by this module and by the entry-point group (the dLLM plugin's wd1 arrives there, as a third party's would).
+advantage_estimators: Registry[Callable[..., Tensor]] = Registry("advantage estimator",
+                                                                entry_point_group="mmrl.advantage_estimators")
 
 # eps >= 0: a negative eps can cancel a group's std (a division by zero) or flip the sign of its advantages.
 EPS = Range(0)

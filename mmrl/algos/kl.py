@@ -21,7 +21,8 @@ from torch import Tensor
 from mmrl.algos.ratios import LOG_RATIO_CLAMP
 from mmrl.registry import Registry
 
-kl_estimators: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
+kl_estimators: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator",
+                                                                    entry_point_group="mmrl.kl_estimators")
 
 
 def _log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:

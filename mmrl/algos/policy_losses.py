@@ -23,8 +23,10 @@ from torch import Tensor
 from mmrl.algos.ratios import log_ratio
 from mmrl.registry import Range, Registry
 
+# Filled by this module and by the entry-point group (the dLLM plugin's wd1 and spg arrive there, as a third party's
+# would).
 policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry(
-    "policy loss", populate="mmrl.plugins"  # plugins declare the losses they add (e.g. the dLLM plugin's wd1, spg)
+    "policy loss", entry_point_group="mmrl.policy_losses"
 )
 
 

@@ -312,3 +312,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self, path: str) -> None:
+        """Cross-section checks, after every section validated on its own: the plugin refuses what contradicts its
+        section (:meth:`mmrl.plugin.Plugin.check_config`), in the one-line form of every config error."""
+        from mmrl.plugin import plugin_registry
+
+        plugin_registry.get(self.plugin.name).check_config(self)

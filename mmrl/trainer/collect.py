@@ -29,10 +29,11 @@ from mmrl.config import TrainConfig
 from mmrl.plugin import Plugin, PromptBatch
 from mmrl.reward import RewardInput, RewardScorer, ScoredBatch
 from mmrl.rollout import Rollout, RolloutError
+from mmrl.seeding import derive_seed
 from mmrl.trainer.credit import action_advantages, sample_advantages
 from mmrl.trainer.geometry import BatchGeometry
 from mmrl.trainer.metrics import WeightedMeans
-from mmrl.trainer.sampler import PromptStream, derive_seed, plan_local_batch
+from mmrl.trainer.sampler import PromptStream, plan_local_batch
 
 
 @dataclass
@@ -192,11 +193,6 @@ class Collector:
                 f"plugin {name!r} returned {len(rollout)} samples whose group_ids differ from the {len(batch)} "
                 "prompts it was given"
             )
-        if rollout.old_logp is None and batch.training and self.plugin.runtime.needs_old_logp:
-            raise RolloutError(
-                f"plugin {name!r} returned old_logp=None but this run needs them (inner_epochs > 1 or "
-                "minibatches > 1); compute old_logp whenever runtime.needs_old_logp is True"
-            )
         if not rollout.rows:
             rollout.rows = batch.rows
         return rollout.validate()
@@ -250,9 +246,6 @@ class Collector:
             else:
                 per_action_adv = normalised(per_action, algorithm.advantage_clip)
             advantages = per_action_adv[local, :width]
-            rollout.action_rewards = per_action
-        if rollout.action_advantages is not None:
-            advantages = rollout.action_advantages.float().cpu()
 
         metrics = reward_metrics(self.scorer.names, g_scores, g_valid, credit.combined, credit.advantages, g_groups)
         return advantages.to(device), keep.to(device), metrics

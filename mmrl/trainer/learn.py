@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,11 +20,12 @@ from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_e
 from mmrl.config import ConfigError, TrainConfig
 from mmrl.plugin import Plugin
 from mmrl.rollout import Rollout, RolloutError
+from mmrl.seeding import derive_seed
 from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.metrics import WeightedMeans
-from mmrl.trainer.sampler import derive_seed, minibatch_partition
+from mmrl.trainer.sampler import minibatch_partition
 
 
 def ratio_level(config: TrainConfig) -> str:
@@ -35,13 +37,14 @@ def ratio_level(config: TrainConfig) -> str:
 
 
 def needs_old_logp(config: TrainConfig) -> bool:
-    """Whether the learner reads the rollout's ``old_logp`` (:attr:`mmrl.plugin.Runtime.needs_old_logp`).
+    """Whether the run needs old-policy log-probs that differ from the training forward's.
 
     False exactly when every rollout batch is consumed by one optimizer step on the weights that sampled it: one
     inner epoch and one mini-batch. The micro-batches and action chunks of that step accumulate gradients on
     unchanged weights, so the old log-probs equal the detached training log-probs and the learner substitutes those
-    for a missing ``old_logp``. That substitute is already the training forward's own value, so
-    ``recompute_old_logp`` asks for no separate old-policy pass then (it would compute the same numbers again).
+    for a missing ``old_logp`` (ratio ≡ 1, the same gradient): no old-policy pass runs, and ``recompute_old_logp``
+    asks for none either (it would compute the same numbers again). When True, a rollout without ``old_logp`` gets
+    them from the learner's old-policy pass (:meth:`Learner.old_policy_rollouts`).
     """
     algorithm = config.algorithm
     return algorithm.inner_epochs > 1 or algorithm.minibatches > 1
@@ -111,14 +114,12 @@ class Learner:
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
         need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        if algorithm.recompute_old_logp:
-            # The sampler's old log-probs are not to be trusted. At μ = 1 with one mini-batch the training forward
-            # itself is the old policy (None: the learner uses its detached log-probs), so no pass is needed.
-            rollout.old_logp = self._recompute_old_logp(rollout) if needs_old_logp(config) else None
+        epoch_rollouts = self.old_policy_rollouts(rollout)  # [μ] the rollout with each inner epoch's old log-probs
         column_chunks: list[torch.Tensor | None] = [None]
         if algorithm.action_chunk_size is not None:
             budget = self.plugin.max_actions()
-            rollout = rollout.pad_actions(budget)
+            epoch_rollouts = [r.pad_actions(budget) for r in epoch_rollouts]
+            rollout = epoch_rollouts[0]
             if advantages.dim() == 2:
                 advantages = torch.nn.functional.pad(advantages, (0, budget - advantages.shape[1]))
             column_chunks = list(torch.arange(budget).split(algorithm.action_chunk_size))
@@ -133,6 +134,7 @@ class Learner:
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
             self.plugin.start_inner_epoch(epoch)
+            rollout = epoch_rollouts[epoch]
             # The same samples share a mini-batch on any number of processes (see minibatch_partition).
             partition = minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
                                             acc.num_processes, acc.process_index,
@@ -224,11 +226,9 @@ class Learner:
             raise RolloutError(
                 f"plugin forward returned logp {tuple(logp.shape)} for a rollout whose mask is {tuple(part.mask.shape)}"
             )
-        # Without old_logp (Runtime.needs_old_logp False: one optimizer step on the sampling weights) the old
-        # policy is the current one: ratio ≡ 1, and the deviation below is 0 by construction. A plugin that redrew
-        # its noise for this inner epoch returns the sampling policy's log-probs on the same draw.
-        old_logp = output.old_logp if output.old_logp is not None else part.old_logp
-        old_logp = old_logp if old_logp is not None else logp.detach()  # [n, A]
+        # Without old_logp (needs_old_logp False: one optimizer step on the sampling weights) the old policy is the
+        # current one: ratio ≡ 1, and the deviation below is 0 by construction.
+        old_logp = part.old_logp if part.old_logp is not None else logp.detach()  # [n, A]
         options = dict(algorithm.policy_loss.options)
         if self.loss_accepts_chunks:
             options["chunk_ids"] = part.chunk_ids
@@ -258,18 +258,77 @@ class Learner:
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
         return loss, metrics, deviation, float(part.mask.sum())
 
-    @torch.no_grad()
-    def _recompute_old_logp(self, rollout: Rollout) -> torch.Tensor:
-        """The old log-probs under the current weights; the replay entries the plugin returns with them
-        (``PolicyOutput.replay``, e.g. GRPO-Guard's old means) replace the sampler's in ``rollout``."""
-        parts, replays = [], []
-        for piece in chunks(list(range(len(rollout))), self.geometry.micro_batch_size):
+    def old_policy_rollouts(self, rollout: Rollout) -> list[Rollout]:
+        """The rollout each inner epoch trains on, with the old policy's log-probs the core decided on (``[μ]``).
+
+        - One optimizer step per rollout (:func:`needs_old_logp` False): the rollout as it is, except that
+          ``recompute_old_logp`` drops the sampler's log-probs; a missing ``old_logp`` means the detached training
+          log-probs (the old policy is the current one).
+        - Otherwise the rollout's ``old_logp`` when the plugin returned them (and ``recompute_old_logp`` is off);
+          else one old-policy pass (:func:`old_policy_pass`) on the weights that sampled, before any update, shared by
+          every epoch, or one per epoch on that epoch's noise draw for a plugin that redraws its noise per epoch
+          (:attr:`mmrl.plugin.Plugin.redraws_per_epoch`).
+        """
+        algorithm, epochs = self.config.algorithm, self.geometry.inner_epochs
+        if not needs_old_logp(self.config):
+            if algorithm.recompute_old_logp:
+                rollout = replace(rollout, old_logp=None)
+            return [rollout] * epochs
+        redraws = self.plugin.redraws_per_epoch and epochs > 1
+        if rollout.old_logp is not None and not algorithm.recompute_old_logp and not redraws:
+            return [rollout] * epochs
+        passes = []
+        for epoch in range(epochs if redraws else 1):
+            self.plugin.start_inner_epoch(epoch)
+            passes.append(old_policy_pass(self.plugin, self.policy, rollout,
+                                          batch_size=self.config.rollout.batch_size))
+        return passes if redraws else passes * epochs
+
+
+@torch.no_grad()
+def old_policy_pass(plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, *,
+                    batch_size: int | None = None) -> Rollout:
+    """``rollout`` with ``old_logp`` computed by :meth:`mmrl.plugin.Plugin.forward` on the current weights.
+
+    This is how the core scores the old policy of a rollout that left ``old_logp`` out (the learner calls it before
+    the first update of a step that needs them; a plugin's tests call it to get the old log-probs a training run
+    would use). The pass runs under ``no_grad`` with the policy in eval mode, as sampling does (dropout off: the old
+    policy is the one that sampled), in pieces of ``batch_size`` samples (``rollout.batch_size``, the bound sampling
+    itself runs under; None: the whole rollout at once). The replay entries the plugin returns with the log-probs
+    (``PolicyOutput.replay``, e.g. GRPO-Guard's old transition means) replace the sampler's in the returned rollout;
+    ``rollout`` itself is not changed. A plugin that redraws its noise per inner epoch scores the draw selected by its
+    last :meth:`mmrl.plugin.Plugin.start_inner_epoch`.
+
+    Args:
+        plugin: The plugin whose :meth:`~mmrl.plugin.Plugin.forward` scores the rollout.
+        policy: The policy module, on the weights that sampled ``rollout``.
+        rollout: A rollout of ``plugin``.
+        batch_size: Samples per forward (None: all).
+
+    Returns:
+        A shallow copy of ``rollout`` with ``old_logp`` ``[N, A]`` float32 and the plugin's replay entries.
+
+    Raises:
+        RolloutError: the plugin's log-probs do not match the rollout's mask ``[N, A]``.
+    """
+    size = batch_size or len(rollout)
+    parts, replays = [], []
+    training = policy.training
+    policy.eval()
+    try:
+        for piece in chunks(list(range(len(rollout))), size):
             part = rollout.select(torch.tensor(piece, dtype=torch.long))
-            output = self.plugin.forward(self.policy, part, need_reference=False)
+            output = plugin.forward(policy, part, need_reference=False)
             parts.append(output.logp.float())
             replays.append(output.replay or {})
-        rollout.replay = {**rollout.replay, **{key: torch.cat([r[key] for r in replays]) for key in replays[0]}}
-        return torch.cat(parts)
+    finally:
+        policy.train(training)
+    old_logp = torch.cat(parts)  # [N, A]
+    if old_logp.shape != rollout.mask.shape:
+        raise RolloutError(f"plugin forward returned logp {tuple(old_logp.shape)} for a rollout whose mask is "
+                           f"{tuple(rollout.mask.shape)}")
+    replay = {**rollout.replay, **{key: torch.cat([r[key] for r in replays]) for key in replays[0]}}
+    return replace(rollout, old_logp=old_logp, replay=replay)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

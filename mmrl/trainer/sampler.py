@@ -20,23 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-MASK64 = (1 << 64) - 1
-
-
-def splitmix64(value: int) -> int:
-    """One round of SplitMix64 (Steele et al. 2014): a fast, well-mixed 64-bit hash."""
-    value = (value + 0x9E3779B97F4A7C15) & MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
-    return value ^ (value >> 31)
-
-
-def derive_seed(*parts: int) -> int:
-    """Mix integers into one seed in [0, 2**63) (stable across processes, platforms and Python versions)."""
-    value = 0
-    for part in parts:
-        value = splitmix64(value ^ (int(part) & MASK64))
-    return value >> 1
+# The seed mixing is the core's public API (mmrl.seeding); the names stay importable from here.
+from mmrl.seeding import MASK64, derive_seed, splitmix64  # noqa: F401
 
 
 class PromptStream:

@@ -33,13 +33,14 @@ from mmrl.config import ConfigError, TrainConfig, dump_config, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
 from mmrl.reward import RewardScorer
 from mmrl.rollout import Rollout
+from mmrl.seeding import derive_seed
 from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.collect import Collector
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
-from mmrl.trainer.learn import Learner, chunked_geometry, needs_old_logp, ratio_level
+from mmrl.trainer.learn import Learner, chunked_geometry, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
-from mmrl.trainer.sampler import PromptStream, derive_seed
+from mmrl.trainer.sampler import PromptStream
 from mmrl.trainer.signals import stop_requested, stop_signals
 from mmrl.trainer.updates import UpdateMonitor
 
@@ -90,7 +91,6 @@ class Trainer:
             seed=config.run.seed,
             needs_reference=config.algorithm.kl_coef > 0,
             ratio_level=ratio_level(config),
-            needs_old_logp=needs_old_logp(config),
             inner_epochs=config.algorithm.inner_epochs,
         )
         self.plugin: Plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, self.runtime)

@@ -14,8 +14,8 @@ Modules (imported on demand, this package imports nothing heavy):
 - :mod:`mmrl.plugins.dllm.generation`: LLaDA's block semi-autoregressive decoding and the completion mask.
 - :mod:`mmrl.plugins.dllm.adapters`: model families (``masked_lm``, ``llada``, ``dream``), the ``dllm_adapters``
   registry.
-- :mod:`mmrl.plugins.dllm.objectives`: the ratio-free ``wd1`` and ``spg`` objectives, registered in the core
-  registries (declared lazily in :mod:`mmrl.plugins`).
+- :mod:`mmrl.plugins.dllm.objectives`: the ratio-free ``wd1`` and ``spg`` objectives, contributed to the core
+  registries through entry points (pyproject.toml), as a third-party package would.
 - :mod:`mmrl.plugins.dllm.plugin`: :class:`~mmrl.plugins.dllm.plugin.DLLMPlugin` and its config.
 - :mod:`mmrl.plugins.dllm.toy`, :mod:`mmrl.plugins.dllm.pretrain`: the CPU toy world (addition) and the script that
   pretrains its bundled checkpoint (``assets/``).

@@ -1,6 +1,6 @@
-"""Ratio-free objectives of masked-diffusion RL, registered in the core registries.
+"""Ratio-free objectives of masked-diffusion RL, contributed to the core registries through entry points.
 
-Importing this module (the dLLM plugin does) adds
+mmrl's pyproject.toml declares (as a third-party package would declare its own)
 
 - ``policy_losses["wd1"]`` and ``advantage_estimators["wd1"]``: wd1's weighted likelihood
   (Tang et al. 2025, "wd1: Weighted Policy Optimization for Reasoning in Diffusion Language Models",
@@ -8,9 +8,8 @@ Importing this module (the dLLM plugin does) adds
 - ``policy_losses["spg"]``: SPG's sandwich of bounds (Wang et al. 2025, "SPG: Sandwiched Policy Gradient for Masked
   Diffusion Language Models", arXiv:2510.09541).
 
-Config validation reads the ``plugin`` section before ``algorithm`` (the field order of
-:class:`mmrl.config.TrainConfig`), and validating ``plugin: {name: dllm}`` imports the plugin class, which imports
-this module, so ``algorithm.policy_loss: wd1`` validates in a config that selects the dllm plugin.
+The registries import this module on the first lookup of one of these names; nothing here registers on import.
+:meth:`mmrl.plugins.dllm.plugin.DLLMPlugin.check_config` refuses an objective paired with another family's loss.
 
 **wd1.** Per group, with ``A_j = r_j − mean(r)`` (wd1's code does not divide by the std),
 ``w⁺ = softmax(A/τ)`` and ``w⁻ = softmax(−A/τ)`` over the group, and the loss is
@@ -36,14 +35,12 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from mmrl.algos.advantages import advantage_estimators
-from mmrl.algos.policy_losses import broadcast_advantages, masked_mean, policy_losses
+from mmrl.algos.policy_losses import broadcast_advantages, masked_mean
 from mmrl.registry import Range
 
 WEIGHT_TOLERANCE = 1e-4
 
 
-@advantage_estimators.register("wd1")
 def wd1_weights(rewards: Tensor, group_ids: Tensor, *, temperature: Annotated[float, Range(0, low_open=True)] = 1.0,
                 negatives: bool = True) -> Tensor:
     """wd1's sample weights ``w⁺ − w⁻``: group softmaxes of ``±(r − group mean)/τ`` (arXiv:2507.08838).
@@ -82,7 +79,6 @@ def wd1_weights(rewards: Tensor, group_ids: Tensor, *, temperature: Annotated[fl
     return torch.where(single, torch.zeros_like(weights), weights).to(rewards.dtype)
 
 
-@policy_losses.register("wd1")
 def wd1_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
     """wd1's weighted likelihood: ``L = −w·ℓ`` with ``w`` from ``advantage: wd1`` (no ratio, no clip).
 
@@ -107,7 +103,6 @@ def wd1_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     return loss, metrics
 
 
-@policy_losses.register("spg")
 def spg_policy_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, mix: Annotated[float, Range(0, 1)] = 0.5
 ) -> tuple[Tensor, dict]:

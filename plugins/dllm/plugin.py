@@ -11,21 +11,22 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   (``token_mean``: each sequence's gradient is ``A·∇ELBO / T``, T the step's tokens, as d1; ``seq_mean_token_mean``:
   ``A·∇ELBO / (S·L)``; ``seq_mean_token_sum_norm``: Dr. GRPO's ``A·∇ELBO / (S·G)``). ``objective: wd1``: ``A = 1``,
   the sequence estimate; ``objective: spg``: ``A = 2`` (column 0 the ELBO, column 1 the EUBO); divided by the
-  length with ``normalize_by_length``. ``old_logp[N, A]`` is scored under the sampling policy. When the run does not
-  need it (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch) the scoring pass is skipped and ``old_logp``
-  is None: the core uses the detached training estimate, the same loss and gradient (``force_old_logp_pass`` keeps
-  the pass).
+  length with ``normalize_by_length``. The rollout's ``old_logp`` is None: when the run needs the sampling policy's
+  estimates (μ > 1 or several mini-batches) the core scores them with :meth:`DLLMPlugin.forward` before the first
+  update, on every epoch's plan (:attr:`DLLMPlugin.redraws_per_epoch`); otherwise it uses the detached training
+  estimate, the same loss and gradient.
 - **The mask plans travel with the sample.** At rollout time each sample draws its masks, timesteps and weights
   (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed: one plan per
   inner epoch (``redraw_masks``, the default, when μ > 1 and the plan is random), as d1, wd1 and SPG draw a new mask
   seed for every inner iteration (``mask_seeds = torch.randint(0, 2**12, (num_iterations,))``,
   ``diffu_grpo_trainer.py`` L449-451 at dllm-reasoning/d1@837888f); d1 credits the fresh prompt masks with a
   regularising effect. The plans' tensors are stored per sample in ``replay`` (``[N, E, draws, L]``), so that the
-  trainer can split them by sample. The sampling policy and the reference are scored on every plan at rollout time
-  (``replay["epoch_old_logp"]``, ``["epoch_ref_logp"]``, ``[N, E, A]``; d1 does the same). The learner calls
-  :meth:`DLLMPlugin.start_inner_epoch` before each epoch; :meth:`DLLMPlugin.forward` rebuilds plan ``e`` of whatever
-  samples a micro-batch holds, scores the current policy with it and returns π_old and π_ref on that plan
-  (``PolicyOutput.old_logp`` / ``ref_logp``): within an epoch the ratio and the KL compare the policies on one draw
+  trainer can split them by sample. The reference is scored on every plan at rollout time
+  (``replay["epoch_ref_logp"]``, ``[N, E, A]``; d1 does the same). The learner calls
+  :meth:`DLLMPlugin.start_inner_epoch` before each epoch, and before its old-policy pass on that epoch's plan;
+  :meth:`DLLMPlugin.forward` rebuilds plan ``e`` of whatever samples a micro-batch holds, scores the current policy
+  with it and returns π_ref on that plan (``PolicyOutput.ref_logp``), and the core's old-policy pass scored π_old on
+  the same plan: within an epoch the ratio and the KL compare the policies on one draw
   (the ratio is exactly 1 on the first inner step, and ``est_θ − est_ref`` has the variance of a difference of
   antithetic estimates, VRPO, arXiv:2505.19223), while the gradient averages over E draws in the step. With
   ``redraw_masks: false`` one plan serves every epoch (one scoring pass). A new step draws new plans (new seeds).
@@ -52,7 +53,6 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-import mmrl.plugins.dllm.objectives  # noqa: F401 — registers the wd1 and spg losses before `algorithm` is validated
 from mmrl.config import ConfigError, config_field
 from mmrl.config.schema import bind_options
 from mmrl.plugin import (
@@ -204,12 +204,6 @@ class DLLMPluginConfig:
                                    ref="SPG: 1.5 GSM8K/MATH, 2.0 Countdown, 1.0 Sudoku")
     score_micro_batch: int | None = config_field(None, minimum=1, help="Masked rows per forward when scoring "
                                                  "(null: all at once).")
-    force_old_logp_pass: bool = config_field(
-        False, help="Score the sampling policy at rollout time even when the run does not need it (one inner epoch "
-        "and one mini-batch, where the core uses the detached training estimate: the same gradient without that "
-        "pass). For debugging and for the rollout/estimate_mean and rollout/eubo_minus_elbo metrics, which come "
-        "from that pass.",
-    )
 
     def validate(self, path: str) -> None:
         try:
@@ -342,33 +336,55 @@ class DLLMPlugin(Plugin):
             zeros = torch.zeros(n, actions, device=device)
             return Rollout(group_ids=batch.group_ids, old_logp=zeros, mask=zeros.clone(),
                            payload={"completions": texts}, replay=replay, metrics=metrics)
-        self._inner_epoch = 0  # the learner's first inner epoch uses plan 0 (and a recomputation of old_logp too)
+        self._inner_epoch = 0  # the learner selects each epoch's plan (start_inner_epoch) before scoring with it
         num_plans = self.num_plans()
         replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds, num_plans=num_plans))
-        olds, refs = [], []  # per plan, [N, A] each
+        refs = []  # per plan, [N, A] each
         with self.runtime.autocast():
-            if self.runtime.needs_old_logp or config.force_old_logp_pass:
-                olds = [self.score(self.adapter.scorer(module), replay, plan=e).float() for e in range(num_plans)]
             if self.runtime.needs_reference:
                 with self._reference_module(policy) as reference:
                     refs = [self.score(self.adapter.scorer(reference), replay, plan=e).float()
                             for e in range(num_plans)]
-        # Plan 0's scores are the rollout's; later epochs' are handed to the learner by forward() (PolicyOutput).
-        old_logp = olds[0] if olds else None  # [N, A]; None: the core substitutes the detached training estimate
-        ref_logp = refs[0] if refs else None
-        if num_plans > 1:
-            if olds:
-                replay["epoch_old_logp"] = torch.stack(olds, dim=1)  # [N, E, A]
-            if refs:
-                replay["epoch_ref_logp"] = torch.stack(refs, dim=1)
-        if old_logp is not None:
-            metrics["estimate_mean"] = float(self.sequence_estimates(old_logp).mean())
-            if config.objective == "spg":
-                metrics["eubo_minus_elbo"] = float((old_logp[:, 1] - old_logp[:, 0]).mean())
+        # Plan 0's reference scores are the rollout's; later epochs' are handed to the learner by forward().
+        ref_logp = refs[0] if refs else None  # [N, A]
+        if num_plans > 1 and refs:
+            replay["epoch_ref_logp"] = torch.stack(refs, dim=1)  # [N, E, A]
+        # old_logp None: when the run needs them, the core scores the sampling policy with forward() on each epoch's
+        # plan before the first update (redraws_per_epoch).
         return Rollout(
-            group_ids=batch.group_ids, old_logp=old_logp, mask=self.action_mask(real), payload={"completions": texts},
+            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(real), payload={"completions": texts},
             replay=replay, ref_logp=ref_logp, metrics=metrics,
         )
+
+    @property
+    def redraws_per_epoch(self) -> bool:
+        """True when each inner epoch has its own mask plan (:meth:`num_plans` > 1): the core then scores the
+        sampling policy on every epoch's plan."""
+        return self.num_plans() > 1
+
+    @classmethod
+    def check_config(cls, train_config: Any) -> None:
+        """Refuse an objective paired with another family's loss or advantage.
+
+        ``objective: spg`` returns ELBO and EUBO columns that only ``policy_loss: spg`` reads, and ``spg`` reads
+        nothing else; ``objective: wd1`` returns one sequence estimate for ``policy_loss: wd1``, which weights it
+        with ``advantage: wd1``'s group-softmax weights (weights that mean nothing to another loss); the ratio
+        losses (grpo, gspo, ...) need ``objective: grpo``'s token columns.
+        """
+        objective = train_config.plugin.config.objective
+        loss = train_config.algorithm.policy_loss.name
+        advantage = train_config.algorithm.advantage.name
+        paired = {"spg": "spg", "wd1": "wd1"}  # objective -> the loss that reads its columns (and the reverse)
+        if objective in paired and loss != paired[objective]:
+            raise ConfigError("algorithm.policy_loss.name", loss, f"{paired[objective]} with plugin.objective "
+                              f"{objective} (or set plugin.objective to match the loss)")
+        if objective not in paired and loss in paired:
+            raise ConfigError("algorithm.policy_loss.name", loss, "a ratio loss (grpo, gspo, ...) with "
+                              f"plugin.objective {objective}; {loss} needs plugin.objective {loss}")
+        if (loss == "wd1") != (advantage == "wd1"):
+            allowed = ("wd1 with policy_loss wd1 (its group-softmax weights)" if loss == "wd1"
+                       else f"an estimator other than wd1 with policy_loss {loss} (wd1's weights are not advantages)")
+            raise ConfigError("algorithm.advantage.name", advantage, allowed)
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""
@@ -385,13 +401,9 @@ class DLLMPlugin(Plugin):
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
                     ref_logp = self.score(self.adapter.scorer(reference), replay, plan=plan)
-        old_logp = None
-        if plan > 0:  # the sampling policy and the reference on this epoch's plan, scored at rollout time
-            old_logp = replay["epoch_old_logp"][:, plan] if "epoch_old_logp" in replay else None
-            if ref_logp is None and "epoch_ref_logp" in replay:
-                ref_logp = replay["epoch_ref_logp"][:, plan]
-        return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float(),
-                            old_logp=None if old_logp is None else old_logp.float())
+        if plan > 0 and ref_logp is None and "epoch_ref_logp" in replay:  # π_ref on this epoch's plan (rollout time)
+            ref_logp = replay["epoch_ref_logp"][:, plan]
+        return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float())
 
     # ------------------------------------------------------------------ building blocks
     def num_plans(self) -> int:
@@ -509,7 +521,7 @@ class DLLMPlugin(Plugin):
             → ``plan_masked`` bool ``[N, E, D, L]``, ``plan_weights`` float32 ``[N, E, D, L]`` and, with prompt
             masking, ``plan_prompt_masked`` bool ``[N, E, D, w]`` (``E`` plans of ``D`` draws).
         """
-        from mmrl.trainer.sampler import derive_seed
+        from mmrl.seeding import derive_seed
 
         width = prompt_ids.shape[1]
         masked, weights, prompt_masked = [], [], []

@@ -41,7 +41,7 @@ from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import StepPlan, default_window_range, trained_step_count
 from mmrl.plugins.flow.sde import SDEStepOutput, diffusion_coefficient, gaussian_kl_between_means, sde_step
 from mmrl.rollout import Rollout, RolloutError
-from mmrl.trainer.sampler import derive_seed
+from mmrl.seeding import derive_seed
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
 _SHARED_NOISE_TAG = 0x5A4E

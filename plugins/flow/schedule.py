@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmrl.trainer.sampler import derive_seed
+from mmrl.seeding import derive_seed
 
 STEP_SELECTIONS: tuple[str, ...] = ("fraction", "random", "window")
 

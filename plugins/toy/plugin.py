@@ -7,6 +7,9 @@ maps onto the rollout contract:
 - ``payload["completions"]`` holds the decoded text, scored by ``token_accuracy`` or ``exact_match`` against
   the row's ``"solution"``;
 - ``replay`` holds the prompt ids and sampled tokens, enough to recompute every log-prob;
+- ``old_logp`` comes from the sampling pass's own logits, scored by :meth:`ToyPlugin.forward`'s log-prob math: the
+  decoder computes them anyway, and the core then needs no old-policy pass (a plugin that cannot get them for free
+  returns None and the core computes them with ``forward`` when the run needs them);
 - each sample draws its Gumbel noise from its own seed, so a rollout does not depend on how samples are laid out
   over processes;
 - the reference policy is a frozen copy of the initial weights (full fine-tuning; LoRA plugins disable the

@@ -4,12 +4,10 @@ How it maps onto the rollout contract (docs/vlm.md has the long version):
 
 - an action is one completion token; A = the longest completion of the rollout (at most ``max_new_tokens``, which
   :meth:`VLMPlugin.max_actions` returns); the mask covers each completion up to and including its EOS;
-- ``old_logp`` comes from a teacher-forced pass after ``generate`` through the very function :meth:`forward` uses
-  (:meth:`VLMPlugin.token_logp`: the same collation, image tensors, temperature and selective log-softmax), not from
-  generate's scores, so the first inner step has ratio 1. When the run does not need them
-  (``Runtime.needs_old_logp`` False: μ = 1 and one mini-batch, so the samples train one optimizer step on the
-  weights that generated them) the pass is skipped and ``old_logp`` is None; the core then uses the detached
-  training log-probs, which is the same loss and gradient (``force_old_logp_pass`` keeps the pass);
+- ``old_logp`` is None, never generate's scores: when the run needs them (several optimizer steps per rollout) the
+  core computes them with :meth:`forward`, the teacher-forced pass of :meth:`VLMPlugin.token_logp` (the same
+  collation, image tensors, temperature and selective log-softmax as training), so the first inner step has ratio 1;
+  otherwise it uses the detached training log-probs, the same loss and gradient;
 - ``payload["completions"]`` holds the decoded completions (special tokens kept unless ``skip_special_tokens``:
   Qwen2-VL's box tokens are special tokens);
 - ``replay`` holds, per sample and as lists of tensors (prompts and images differ in size), the prompt token ids,
@@ -69,8 +67,8 @@ class VLMLoraConfig:
                                 ref="VLM-R1 LoRA runs: alpha = 128")
     dropout: float = config_field(
         0.0, minimum=0.0, maximum=0.99, help="LoRA dropout. Anything above 0 makes the training forward differ from "
-        "the rollout's old_logp pass (dropout is off while sampling), so where that pass runs (inner_epochs > 1, "
-        "minibatches > 1, force_old_logp_pass) the first-step ratio is no longer exactly 1.",
+        "the core's old-policy pass (run in eval mode, dropout off, as sampling), so where that pass runs "
+        "(inner_epochs > 1 or minibatches > 1) the first-step ratio is no longer exactly 1.",
     )
     target_modules: list[str] | None = config_field(
         None, help="Module-name suffixes to adapt. Null: the language model's q/k/v/o and gate/up/down projections. "
@@ -197,12 +195,6 @@ class VLMPluginConfig:
         256, minimum=1, help="Sequence positions per float32 chunk of the selective log-softmax (null: all at once).",
     )
     entropy: bool = config_field(True, help="Compute per-token entropy (logged; trains with algorithm.entropy_coef).")
-    force_old_logp_pass: bool = config_field(
-        False, help="Run the teacher-forced old_logp pass after generation even when the run does not need it (one "
-        "inner epoch and one mini-batch, where the core uses the detached training log-probs: the same gradient "
-        "without that forward). For debugging: loss/first_step_ratio_deviation then compares the rollout's "
-        "log-probs with the training forward's instead of being 0 by construction.",
-    )
 
     def validate(self, path: str) -> None:
         from mmrl.plugins.vlm.adapters import vlm_adapters
@@ -296,15 +288,12 @@ class VLMPlugin(Plugin):
                            payload={"completions": texts})
         num_actions = int(lengths.max())
         mask = (torch.arange(num_actions, device=lengths.device) < lengths.unsqueeze(1)).float()  # [n, A]
-        old_logp = None  # [n, A] when computed; the core substitutes the detached training log-probs otherwise
-        if self.runtime.needs_old_logp or self.config.force_old_logp_pass:
-            old_logp, _ = self.token_logp(model, prompts, completions, num_actions, with_entropy=False)
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
         replay["completion_ids"] = completions
         image_tokens = [float(p["image_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2 for p in prompts]
         return Rollout(
             group_ids=batch.group_ids,
-            old_logp=old_logp,
+            old_logp=None,  # the core's old-policy pass (forward) computes them when the run needs them
             mask=mask.to(self.runtime.device),
             payload={"completions": texts},
             replay=replay,
@@ -336,10 +325,11 @@ class VLMPlugin(Plugin):
                    width: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-prob (and entropy) of every completion token, teacher-forced: ``[n, width]`` float32 each.
 
-        The one function behind both ``old_logp`` (rollout) and the training forward. Samples are collated
-        (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.collate`); only the C positions that predict completion
-        tokens reach the LM head, which :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax` applies chunk by
-        chunk together with the tempered log-softmax (``fused_lm_head``; otherwise the model's logits go through
+        The one function behind the training forward and the core's old-policy pass (both through :meth:`forward`).
+        Samples are collated (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.collate`); only the C positions
+        that predict completion tokens reach the LM head, which
+        :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax` applies chunk by chunk together with the tempered
+        log-softmax (``fused_lm_head``; otherwise the model's logits go through
         :func:`~mmrl.plugins.vlm.logprobs.selective_log_softmax`). Columns past a sample's completion (and past C)
         are 0 (masked out).
         """
@@ -448,7 +438,7 @@ class VLMPlugin(Plugin):
         share its prefill), seeded from the batch's sample seeds (one seed for the call: HF sampling draws the whole
         batch from one RNG stream)."""
         from mmrl.plugins.vlm.adapters.base import _base_model
-        from mmrl.trainer.sampler import derive_seed
+        from mmrl.seeding import derive_seed
 
         generation_config = self.generation_config(batch.training)
         hf_model = _base_model(model)

@@ -6,12 +6,13 @@ depends only on its global index) and the per-step losses; the main process also
 to ``params.pt`` and the gradient of every optimizer step (as the optimizer saw it: reduced over processes, clipped)
 to ``gradients.pt``.
 
-    python tests/distributed/record_toy.py OUT_DIR [--drop-old-logp] [--config PATH] [key=value overrides...]
+    python tests/distributed/record_toy.py OUT_DIR [--plugin-old-logp] [--config PATH] [key=value overrides...]
 
 ``--config PATH`` starts from a shipped recipe (e.g. configs/toy.yaml) instead of the tests' small toy config.
 
-``--drop-old-logp`` makes the plugin return training rollouts with ``old_logp=None`` (allowed when the run's
-``Runtime.needs_old_logp`` is False), so that the learner substitutes the detached training log-probs.
+``--plugin-old-logp`` makes the plugin return training rollouts with their own ``old_logp`` (the sampling weights'
+log-probs through the forward's computation); the toy plugin leaves them out, and the learner then substitutes the
+detached training log-probs (one optimizer step per rollout) or computes them (several).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def constant_on_rank_1(batch):
 def main() -> None:
     out = Path(sys.argv[1])
     arguments = sys.argv[2:]
-    drop_old_logp = "--drop-old-logp" in arguments
-    arguments = [arg for arg in arguments if arg != "--drop-old-logp"]
+    plugin_old_logp = "--plugin-old-logp" in arguments
+    arguments = [arg for arg in arguments if arg != "--plugin-old-logp"]
     if "--config" in arguments:
         at = arguments.index("--config")
         recipe = arguments[at + 1]
@@ -62,8 +63,11 @@ def main() -> None:
     def recording_rollout(policy, batch):
         current_seeds.append(batch.seeds.clone())
         rollout = original_rollout(policy, batch)
-        if drop_old_logp and batch.training:
-            rollout.old_logp = None
+        if plugin_old_logp and batch.training:
+            plugin = trainer.plugin
+            with torch.no_grad():
+                rollout.old_logp, _ = plugin._token_logp(plugin.runtime.unwrap(policy), rollout.replay["prompt_ids"],
+                                                         rollout.replay["tokens"])
         return rollout
 
     def recording_credit(rollout, scores, valid):

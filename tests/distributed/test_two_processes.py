@@ -74,9 +74,9 @@ def test_two_processes_match_one(tmp_path, single, layout, config_file):
 
 @pytest.mark.slow
 def test_two_processes_without_old_logp_match_one_with_it(tmp_path, single):
-    """Runtime.needs_old_logp is False here (μ = 1, one mini-batch): two processes whose rollouts omit old_logp
-    (the learner uses the detached training log-probs) train like one process that computes them."""
-    double = _run(tmp_path, 2, *COMMON, "--drop-old-logp", "rollout.layout=contiguous")
+    """μ = 1, one mini-batch: two processes whose plugin computes old_logp train like one process whose rollouts
+    omit them (the toy's: the learner uses the detached training log-probs)."""
+    double = _run(tmp_path, 2, *COMMON, "--plugin-old-logp", "rollout.layout=contiguous")
     assert double["losses"] == pytest.approx(single["losses"], abs=1e-6)
     for name, tensor in single["params"].items():
         torch.testing.assert_close(double["params"][name], tensor, rtol=1e-5, atol=1e-6)

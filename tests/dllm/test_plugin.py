@@ -9,18 +9,30 @@ from mmrl.config import ConfigError, load_config
 from mmrl.plugin import PromptBatch, Runtime, plugin_registry
 from mmrl.plugins.dllm import toy
 from mmrl.rollout import Rollout
+from mmrl.trainer.learn import old_policy_pass
 
 torch.set_num_threads(1)
 
 
+# The algorithm each objective pairs with (DLLMPlugin.check_config refuses the others).
+PAIRED_ALGORITHM = {"wd1": {"policy_loss": "wd1", "advantage": "wd1"}, "spg": {"policy_loss": "spg"}}
+
+
 def _config(**plugin):
     data = {"plugin": {"name": "dllm", "train_size": 64, "eval_size": 16, **plugin},
+            "algorithm": PAIRED_ALGORITHM.get(plugin.get("objective"), {}),
             "rewards": {"functions": [{"name": "gsm8k_answer"}]}}
     return load_config(data).plugin.config
 
 
 def _plugin(runtime: Runtime | None = None, **plugin):
     return plugin_registry.get("dllm")(_config(**plugin), runtime or Runtime())
+
+
+def _scored(plugin, rollout, policy=None):
+    """The rollout with the old log-probs a training run uses: the dLLM plugin leaves them out and the core scores
+    them with the plugin's forward under no_grad (mmrl.trainer.learn.old_policy_pass)."""
+    return old_policy_pass(plugin, policy if policy is not None else plugin.policy(), rollout)
 
 
 def _batch(rows, seeds, training=True):
@@ -41,6 +53,8 @@ def rows(plugin):
 
 def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
     rollout = plugin.rollout(plugin.policy(), _batch(rows, list(range(100, 106)))).validate()
+    assert rollout.old_logp is None  # left to the core
+    rollout = _scored(plugin, rollout)
     n, g = len(rows), plugin.config.gen_length
     # grpo: one action per completion position, trained up to and including the first EOS.
     assert rollout.old_logp.shape == (n, g) and torch.equal(rollout.mask, rollout.replay["completion_mask"].float())
@@ -64,8 +78,9 @@ def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
 def test_a_sample_is_the_same_alone_or_in_a_batch_with_other_prompt_widths(plugin, rows):
     long_rows = [r for r in plugin.dataset("train") if len(r["prompt"]) == 6][:2]
     short_row = next(r for r in plugin.dataset("train") if len(r["prompt"]) == 4)
-    together = plugin.rollout(plugin.policy(), _batch([*long_rows, short_row, short_row], [1, 2, 3, 4]))
-    alone = plugin.rollout(plugin.policy(), _batch([short_row, short_row], [3, 4]))
+    together = _scored(plugin, plugin.rollout(plugin.policy(),
+                                              _batch([*long_rows, short_row, short_row], [1, 2, 3, 4])))
+    alone = _scored(plugin, plugin.rollout(plugin.policy(), _batch([short_row, short_row], [3, 4])))
     assert together.replay["prompt_ids"].shape[1] == 6 and alone.replay["prompt_ids"].shape[1] == 4
     for key in ("completion_ids", "completion_mask", "plan_masked", "plan_weights"):
         assert torch.equal(together.replay[key][2:], alone.replay[key]), key
@@ -82,7 +97,7 @@ def test_one_step_gives_d1_per_token_log_probs(rows):
     # Independent formula (d1's _get_per_token_logps): every completion position masked, one forward, the log-softmax
     # of each real token; the token columns hold them, zero after the first EOS.
     plugin = _plugin(estimator="one_step")
-    rollout = plugin.rollout(plugin.policy(), _batch(rows[:4], [5, 6, 7, 8]))
+    rollout = _scored(plugin, plugin.rollout(plugin.policy(), _batch(rows[:4], [5, 6, 7, 8])))
     prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
     real = rollout.replay["completion_mask"].bool()
     inputs = torch.cat([prompt, torch.full_like(completion, plugin.adapter.mask_id)], dim=1)
@@ -97,19 +112,19 @@ def test_one_step_gives_d1_per_token_log_probs(rows):
 def test_elbo_columns_spread_the_estimate_and_spg_returns_both_bounds(rows):
     grpo = _plugin(estimator="coupled", num_mc_samples=2)
     wd1 = _plugin(objective="wd1", estimator="coupled", num_mc_samples=2)
-    a = grpo.rollout(grpo.policy(), _batch(rows[:4], [1, 2, 3, 4]))
-    b = wd1.rollout(wd1.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    a = _scored(grpo, grpo.rollout(grpo.policy(), _batch(rows[:4], [1, 2, 3, 4])))
+    b = _scored(wd1, wd1.rollout(wd1.policy(), _batch(rows[:4], [1, 2, 3, 4])))
     real = a.replay["completion_mask"].float()
     sequence = b.old_logp[:, 0]  # wd1: the sequence estimate (same seeds, same plans)
     torch.testing.assert_close(a.old_logp, real * (sequence / real.sum(1)).unsqueeze(1), rtol=0, atol=1e-6)
     assert grpo.max_actions() == grpo.config.gen_length and wd1.max_actions() == 1
     # With one draw of weight 1 per token the EUBO is (1/β)·log p^β = log p per token: both columns agree.
     spg = _plugin(objective="spg", estimator="one_step")
-    c = spg.rollout(spg.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    c = _scored(spg, spg.rollout(spg.policy(), _batch(rows[:4], [1, 2, 3, 4])))
     assert c.old_logp.shape == (4, 2) and spg.max_actions() == 2
     assert torch.allclose(c.old_logp[:, 0], c.old_logp[:, 1], atol=1e-5)
     d = _plugin(objective="spg", num_mc_samples=6)
-    e = d.rollout(d.policy(), _batch(rows[:4], [1, 2, 3, 4]))
+    e = _scored(d, d.rollout(d.policy(), _batch(rows[:4], [1, 2, 3, 4])))
     assert not torch.allclose(e.old_logp[:, 0], e.old_logp[:, 1])
     assert torch.equal(d.forward(d.policy(), e, need_reference=False).logp, e.old_logp)
 
@@ -117,7 +132,7 @@ def test_elbo_columns_spread_the_estimate_and_spg_returns_both_bounds(rows):
 def test_reference_is_scored_with_the_same_plan():
     full = _plugin(runtime=Runtime(needs_reference=True))
     rows = full.dataset("train")[:4]
-    rollout = full.rollout(full.policy(), _batch(rows, [1, 2, 3, 4]))
+    rollout = _scored(full, full.rollout(full.policy(), _batch(rows, [1, 2, 3, 4])))
     assert torch.equal(rollout.ref_logp, rollout.old_logp)  # the frozen copy equals the policy at the start
     with torch.no_grad():
         for p in full.policy().parameters():
@@ -138,7 +153,7 @@ def test_lora_trains_the_adapter_only_and_its_reference_is_the_adapter_off_model
         for name, p in lora.policy().named_parameters():
             if "lora_B" in name:
                 p.add_(0.05)
-    rollout = lora.rollout(lora.policy(), _batch(rows, [1, 2, 3, 4]))
+    rollout = _scored(lora, lora.rollout(lora.policy(), _batch(rows, [1, 2, 3, 4])))
     base = _plugin()  # the checkpoint without any adapter scores the stored completions with the stored plans
     assert torch.allclose(rollout.ref_logp, base.forward(base.policy(), rollout, need_reference=False).logp,
                           atol=1e-6)

@@ -14,6 +14,7 @@ from mmrl.algos.aggregation import aggregate
 from mmrl.algos.policy_losses import policy_losses
 from mmrl.config import load_config
 from mmrl.plugin import PromptBatch, Runtime, plugin_registry
+from mmrl.trainer.learn import old_policy_pass
 
 torch.set_num_threads(1)
 
@@ -22,6 +23,12 @@ def _plugin(runtime: Runtime | None = None, **plugin):
     data = {"plugin": {"name": "dllm", "train_size": 64, "eval_size": 16, **plugin},
             "rewards": {"functions": [{"name": "gsm8k_answer"}]}}
     return plugin_registry.get("dllm")(load_config(data).plugin.config, runtime or Runtime())
+
+
+def _scored(plugin, rollout, policy=None):
+    """The rollout with the old log-probs a training run uses: the dLLM plugin leaves them out and the core scores
+    them with the plugin's forward under no_grad (mmrl.trainer.learn.old_policy_pass)."""
+    return old_policy_pass(plugin, policy if policy is not None else plugin.policy(), rollout)
 
 
 def _batch(rows, seeds):
@@ -39,7 +46,7 @@ def test_length_weighting_follows_the_aggregation():
     −A_i/(S·G) (seq_mean_token_sum_norm: Dr.GRPO's constant), S the sequences and L_i the real tokens of each."""
     plugin = _plugin(estimator="coupled", num_mc_samples=2)
     policy = plugin.policy()
-    rollout = plugin.rollout(policy, _batch(_rows(plugin, 8), list(range(20, 28))))
+    rollout = _scored(plugin, plugin.rollout(policy, _batch(_rows(plugin, 8), list(range(20, 28)))), policy)
     lengths = rollout.mask.sum(1).double()
     assert len(set(lengths.tolist())) > 1  # completions of different lengths, or the modes would agree
     advantages = torch.linspace(-1.0, 1.2, len(lengths))
@@ -60,7 +67,7 @@ def test_length_weighting_follows_the_aggregation():
 def test_one_step_ratio_is_per_token_and_elbo_ratios_are_per_sequence():
     for estimator, options in (("one_step", {}), ("coupled", {"num_mc_samples": 2})):
         plugin = _plugin(estimator=estimator, **options)
-        rollout = plugin.rollout(plugin.policy(), _batch(_rows(plugin, 6), [1, 2, 3, 4, 5, 6]))
+        rollout = _scored(plugin, plugin.rollout(plugin.policy(), _batch(_rows(plugin, 6), [1, 2, 3, 4, 5, 6])))
         moved = copy.deepcopy(plugin.policy())
         with torch.no_grad():
             for p in moved.parameters():
@@ -100,7 +107,8 @@ def test_llada_recipe_uses_d1_per_token_numbers():
 
 def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_reference():
     """μ = 3, one_step with prompt masking (d1/wd1 redraw the prompt masks every inner iteration): three plans per
-    sample; epoch e's forward scores plan e, and hands back π_old and π_ref on plan e (scored at rollout time)."""
+    sample; epoch e's forward scores plan e and hands back π_ref on plan e (scored at rollout time); π_old is the
+    core's (the rollout leaves it out, and the plugin declares redraws_per_epoch so the core scores every plan)."""
     plugin = _plugin(Runtime(needs_reference=True, inner_epochs=3), estimator="one_step", num_mc_samples=1,
                      estimator_options={"p_mask_prompt": 0.5})
     policy = plugin.policy()
@@ -108,7 +116,8 @@ def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_referenc
     rollout = plugin.rollout(policy, _batch(rows, [11, 12, 13, 14, 15, 16]))
     replay = rollout.replay
     prompt_masks = replay["plan_prompt_masked"]  # [N, 3, 1, w]
-    assert prompt_masks.shape[:3] == (6, 3, 1) and replay["epoch_old_logp"].shape == (6, 3, plugin.max_actions())
+    assert prompt_masks.shape[:3] == (6, 3, 1) and replay["epoch_ref_logp"].shape == (6, 3, plugin.max_actions())
+    assert rollout.old_logp is None and "epoch_old_logp" not in replay and plugin.redraws_per_epoch
     assert not torch.equal(prompt_masks[:, 0], prompt_masks[:, 1]) and not torch.equal(prompt_masks[:, 1],
                                                                                        prompt_masks[:, 2])
     # Plan 0 is the plan a single-plan run draws from the same seeds.
@@ -127,11 +136,9 @@ def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_referenc
             logits = plugin.adapter.logits(plugin.model, inputs)[:, prompt.shape[1]:]
         expected = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(out.logp.detach(), torch.where(real, expected, 0.0), rtol=0, atol=1e-5)
-        old = rollout.old_logp if epoch == 0 else out.old_logp  # epoch 0: the rollout's own
-        ref = rollout.ref_logp if epoch == 0 else out.ref_logp
-        assert torch.equal(old, replay["epoch_old_logp"][:, epoch]) and torch.equal(ref, replay["epoch_ref_logp"][:,
-                                                                                                                  epoch])
-        torch.testing.assert_close(out.logp.detach(), old, rtol=0, atol=1e-6)  # unchanged weights: ratio 1
+        ref = rollout.ref_logp if epoch == 0 else out.ref_logp  # epoch 0: the rollout's own
+        assert torch.equal(ref, replay["epoch_ref_logp"][:, epoch])
+        torch.testing.assert_close(out.logp.detach(), ref, rtol=0, atol=1e-6)  # no training yet: the reference
     with pytest.raises(RuntimeError, match="inner epoch 3"):
         plugin.start_inner_epoch(3)
         plugin.forward(policy, rollout, need_reference=False)
@@ -139,7 +146,7 @@ def test_plans_are_redrawn_per_inner_epoch_and_shared_by_policy_old_and_referenc
     for options in ({"redraw_masks": False, "estimator_options": {"p_mask_prompt": 0.5}}, {}):
         once = _plugin(Runtime(inner_epochs=3), estimator="one_step", num_mc_samples=1, **options)
         kept = once.rollout(once.policy(), _batch(rows[:2], [1, 2]))
-        assert kept.replay["plan_masked"].shape[1] == 1 and "epoch_old_logp" not in kept.replay
+        assert kept.replay["plan_masked"].shape[1] == 1 and not once.redraws_per_epoch
 
 
 def test_classifier_free_guidance_is_applied_when_scoring():
@@ -149,7 +156,7 @@ def test_classifier_free_guidance_is_applied_when_scoring():
     scale = 1.5
     plugin = _plugin(Runtime(needs_reference=True), estimator="one_step", cfg_scale=scale)
     policy = plugin.policy()
-    rollout = plugin.rollout(policy, _batch(_rows(plugin, 4), [3, 4, 5, 6]))
+    rollout = _scored(plugin, plugin.rollout(policy, _batch(_rows(plugin, 4), [3, 4, 5, 6])), policy)
     prompt, completion = rollout.replay["prompt_ids"], rollout.replay["completion_ids"]
     real = rollout.replay["completion_mask"].bool()
     mask_id, pad_id = plugin.adapter.mask_id, plugin.adapter.pad_id

@@ -33,16 +33,15 @@ def _train(tmp_path, *overrides: str):
     return trainer, result, changed
 
 
-def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path):
-    # One inner epoch: each step's single update happens after the loss is computed, so the KL of step 1 is 0. The
-    # rollout's scoring pass is forced (the run does not need it) so that the ratio compares it with the training one.
-    trainer, result, changed = _train(tmp_path, "algorithm.kl_coef=0.04", "algorithm.inner_epochs=1",
-                                      "plugin.force_old_logp_pass=true")
+def test_two_grpo_steps_with_kl_train_and_save(tmp_path):
+    # One inner epoch: each step's single update happens after the loss is computed, so the KL of step 1 is 0, and the
+    # old policy is the training forward itself (ratio exactly 1: no old-policy pass).
+    trainer, result, changed = _train(tmp_path, "algorithm.kl_coef=0.04", "algorithm.inner_epochs=1")
     history = result.history
     assert [record["step"] for record in history] == [1, 2]
     for record in history:
-        assert record["loss/first_step_ratio_deviation"] < 1e-5
-        assert "reward/gsm8k_answer_mean" in record and "rollout/estimate_mean" in record
+        assert record["loss/first_step_ratio_deviation"] == 0.0
+        assert "reward/gsm8k_answer_mean" in record
     assert history[0]["policy/kl"] == pytest.approx(0.0, abs=1e-7)  # the reference is the policy at step 1
     assert history[1]["policy/kl"] > 0
     assert changed  # the weights moved
@@ -51,34 +50,79 @@ def test_two_grpo_steps_with_kl_have_ratio_one_on_the_first_inner_step(tmp_path)
     assert len(samples) == 4 and "output" in json.loads(samples[0])
 
 
+def _with_old_logp(trainer):
+    """Make the dLLM plugin's training rollouts carry the sampling policy's estimates on plan 0, scored by the plugin
+    itself (it leaves them to the core)."""
+    plugin, original = trainer.plugin, trainer.plugin.rollout
+
+    def rollout(policy, batch):
+        result = original(policy, batch)
+        if batch.training:
+            assert result.old_logp is None
+            with torch.no_grad(), plugin.runtime.autocast():
+                result.old_logp = plugin.score(plugin.adapter.scorer(plugin.runtime.unwrap(policy)), result.replay,
+                                               plan=0).float()
+        return result
+
+    trainer.plugin.rollout = rollout
+    return trainer
+
+
 def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_same(tmp_path):
-    """μ = 1, one mini-batch: the rollout scores nothing (old_logp None; the core uses the detached training estimate)
-    and every optimizer step gets the gradient of a run whose rollouts are scored; with μ = 2 the pass runs again.
-    Gradients are compared, not parameters after AdamW (see tests.helpers.record_gradients: BERT's key biases)."""
+    """μ = 1, one mini-batch: nobody scores the sampling policy (old_logp None; the core uses the detached training
+    estimate) and every optimizer step gets the gradient of a run whose rollouts carry scored estimates; with μ = 2
+    the core's old-policy pass scores π_old on each epoch's mask plan before the first update, and the first inner
+    step's ratio is 1. Gradients are compared, not parameters after AdamW (see tests.helpers.record_gradients:
+    BERT's key biases)."""
     runs = {}
-    for name, overrides in (("fast", ["algorithm.inner_epochs=1"]),
-                            ("forced", ["algorithm.inner_epochs=1", "plugin.force_old_logp_pass=true"]),
+    for name, overrides in (("fast", ["algorithm.inner_epochs=1"]), ("scored", ["algorithm.inner_epochs=1"]),
                             ("epochs", ["algorithm.inner_epochs=2"])):
         trainer = Trainer(load_config(BASE, [f"run.output_dir={tmp_path / name}", "eval.every=0", *overrides]))
+        if name == "scored":
+            _with_old_logp(trainer)
         gradients = record_gradients(trainer, trainer.plugin.policy())
         calls = record_calls(trainer.plugin, "score")
         result = trainer.train()
         runs[name] = (trainer, calls, result, gradients)
     fast, fast_calls, fast_result, fast_gradients = runs["fast"]
-    forced, forced_calls, forced_result, forced_gradients = runs["forced"]
-    assert fast.runtime.needs_old_logp is False and runs["epochs"][0].runtime.needs_old_logp is True
+    scored, scored_calls, scored_result, scored_gradients = runs["scored"]
+    assert fast.plugin.redraws_per_epoch is False and runs["epochs"][0].plugin.redraws_per_epoch is True
     # 2 steps x 16 samples in micro-batches of 8: two training forwards per step; the scoring pass, one per rollout.
     assert fast_calls == [True] * 4
-    assert sorted(forced_calls) == [False, False, True, True, True, True]
+    assert sorted(scored_calls) == [False, False, True, True, True, True]
     assert runs["epochs"][1].count(False) == 4  # μ = 2: π_old scored on each epoch's mask plan, two per rollout
-    assert "rollout/estimate_mean" not in fast_result.history[0] and "rollout/estimate_mean" in forced_result.history[0]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in runs["epochs"][2].history)
     assert all(record["loss/first_step_ratio_deviation"] == 0.0 for record in fast_result.history)
-    assert len(fast_gradients) == len(forced_gradients) == 2 and fast_gradients[0].keys() == forced_gradients[0].keys()
-    for step, (got, expected) in enumerate(zip(fast_gradients, forced_gradients, strict=True)):
+    assert len(fast_gradients) == len(scored_gradients) == 2 and fast_gradients[0].keys() == scored_gradients[0].keys()
+    for step, (got, expected) in enumerate(zip(fast_gradients, scored_gradients, strict=True)):
         assert any(g.abs().max() > 1e-4 for g in expected.values())  # a real gradient, not only rounding noise
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
-    assert [r["reward/mean"] for r in fast_result.history] == [r["reward/mean"] for r in forced_result.history]
+    assert [r["reward/mean"] for r in fast_result.history] == [r["reward/mean"] for r in scored_result.history]
+
+
+def test_objectives_refuse_another_familys_loss_when_the_config_loads(tmp_path):
+    """plugin.objective and algorithm.policy_loss / advantage are checked together (DLLMPlugin.check_config), in one
+    line naming the key, before any model is built."""
+    from mmrl.config import ConfigError
+
+    cases = [
+        (["plugin.objective=spg"], "algorithm.policy_loss.name", "spg with plugin.objective spg"),
+        (["plugin.objective=wd1", "algorithm.advantage=wd1"], "algorithm.policy_loss.name", "wd1 with plugin"),
+        (["algorithm.policy_loss=spg", "algorithm.advantage=dr_grpo"], "algorithm.policy_loss.name",
+         "spg needs plugin.objective spg"),
+        (["plugin.objective=wd1", "algorithm.policy_loss=wd1"], "algorithm.advantage.name", "wd1 with policy_loss wd1"),
+        (["algorithm.advantage=wd1"], "algorithm.advantage.name", "other than wd1 with policy_loss grpo"),
+    ]
+    for overrides, key, allowed in cases:
+        with pytest.raises(ConfigError, match=allowed) as raised:
+            load_config(BASE, [f"run.output_dir={tmp_path}", *overrides])
+        assert raised.value.key == key and "\n" not in str(raised.value), overrides
+    # The pairs the docs name load.
+    load_config(BASE, [f"run.output_dir={tmp_path}", "plugin.objective=spg", "algorithm.policy_loss=spg",
+                       "algorithm.advantage=dr_grpo"])
+    load_config(BASE, [f"run.output_dir={tmp_path}", "plugin.objective=wd1", "algorithm.policy_loss=wd1",
+                       "algorithm.advantage=wd1"])
 
 
 def test_wd1_and_spg_objectives_train(tmp_path):

@@ -14,14 +14,21 @@ from mmrl.config.schema import from_dict
 from mmrl.plugin import Runtime
 from mmrl.plugins.vlm.plugin import VLMPluginConfig, completion_lengths, replay_prompts
 from mmrl.rollout import Rollout
+from mmrl.trainer.learn import old_policy_pass
 from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
 
 PROMPTS, GROUP = 3, 2
 
 
 def _rollout(plugin, seed=0, rows=None, group=GROUP, training=True):
+    """A rollout; a training one with the old log-probs a run with several optimizer steps per rollout trains on:
+    the plugin leaves them out and the core computes them with its forward under no_grad (``old_policy_pass``)."""
     rows = plugin.dataset("train")[:PROMPTS] if rows is None else rows
-    return plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=seed, training=training))
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=seed, training=training))
+    if not training:
+        return rollout
+    assert rollout.old_logp is None
+    return old_policy_pass(plugin, plugin.policy(), rollout)
 
 
 def _ratio_deviation(logp, old_logp, mask):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmrl.config import load_config, to_dict
+from mmrl.plugins.vlm.plugin import replay_prompts
 from mmrl.reward import RewardError, RewardInput, reward_functions
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import list_checkpoints
@@ -81,9 +82,9 @@ def test_two_grpo_steps_with_lora(tmp_path, tiny_models, family):
 
 def test_full_finetuning_trains_the_language_model_only(tmp_path, tiny_models):
     """lora: null with freeze_vision: the language model moves, the vision tower does not; the KL reference is a
-    frozen copy kept because kl_coef > 0; the checkpoint holds exactly the trainable weights. The old_logp pass is
-    forced so that the first-step ratio check compares the rollout's log-probs with the training forward's."""
-    trainer = Trainer(_config(tmp_path, tiny_models["qwen2_vl"], "qwen2_vl", lora=None, force_old_logp_pass=True))
+    frozen copy kept because kl_coef > 0; the checkpoint holds exactly the trainable weights. The rollouts carry the
+    plugin's own old log-probs so that the first-step ratio check compares them with the training forward's."""
+    trainer = _with_old_logp(Trainer(_config(tmp_path, tiny_models["qwen2_vl"], "qwen2_vl", lora=None)))
     plugin = trainer.plugin
     assert plugin._reference is not None
     before = _snapshot(plugin.model)
@@ -162,6 +163,25 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
     assert "eval/iou_mean" in result.evaluations[1]
 
 
+def _with_old_logp(trainer):
+    """Make the plugin's training rollouts carry old log-probs from a teacher-forced pass inside rollout() (the vlm
+    plugin leaves them to the core), through the very function the training forward uses."""
+    plugin, original = trainer.plugin, trainer.plugin.rollout
+
+    def rollout(policy, batch):
+        result = original(policy, batch)
+        if batch.training:
+            assert result.old_logp is None
+            with torch.no_grad():
+                result.old_logp, _ = plugin.token_logp(plugin.runtime.unwrap(policy), replay_prompts(result.replay),
+                                                       result.replay["completion_ids"], result.num_actions,
+                                                       with_entropy=False)
+        return result
+
+    plugin.rollout = rollout
+    return trainer
+
+
 def _count_rollout_passes(trainer):
     """Wrap the plugin so that ``counts["rollout"]`` counts teacher-forced passes made inside rollout() (old_logp)
     and ``counts["other"]`` those made elsewhere (KL reference, training forward)."""
@@ -184,19 +204,19 @@ def _count_rollout_passes(trainer):
 
 
 def test_one_optimizer_step_per_rollout_skips_the_old_logp_pass(tmp_path, tiny_models):
-    """μ = 1, one mini-batch: the rollout runs no teacher-forced pass (old_logp=None, the core uses the detached
-    training log-probs) and every optimizer step gets the gradient it gets with the pass forced; with μ = 2 the pass
-    runs again. Gradients are compared, not parameters after AdamW (see tests.helpers.record_gradients)."""
+    """μ = 1, one mini-batch: nobody runs a teacher-forced old-policy pass (old_logp=None, the core uses the detached
+    training log-probs) and every optimizer step gets the gradient it gets with old log-probs from such a pass; with
+    μ = 2 the core runs that pass itself, once per rollout chunk. Gradients are compared, not parameters after AdamW
+    (see tests.helpers.record_gradients)."""
     family, model = "qwen2_5_vl", tiny_models["qwen2_5_vl"]
     fast = Trainer(_config(tmp_path / "fast", model, family))
-    assert fast.runtime.needs_old_logp is False
     fast_counts = _count_rollout_passes(fast)
     fast_gradients = record_gradients(fast, fast.plugin.model)
     fast_result = fast.train()
     # 2 steps x 6 samples in micro-batches of 4: the reference and the training forward run twice per step each.
     assert fast_counts == {"rollout": 0, "other": 8}
     assert all(r["loss/first_step_ratio_deviation"] == 0.0 for r in fast_result.history)
-    forced = Trainer(_config(tmp_path / "forced", model, family, force_old_logp_pass=True))
+    forced = _with_old_logp(Trainer(_config(tmp_path / "forced", model, family)))
     forced_counts = _count_rollout_passes(forced)
     forced_gradients = record_gradients(forced, forced.plugin.model)
     forced_result = forced.train()
@@ -209,7 +229,9 @@ def test_one_optimizer_step_per_rollout_skips_the_old_logp_pass(tmp_path, tiny_m
             torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
     assert [r["reward/mean"] for r in fast_result.history] == [r["reward/mean"] for r in forced_result.history]
     epochs = Trainer(load_config(to_dict(_config(tmp_path / "epochs", model, family)), ["algorithm.inner_epochs=2"]))
-    assert epochs.runtime.needs_old_logp is True
     epochs_counts = _count_rollout_passes(epochs)
-    epochs.train()
-    assert epochs_counts["rollout"] == 4
+    epochs_result = epochs.train()
+    # Per step: the core's old-policy pass in rollout chunks of 4 (2 passes), then μ = 2 epochs of 2 micro-batches,
+    # each with the reference and the training forward (8 passes); none inside rollout().
+    assert epochs_counts == {"rollout": 0, "other": 20}
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in epochs_result.history)

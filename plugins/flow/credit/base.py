@@ -84,8 +84,9 @@ class CreditStrategy:
 
     # ------------------------------------------------------------------ credit
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
-        """Per-action rewards ``[N, A]`` (the ``Plugin.action_rewards`` hook), or None for one advantage per sample."""
-        return rollout.action_rewards
+        """Per-action rewards ``[N, A]`` (the ``Plugin.action_rewards`` hook), or None (the default) for one advantage
+        per sample."""
+        return None
 
     def forward_check(self, actions: Tensor | None) -> None:
         """Called by ``FlowPlugin.forward``; a strategy refuses settings it cannot honour there."""

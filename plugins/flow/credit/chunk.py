@@ -56,7 +56,7 @@ from mmrl.config import ConfigError
 from mmrl.plugins.flow.credit.base import CreditStrategy
 from mmrl.plugins.flow.credit.step import step_plan
 from mmrl.rollout import Rollout, RolloutError
-from mmrl.trainer.sampler import derive_seed
+from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mmrl.plugins.flow.sde import SDEStepOutput
-from mmrl.trainer.sampler import derive_seed
+from mmrl.seeding import derive_seed
 
 _NODE_NOISE_TAG = 0x7E3B
 

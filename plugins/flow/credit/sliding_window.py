@@ -41,7 +41,7 @@ from mmrl.plugins.flow.credit.base import CreditStrategy
 from mmrl.plugins.flow.credit.solvers import tail_grid
 from mmrl.plugins.flow.schedule import StepPlan
 from mmrl.rollout import Rollout
-from mmrl.trainer.sampler import derive_seed
+from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
