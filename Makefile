@@ -8,6 +8,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+# Every modality's extra (the demo needs mmrl[flow], the test suite all of them) and the test tools.
+EXTRAS ?= all,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)

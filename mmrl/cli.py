@@ -21,9 +21,11 @@ import sys
 from collections.abc import Sequence
 
 from mmrl.config import ConfigError
+from mmrl.extras import MissingExtraError
 from mmrl.registry import RegistryError
 
-USAGE_ERRORS = (ConfigError, RegistryError)
+# A missing extra is a usage error too: the one line names the pip install command.
+USAGE_ERRORS = (ConfigError, RegistryError, MissingExtraError)
 TRACEBACK_HELP = "Show the full traceback of config and input errors instead of one line (also: MMRL_TRACEBACK=1)."
 
 
@@ -208,6 +210,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _serve_rewards(args: argparse.Namespace) -> int:
+    from mmrl.extras import require_extra
+    require_extra("serve", "mmrl serve-rewards")
     from mmrl.rewards.server import ServerLimits, serve, server_token
 
     limits = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in SERVE_LIMIT_FLAGS}

@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from mmrl.extras import require_extra
 from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput
 from mmrl.rewards.images import ImageBatch, clip_pixels, read_images
@@ -212,6 +213,7 @@ class OpenClip:
 
     def __init__(self, reward: str, model: str, pretrained: str | None, device: torch.device,
                  checkpoint: str | None = None, option: str = "pretrained", how: str | None = None):
+        require_extra("image-rewards", f"reward {reward!r}", ["open_clip"])
         import open_clip
 
         self.reward = reward
@@ -589,6 +591,7 @@ class PickScore(_TextImageReward):
             batch_size: Images per forward pass.
             device: Where the model runs (null: cuda when available, else cpu).
         """
+        require_extra("image-rewards", f"reward {self.name!r}", ["transformers", "PIL"])
         from transformers import AutoProcessor, CLIPModel
 
         _check_positive(self.name, divisor=divisor, batch_size=batch_size)
@@ -646,6 +649,7 @@ class JpegCompressibility(_ImageReward):
             divisor: The size in kB is divided by this.
             output: Payload entry holding the images.
         """
+        require_extra("image-rewards", f"reward {self.name!r}", ["PIL"])  # the JPEG encoder
         if not 1 <= quality <= 100:
             raise RewardError(f"reward {self.name!r}: quality must be in 1..100, got {quality!r}")
         _check_positive(self.name, divisor=divisor)

@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
 from mmrl.config.schema import bind_options
+from mmrl.extras import require_extra
 from mmrl.plugin import (
     PEFT_ADAPTER_WEIGHTS,
     Plugin,
@@ -271,6 +272,7 @@ class DLLMPlugin(Plugin):
     config_class = DLLMPluginConfig
 
     def __init__(self, config: DLLMPluginConfig, runtime: Runtime):
+        require_extra("dllm", "plugin 'dllm'")  # one line naming mmrl[dllm] instead of an import traceback
         super().__init__(config, runtime)
         model_path = config.model if config.model is not None else str(toy.ASSETS)
         adapter_class = adapter_for(model_path) if config.adapter == "auto" else dllm_adapters.get(config.adapter)

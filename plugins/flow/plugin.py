@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
+from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, load_adapter_state
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import StepPlan, default_window_range, trained_step_count
@@ -249,6 +250,7 @@ class FlowPlugin(Plugin):
     supports_action_chunks = True
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
+        require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback
         super().__init__(config, runtime)
         self.adapter = _adapter_class(config).from_pretrained(config.model, dtype=runtime.dtype,
                                                               device=runtime.device)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
+from mmrl.extras import require_extra
 from mmrl.plugin import (
     PEFT_ADAPTER_WEIGHTS,
     Plugin,
@@ -219,6 +220,9 @@ class VLMPlugin(Plugin):
     config_class = VLMPluginConfig
 
     def __init__(self, config: VLMPluginConfig, runtime: Runtime):
+        # One line naming mmrl[vlm] instead of an import traceback; qwen_vl_utils (and the torchvision it needs) is
+        # optional: the adapters fall back to a built-in equivalent of process_vision_info.
+        require_extra("vlm", "plugin 'vlm'", ["transformers", "peft", "PIL"])
         super().__init__(config, runtime)
         from mmrl.plugins.vlm.adapters import adapter_for
 
