@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from mmrl.config import ConfigError
 from mmrl.extras import MissingExtraError
@@ -100,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="e.g. run.resume=latest to evaluate the newest checkpoint.")
     evaluate.set_defaults(handler=_eval)
 
-    listing = commands.add_parser("list", help="Show every registry: algorithms, plugins, rewards.")
+    listing = commands.add_parser("list", help="Show every registry: algorithms, plugins, rewards, and each plugin's "
+                                               "own (model adapters, credit strategies, estimators, fixed choices).")
     listing.add_argument("--options", action="store_true", help="Also show each entry's options and defaults.")
     listing.set_defaults(handler=_list)
 
@@ -174,7 +176,8 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-# (title, "module:attribute", show descriptions). Plugin-level registries are imported only when listed.
+# The core's registries: (title, "module:attribute", show descriptions). The plugins' own registries come from the
+# entry-point group mmrl.registries (mmrl.registry.REGISTRY_GROUP), the built-in plugins' and a third party's alike.
 REGISTRIES = [
     ("advantage_estimators", "mmrl.algos:advantage_estimators", True),
     ("policy_losses", "mmrl.algos:policy_losses", True),
@@ -183,34 +186,79 @@ REGISTRIES = [
     ("plugins", "mmrl.plugin:plugin_registry", False),
     ("reward_functions", "mmrl.rewards:reward_functions", False),
     ("pairwise_judges (reward pref_winrate)", "mmrl.rewards.preference:pairwise_judges", True),
-    ("likelihood_estimators (plugin dllm)", "mmrl.plugins.dllm.estimators:likelihood_estimators", True),
 ]
+
+
+def plugin_registries() -> list[tuple[str, Any]]:
+    """The plugins' own registries, as ``mmrl list`` shows them: ``(title, entry point)`` sorted by the entry point's
+    name (``plugin.registry``), the title ``"registry (plugin NAME)"``. Loading an entry point imports the module
+    that defines the registry (which may need the plugin's extra)."""
+    from importlib import metadata
+
+    from mmrl.registry import REGISTRY_GROUP
+
+    found = []
+    for entry_point in sorted(metadata.entry_points(group=REGISTRY_GROUP), key=lambda ep: ep.name):
+        plugin, _, name = entry_point.name.partition(".")
+        found.append((f"{name or plugin} (plugin {plugin})", entry_point))
+    return found
 
 
 def _list(args: argparse.Namespace) -> int:
     import importlib
 
-    from mmrl.config.schema import option_kind
-
     for title, location, describe in REGISTRIES:
         module_name, attribute = location.split(":")
-        registry = getattr(importlib.import_module(module_name), attribute)
-        print(f"{title}:")
-        for name in registry.names():
-            line = f"  {name}"
-            if describe:
-                line += f"  — {registry.describe(name)}"
-            print(line)
-            if args.options:
-                for option in registry.options(name):
-                    default = "(required)" if option.required else repr(option.default)
-                    kind = option_kind(option)  # the type and declared range: "float, in [0, 1)"
-                    print(f"      {option.name} = {default}  " + (f"({kind})  " if kind else "") + option.help)
+        _print_registry(title, getattr(importlib.import_module(module_name), attribute), describe, args.options)
+    for title, entry_point in plugin_registries():
+        try:
+            registry = entry_point.load()
+        except ImportError as error:  # listed all the same: what is missing (MissingExtraError names the extra)
+            print(f"{title}:\n  (unavailable: {_one_line(error)})")
+            continue
+        _print_registry(title, registry, True, args.options)
+    _print_plugin_choices()
     return 0
+
+
+def _print_registry(title: str, registry: Any, describe: bool, options: bool) -> None:
+    from mmrl.config.schema import option_kind
+
+    print(f"{title}:")
+    for name in registry.names():
+        line = f"  {name}"
+        if describe:
+            line += f"  — {registry.describe(name)}"
+        print(line)
+        if options:
+            for option in registry.options(name):
+                default = "(required)" if option.required else repr(option.default)
+                kind = option_kind(option)  # the type and declared range: "float, in [0, 1)"
+                print(f"      {option.name} = {default}  " + (f"({kind})  " if kind else "") + option.help)
+
+
+def _print_plugin_choices() -> None:
+    """Each plugin's options that take one of a fixed set of names (the flow plugin's SDE kinds, the dLLM plugin's
+    objectives): choices that are not registries, which only ``mmrl explain --plugin`` showed before."""
+    from mmrl.config import describe_fields
+    from mmrl.plugin import plugin_registry
+
+    for plugin in plugin_registry.names():
+        print(f"choices (plugin {plugin}):")
+        try:
+            config_class = plugin_registry.get(plugin).config_class
+        except ImportError as error:
+            print(f"  (unavailable: {_one_line(error)})")
+            continue
+        for key, kind, default, _, _ in describe_fields(config_class):
+            choices = [part.strip() for part in kind.split("|")]
+            if all(part.startswith("'") and part.endswith("'") for part in choices):
+                print(f"  plugin.{key}: {' | '.join(part.strip(chr(39)) for part in choices)} (default {default})")
 
 
 def _serve_rewards(args: argparse.Namespace) -> int:
     from mmrl.extras import require_extra
+
     require_extra("serve", "mmrl serve-rewards")
     from mmrl.rewards.server import ServerLimits, serve, server_token
 

@@ -24,6 +24,62 @@ def test_list_shows_every_registry(capsys):
         assert f"  {entry}" in out, entry
 
 
+def test_list_shows_the_plugins_own_registries_and_choices(capsys):
+    """Issue 23 part 5: the flow plugin's credit strategies, model adapters and SDE kinds, the dLLM estimators and
+    adapters, the VLM adapters, each under its plugin's name, from the entry-point group mmrl.registries."""
+    assert main(["list"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    assert {"step", "chunk", "branch", "tree", "sliding_window"} <= sections["credit_strategies (plugin flow)"]
+    assert {"sd3", "flux"} <= sections["model_adapters (plugin flow)"]
+    assert {"masked_lm", "llada", "dream"} <= sections["model_adapters (plugin dllm)"]
+    assert {"coupled", "one_step", "spg_lower"} <= sections["likelihood_estimators (plugin dllm)"]
+    assert {"qwen2_vl", "qwen2_5_vl"} <= sections["model_adapters (plugin vlm)"]
+    assert "plugin.sde: flow_grpo | dance_grpo | cps (default flow_grpo)" in sections["choices (plugin flow)"]
+    assert "plugin.objective: grpo | wd1 | spg (default grpo)" in sections["choices (plugin dllm)"]
+    assert "plugin.task: reverse | sort | copy (default reverse)" in sections["choices (plugin toy)"]
+
+
+def test_list_shows_a_registry_a_third_party_announces(capsys, monkeypatch):
+    """A package announces a registry of its own through the entry-point group mmrl.registries, as the built-in
+    plugins do; `mmrl list` shows it under its plugin's name."""
+    from importlib import metadata
+
+    from mmrl.registry import REGISTRY_GROUP, Registry
+
+    extra = Registry("widget")
+    extra.register("spinner")(lambda: None)
+    module = type(sys)("third_party_widgets")
+    module.widgets = extra
+    monkeypatch.setitem(sys.modules, "third_party_widgets", module)
+    announced = metadata.EntryPoint(name="acme.widgets", value="third_party_widgets:widgets", group=REGISTRY_GROUP)
+    # A registry whose module needs a missing extra is listed with the one line that names it.
+    unavailable = metadata.EntryPoint(name="acme.gadgets", value="third_party_gadgets:gadgets", group=REGISTRY_GROUP)
+    monkeypatch.setitem(sys.modules, "third_party_gadgets", None)  # importing it raises ImportError
+    real = metadata.entry_points
+
+    def entry_points(**selection):
+        found = real(**selection)
+        return [*found, announced, unavailable] if selection.get("group") == REGISTRY_GROUP else found
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert _sections(out)["widgets (plugin acme)"] == {"spinner"}
+    assert "gadgets (plugin acme):\n  (unavailable: import of third_party_gadgets halted; None in sys.modules)" in out
+
+
+def _sections(out: str) -> dict[str, set[str]]:
+    """``mmrl list``'s output as {heading: entry names (or whole lines for the choices)}."""
+    sections: dict[str, set[str]] = {}
+    for line in out.splitlines():
+        if not line.startswith(" ") and line.endswith(":"):
+            current = sections.setdefault(line[:-1], set())
+        elif line.startswith("  "):
+            text = line.strip()
+            current.add(text if text.startswith("plugin.") else text.split()[0])
+    return sections
+
+
 def test_list_options_shows_defaults(capsys):
     assert main(["list", "--options"]) == 0
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union
 import pytest
 import torch
 
-from mmrl.cli import REGISTRIES, main
+from mmrl.cli import REGISTRIES, main, plugin_registries
 from mmrl.config import ConfigError, load_config
 from mmrl.config.schema import bind_options, option_kind
 from mmrl.registry import ANY_FINITE, Range, callable_options, split_range
@@ -25,6 +25,7 @@ from mmrl.reward import RewardError, RewardInput, build_reward
 from tests.helpers import BASE
 
 ROOT = Path(__file__).resolve().parents[1]
+OPTION_REGISTRIES_OF_PLUGINS = {"likelihood_estimators"}
 
 
 # ------------------------------------------------------------------------------------------------------ Range itself
@@ -128,11 +129,14 @@ def test_bind_options_calls_an_entrys_nested_binding_with_the_bound_options():
 def _builtin_options() -> list[tuple[str, str, Any]]:
     """``(registry, entry, Option)`` for every option of every built-in entry of every registry ``mmrl list``
     shows. Entries that tests or third-party packages register are left out: they declare what they like."""
-    importlib.import_module("mmrl.plugins.dllm.objectives")  # the dLLM plugin's wd1 and spg entries
+    registries = [(title, getattr(importlib.import_module(location.split(":")[0]), location.split(":")[1]))
+                  for title, location, _ in REGISTRIES]
+    # Of the plugins' own registries, those whose entries take options from a config (plugin.estimator_options);
+    # the model adapters take their arguments from the plugin's own config fields and the credit strategies none.
+    registries += [(title, entry_point.load()) for title, entry_point in plugin_registries()
+                   if title.split()[0] in OPTION_REGISTRIES_OF_PLUGINS]
     found = []
-    for title, location, _ in REGISTRIES:
-        module_name, attribute = location.split(":")
-        registry = getattr(importlib.import_module(module_name), attribute)
+    for title, registry in registries:
         for name in registry.names():
             if not getattr(registry.get(name), "__module__", "").startswith("mmrl."):
                 continue
