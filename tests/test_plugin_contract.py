@@ -107,3 +107,34 @@ def test_peft_adapter_round_trip_and_key_check(tmp_path):
     state.pop(sorted(state)[0])
     with pytest.raises(KeyError, match="missing"):
         load_adapter_state(fresh, state, "the/source")
+
+
+def test_check_config_sees_the_whole_validated_config_and_refuses_in_one_line(monkeypatch, tmp_path):
+    """Plugin.check_config runs when a config loads, after every section validated (the plugin section is its
+    config class, the algorithm section bound), and its ConfigError is the one-line error of any config key."""
+    from mmrl.config import ConfigError
+    from mmrl.plugin import plugin_registry
+    from mmrl.plugins.toy.plugin import ToyPlugin, ToyPluginConfig
+    from tests.helpers import toy_config
+
+    seen = []
+
+    class NoKLToy(ToyPlugin):
+        name = "no_kl_toy"
+
+        @classmethod
+        def check_config(cls, train_config):
+            seen.append((type(train_config.plugin.config), train_config.algorithm.kl_coef))
+            if train_config.algorithm.kl_coef > 0:
+                raise ConfigError("algorithm.kl_coef", train_config.algorithm.kl_coef,
+                                  "0 with plugin no_kl_toy (it keeps no reference policy)")
+
+    plugin_registry.names()  # the entry points are read before the test entry is added
+    monkeypatch.setitem(plugin_registry._entries, "no_kl_toy", NoKLToy)
+    toy_config(tmp_path, "plugin.name=no_kl_toy", "algorithm.kl_coef=0")
+    with pytest.raises(ConfigError) as raised:
+        toy_config(tmp_path, "plugin.name=no_kl_toy", "algorithm.kl_coef=0.1")
+    assert raised.value.key == "algorithm.kl_coef" and "\n" not in str(raised.value)
+    assert "allowed: 0 with plugin no_kl_toy" in str(raised.value)
+    assert seen == [(ToyPluginConfig, 0.0), (ToyPluginConfig, 0.1)]
+    toy_config(tmp_path, "algorithm.kl_coef=0.1")  # the default hook accepts everything
