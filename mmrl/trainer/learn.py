@@ -118,7 +118,11 @@ class Learner:
         column_chunks: list[torch.Tensor | None] = [None]
         if algorithm.action_chunk_size is not None:
             budget = self.plugin.max_actions()
-            epoch_rollouts = [r.pad_actions(budget) for r in epoch_rollouts]
+            padded: dict[int, Rollout] = {}  # epochs that share a rollout share its padded copy
+            for epoch_rollout in epoch_rollouts:
+                if id(epoch_rollout) not in padded:
+                    padded[id(epoch_rollout)] = epoch_rollout.pad_actions(budget)
+            epoch_rollouts = [padded[id(r)] for r in epoch_rollouts]
             rollout = epoch_rollouts[0]
             if advantages.dim() == 2:
                 advantages = torch.nn.functional.pad(advantages, (0, budget - advantages.shape[1]))
