@@ -20,6 +20,21 @@ def _mean(values):
     return sum(values) / len(values)
 
 
+def _leaving_old_logp_out(trainer):
+    """Make the trainer's toy plugin return training rollouts without ``old_logp`` (the toy scores its samples with
+    its sampling logits; a plugin that cannot leaves them to the core), so the core's own handling is what runs."""
+    original = trainer.plugin.rollout
+
+    def rollout(policy, batch):
+        result = original(policy, batch)
+        if batch.training:
+            result.old_logp = None
+        return result
+
+    trainer.plugin.rollout = rollout
+    return trainer
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -116,7 +131,7 @@ def test_training_without_old_logp_matches_training_with_it(tmp_path, overrides)
     computed = _with_old_logp(Trainer(toy_config(tmp_path / "computed", *common)))
     expected = record_gradients(computed, computed.plugin.model)
     computed.train()
-    skipped = Trainer(toy_config(tmp_path / "skipped", *common))
+    skipped = _leaving_old_logp_out(Trainer(toy_config(tmp_path / "skipped", *common)))
     calls = record_calls(skipped.plugin, "forward")
     got = record_gradients(skipped, skipped.plugin.model)
     result = skipped.train()
@@ -183,12 +198,12 @@ def test_recompute_old_logp_runs_its_pass_only_when_the_old_policy_differs_from_
 
 @pytest.mark.parametrize("override", ["algorithm.inner_epochs=2", "algorithm.minibatches=2"])
 def test_the_core_computes_old_logp_that_a_rollout_leaves_out(tmp_path, override):
-    """Several optimizer steps per rollout and a rollout without old_logp (the toy's): the learner runs one no-grad
+    """Several optimizer steps per rollout and a rollout without old_logp: the learner runs one no-grad
     old-policy pass per step, in eval mode, before the first update, and the run trains with the gradients of a run
     whose plugin computed the same old log-probs itself (a wrong old policy would move them by > 1e-3, see
     test_training_without_old_logp_matches_training_with_it)."""
     common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16", override)
-    core = Trainer(toy_config(tmp_path / "core", *common))
+    core = _leaving_old_logp_out(Trainer(toy_config(tmp_path / "core", *common)))
     modes: list[tuple[bool, bool]] = []  # (gradients enabled, policy in training mode) of every forward
     forward = core.plugin.forward
 
@@ -244,11 +259,11 @@ def test_plugins_that_redraw_noise_per_epoch_get_old_logp_on_each_epochs_draw(tm
     common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.inner_epochs=2", "algorithm.micro_batch_size=16")
     runs = {}
     for name, declare in (("redraws", True), ("undeclared", False)):
-        trainer = Trainer(toy_config(tmp_path / name, *common))
+        trainer = _leaving_old_logp_out(Trainer(toy_config(tmp_path / name, *common)))
         events = _epoch_noise(trainer, declare=declare)
         runs[name] = (record_gradients(trainer, trainer.plugin.model), events)
         trainer.train()
-    plain = Trainer(toy_config(tmp_path / "plain", *common))
+    plain = _leaving_old_logp_out(Trainer(toy_config(tmp_path / "plain", *common)))
     expected = record_gradients(plain, plain.plugin.model)
     plain.train()
     got, events = runs["redraws"]

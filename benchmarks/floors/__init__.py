@@ -24,8 +24,9 @@ import torch
 
 from mmrl.plugin import PromptBatch
 from mmrl.rollout import Rollout
+from mmrl.seeding import derive_seed
 from mmrl.trainer.collect import TrainingBatch, chunks
-from mmrl.trainer.sampler import derive_seed, minibatch_partition
+from mmrl.trainer.sampler import minibatch_partition
 
 
 @dataclass

@@ -5,7 +5,7 @@
 - forward and backward: per backward pass, the estimator's masked forwards of the pass's samples under the inner
   epoch's mask plan (the rows whose plan scores a position, in ``score_micro_batch`` pieces, two forwards each with
   ``cfg_scale > 0``), reduced to a scalar over the completion positions, then one backward;
-- extras: ``old_logp``, the rollout's no-grad scoring of the sampling policy under every epoch's plan, when the run
+- extras: ``old_logp``, the core's no-grad scoring of the sampling policy under every epoch's plan, when the run
   needs old log-probs; ``reference``, the same scoring with the reference model, when ``kl_coef > 0``;
   ``logprob_math``, the plugin's scoring function (``DLLMPlugin.score``: the masked inputs, the float32 log-softmax
   of the scored positions, the plan's reduction and the token columns) with the model replaced by a precomputed
@@ -19,6 +19,8 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+
+from mmrl.trainer.learn import needs_old_logp
 
 from . import Floor, scalar
 
@@ -100,7 +102,7 @@ class DLLMFloor(Floor):
             return run
 
         extras: dict[str, Callable[[], None]] = {}
-        if runtime.needs_old_logp or self.config.force_old_logp_pass:
+        if needs_old_logp(self.trainer.config):  # the core's old-policy pass, one per redrawn plan
             extras["old_logp"] = scoring(lambda: nullcontext(self.module))
         if runtime.needs_reference:
             extras["reference"] = scoring(lambda: plugin._reference_module(self.policy))

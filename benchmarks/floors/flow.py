@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from mmrl.trainer.learn import needs_old_logp
+
 from . import Floor, scalar
 
 CHAIN_STRATEGIES = ("step", "chunk")
@@ -119,7 +121,7 @@ class FlowFloor(Floor):
                             self.velocity(module, latents, timesteps, conditioning)
 
             extras["reference"] = reference
-        if algorithm.recompute_old_logp and runtime.needs_old_logp:
+        if needs_old_logp(self.trainer.config) and (algorithm.recompute_old_logp or self.rollout.old_logp is None):
             everything = list(range(len(self.rollout)))
             passes = [self.unit_inputs(0, everything[start:start + self.trainer.geometry.micro_batch_size], None)
                       for start in range(0, len(everything), self.trainer.geometry.micro_batch_size)]

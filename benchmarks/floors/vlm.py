@@ -27,6 +27,7 @@ import torch
 
 from mmrl.plugins.vlm.adapters.base import _base_model
 from mmrl.plugins.vlm.plugin import replay_prompts
+from mmrl.trainer.learn import needs_old_logp
 
 from . import Floor, scalar
 
@@ -126,7 +127,7 @@ class VLMFloor(Floor):
 
             extras["reference"] = reference
         old_passes = []
-        if runtime.needs_old_logp or plugin.config.force_old_logp_pass:
+        if needs_old_logp(self.trainer.config):  # the core's old-policy pass (the rollout leaves old_logp out)
             old_passes = [(call["teacher"], call["tokens"].shape[1] - call["width"]) for call in self.calls]
 
             def old_logp() -> None:
