@@ -61,3 +61,14 @@ def save_caption_grid(images: Tensor, captions: Sequence[str], path: str | Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     caption_grid(images, captions, columns).save(path)
     return path
+
+
+def filmstrips(videos: Tensor, max_frames: int = 8) -> Tensor:
+    """``[N, 3, F, H, W]`` videos → ``[N, 3, H, k·W]`` images: k ≤ ``max_frames`` frames taken at an even stride
+    from the first (the last frame included when F - 1 is a multiple of the stride) laid side by side, for grids."""
+    if videos.dim() != 5:
+        raise ValueError(f"videos of shape {list(videos.shape)}; expected [N, 3, F, H, W]")
+    count = videos.shape[2]
+    stride = max(1, math.ceil((count - 1) / max(1, max_frames - 1))) if count > 1 else 1
+    frames = videos[:, :, ::stride]  # [N, 3, k, H, W]
+    return frames.permute(0, 1, 3, 2, 4).flatten(3)  # [N, 3, H, k·W]

@@ -7,8 +7,13 @@ An adapter wraps a loaded diffusers pipeline and answers five questions the plug
 :meth:`noise_shape`     the shape of one sample's initial noise, drawn exactly as the pipeline draws it
 :meth:`schedule`        the σ grid and the model timesteps of ``num_steps`` steps, from the pipeline's scheduler
 :meth:`call_transformer` one velocity prediction of the transformer for a batch (the model's own call signature)
-:meth:`decode`          final latents → images ``[N, 3, H, W]`` in [0, 1]
+:meth:`decode`          final latents → images ``[N, 3, H, W]`` (videos ``[N, 3, F, H, W]``) in [0, 1]
 =====================  ===================================================================================
+
+Video models (Wan) declare it once here: :attr:`FlowAdapter.output` is ``"videos"``, :attr:`num_frames` (set by
+the plugin from ``plugin.num_frames`` after :meth:`FlowAdapter.frames_requirement` accepted it) gives the frame axis
+of :meth:`noise_shape` and :meth:`decode`, and :attr:`temporal_scale_factor` is the VAE's frames per latent frame.
+The SDE, the log-probs and every credit strategy treat a latent as one tensor per sample whatever its rank.
 
 Everything else (SDE steps and their log-probs, classifier-free guidance, the KL, LoRA, checkpoints) is shared and
 lives in :mod:`mmrl.plugins.flow.plugin`. :meth:`FlowAdapter.velocity` is the one function both the rollout and
@@ -57,6 +62,10 @@ class FlowAdapter(ABC):
     supports_cfg: ClassVar[bool]
     #: Text length when the config leaves ``max_sequence_length`` null (the pipeline's default).
     default_max_sequence_length: ClassVar[int]
+    #: The payload key of :meth:`decode`'s output: ``"images"`` ``[N, 3, H, W]`` or ``"videos"`` ``[N, 3, F, H, W]``.
+    output: ClassVar[str] = "images"
+    #: Frames per video when ``plugin.num_frames`` is null (video adapters; images have no frame axis).
+    default_num_frames: ClassVar[int | None] = None
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline
@@ -64,6 +73,8 @@ class FlowAdapter(ABC):
         # A private copy: set_timesteps mutates the scheduler, and the pipeline's own scheduler stays untouched.
         self.scheduler = copy.deepcopy(pipeline.scheduler)
         self._schedules: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        #: Frames per sample: 1 for images; the plugin sets it for video adapters (:meth:`frames_requirement`).
+        self.num_frames = 1
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -92,6 +103,27 @@ class FlowAdapter(ABC):
         """The pipeline's text encoders (frozen by the plugin)."""
         return [module for name, module in self.pipeline.components.items()
                 if name.startswith("text_encoder") and isinstance(module, nn.Module)]
+
+    @property
+    def temporal_scale_factor(self) -> int:
+        """Frames per latent frame after the first (the VAE's temporal downsampling; 1 without a frame axis)."""
+        return 1
+
+    def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of a ``num_frames`` video: the first frame alone, then one per ``temporal_scale_factor``
+        frames (the causal video VAEs of Wan and Qwen-Image)."""
+        return (num_frames - 1) // self.temporal_scale_factor + 1
+
+    def frames_requirement(self, num_frames: int | None) -> str | None:
+        """None if ``plugin.num_frames`` = ``num_frames`` suits this adapter, else what is allowed (for the plugin's
+        one-line ConfigError): image adapters take null only; video adapters null (their default) or a count whose
+        ``num_frames - 1`` is a multiple of the VAE's temporal factor."""
+        if self.output != "videos":
+            return None if num_frames is None else f"null: the {self.name} adapter generates images"
+        factor = self.temporal_scale_factor
+        if num_frames is not None and (num_frames - 1) % factor:
+            return f"1 + a multiple of {factor} (the {self.name} VAE's temporal compression), e.g. {4 * factor + 1}"
+        return None
 
     def resolution_multiple(self) -> int:
         """Image sides must be multiples of this (VAE downsampling × transformer patch)."""
