@@ -14,7 +14,8 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   model timestep, plus the sample's prompt embeddings; :meth:`FlowPlugin.forward` recomputes a column's velocity
   through the very function the rollout used (:meth:`~.adapters.base.FlowAdapter.velocity`, CFG included) and
   scores the stored x_next with :func:`~.sde.sde_step`, so the first inner step has ratio 1;
-- ``payload["images"]`` ``[N, 3, H, W]`` in [0, 1] (decoded by the VAE) and ``payload["prompts"]`` for rewards;
+- ``payload["images"]`` ``[N, 3, H, W]`` in [0, 1] (decoded by the VAE; video adapters: ``payload["videos"]``
+  ``[N, 3, F, H, W]``) and ``payload["prompts"]`` for rewards;
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
@@ -81,6 +82,11 @@ class FlowPluginConfig:
     gradient_checkpointing: bool = config_field(False, help="Recompute transformer activations in the backward.")
     resolution: int = config_field(512, minimum=1, help="Image side in pixels (square images).",
                                    ref="Flow-GRPO and DanceGRPO image runs: 512 (DanceGRPO FLUX: 720)")
+    num_frames: int | None = config_field(
+        None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
+        "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
+        ref="DanceGRPO HunyuanVideo: 53 frames at 480x480; WanPipeline default: 81",
+    )
     num_steps: int = config_field(10, minimum=1, help="Denoising steps of a training rollout.",
                                   ref="Flow-GRPO denoising reduction: 10 (SD3.5), 6 (FLUX)")
     eval_num_steps: int = config_field(40, minimum=1, help="Denoising steps of an evaluation (plain ODE).",
@@ -264,6 +270,10 @@ class FlowPlugin(Plugin):
         if config.resolution % multiple:
             raise ConfigError("plugin.resolution", config.resolution,
                               f"a multiple of {multiple} for {config.model} (VAE downsampling x patch size)")
+        frames_problem = adapter.frames_requirement(config.num_frames)
+        if frames_problem is not None:
+            raise ConfigError("plugin.num_frames", config.num_frames, frames_problem)
+        adapter.num_frames = config.num_frames or adapter.default_num_frames or 1
         self.cfg = adapter.supports_cfg if config.cfg is None else config.cfg
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
@@ -458,7 +468,7 @@ class FlowPlugin(Plugin):
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask,
-            payload={"images": self.adapter.decode(final, config.resolution), "prompts": prompts},
+            payload={self.adapter.output: self.adapter.decode(final, config.resolution), "prompts": prompts},
             replay=replay,
             shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
                     "credit": config.credit.strategy},
@@ -480,7 +490,8 @@ class FlowPlugin(Plugin):
             latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
         empty = latents.new_zeros(n, 0)
         return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                       payload={"images": self.adapter.decode(latents, config.resolution), "prompts": prompts})
+                       payload={self.adapter.output: self.adapter.decode(latents, config.resolution),
+                                "prompts": prompts})
 
     def forward(
         self, policy: nn.Module, rollout: Rollout, *, need_reference: bool, actions: Tensor | None = None
@@ -578,15 +589,17 @@ class FlowPlugin(Plugin):
 
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
-        """An image grid ``{tag}.png`` captioned with each prompt and reward, and ``{tag}.jsonl``."""
-        from mmrl.plugins.flow.images import save_caption_grid
+        """An image grid ``{tag}.png`` captioned with each prompt and reward (videos: a filmstrip of frames per
+        sample), and ``{tag}.jsonl``."""
+        from mmrl.plugins.flow.images import filmstrips, save_caption_grid
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         prompts = rollout.payload["prompts"]
         captions = [f"{prompt} [{float(reward):.3f}]" for prompt, reward in zip(prompts, rewards.tolist(),
                                                                                   strict=True)]
-        grid = save_caption_grid(rollout.payload["images"], captions, directory / f"{tag}.png")
+        images = rollout.payload["images"] if "images" in rollout.payload else filmstrips(rollout.payload["videos"])
+        grid = save_caption_grid(images, captions, directory / f"{tag}.png")
         records = directory / f"{tag}.jsonl"
         with records.open("w") as handle:
             for prompt, reward in zip(prompts, rewards.tolist(), strict=True):
