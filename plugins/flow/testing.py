@@ -1,4 +1,5 @@
-"""Tiny SD3, FLUX and Qwen-Image pipelines with random weights and locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 and Wan pipelines with random weights and locally built tokenizers, for tests
+and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -336,15 +337,54 @@ def build_flux2_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                          transformer=transformer)
 
 
+TINY_WAN_FRAMES = 5
+"""Frames of the tiny Wan videos: the tiny VAE compresses time by 2, so 5 frames are 3 latent frames."""
+
+
+def build_wan_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``WanPipeline`` with random weights: a one-layer UMT5 encoder on :func:`tiny_t5_tokenizer`, a two-block
+    ``WanTransformer3DModel`` (patches of 1×2×2), a causal video VAE (``AutoencoderKLWan``) with one downsampling
+    in space and time (16 px frames have 8×8 latents; 5 frames have 3 latent frames) and per-channel
+    ``latents_mean``/``latents_std``, and Wan2.1-T2V-1.3B's scheduler (UniPC with flow sigmas, flow shift 3)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    if size != "tiny":
+        raise ValueError(f"unknown Wan pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_t5_tokenizer()
+        width, latent_channels = 32, 4
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=width, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+            use_cache=False, tie_word_embeddings=False,
+        ))
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=latent_channels,
+            out_channels=latent_channels, text_dim=width, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+        )
+        vae = AutoencoderKLWan(
+            base_dim=8, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+            scale_factor_temporal=2, scale_factor_spatial=2,
+        )
+        scheduler = UniPCMultistepScheduler(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json
+            num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        )
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler)
+
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
-            "flux2": build_flux2_pipeline}
+            "flux2": build_flux2_pipeline, "wan": build_wan_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
-    """Build the ``kind`` (``"sd3"``, ``"flux"`` or ``"qwen_image"``) pipeline and ``save_pretrained`` it to
-    ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on
-    disk)."""
+    """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
+    ``"wan"``) and ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the
+    2.2B-parameter SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown pipeline kind {kind!r}; choose one of {', '.join(BUILDERS)}")
     directory = Path(directory)
@@ -356,11 +396,11 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image} FOLDER``: write a tiny pipeline for CPU smoke
-    runs."""
+    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan} FOLDER``: write a tiny pipeline for CPU
+    smoke runs."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Write a tiny random SD3, FLUX or Qwen-Image pipeline folder.")
+    parser = argparse.ArgumentParser(description="Write a tiny random flow pipeline folder (SD3, FLUX, ..., Wan).")
     parser.add_argument("kind", choices=sorted(BUILDERS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
