@@ -30,6 +30,8 @@ _BUILTIN = {
     "sudoku": "mmrl.rewards.sudoku:sudoku",
     "shapes": "mmrl.rewards.shapes:ShapesReward",
     "shape_fidelity": "mmrl.rewards.shapes:ShapeFidelityReward",
+    "per_frame": "mmrl.rewards.videos:PerFrameReward",
+    "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
 }
 
 for _name, _target in _BUILTIN.items():
