@@ -8,6 +8,7 @@ Protocol (version 1, JSON only, never pickle)::
      "rows": [{"prompt": "a cat"}, ...],                  # dataset rows (the fields the reward reads)
      "group_ids": [0, 0, 1, ...],
      "payload": {"images": {"png": ["<base64 PNG>", ...]},   # 8-bit RGB images, lossless
+                 "videos": {"png_frames": [["<base64 PNG>", ...], ...]},  # per video, its frames in order
                  "completions": {"json": ["...", ...]}}}     # any other payload entry, as JSON
     → 200 {"scores": [0.81, null, ...]}                   # null = no score (NaN; rewards.on_nonfinite decides)
     → 4xx/5xx {"error": "one line"}
@@ -26,8 +27,11 @@ whose ``/rewards`` answer has no ``reads_context`` predates the field and would 
 a non-empty context refuses it at start-up.
 
 Images are converted to 8-bit RGB exactly as local image rewards do (:mod:`mmrl.rewards.images`), so a remote
-reward scores what the same reward would score in-process. Samples whose images have non-finite pixels are not
-sent; they score NaN locally.
+reward scores what the same reward would score in-process. Videos (``videos`` option, e.g. the flow plugin's
+``payload["videos"]`` ``[N, 3, F, H, W]``) travel as one PNG per frame, converted the same way, and the server
+hands them to its reward as a uint8 tensor ``[N, 3, F, H, W]`` (a list of ``[3, F, H, W]`` when sizes differ), the
+layout :mod:`mmrl.rewards.videos` reads. Samples whose images or videos have non-finite pixels are not sent; they
+score NaN locally.
 
 A server started with a token (``MMRL_REWARD_TOKEN`` or ``--token-file``) answers 401 to every request without
 ``Authorization: Bearer <token>``; the client reads the same token from the environment variable ``token_env`` or
@@ -65,6 +69,7 @@ from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput, check_reward_context
 from mmrl.rewards.images import encode_png, read_images
 from mmrl.rewards.server_requests import context_problem, shown_json
+from mmrl.rewards.videos import read_videos
 
 PROTOCOL = 1
 MAX_RESPONSE_BYTES = 16 << 20
@@ -207,7 +212,7 @@ class RemoteReward(Reward):
                  timeout: Annotated[float, Range(0, low_open=True)] = 60.0, retries: Annotated[int, Range(0)] = 3,
                  backoff: Annotated[float, Range(0)] = 1.0, check_server: bool = True,
                  token_env: str | None = TOKEN_ENV, token_file: str | None = None,
-                 context: dict[str, Any] | None = None):
+                 context: dict[str, Any] | None = None, videos: str | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -225,6 +230,8 @@ class RemoteReward(Reward):
             token_file: File holding the server's token (read instead of token_env).
             context: The run's reward context, sent with every request; set by the training run (the plugin's
                 reward_context()), not in the config. None: none (``{}``).
+            videos: Payload entry sent as videos, each frame a PNG (null: send no videos). A video run sets it to
+                videos and images to null.
         """
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'remote': url {url!r} must start with http:// or https://")
@@ -250,6 +257,7 @@ class RemoteReward(Reward):
             raise RewardError(f"reward 'remote': {error}") from None
         self.reward = reward
         self.images = images
+        self.videos = videos
         self.outputs = list(outputs or [])
         self.fields = None if fields is None else list(fields)
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
@@ -316,13 +324,25 @@ class RemoteReward(Reward):
         scores = torch.full((n,), math.nan, dtype=torch.float64)
         if n == 0:
             return scores
-        keep = list(range(n))
+        finite = torch.ones(n, dtype=torch.bool)
         payload: dict[str, Any] = {}
+        images = videos = None
         if self.images is not None:
             images = read_images(batch, self.images, "remote")
-            keep = images.finite.nonzero().flatten().tolist()
-            payload[self.images] = {"png": [base64.b64encode(encode_png(images.images[i])).decode("ascii")
-                                            for i in keep]}
+            finite &= images.finite
+        if self.videos is not None:
+            videos = read_videos(batch, self.videos, "remote")
+            finite &= videos.finite
+        keep = finite.nonzero().flatten().tolist()
+
+        def png(image: Tensor) -> str:  # uint8 [3, H, W]
+            return base64.b64encode(encode_png(image)).decode("ascii")
+
+        if images is not None:
+            payload[self.images] = {"png": [png(images.images[i]) for i in keep]}
+        if videos is not None:
+            payload[self.videos] = {"png_frames": [[png(frame) for frame in videos.videos[i].unbind(1)]
+                                                   for i in keep]}
         if not keep:
             return scores
         for name in self.outputs:

@@ -192,14 +192,26 @@ def decode_batch(request: dict[str, Any], max_pixels: int | None = None) -> Rewa
     if not isinstance(payload_in, dict):
         raise BadRequest(400, "'payload' must be a JSON object")
     encoded: dict[str, list[tuple[bytes, tuple[int, int]]]] = {}  # PNG bytes and header size, before any decoding
+    frame_counts: dict[str, list[int]] = {}  # frames of each video of a 'png_frames' entry
     for key, entry in payload_in.items():
-        if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("png", "json"):
-            raise BadRequest(400, f"payload[{key!r}] must be {{'png': [base64, ...]}} or {{'json': value}}")
+        if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("png", "png_frames", "json"):
+            raise BadRequest(400, f"payload[{key!r}] must be {{'png': [base64, ...]}}, {{'png_frames': [[base64, "
+                                  "...], ...]}} or {'json': value}")
         if "json" in entry:
             continue
-        items = entry["png"]
-        if not isinstance(items, list) or len(items) != n or not all(isinstance(item, str) for item in items):
-            raise BadRequest(400, f"payload[{key!r}]['png'] must be a list of {n} base64 strings")
+        if "png_frames" in entry:
+            videos = entry["png_frames"]
+            if not isinstance(videos, list) or len(videos) != n or not all(
+                    isinstance(frames, list) and frames and all(isinstance(item, str) for item in frames)
+                    for frames in videos):
+                raise BadRequest(400, f"payload[{key!r}]['png_frames'] must be a list of {n} non-empty lists of "
+                                      "base64 strings")
+            frame_counts[key] = [len(frames) for frames in videos]
+            items = [item for frames in videos for item in frames]
+        else:
+            items = entry["png"]
+            if not isinstance(items, list) or len(items) != n or not all(isinstance(item, str) for item in items):
+                raise BadRequest(400, f"payload[{key!r}]['png'] must be a list of {n} base64 strings")
         encoded[key] = []
         for index, item in enumerate(items):
             try:
@@ -218,6 +230,24 @@ def decode_batch(request: dict[str, Any], max_pixels: int | None = None) -> Rewa
             continue
         images = [_decode_sized(data, f"payload[{key!r}][{index}]", size)
                   for index, (data, size) in enumerate(encoded[key])]
+        if key in frame_counts:
+            payload[key] = _videos(images, frame_counts[key], key)
+            continue
         same_size = len({tuple(image.shape) for image in images}) <= 1
         payload[key] = torch.stack(images) if images and same_size else images
     return RewardInput(rows=rows, payload=payload, group_ids=torch.tensor(group_ids, dtype=torch.long))
+
+
+def _videos(frames: list[torch.Tensor], counts: list[int], key: str) -> torch.Tensor | list[torch.Tensor]:
+    """Decoded frames (uint8 ``[3, H, W]``, videos one after another) → ``[N, 3, F, H, W]``, or a list of
+    ``[3, F, H, W]`` when the videos differ in size; the frames of one video must share a size."""
+    videos, start = [], 0
+    for index, count in enumerate(counts):
+        own = frames[start:start + count]
+        start += count
+        if len({tuple(frame.shape) for frame in own}) != 1:
+            raise BadRequest(400, f"payload[{key!r}] video {index} has frames of different sizes")
+        videos.append(torch.stack(own, dim=1))  # [3, F, H, W]
+    if len({tuple(video.shape) for video in videos}) == 1:
+        return torch.stack(videos)
+    return videos
