@@ -15,11 +15,11 @@ drifts during the run). Peak memory:
   memory events (one extra, untimed call per side), so allocator caching and Python objects are not counted.
 
 ``--json`` also writes the settings (``kind``, ``size``, ``device``, ``dtype``, ``batch``, ``steps``, ``resolution``,
-``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``, the median times ``pipeline_seconds`` and
-``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios), ``time_ratio_of_fastest`` and the peaks
-``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
+``frames`` (1 for image models), ``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``, the median
+times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
+``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
-    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image or flux2 for the others)
+    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2 or wan for the others)
     python benchmarks/flow_rollout.py
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
@@ -52,7 +52,7 @@ PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2"], default="sd3",
+    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "wan"], default="sd3",
                         help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="Images per call.")
     parser.add_argument("--steps", type=int, default=10, help="Denoising steps (Flow-GRPO rollouts: 10).")
     parser.add_argument("--resolution", type=int, default=None, help="Pixels (default: 64 tiny, 512 sd35-medium).")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="Frames per video of --kind wan (default: 5, the tiny Wan's 3 latent frames).")
     parser.add_argument("--cfg", choices=["on", "off"], default=None, help="True CFG (default: the adapter's).")
     parser.add_argument("--lora-rank", type=int, default=32, help="Rank of the (zero-initialised) LoRA adapter.")
     parser.add_argument("--warmup", type=int, default=2)
@@ -95,6 +97,8 @@ def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
         # Tiny FLUX.2 pads after a 33-token system turn: 48 leaves the prompt its tokens.
         "max_sequence_length": (48 if args.kind == "flux2" else 16) if args.size == "tiny" else 256,
     }
+    if args.kind == "wan":
+        options["num_frames"] = args.frames
     if args.cfg is not None:
         options["cfg"] = args.cfg == "on"
     config = from_dict(FlowPluginConfig, options, "plugin")
@@ -148,6 +152,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bf16" if str(args.device).startswith("cuda") else "fp32")
     args.resolution = args.resolution or (64 if args.size == "tiny" else 512)
+    if args.kind == "wan":
+        from mmrl.plugins.flow.testing import TINY_WAN_FRAMES
+
+        args.frames = args.frames or TINY_WAN_FRAMES
+    elif args.frames is not None:
+        raise SystemExit(f"--frames is for --kind wan, not {args.kind}")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="flow-bench-") as folder:
         plugin = build_plugin(args, Path(folder) / "pipeline")
@@ -165,8 +175,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in plugin.negative_conditioning().items():
             embeds[f"negative_{key}"] = value.expand(args.batch, *value.shape[1:])
     kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
-    if args.kind == "sd3" and not plugin.cfg:
-        kwargs["guidance_scale"] = 1.0  # the SD3 pipeline runs CFG whenever guidance_scale > 1
+    if args.kind in ("sd3", "wan") and not plugin.cfg:
+        kwargs["guidance_scale"] = 1.0  # the SD3 and Wan pipelines run CFG whenever guidance_scale > 1
+    if args.kind == "wan":
+        from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
+
+        # The same sampler on both sides: Wan ships UniPC; the adapter samples with the flow-shifted Euler scheduler.
+        pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)
+        kwargs["num_frames"] = args.frames
     if args.kind == "qwen_image":  # true CFG runs when true_cfg_scale > 1 and negative embeddings are given
         kwargs = {"true_cfg_scale": plugin.guidance_scale if plugin.cfg else 1.0}
 
@@ -180,11 +196,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return pipeline(prompt_embeds=embeds["prompt_embeds"], **{k: v for k, v in embeds.items()
                                                                       if k != "prompt_embeds"},
                             height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
-                            generator=generators, output_type="pt", **kwargs).images
+                            generator=generators, output_type="pt", **kwargs)[0]  # images, or Wan's frames
 
     results: dict[str, Any] = {
         "kind": args.kind, "size": args.size, "device": str(device), "dtype": args.dtype, "batch": args.batch,
-        "steps": args.steps, "resolution": args.resolution, "cfg": plugin.cfg, "threads": torch.get_num_threads(),
+        "steps": args.steps, "resolution": args.resolution, "frames": args.frames or 1, "cfg": plugin.cfg,
+        "threads": torch.get_num_threads(),
         "transformer_parameters": sum(p.numel() for p in policy.parameters()),
         "trained_steps": plugin.max_actions(),
     }
@@ -209,10 +226,11 @@ def table(results: dict[str, Any]) -> str:
     mib = 2**20
     memory = "CUDA max_memory_allocated above the weights" if results["device"].startswith("cuda") \
         else "peak live torch tensors (profiler)"
-    header = ("| model | device | dtype | batch x steps | resolution | CFG | plain pipeline | rollout with log-probs "
-              f"| time ratio | peak memory, pipeline | peak memory, rollout |\n|{'---|' * 11}")
+    header = ("| model | device | dtype | batch x steps | resolution | frames | CFG | plain pipeline "
+              f"| rollout with log-probs | time ratio | peak memory, pipeline | peak memory, rollout |\n|{'---|' * 12}")
     row = (f"| {results['kind']} {results['size']} | {results['device']} ({results['threads']} threads) | "
            f"{results['dtype']} | {results['batch']} x {results['steps']} | {results['resolution']} px | "
+           f"{results['frames']} | "
            f"{'on' if results['cfg'] else 'off'} | {results['pipeline_seconds']:.3f} s | "
            f"{results['rollout_seconds']:.3f} s | {results['time_ratio']:.3f} | "
            f"{results['pipeline_peak_bytes'] / mib:.1f} MiB | {results['rollout_peak_bytes'] / mib:.1f} MiB |")
