@@ -177,3 +177,12 @@ def test_video_samples_are_saved_as_a_grid_of_filmstrips(make_plugin, tmp_path):
     with Image.open(grid) as picture:  # 5 frames of 16 px side by side, enlarged x3 to reach 192 px cells
         assert picture.width > 5 * 16 * 3 * 2 - 1
     assert records.read_text().count("\n") == 2
+
+
+def test_decoding_in_batches_gives_the_same_videos(make_plugin):
+    plugin = make_plugin("wan", num_frames=FRAMES)
+    latents = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0))  # [n, C, F_lat, h, w]
+    one_by_one = plugin.adapter.decode(latents, 16)
+    plugin.adapter.decode_batch_size = 2
+    torch.testing.assert_close(plugin.adapter.decode(latents, 16), one_by_one, rtol=0, atol=1e-6)
+    assert one_by_one.shape == (3, 3, FRAMES, 16, 16)

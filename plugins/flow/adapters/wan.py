@@ -54,6 +54,9 @@ class WanAdapter(FlowAdapter):
     default_max_sequence_length = 512  # WanPipeline.__call__'s default
     output = "videos"
     default_num_frames = 33
+    #: Videos per VAE decode call. One bounds memory (a 33-frame 480×480 video's decoder activations take GBs);
+    #: for tiny videos, where the per-call overhead dominates, a larger value decodes as the pipeline does.
+    decode_batch_size = 1
 
     def __init__(self, pipeline: Any, device: torch.device):
         super().__init__(pipeline, device)
@@ -112,9 +115,9 @@ class WanAdapter(FlowAdapter):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
         videos = []
-        for sample in latents.to(vae.dtype).split(1):  # [1, C, F_lat, h, w]: one video at a time bounds memory
-            sample = sample / inverse_std + mean  # the pipeline's order of operations
-            videos.append(vae.decode(sample, return_dict=False)[0].float())  # [1, 3, F, H, W] in about [-1, 1]
+        for part in latents.to(vae.dtype).split(self.decode_batch_size):  # [b, C, F_lat, h, w]
+            part = part / inverse_std + mean  # the pipeline's order of operations
+            videos.append(vae.decode(part, return_dict=False)[0].float())  # [b, 3, F, H, W] in about [-1, 1]
         return (torch.cat(videos) / 2 + 0.5).clamp(0, 1)  # [N, 3, F, H, W]
 
 
