@@ -82,7 +82,8 @@ class PerFrameReward(Reward):
 
         Args:
             reward: The registered image reward scored on each chosen frame (e.g. pickscore, aesthetic); it reads
-                the frames as ``payload["images"]``, with the other payload entries and the rows as they are.
+                the frames as ``payload["images"]`` (``[N, C, H, W]`` slices of the videos, in their dtype and
+                range), with the other payload entries and the rows as they are.
             options: That reward's options (its ``args``).
             stride: Score frames 0, stride, 2·stride, ... (1: every frame).
             aggregate: How frame scores become the video's score: their mean, or their minimum (the worst frame).
@@ -125,11 +126,11 @@ class PerFrameReward(Reward):
         if len(counts) != 1:
             raise RewardError(f"reward 'per_frame': payload[{self.output!r}] holds videos of {sorted(counts)} frames; "
                               "per-frame scores need one frame count per batch")
+        raw = batch.output(self.output)  # the frames go to the image reward as the plugin made them (float or uint8)
         columns = []
         for frame in frame_indices(counts.pop(), self.stride):
-            images = [video[:, frame] for video in videos.videos]  # N uint8 [3, H, W]
-            same_size = len({tuple(image.shape) for image in images}) == 1
-            payload = {**batch.payload, "images": torch.stack(images) if same_size else images}
+            images = raw[:, :, frame] if isinstance(raw, Tensor) else [video[:, frame] for video in raw]
+            payload = {**batch.payload, "images": images}  # [N, C, H, W], or N tensors [C, H, W]
             scores = self.inner(RewardInput(rows=batch.rows, payload=payload, group_ids=batch.group_ids))
             scores = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).cpu()
             if scores.shape[0] != n:

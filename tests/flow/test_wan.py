@@ -10,21 +10,12 @@ import torch
 
 from mmrl.config import ConfigError
 from mmrl.plugins.flow.credit import credit_strategies
-from mmrl.reward import RewardInput, reward_functions
 from mmrl.trainer import Trainer
 from tests.flow.conftest import prompt_batch
 from tests.flow.test_credit_plugin import STRATEGIES, _deviation
 from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 FRAMES = 5  # the tiny VAE compresses time by 2: 3 latent frames
-
-
-def video_brightness(batch: RewardInput) -> torch.Tensor:
-    """Test reward: the mean pixel value of each video, ``[N]``."""
-    return batch.output("videos").float().mean(dim=(1, 2, 3, 4)).cpu()
-
-
-reward_functions.register("test_video_brightness", video_brightness)
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +127,9 @@ def test_num_frames_is_validated_against_the_adapter(make_plugin):
 
 
 def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, tmp_path):
-    trainer = Trainer(train_config("wan", tmp_path, "rewards.functions=[{name: test_video_brightness}]",
-                                   num_frames=FRAMES))
+    # The conftest's image reward on frames 0, 2, 4 of each video (per_frame): the video payload reaches it.
+    reward = "rewards.functions=[{name: per_frame, args: {reward: test_brightness, stride: 2}}]"
+    trainer = Trainer(train_config("wan", tmp_path, reward, num_frames=FRAMES))
     transformer = trainer.plugin.policy()
     frozen = {name: module for name, module in trainer.plugin.adapter.pipeline.components.items()
               if isinstance(module, torch.nn.Module) and name != "transformer"}
@@ -147,6 +139,7 @@ def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, tmp_path):
 
     assert [record["step"] for record in history] == [1, 2]
     assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
+    assert all(0 < record["reward/mean"] < 1 for record in history)  # mean brightness of the chosen frames
     changed = {key for key, p in transformer.named_parameters() if not torch.equal(before["transformer"][key], p)}
     lora = {key for key, _ in transformer.named_parameters() if "lora_" in key}
     assert changed and changed <= lora  # only the adapter moves
