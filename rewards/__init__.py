@@ -32,6 +32,7 @@ _BUILTIN = {
     "shape_fidelity": "mmrl.rewards.shapes:ShapeFidelityReward",
     "per_frame": "mmrl.rewards.videos:PerFrameReward",
     "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
+    "clip_temporal_consistency": "mmrl.rewards.videos:ClipTemporalConsistency",
 }
 
 for _name, _target in _BUILTIN.items():

@@ -1,5 +1,6 @@
-"""Video rewards: an image reward applied to frames and aggregated (``per_frame``) and the frame-to-frame pixel
-similarity of a video (``temporal_consistency``).
+"""Video rewards: an image reward applied to frames and aggregated (``per_frame``) and the frame-to-frame similarity
+of a video, of its pixels (``temporal_consistency``) or of their CLIP image embeddings
+(``clip_temporal_consistency``).
 
 ``payload["videos"]`` (or the entry a reward's ``output`` option names) is a tensor ``[N, C, F, H, W]`` (channels
 first, frames second, as the flow plugin's video adapters decode), floating point in [0, 1] or uint8 in [0, 255],
@@ -23,7 +24,8 @@ from mmrl.reward import Reward, RewardError, RewardInput, build_reward, reward_f
 from mmrl.rewards.images import to_image_batch
 
 Stride = Annotated[int, Range(1)]
-VIDEO_REWARDS = ("per_frame", "temporal_consistency")
+BatchSize = Annotated[int, Range(1)]
+VIDEO_REWARDS = ("per_frame", "temporal_consistency", "clip_temporal_consistency")
 """The rewards of this module: they read videos, so ``per_frame`` cannot wrap them."""
 
 
@@ -162,3 +164,44 @@ def temporal_consistency(batch: RewardInput, stride: Stride = 1, output: str = "
         change = (frames[:, 1:] - frames[:, :-1]).abs().mean(dim=(0, 2, 3))  # [K - 1] per consecutive pair
         scores[index] = 1.0 - float(change.mean())
     return scores
+
+
+class ClipTemporalConsistency(Reward):
+    """Mean cosine similarity of the CLIP image embeddings of consecutive chosen frames: near 1 when the content stays
+    the same, lower when it changes; insensitive to small pixel shifts that move the pixel score."""
+
+    name = "clip_temporal_consistency"
+
+    def __init__(self, model: str = "ViT-B-32", pretrained: str | None = "openai", stride: Stride = 1,
+                 output: str = "videos", batch_size: BatchSize = 32, device: str | None = None):
+        """Options (the config's ``args``).
+
+        Args:
+            model: open_clip architecture of the image encoder, or a path to a model-config JSON.
+            pretrained: open_clip pretrained tag (openai), a local checkpoint file or hf-hub:ORG/REPO/FILE.
+            stride: Compare frames stride apart (1: neighbouring frames).
+            output: Payload entry holding the videos.
+            batch_size: Frames per forward pass.
+            device: Where the model runs (null: cuda when available, else cpu).
+        """
+        from mmrl.rewards.image_models import OpenClip, pick_device
+
+        self.clip = OpenClip(self.name, model, pretrained, pick_device(self.name, device))
+        self.stride, self.output, self.batch_size = stride, output, batch_size
+
+    @torch.no_grad()
+    def __call__(self, batch: RewardInput) -> Tensor:
+        videos = read_videos(batch, self.output, self.name)
+        scores = torch.full((len(videos),), float("nan"), dtype=torch.float64)
+        for index, video in enumerate(videos.videos):
+            if not bool(videos.finite[index]):
+                continue
+            frames = [video[:, k] for k in frame_indices(video.shape[1], self.stride)]  # uint8 [3, H, W] each
+            if len(frames) < 2:
+                scores[index] = 1.0
+                continue
+            embeddings = torch.cat([self.clip.image_features(frames[start:start + self.batch_size])
+                                    for start in range(0, len(frames), self.batch_size)])  # [K, D], unit norm
+            scores[index] = float((embeddings[1:] * embeddings[:-1]).sum(dim=1).double().mean())
+        return scores
+

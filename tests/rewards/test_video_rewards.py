@@ -122,3 +122,25 @@ def test_per_frame_options_are_checked_when_the_config_loads():
         bind_options(entry, {"reward": "temporal_consistency"}, "r", "reward 'per_frame'")
     with pytest.raises(ConfigError, match=r"^config key 'r.stride': got 0; allowed: [^\n]*$"):
         bind_options(entry, {"reward": "test_frame_brightness", "stride": 0}, "r", "reward 'per_frame'")
+
+
+def test_clip_temporal_consistency_is_the_mean_cosine_of_consecutive_frame_embeddings(tiny_models):
+    reward = build_reward("clip_temporal_consistency", {"model": tiny_models.clip_config,
+                                                        "pretrained": tiny_models.clip_weights, "batch_size": 2})
+    generator = torch.Generator().manual_seed(1)
+    videos = torch.rand(3, 3, 4, 16, 16, generator=generator)  # [N, 3, F, H, W]
+    videos[1] = videos[1, :, :1]  # a still video
+    videos[2, 0, 1, 0, 0] = float("nan")
+    batch = RewardInput(rows=[{"prompt": "a cat"}] * 3, payload={"videos": videos})
+    scores = reward(batch)
+    # Independently: un-normalised embeddings of the 8-bit frames, cosine of each consecutive pair, their mean.
+    frames = [(videos[0, :, k] * 255).round().byte() for k in range(4)]
+    features = reward.clip.model.encode_image(reward.clip.pixels(frames)).double()  # [4, D]
+    expected = torch.nn.functional.cosine_similarity(features[1:], features[:-1], dim=1).mean()
+    torch.testing.assert_close(scores[0], expected, rtol=0, atol=1e-5)
+    assert float(scores[0]) < 1 - 1e-3  # noise frames differ
+    torch.testing.assert_close(scores[1], torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-5)
+    assert torch.isnan(scores[2])
+    strided = build_reward("clip_temporal_consistency", {"model": tiny_models.clip_config,
+                                                         "pretrained": tiny_models.clip_weights, "stride": 4})
+    assert strided(batch)[0] == 1.0  # one frame chosen
