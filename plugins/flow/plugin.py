@@ -74,7 +74,8 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux' or another registered one; 'auto' reads model_index.json."
+        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'wan' or another registered one "
+        "(`mmrl list`); 'auto' reads model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
