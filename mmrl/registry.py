@@ -270,13 +270,18 @@ def _stale_install_hint(group: str | None) -> str:
     if group not in OWN_ENTRY_POINT_GROUPS:
         return ""
     try:
-        declared = {entry_point.group for entry_point in metadata.distribution("mmrl").entry_points}
+        distribution = metadata.distribution("mmrl")
     except metadata.PackageNotFoundError:
         return " (mmrl is not installed, so its built-in entries are missing: pip install -e .)"
-    if group in declared:
+    if group in {entry_point.group for entry_point in distribution.entry_points}:
         return ""
-    return (f" (mmrl's installed metadata has no {group!r} entry points: reinstall it, pip install -e ., after "
-            "pyproject.toml changed)")
+    # Where the metadata came from: a stale ``mmrl.egg-info`` left in the working directory by an old build shadows
+    # the installed metadata for every command run from the repository root (sys.path starts with it). importlib
+    # keeps the folder in a private attribute; without it the hint just leaves the location out.
+    source = getattr(distribution, "_path", None)
+    where = f" ({source})" if source is not None else ""
+    return (f" (mmrl's installed metadata{where} has no {group!r} entry points: reinstall it, pip install -e ., after "
+            "pyproject.toml changed, or delete a stale mmrl.egg-info in the working directory)")
 
 
 def _qualname(obj: Any) -> str:

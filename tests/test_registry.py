@@ -110,13 +110,14 @@ def test_a_stale_install_is_named_when_an_own_entry_point_group_is_missing(monke
 
     class Distribution:
         entry_points = [metadata.EntryPoint(name="mmrl", value="mmrl.cli:main", group="console_scripts")]
+        _path = "mmrl.egg-info"  # a stale build folder in the working directory shadowing the installed metadata
 
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])
     monkeypatch.setattr(metadata, "distribution", lambda name: Distribution())
     stale = Registry("plugin", entry_point_group="mmrl.plugins")
     with pytest.raises(RegistryError, match=r"unknown plugin 'toy'; registered: \(none\) \(mmrl's installed metadata "
-                       r"has no 'mmrl.plugins' entry points: reinstall it, pip install -e \., after pyproject.toml "
-                       r"changed\)$"):
+                       r"\(mmrl.egg-info\) has no 'mmrl.plugins' entry points: reinstall it, pip install -e \., "
+                       r"after pyproject.toml changed, or delete a stale mmrl.egg-info in the working directory\)$"):
         stale.get("toy")
     other = Registry("thing", entry_point_group="third.party")  # not a group of mmrl's own: no hint
     with pytest.raises(RegistryError, match=r"registered: \(none\)$"):
