@@ -39,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     show_traceback = args.traceback or os.environ.get("MMRL_TRACEBACK", "") not in ("", "0")
     try:
         return int(args.handler(args) or 0)
+    except BrokenPipeError:
+        # The reader of our output went away (`mmrl list | head`): not an error of the command. Point stdout at
+        # devnull so the interpreter's final flush does not raise again, as the Python docs on SIGPIPE advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except USAGE_ERRORS as error:
         if show_traceback:
             raise

@@ -1,5 +1,6 @@
 """The command line: list, explain, train, eval, and `python -m mmrl`."""
 
+import os
 import re
 import subprocess
 import sys
@@ -242,3 +243,18 @@ def test_explain_with_an_unknown_plugin_prints_one_line_and_nothing_else(capsys)
     assert captured.out == ""
     assert captured.err.startswith("mmrl: unknown plugin 'nope'; registered: ") and captured.err.count("\n") == 1
     assert "toy" in captured.err
+
+
+def test_a_reader_that_goes_away_is_not_an_error():
+    """`mmrl list | head -1`: the pipe closes while mmrl still writes. The command ends quietly with 0 instead of a
+    BrokenPipeError traceback (the read end is closed before mmrl starts, so every write fails: no race)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        code = "import sys; from mmrl.cli import main; sys.exit(main(['list']))"
+        result = subprocess.run([sys.executable, "-c", code],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
