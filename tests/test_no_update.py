@@ -111,3 +111,12 @@ def test_a_step_that_trained_on_no_sample_leaves_the_weights_alone(tmp_path):
     one = dict(after_one.policy.named_parameters())
     for name, tensor in after_three.policy.named_parameters():
         assert torch.equal(tensor, one[name]), name  # no arithmetic touched them after step 1
+
+
+def test_empty_step_warnings_are_rate_limited():
+    """A run whose reward is NaN at every step would print a warning per step: the first three are printed, then
+    only the 2^k-th (4, 8, 16, ...), each with a tally; every observation still returns its warning."""
+    from mmrl.trainer.updates import _worth_printing
+
+    printed = [count for count in range(1, 401) if _worth_printing(count)]
+    assert printed == [1, 2, 3, 4, 8, 16, 32, 64, 128, 256]

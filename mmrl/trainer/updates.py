@@ -27,6 +27,16 @@ def trained_samples(metrics: dict[str, float], geometry: BatchGeometry) -> int:
     return geometry.samples - round(metrics.get("samples/padded", 0.0))
 
 
+#: Empty steps whose warning is always printed; after them only the 2^k-th (so a run whose reward is NaN for 400
+#: steps prints about a dozen lines, not 400; metrics.jsonl's ``samples/trained`` records every step).
+PRINT_FIRST = 3
+
+
+def _worth_printing(count: int) -> bool:
+    """Whether the ``count``-th empty step of a run prints its warning: the first few, then powers of two."""
+    return count <= PRINT_FIRST or count & (count - 1) == 0
+
+
 class UpdateMonitor:
     """Watches the metrics of every training step for steps in which no sample entered the loss.
 
@@ -52,8 +62,9 @@ class UpdateMonitor:
         self._counts = dict(scorer.nonfinite_counts)
 
     def observe(self, step: int, metrics: dict[str, float]) -> str | None:
-        """Record one finished step and add its ``samples/trained`` to ``metrics``; returns (and prints, on the main
-        process) a one-line warning when the step trained on no sample, else None."""
+        """Record one finished step and add its ``samples/trained`` to ``metrics``; returns a one-line warning when the
+        step trained on no sample, else None. The main process prints it for the first :data:`PRINT_FIRST` such
+        steps and then for the 2^k-th, with a tally."""
         counts = dict(self.scorer.nonfinite_counts)
         nonfinite = [name for name, count in counts.items() if count > self._counts.get(name, 0)]
         self._counts = counts
@@ -65,8 +76,10 @@ class UpdateMonitor:
         self.empty_steps.append(step)
         self.last_cause = self._cause(metrics, nonfinite)
         warning = f"step {step} trained on no sample: {self.last_cause}"
-        if self.is_main_process:
-            tqdm.write(f"mmrl: warning: {warning}", file=sys.stderr)  # keeps the progress bar intact
+        if self.is_main_process and _worth_printing(len(self.empty_steps)):
+            count = len(self.empty_steps)
+            tally = "" if count <= PRINT_FIRST else f" ({count} such steps of {self.steps} so far)"
+            tqdm.write(f"mmrl: warning: {warning}{tally}", file=sys.stderr)  # keeps the progress bar intact
         return warning
 
     def check(self) -> None:
