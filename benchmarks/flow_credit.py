@@ -158,17 +158,30 @@ def build_config(base: dict[str, Any], name: str, *, steps: int, seed: int, prom
     return load_config(config)
 
 
+#: The pipeline folder configs/flow/tiny_sd3.yaml names; the recipe's header builds it with
+#: ``python -m mmrl.plugins.flow.testing sd3 runs/tiny-sd3-pipeline``.
+TINY_RECIPE_MODEL = Path("runs/tiny-sd3-pipeline")
+
+
 def ensure_pipeline(base: dict[str, Any], scratch: Path) -> None:
+    """Point ``plugin.model`` at an existing pipeline folder. Only the tiny recipe's own folder may be missing: the
+    same tiny SD3 is then built under ``scratch`` (and the substitution printed); any other missing model is an
+    error, so a benchmark never measures a model other than the one its config names."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
-    model = Path(base["plugin"]["model"])
-    if not model.is_absolute():
-        model = ROOT / model
-    if not (model / "model_index.json").is_file():
-        model = scratch / "tiny-sd3-pipeline"
-        if not (model / "model_index.json").is_file():
-            save_tiny_pipeline("sd3", model)
-    base["plugin"]["model"] = str(model)
+    named = Path(base["plugin"]["model"])
+    model = named if named.is_absolute() else ROOT / named
+    if (model / "model_index.json").is_file():
+        base["plugin"]["model"] = str(model)
+        return
+    if model.resolve() != (ROOT / TINY_RECIPE_MODEL).resolve():
+        raise SystemExit(f"flow_credit.py: plugin.model {named} is not a diffusers pipeline folder (no "
+                         "model_index.json); build or download it first")
+    built = scratch / "tiny-sd3-pipeline"
+    if not (built / "model_index.json").is_file():
+        save_tiny_pipeline("sd3", built)
+    print(f"flow_credit.py: {named} is not built; using the same tiny SD3 built in {built}")
+    base["plugin"]["model"] = str(built)
 
 
 def calibration_steps(steps: int, points: int = CALIBRATION_POINTS) -> list[int]:

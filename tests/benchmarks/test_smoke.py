@@ -287,3 +287,11 @@ def test_memory_estimate(tmp_path):
     assert len(result["check"]) == 12
     for row in result["check"]:
         assert 0.95 < row["ratio"] < 1.05, row
+
+
+def test_flow_credit_refuses_a_missing_model_other_than_the_tiny_recipes(tmp_path):
+    """Only configs/flow/tiny_sd3.yaml's own unbuilt folder is replaced by a tiny SD3 built in scratch; any other
+    missing model stops the benchmark in one line instead of measuring a model the config does not name."""
+    flow_credit = load_module("flow_credit.py")
+    with pytest.raises(SystemExit, match=r"plugin.model runs/missing is not a diffusers pipeline folder"):
+        flow_credit.ensure_pipeline({"plugin": {"model": "runs/missing"}}, tmp_path)
