@@ -70,6 +70,13 @@ def read_videos(batch: RewardInput, output: str = "videos", reward: str = "video
     return VideoBatch(videos=videos, finite=torch.tensor(finite, dtype=torch.bool))
 
 
+def check_stride(reward: str, stride: int) -> None:
+    """One-line RewardError unless ``stride`` is an integer >= 1 (``range`` would raise on 0 and choose no frame for a
+    negative stride), for callers that build the reward in Python rather than from a checked config."""
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise RewardError(f"reward {reward!r}: stride must be an integer >= 1, got {stride!r}")
+
+
 def frame_indices(count: int, stride: int) -> list[int]:
     """Frames 0, stride, 2·stride, ... of a ``count``-frame video."""
     return list(range(0, count, stride))
@@ -91,6 +98,7 @@ class PerFrameReward(Reward):
             aggregate: How frame scores become the video's score: their mean, or their minimum (the worst frame).
             output: Payload entry holding the videos.
         """
+        check_stride("per_frame", stride)
         if reward in VIDEO_REWARDS:
             raise RewardError(f"reward 'per_frame': reward {reward!r} scores videos; name an image reward")
         if reward not in reward_functions:
@@ -152,6 +160,7 @@ def temporal_consistency(batch: RewardInput, stride: Stride = 1, output: str = "
         stride: Compare frames stride apart (1: neighbouring frames).
         output: Payload entry holding the videos.
     """
+    check_stride("temporal_consistency", stride)
     videos = read_videos(batch, output, "temporal_consistency")
     scores = torch.full((len(videos),), float("nan"), dtype=torch.float64)
     for index, video in enumerate(videos.videos):
@@ -184,8 +193,10 @@ class ClipTemporalConsistency(Reward):
             batch_size: Frames per forward pass.
             device: Where the model runs (null: cuda when available, else cpu).
         """
-        from mmrl.rewards.image_models import OpenClip, pick_device
+        from mmrl.rewards.image_models import OpenClip, _check_positive, pick_device
 
+        check_stride(self.name, stride)  # both checked before a model is loaded
+        _check_positive(self.name, batch_size=batch_size)
         self.clip = OpenClip(self.name, model, pretrained, pick_device(self.name, device))
         self.stride, self.output, self.batch_size = stride, output, batch_size
 

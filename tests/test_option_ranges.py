@@ -207,7 +207,8 @@ def _config(registry: str, name: str, option: str, value: Any) -> tuple[dict, st
         data["algorithm"][field] = {"name": name, option: value}
         return data, f"algorithm.{field}.{option}", lambda c: getattr(c.algorithm, field).options[option]
     if registry == "reward_functions":
-        data["rewards"] = {"functions": [{"name": name, "args": {option: value}}]}
+        required = {"reward": "jpeg_compressibility"} if name == "per_frame" else {}  # the image reward it applies
+        data["rewards"] = {"functions": [{"name": name, "args": {**required, option: value}}]}
         return data, f"rewards.functions[0].args.{option}", lambda c: c.rewards.functions[0].args[option]
     if registry == "pairwise_judges":
         args = {"judge": name, "judge_args": {option: value}}
@@ -453,6 +454,17 @@ def _probes() -> dict[str, Any]:
     for option in ("timeout", "retries", "backoff"):
         probes[f"reward_functions.remote.{option}"] = _constructor_probe(
             lambda value, option=option: RemoteReward(check_server=False, token_env=None, **{option: value}))
+    from mmrl.rewards.videos import PerFrameReward, check_stride, temporal_consistency
+
+    probes["reward_functions.per_frame.stride"] = _constructor_probe(
+        lambda value: PerFrameReward(reward="jpeg_compressibility", stride=value))
+    video = torch.zeros(1, 3, 3, 4, 4, dtype=torch.uint8)  # [N, C, F, H, W]
+    probes["reward_functions.temporal_consistency.stride"] = _constructor_probe(
+        lambda value: temporal_consistency(RewardInput(rows=[{}], payload={"videos": video}), stride=value))
+    # clip_temporal_consistency checks both before loading its model, with these two functions.
+    probes["reward_functions.clip_temporal_consistency.stride"] = _constructor_probe(
+        lambda value: check_stride("clip_temporal_consistency", value))
+    probes["reward_functions.clip_temporal_consistency.batch_size"] = _positive_probe("batch_size")
     probes["pairwise_judges.pointwise.tolerance"] = _constructor_probe(
         lambda value: PointwiseJudge(reward="jpeg_compressibility", tolerance=value))
     return probes
