@@ -1,0 +1,232 @@
+"""Supervised pretraining of the grounding world's model (the committed ``assets/qwen2_5_vl`` checkpoint).
+
+The model (:mod:`~mmrl.plugins.vlm.grounding.model`, random weights) learns by teacher forcing to answer fresh
+training questions of the world (:mod:`~mmrl.plugins.vlm.grounding.world`, every kind in turn; a new scene for every
+example, never one at a held-out place) with the completion :func:`~mmrl.plugins.vlm.grounding.world.answer_text`
+writes in the family's box convention. The prompts are the ones the VLM plugin builds (the same chat template,
+format instruction, image resizing and processor calls, through the plugin's adapter), so that the RL run continues
+exactly where pretraining stopped. The loss is the mean cross-entropy of the completion tokens (the EOS included);
+the whole model trains, the vision tower too. AdamW, linear warm-up then a constant learning rate, so that a run
+stopped at step k has the weights a longer run had at step k.
+
+Every ``--eval-every`` steps the model answers ``--eval-questions`` validation questions greedily (held-out
+compositions, drawn with another seed than the RL recipe's evaluation set), scored by the world's reward per kind
+and by ``format``; the checkpoint folder is rewritten then (atomically), with ``pretrain.json`` holding the command,
+the options, the timings and every evaluation::
+
+    python -m mmrl.plugins.vlm.grounding.pretrain --out /tmp/grounding-model --steps 3000 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.plugins.vlm.grounding import model as world_model
+from mmrl.plugins.vlm.grounding import world
+
+VALIDATION_SEED = 1_000
+"""Seed of the validation questions (the RL recipe evaluates on seed 0's held-out questions)."""
+
+
+class Learner:
+    """The model, its adapter (the VLM plugin's prompt and batching code) and the family's box convention."""
+
+    def __init__(self, checkpoint: str | Path, family: str, device: str = "cpu"):
+        from mmrl.plugins.vlm.adapters import vlm_adapters
+
+        adapter_class = vlm_adapters.get(family)
+        self.adapter = adapter_class(str(checkpoint), min_pixels=world_model.MIN_PIXELS,
+                                     max_pixels=world_model.MAX_PIXELS)
+        self.model = self.adapter.load_model(dtype=torch.float32, attn_implementation="sdpa").to(device)
+        self.convention = adapter_class.box_convention
+        self.device = device
+        tokenizer = self.adapter.tokenizer
+        self.eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+    def rows(self, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Records with ``resized_size``, as the plugin's loader attaches it."""
+        return [{**record, "resized_size": list(self.adapter.resized_size(record["image_size"]))}
+                for record in records]
+
+    def prompts(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]) -> list[dict[str, torch.Tensor]]:
+        """The plugin's prompt inputs for rows and their images (``[H, W, 3]`` uint8 arrays)."""
+        from PIL import Image
+
+        texts = [self.adapter.chat_text(self.adapter.messages(
+            world_model.PROMPT_TEMPLATE.format(question=row["problem"]), 1)) for row in rows]
+        loaded = [self.adapter.load_images([Image.fromarray(image)]) for image in images]
+        return self.adapter.encode(texts, loaded)
+
+    def loss(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]) -> torch.Tensor:
+        """Mean cross-entropy of the answer tokens (EOS included), teacher-forced."""
+        prompts = self.prompts(rows, images)
+        answers = [world.answer_text(row, self.convention, row["resized_size"]) for row in rows]
+        tokenizer = self.adapter.tokenizer
+        completions = [torch.tensor(tokenizer(answer, add_special_tokens=False)["input_ids"] + [self.eos_id])
+                       for answer in answers]
+        inputs, width = self.adapter.collate(prompts, completions, device=self.device)
+        targets = inputs["input_ids"][:, width:]  # [n, C]
+        logits = self.adapter.completion_logits(self.model, inputs, targets.shape[1])  # [n, C, V]
+        mask = inputs["attention_mask"][:, width:].bool()  # [n, C]
+        return torch.nn.functional.cross_entropy(logits[mask].float(), targets[mask])
+
+    @torch.no_grad()
+    def answer(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray], max_new_tokens: int = 96
+               ) -> list[str]:
+        """Greedy completions (special tokens kept, the final EOS dropped), as the plugin's evaluation decodes."""
+        from transformers import GenerationConfig
+
+        prompts = self.prompts(rows, images)
+        eos = sorted({self.eos_id, int(self.adapter.tokenizer.pad_token_id)})
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                  pad_token_id=self.adapter.pad_token_id, num_beams=1, repetition_penalty=1.0,
+                                  suppress_tokens=self.adapter.suppressed_token_ids())
+        self.model.eval()
+        saved = self.model.generation_config
+        try:
+            self.model.generation_config = config
+            sequences, width = self.adapter.generate(self.model, prompts, config, device=self.device)
+        finally:
+            self.model.generation_config = saved
+            self.model.train()
+        texts = []
+        for tokens in sequences[:, width:].tolist():
+            ended = [i for i, token in enumerate(tokens) if token in eos]
+            texts.append(self.adapter.tokenizer.decode(tokens[:ended[0]] if ended else tokens,
+                                                       skip_special_tokens=False))
+        return texts
+
+
+def score(rows: Sequence[dict[str, Any]], texts: Sequence[str], convention: str) -> dict[str, float]:
+    """Mean world reward per kind and overall, and the share of answers in the R1 format."""
+    from mmrl.plugins.vlm.grounding.reward import grounding_world
+    from mmrl.reward import RewardInput
+    from mmrl.rewards.reasoning import format_reward
+
+    batch = RewardInput(rows=list(rows), payload={"completions": list(texts)})
+    scores = grounding_world(batch, convention=convention)
+    result = {}
+    for kind in world.KINDS:
+        values = [s for s, row in zip(scores, rows, strict=True) if row["kind"] == kind]
+        if values:
+            result[kind] = float(np.mean(values))
+    result["all"] = float(np.mean(scores))
+    result["format"] = float(np.mean(format_reward(batch)))
+    return result
+
+
+def evaluate(learner: Learner, rows: Sequence[dict[str, Any]], batch_size: int = 32) -> dict[str, float]:
+    """Greedy answers to ``rows`` scored by :func:`score`."""
+    texts: list[str] = []
+    for start in range(0, len(rows), batch_size):
+        part = rows[start:start + batch_size]
+        texts += learner.answer(part, [world.record_image(row) for row in part])
+    return score(rows, texts, learner.convention)
+
+
+def training_batch(rng: np.random.Generator, size: int, step: int) -> list[dict[str, Any]]:
+    """``size`` fresh training records, the kinds in turn (shifted by the step, so each kind gets every slot)."""
+    return [world.scene_row(world.make_scene(world.KINDS[(step + i) % len(world.KINDS)], "train", rng))
+            for i in range(size)]
+
+
+def _write_checkpoint(learner: Learner, out: Path, record: dict[str, Any]) -> None:
+    """Rewrite ``out`` atomically: a staging folder renamed into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    world_model.save(learner.model, learner.adapter.processor, staging)
+    (staging / "pretrain.json").write_text(json.dumps(record, indent=1) + "\n")
+    old = out.with_name(f".{out.name}-old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mmrl.plugins.vlm.grounding.pretrain",
+                                     description="Pretrain the grounding world's model by supervised fine-tuning.")
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint folder (rewritten at each evaluation)")
+    parser.add_argument("--family", choices=("qwen2_5_vl", "qwen2_vl"), default="qwen2_5_vl")
+    parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--eval-questions", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--stop-at", type=float, default=None,
+                        help="stop after the first evaluation whose validation locate IoU reaches this value")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="grounding-init-") as scratch:
+        init = args.init
+        if init is None:
+            model, processor = world_model.build_model(args.family, seed=args.seed)
+            init = world_model.save(model, processor, Path(scratch) / "init")
+        learner = Learner(init, args.family)
+    optimizer = torch.optim.AdamW(learner.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(args.warmup, 1)))
+    rng = np.random.default_rng([args.seed, 7])
+    validation = learner.rows(world.make_records(args.eval_questions, "test", VALIDATION_SEED))
+    record: dict[str, Any] = {"command": "python -m mmrl.plugins.vlm.grounding.pretrain " + " ".join(sys.argv[1:]),
+                              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                              "model": world_model.DIMS, "torch": torch.__version__, "machine": platform.machine(),
+                              "log": []}
+    if args.init is not None and (args.init / "pretrain.json").is_file():
+        # A continued run records the stage it started from, so the checkpoint's whole history stays in one file.
+        record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
+    losses: list[float] = []
+    learner.model.train()
+    for step in range(1, args.steps + 1):
+        rows = learner.rows(training_batch(rng, args.batch_size, step))
+        loss = learner.loss(rows, [world.record_image(row) for row in rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(learner.model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"pretraining loss became {losses[-1]} at step {step}")
+        if step % args.log_every == 0:
+            print(f"step {step}: loss {np.mean(losses[-args.log_every:]):.4f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            scores = evaluate(learner, validation)
+            entry = {"step": step, "loss": float(np.mean(losses[-args.eval_every:])),
+                     "seconds": round(time.perf_counter() - started, 1),
+                     **{f"validation/{key}": round(value, 4) for key, value in scores.items()}}
+            record["log"].append(entry)
+            record["seconds"] = entry["seconds"]
+            _write_checkpoint(learner, args.out, record)
+            print(json.dumps(entry), flush=True)
+            if args.stop_at is not None and scores.get("locate", 0.0) >= args.stop_at:
+                break
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
