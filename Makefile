@@ -13,7 +13,7 @@ EXTRAS ?= all,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
-.PHONY: install demo shapes toy test test-fast lint clean
+.PHONY: install demo demo-vlm shapes toy test test-fast lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -32,6 +32,13 @@ demo: install
 	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes
 
 shapes: demo
+
+# The grounding world (docs/vlm.md): GRPO on the bundled tiny Qwen2.5-VL, offline on the CPU, then the report
+# (held-out score per question kind before/after, box grid, reward curve in runs/vlm/grounding).
+demo-vlm: install
+	OMP_NUM_THREADS=1 $(PY) -m mmrl.plugins.vlm.grounding.world runs/vlm/grounding-data
+	OMP_NUM_THREADS=1 $(VENV)/bin/mmrl train configs/vlm/grounding.yaml run.resume=latest
+	$(PY) -m mmrl.plugins.vlm.grounding.report runs/vlm/grounding
 
 # The reference plugin: GRPO on digit reversal, about a minute on a CPU.
 toy: install

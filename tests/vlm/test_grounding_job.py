@@ -1,0 +1,120 @@
+"""The grounding world's job (docs/vlm.md, "The grounding world"): the bundled checkpoint, the pretraining script,
+the recipe end to end for a few steps with its report, and the box convention of a Qwen2-VL build through the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.plugins.vlm.grounding import world
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = ROOT / "plugins" / "vlm" / "grounding" / "assets" / "qwen2_5_vl"
+RECIPE = ROOT / "configs" / "vlm" / "grounding.yaml"
+
+
+def _small_dataset(folder: Path) -> dict[str, Path]:
+    return world.write_dataset(folder, train=12, test=6, seed=0)
+
+
+def _config(model: Path, data: dict[str, Path], run: Path, *overrides: str):
+    from mmrl.config import load_config
+
+    return load_config(RECIPE, [f"plugin.model={model}", f"plugin.data.train={data['train']}",
+                                f"plugin.data.eval={data['test']}", f"run.output_dir={run}", "run.progress=false",
+                                *overrides])
+
+
+def test_bundled_checkpoint_is_small_and_records_how_it_was_made():
+    files = [path for path in CHECKPOINT.rglob("*") if path.is_file()]
+    assert sum(path.stat().st_size for path in files) < 10 * 2**20
+    record = json.loads((CHECKPOINT / "pretrain.json").read_text())
+    # Two stages (docs/vlm.md): a fresh model, then a continuation from it; each records its command, seed and time.
+    for stage in (record, record["previous_stage"]):
+        assert stage["args"]["family"] == "qwen2_5_vl" and "seed" in stage["args"] and stage["seconds"] > 0
+    assert record["args"]["init"] is not None and record["previous_stage"]["args"]["init"] is None
+    last = record["log"][-1]
+    # It answers in the format; its held-out grounding is weak (docs/vlm.md gives the numbers).
+    assert last["validation/format"] > 0.9 and {"validation/locate", "validation/find", "validation/count"} <= set(last)
+
+
+def test_pretraining_script_teaches_the_family_convention_and_writes_a_loadable_checkpoint(tmp_path):
+    """Two steps of the script for a Qwen2-VL build: the teacher-forced answers are the 0-1000 box tokens, the
+    checkpoint loads with the qwen2_vl adapter and pretrain.json records the run."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.grounding import pretrain
+
+    out = tmp_path / "qwen2_vl"
+    assert pretrain.main(["--out", str(out), "--family", "qwen2_vl", "--steps", "2", "--batch-size", "3",
+                          "--eval-every", "2", "--eval-questions", "3", "--threads", "1", "--log-every", "1"]) == 0
+    record = json.loads((out / "pretrain.json").read_text())
+    assert [entry["step"] for entry in record["log"]] == [2] and record["args"]["family"] == "qwen2_vl"
+    assert set(record["log"][0]) >= {"validation/locate", "validation/find", "validation/count", "validation/format"}
+    learner = pretrain.Learner(out, "qwen2_vl")
+    assert learner.convention == "qwen2_vl" and vlm_adapters.get("qwen2_vl").box_convention == "qwen2_vl"
+    row = learner.rows(world.make_records(1, "train", seed=0))[0]
+    assert "<|box_start|>" in world.answer_text(row, learner.convention, row["resized_size"])
+    loss = learner.loss([row], [world.record_image(row)])
+    assert torch.isfinite(loss) and float(loss.detach()) > 0
+    assert not list(tmp_path.glob(".qwen2_vl-*"))  # the staging folders are gone
+
+
+def test_qwen2_vl_build_runs_the_world_in_its_own_convention(tmp_path):
+    """The recipe with a Qwen2-VL build: one training step runs, and the run's rewards read the world's exact
+    answers in the 0-1000 convention (IoU ~1) while Qwen2.5-VL-style pixel answers score low: a run that read boxes
+    in the wrong convention would fail here."""
+    from mmrl.plugins.vlm.data import attach_sizes, load_jsonl
+    from mmrl.plugins.vlm.grounding import model
+    from mmrl.reward import RewardInput
+    from mmrl.trainer import Trainer
+
+    built, processor = model.build_model("qwen2_vl", seed=0)
+    folder = model.save(built, processor, tmp_path / "qwen2_vl")
+    data = _small_dataset(tmp_path / "data")
+    config = _config(folder, data, tmp_path / "run", "plugin.family=qwen2_vl", "run.max_steps=1",
+                     "rollout.prompts_per_step=2", "rollout.group_size=2", "plugin.max_new_tokens=8",
+                     "eval.at_start=false", "eval.num_prompts=2")
+    trainer = Trainer(config)
+    result = trainer.train()
+    assert len(result.history) == 1
+    rows = attach_sizes(load_jsonl(data["test"]), trainer.plugin.adapter.resized_size)
+    boxes = [row for row in rows if row["kind"] != "count"]
+    right = [world.answer_text(row, "qwen2_vl", row["resized_size"]) for row in boxes]
+    wrong = [world.answer_text(row, "qwen2_5_vl", row["resized_size"]) for row in boxes]
+    index = trainer.scorer.names.index("grounding_world")
+    scores = trainer.scorer.score(RewardInput(rows=boxes, payload={"completions": right})).scores[:, index]
+    mixed = trainer.scorer.score(RewardInput(rows=boxes, payload={"completions": wrong})).scores[:, index]
+    assert float(scores.min()) > 0.8 and float(mixed.mean()) < 0.5, (scores, mixed)
+
+
+@pytest.mark.slow  # about a minute on 2 shared cores: 3 GRPO steps of 16 samples, two evaluations of 6 questions
+def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path):
+    """The recipe, short: three steps from the bundled checkpoint on 12 training questions. The first mini-batch of
+    every step is on policy (ratio 1), the weights move, the evaluations run before and after, and the report
+    writes the per-kind scores, the grid and the reward curve."""
+    from mmrl.plugins.vlm.grounding import report
+    from mmrl.trainer import Trainer
+
+    data = _small_dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    config = _config(CHECKPOINT, data, run, "run.max_steps=3", "rollout.prompts_per_step=2",
+                     "rollout.group_size=8", "eval.every=0", "eval.num_prompts=6")
+    trainer = Trainer(config)
+    before = {name: value.detach().clone() for name, value in trainer.policy.named_parameters() if value.requires_grad}
+    result = trainer.train()
+    assert sorted(result.evaluations) == [0, 3]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-4 for record in result.history)
+    assert any(record["reward/mean"] > 0 for record in result.history)  # the pretrained model scores
+    moved = [name for name, value in trainer.policy.named_parameters() if value.requires_grad
+             and not torch.equal(value.detach(), before[name])]
+    assert moved, "no trainable weight changed"
+    summary = report.report(run)
+    assert summary["convention"] == "qwen2_5_vl" and summary["steps"] == 3
+    assert summary["questions"] == {"locate": 2, "find": 2, "count": 2}
+    assert set(summary["held_out_before"]) == {"locate", "find", "count", "all", "format"}
+    assert summary["held_out_before"]["format"] > 0.5
+    for name in ("grid.png", "reward_curve.png", "summary.json"):
+        assert (run / name).stat().st_size > 0
