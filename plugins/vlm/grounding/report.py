@@ -264,16 +264,17 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
     return summary
 
 
-def compare(runs: Sequence[str | Path], labels: Sequence[str], path: str | Path) -> Path:
+def compare(runs: Sequence[str | Path], labels: Sequence[str], path: str | Path, max_step: int | None = None) -> Path:
     """One figure: held-out locate IoU at each evaluation and the training reward's moving average, per run.
 
-    Runs given as ``NAME=RUN1,RUN2,...`` are averaged over their seeds (the shaded band spans their range)."""
+    Runs given as ``RUN1,RUN2,...`` are averaged over their seeds (the shaded band spans their range); ``max_step``
+    draws only the steps up to it (equal samples for runs of different lengths)."""
     plt = _plt()
     figure, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.2), dpi=100)
     for label, group in zip(labels, runs, strict=True):
         folders = [Path(p) for p in str(group).split(",")]
         curves = [held_out_scores(folder) for folder in folders]
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        steps = sorted(s for s in set.intersection(*(set(c) for c in curves)) if max_step is None or s <= max_step)
         values = np.array([[c[s]["locate"] for s in steps] for c in curves])  # [seeds, evaluations]
         line = left.plot(steps, values.mean(0), "o-", markersize=3, label=label)[0]
         if len(folders) > 1:
@@ -281,7 +282,8 @@ def compare(runs: Sequence[str | Path], labels: Sequence[str], path: str | Path)
         rewards = []
         for folder in folders:
             metrics = read_metrics(folder / "metrics.jsonl")
-            rewards.append([r["reward/mean"] for r in metrics if r.get("reward/mean") is not None])
+            rewards.append([r["reward/mean"] for r in metrics if r.get("reward/mean") is not None
+                            and (max_step is None or r["step"] <= max_step)])
         width = min(len(r) for r in rewards)
         mean = np.mean([r[:width] for r in rewards], axis=0)
         right.plot(range(1, width + 1), _moving_average(list(mean), max(1, width // 10)), color=line.get_color(),
@@ -317,11 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs="+", help="runs to draw in one figure (RUN or RUN1,RUN2 for seeds)")
     parser.add_argument("--labels", nargs="+", help="a label per --compare entry")
     parser.add_argument("--out", type=Path, help="the --compare figure")
+    parser.add_argument("--max-step", type=int, help="--compare: draw the steps up to this one only")
     args = parser.parse_args(argv)
     if args.compare:
         if not args.labels or len(args.labels) != len(args.compare) or args.out is None:
             parser.error("--compare needs --labels (one per run) and --out")
-        print(f"wrote {compare(args.compare, args.labels, args.out)}")
+        print(f"wrote {compare(args.compare, args.labels, args.out, args.max_step)}")
         return 0
     if args.run is None:
         parser.error("give a run folder, or --compare")
