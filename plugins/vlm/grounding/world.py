@@ -7,9 +7,9 @@ Images
     3:1), a plain or a textured background (:data:`BACKGROUNDS`: flat, noise, stripes, checks; greys with a slight
     tint, never a shape colour), and one to four objects: 4 colours (:data:`PALETTE`) × 3 shapes (:data:`SHAPES`),
     each in a square box whose side is 18–34% of the image's shorter side, at least :data:`GAP` pixels from the others
-    and from nothing else. An object covers the pixels whose centres lie inside it (no anti-aliasing): a circle
-    inscribed in its box, a square filling it, a triangle with its apex at the top middle and its base along the
-    bottom. Boxes are integer pixels ``[x1, y1, x2, y2]`` of the original image (x2, y2 exclusive).
+    (boxes may touch the image border). An object covers the pixels whose centres lie inside it (no anti-aliasing):
+    a circle inscribed in its box, a square filling it, a triangle with its apex at the top middle and its base along
+    the bottom. Boxes are integer pixels ``[x1, y1, x2, y2]`` of the original image (x2, y2 exclusive).
 
 Questions (:data:`KINDS`), each a dataset row with its ground truth in original-image pixels
     - ``locate``: "Locate the red circle." Exactly one object of that colour and shape; the other objects share its
