@@ -187,6 +187,13 @@ class VLMPluginConfig:
         True, help="Generation prefills each distinct prompt once and copies its KV cache to the prompt's G samples "
         "(the prompt, image tokens included, is computed once per group instead of G times).",
     )
+    share_prompt_forward: bool = config_field(
+        True, help="The teacher-forced passes (training forward and backward, reference, old_logp) run each distinct "
+        "prompt once and its G completions on top of its KV cache, instead of the whole prompt + completion "
+        "sequence per sample (mmrl.plugins.vlm.prefix). Exact up to float rounding. Needs fused_lm_head; the plain "
+        "pass runs under DDP/FSDP wrappers (one model call per backward) and under gradient checkpointing with "
+        "gradients on (transformers drops the KV cache there).",
+    )
     fused_lm_head: bool = config_field(
         True, help="Apply the LM head inside the chunked log-softmax (from the final hidden states), so the [N, C, V] "
         "logits never exist as a whole; the backward recomputes each chunk. Set false under FSDP or ZeRO-3, where "
@@ -338,6 +345,7 @@ class VLMPlugin(Plugin):
         are 0 (masked out).
         """
         from mmrl.plugins.vlm.logprobs import fused_head_log_softmax, selective_log_softmax
+        from mmrl.plugins.vlm.prefix import shared_prompt_hidden
 
         inputs, prompt_width = self.adapter.collate(prompts, completions, device=self.runtime.device)
         num_completion = int(inputs["input_ids"].shape[1]) - prompt_width
@@ -350,7 +358,9 @@ class VLMPlugin(Plugin):
                        with_entropy=with_entropy, suppress=suppress)
         if self.config.fused_lm_head:
             with self.runtime.autocast():
-                hidden, head = self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]
+                shared = (shared_prompt_hidden(self.adapter, model, prompts, inputs, prompt_width, num_completion)
+                          if self._can_share_prompts(model) else None)
+                hidden, head = shared or self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]
             logp, entropy = fused_head_log_softmax(hidden, head.weight, head.bias, tokens, **options)
         else:
             with self.runtime.autocast():
@@ -361,6 +371,14 @@ class VLMPlugin(Plugin):
         if entropy is not None:
             entropy = nn.functional.pad(entropy.float().masked_fill(padding, 0.0), (0, width - num_completion))
         return logp, entropy
+
+    def _can_share_prompts(self, model: nn.Module) -> bool:
+        """Whether :meth:`token_logp` may split its pass (``share_prompt_forward``): not through a DDP/FSDP wrapper
+        (two calls per backward) nor under gradient checkpointing with gradients on (transformers drops the cache)."""
+        checkpointing = model.training and torch.is_grad_enabled() and any(
+            getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+        return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
+                and self.runtime.unwrap(model) is model and not checkpointing)
 
     @contextmanager
     def reference_model(self, policy: nn.Module) -> Iterator[nn.Module]:

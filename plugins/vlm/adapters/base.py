@@ -26,7 +26,8 @@ A family adapter (one file) sets the class attributes and overrides what its mod
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -344,25 +345,25 @@ class VLMAdapter:
         """
         if num_completion < 1:
             raise ValueError("completion_hidden needs at least one completion token")
-        hf_model = _base_model(model)
-        head = hf_model.get_output_embeddings()
-        name = next((child for child, module in hf_model.named_children() if module is head), None)
-        if head is None or name is None:
-            raise AttributeError(f"{type(hf_model).__name__} has no LM head child module to fuse; set "
-                                 "plugin.fused_lm_head: false")
-        setattr(hf_model, name, nn.Identity())
-        try:
+        with identity_head(model) as head:
             output = model(**inputs, logits_to_keep=num_completion + 1, use_cache=False)
-        finally:
-            setattr(hf_model, name, head)
         hidden = output.logits  # [n, C + 1, H]: the identity head returned the hidden states
         if hidden.shape[1] != num_completion + 1:
             hidden = hidden[:, -(num_completion + 1):]
-        weight = head.weight
-        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.numel() == 0:
-            raise RuntimeError(f"the LM head's weight has shape {tuple(weight.shape)} outside the model call (sharded "
-                               "by FSDP or ZeRO-3?); set plugin.fused_lm_head: false")
+        check_head(head, hidden.shape[-1])
         return hidden[:, :-1], head
+
+    def rope_positions(self, model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+        """The M-RoPE position ids ``[3, n, L]`` the model would compute itself for collated ``inputs`` (prompts
+        without completions), so that a caller can pass them explicitly and continue them past the prompt."""
+        attention = inputs["attention_mask"]  # [n, L]
+        if "image_grid_thw" not in inputs:  # text only: the three components are the plain text positions
+            positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)  # [n, L]
+            return positions.unsqueeze(0).expand(3, -1, -1)
+        backbone = _base_model(model).model
+        positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                                              image_grid_thw=inputs["image_grid_thw"], attention_mask=attention)
+        return positions
 
     # ------------------------------------------------------------------ modules
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -433,6 +434,31 @@ def find_submodule(module: nn.Module, paths: Sequence[str], *, what: str) -> nn.
         if isinstance(found, nn.Module):
             return found
     raise AttributeError(f"cannot find the {what} on {type(module).__name__}: tried {', '.join(paths)}")
+
+
+@contextmanager
+def identity_head(model: nn.Module) -> Iterator[nn.Module]:
+    """Swap the LM head of ``model`` for an identity for the duration (its "logits" are then the final hidden
+    states) and yield the head module."""
+    hf_model = _base_model(model)
+    head = hf_model.get_output_embeddings()
+    name = next((child for child, module in hf_model.named_children() if module is head), None)
+    if head is None or name is None:
+        raise AttributeError(f"{type(hf_model).__name__} has no LM head child module to fuse; set "
+                             "plugin.fused_lm_head: false")
+    setattr(hf_model, name, nn.Identity())
+    try:
+        yield head
+    finally:
+        setattr(hf_model, name, head)
+
+
+def check_head(head: nn.Module, hidden_size: int) -> None:
+    """The head's weight must be whole outside the model call (not sharded by FSDP or ZeRO-3)."""
+    weight = head.weight
+    if weight.dim() != 2 or weight.shape[1] != hidden_size or weight.numel() == 0:
+        raise RuntimeError(f"the LM head's weight has shape {tuple(weight.shape)} outside the model call (sharded "
+                           "by FSDP or ZeRO-3?); set plugin.fused_lm_head: false")
 
 
 def _base_model(model: nn.Module) -> nn.Module:

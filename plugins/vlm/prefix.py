@@ -1,0 +1,124 @@
+"""Teacher-forced hidden states with each distinct prompt computed once (``share_prompt_forward``).
+
+GRPO scores G completions of every prompt. The plain teacher-forced pass runs the whole ``prompt + completion``
+sequence of each of the n = P·G samples, so every prompt (image tokens included, most of the sequence for a VLM)
+goes through the language model G times, in the training forward, its backward and the reference pass alike. Under
+causal attention a prompt position's hidden states and keys/values depend on the prompt alone, so
+:func:`shared_prompt_hidden` splits the pass in two:
+
+1. the distinct prompts, once each (left-padded as :meth:`VLMAdapter.collate` pads them), with a KV cache: the last
+   prompt position's hidden state (it predicts the first completion token) and every layer's keys and values;
+2. the cache indexed out to the n samples (``index_select``, differentiable: the G samples' gradients flow back
+   into their prompt's one computation and add up), then the n completions but their last token on top of it.
+
+The M-RoPE position ids are computed once for the distinct prompts (:meth:`VLMAdapter.rope_positions`) and passed
+explicitly; the completion positions continue the prompt's last (text) position by one per token, which is what
+the model computes for the whole sequence. The result is the plain pass's ``[n, C, H]`` hidden states up to float
+rounding (the attention over prompt and completion is split between two calls): the same function of the same
+weights, so log-probs, the reference and gradients are unchanged. ``tests/vlm/test_prefix.py`` checks values and
+gradients against the plain pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, check_head, identity_head
+
+_PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "pixel_values")
+
+
+def distinct_prompts(prompts: Sequence[PromptInputs]) -> tuple[list[PromptInputs], list[int]]:
+    """The distinct prompts in first-appearance order and, per sample, the position of its prompt among them.
+
+    Two samples share a prompt when its tensors are the same objects (the G copies of a rollout's group) or equal
+    (the same prompt after a device copy); comparing values keeps the split exact whatever the caller did.
+    """
+    unique: list[PromptInputs] = []
+    index: list[int] = []
+    for prompt in prompts:
+        for position, other in enumerate(unique):
+            if _same_prompt(prompt, other):
+                index.append(position)
+                break
+        else:
+            index.append(len(unique))
+            unique.append(prompt)
+    return unique, index
+
+
+def _same_prompt(a: PromptInputs, b: PromptInputs) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in _PROMPT_TENSORS:
+        if key not in a:
+            continue
+        x, y = a[key], b[key]
+        if x is y:
+            continue
+        if x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
+            return False
+    return True
+
+
+def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[PromptInputs],
+                         inputs: dict[str, Tensor], prompt_width: int, num_completion: int
+                         ) -> tuple[Tensor, nn.Module] | None:
+    """Final hidden states ``[n, C, H]`` of the positions that predict the completion tokens, and the LM head —
+    what :meth:`VLMAdapter.completion_hidden` returns for ``inputs`` — computing each distinct prompt once.
+
+    Args:
+        adapter: The family adapter (collation, M-RoPE positions).
+        model: The model to run (called twice, the LM head swapped for an identity); it must not be a wrapper that
+            expects one call per backward (DDP, FSDP), and must not drop its KV cache (gradient checkpointing in
+            train mode does).
+        prompts: The n samples' prompts, as passed to :meth:`VLMAdapter.collate`.
+        inputs: ``collate(prompts, completions)``'s model inputs (prompts left-padded to ``prompt_width``,
+            completions right-padded to ``num_completion``).
+        prompt_width: P, the padded prompt length.
+        num_completion: C >= 1.
+
+    Returns:
+        ``(hidden [n, C, H], head)``, or None when no prompt repeats or a prompt ends in a vision token (nothing to
+        share; the caller runs the plain pass).
+    """
+    unique, index_list = distinct_prompts(prompts)
+    if len(unique) == len(prompts):
+        return None
+    device = inputs["input_ids"].device
+    prefix, width = adapter.collate(unique, device=device)  # [u, P]
+    if width != prompt_width:
+        raise RuntimeError(f"distinct prompts collate to {width} positions, the samples to {prompt_width}")
+    if "mm_token_type_ids" in prefix and bool(prefix["mm_token_type_ids"][:, -1].any()):
+        return None  # the completions would continue a vision segment: its positions are not the text positions
+    index = torch.tensor(index_list, device=device)  # [n]
+    positions = adapter.rope_positions(model, prefix)  # [3, u, P]
+    hf_model = _base_model(model)
+    cache_name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+    with identity_head(model) as head:
+        output = model(**prefix, position_ids=positions, use_cache=True, logits_to_keep=1)
+        last = output.logits[:, -1:]  # [u, 1, H]: the identity head returned the hidden states
+        check_head(head, last.shape[-1])
+        if num_completion == 1:
+            return last.index_select(0, index), head
+        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+        if cache is None:
+            raise RuntimeError(f"{type(hf_model).__name__} returned no KV cache for the shared prompt pass")
+        cache.batch_select_indices(index)  # every layer's [u, heads, P, d] -> [n, heads, P, d]
+        steps = torch.arange(1, num_completion, device=device)  # [C - 1]
+        # [3, n, C - 1]: the last prompt token is text, so its three components are equal; text continues by one.
+        completion_positions = positions[:, :, -1:].index_select(1, index) + steps
+        rest = {"input_ids": inputs["input_ids"][:, prompt_width:prompt_width + num_completion - 1],
+                "attention_mask": inputs["attention_mask"][:, :prompt_width + num_completion - 1]}
+        if "mm_token_type_ids" in inputs:
+            rest["mm_token_type_ids"] = inputs["mm_token_type_ids"][:, prompt_width:prompt_width + num_completion - 1]
+        output = model(**rest, position_ids=completion_positions, use_cache=True, **{cache_name: cache})
+        completion = output.logits  # [n, C - 1, H]
+    return torch.cat([last.index_select(0, index), completion], dim=1), head
+
+
+__all__ = ["distinct_prompts", "shared_prompt_hidden"]

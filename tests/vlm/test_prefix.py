@@ -1,0 +1,139 @@
+"""share_prompt_forward: the teacher-forced passes compute each distinct prompt once and the completions on top of
+its KV cache (mmrl.plugins.vlm.prefix); log-probs, entropies and adapter gradients are those of the plain
+per-sample pass, which is also an independent check of the M-RoPE positions it continues."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mmrl.plugins.vlm.plugin import replay_prompts
+from mmrl.plugins.vlm.prefix import distinct_prompts, shared_prompt_hidden
+from mmrl.rollout import Rollout
+from tests.vlm.conftest import make_plugin, prompt_batch
+
+
+def _perturb_lora(plugin, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in plugin.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+def _interleaved(plugin, seed):
+    """A rollout whose groups are interleaved (as the spread layout deals them) over images of different sizes."""
+    rows = plugin.dataset("train")[:3]
+    group_ids = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])
+    batch = replace(prompt_batch([rows[g] for g in group_ids.tolist()], 1, seed=seed), group_ids=group_ids,
+                    group_size=3)
+    return plugin.rollout(plugin.policy(), batch)
+
+
+def _pass(plugin, prompts, completions, width, share):
+    plugin.config.share_prompt_forward = share
+    plugin.model.zero_grad()
+    logp, entropy = plugin.token_logp(plugin.policy(), prompts, completions, width, with_entropy=True)
+    (logp.sum() + 0.5 * entropy.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in plugin.model.named_parameters() if p.grad is not None}
+    return logp.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
+    """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
+    sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
+    features) too when transformers has it."""
+    if family == "qwen3_vl":
+        from mmrl.plugins.vlm.adapters import vlm_adapters
+        from mmrl.plugins.vlm.testing import build_tiny_model
+
+        if "qwen3_vl" not in vlm_adapters:
+            pytest.skip("transformers has no Qwen3-VL")
+        plugin = make_plugin(build_tiny_model("qwen3_vl", tmp_path / "qwen3"))
+    else:
+        plugin = make_plugin(tiny_models[family])
+    _perturb_lora(plugin, seed=5)
+    rollout = _interleaved(plugin, seed=21)
+    cut = [int(n) for n in torch.tensor([10, 1, 7, 4, 10, 2, 9, 5]).clamp(max=rollout.num_actions)]
+    completions = [tokens[:n] for tokens, n in zip(rollout.replay["completion_ids"], cut, strict=True)]
+    prompts = replay_prompts(rollout.replay)
+    shared = _pass(plugin, prompts, completions, rollout.num_actions, share=True)
+    plain = _pass(plugin, prompts, completions, rollout.num_actions, share=False)
+    plugin.config.share_prompt_forward = True
+    torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1], plain[1], rtol=0, atol=1e-5)
+    assert shared[2].keys() == plain[2].keys() and shared[2]
+    for name in plain[2]:
+        torch.testing.assert_close(shared[2][name], plain[2][name], rtol=1e-4, atol=1e-6)
+    mask = torch.arange(rollout.num_actions) < torch.tensor(cut).unsqueeze(1)
+    assert (shared[0][~mask] == 0).all() and (shared[0][mask] < 0).all()
+
+
+def test_each_distinct_prompt_runs_once(tiny_models):
+    """The language model sees the 3 distinct prompts once (their full width) and the 8 completions once."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
+    rollout = _interleaved(plugin, seed=22)
+    prompts, completions = replay_prompts(rollout.replay), rollout.replay["completion_ids"]
+    inputs, width = plugin.adapter.collate(prompts, completions)
+    num_completion = int(inputs["input_ids"].shape[1]) - width
+    calls = []
+    language_model = plugin.model.get_base_model().model.language_model
+    hook = language_model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: calls.append(tuple(kwargs["inputs_embeds"].shape[:2])), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            hidden, _ = shared_prompt_hidden(plugin.adapter, plugin.policy(), prompts, inputs, width, num_completion)
+    finally:
+        hook.remove()
+    assert calls == [(3, width), (8, num_completion - 1)]
+    assert hidden.shape == (8, num_completion, 32)
+
+
+def test_distinct_prompts_compare_values_not_objects(tiny_models):
+    """Copies of a prompt (as after a device move) are recognised; a prompt differing in one token is not."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
+    rows = plugin.dataset("train")[:2]
+    prompts = plugin.encode_rows(rows, torch.tensor([0, 1]), model=plugin.model)
+    copy = {key: value.clone() for key, value in prompts[0].items()}
+    changed = {**copy, "input_ids": copy["input_ids"].clone()}
+    changed["input_ids"][3] += 1
+    unique, index = distinct_prompts([prompts[0], prompts[1], copy, changed, prompts[1]])
+    assert index == [0, 1, 0, 2, 1] and len(unique) == 3 and unique[0] is prompts[0]
+    inputs, width = plugin.adapter.collate(prompts, [torch.tensor([5, 6]), torch.tensor([7])])
+    assert shared_prompt_hidden(plugin.adapter, plugin.model, prompts, inputs, width, 2) is None  # nothing repeats
+
+
+def test_ratio_is_one_and_the_reference_shares_too(tiny_models):
+    """The rollout's old_logp (split pass) against the training forward of a reordered subset (split pass) and the
+    plain pass; the reference through the disabled adapter equals its plain pass and differs from the policy."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"], force_old_logp_pass=True)
+    _perturb_lora(plugin, seed=6)
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(plugin.dataset("train")[:3], 2, seed=23))
+    part: Rollout = rollout.select([5, 0, 3, 1])
+    outputs = []
+    for share in (True, False):
+        plugin.config.share_prompt_forward = share
+        with torch.no_grad():
+            outputs.append(plugin.forward(plugin.policy(), part, need_reference=True))
+    plugin.config.share_prompt_forward = True
+    deviation = ((outputs[0].logp - part.old_logp).exp() - 1).abs()[part.mask > 0].max()
+    assert float(deviation) < 1e-5
+    torch.testing.assert_close(outputs[0].ref_logp, outputs[1].ref_logp, rtol=0, atol=1e-5)
+    assert (outputs[0].logp - outputs[0].ref_logp)[part.mask > 0].abs().max() > 1e-4
+
+
+def test_checkpointing_in_train_mode_runs_the_plain_pass(tiny_models):
+    """Gradient checkpointing drops the KV cache in train mode with gradients on, so the plain pass runs; without
+    gradients (the reference pass) the split pass still applies."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"], gradient_checkpointing=True)
+    plugin.model.train()
+    try:
+        assert not plugin._can_share_prompts(plugin.policy())
+        with torch.no_grad():
+            assert plugin._can_share_prompts(plugin.policy())
+    finally:
+        plugin.model.eval()
+    assert plugin._can_share_prompts(plugin.policy())
