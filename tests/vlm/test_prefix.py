@@ -137,3 +137,22 @@ def test_checkpointing_in_train_mode_runs_the_plain_pass(tiny_models):
     finally:
         plugin.model.eval()
     assert plugin._can_share_prompts(plugin.policy())
+
+
+def test_shared_prefill_applies_the_lm_head_to_no_prompt_position(tiny_models):
+    """Generation's shared prefill keeps only its KV cache, so the LM head sees one position per distinct prompt
+    there (not [u, P, V] logits, gigabytes with a 152k vocabulary and long image prompts)."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
+    rows = plugin.dataset("train")[:2]
+    group_ids = torch.tensor([0, 1, 0, 1])
+    prompts = plugin.encode_rows([rows[g] for g in group_ids.tolist()], group_ids, model=plugin.model)
+    seen = []
+    head = plugin.model.get_base_model().get_output_embeddings()
+    hook = head.register_forward_hook(lambda _module, args, _output: seen.append(tuple(args[0].shape[:2])))
+    try:
+        with torch.no_grad():
+            plugin.adapter.generate(plugin.model, prompts, plugin.generation_config(False), share_prefill=True)
+    finally:
+        hook.remove()
+    assert seen[0] == (2, 1)  # the prefill: 2 distinct prompts, one position each
+    assert all(shape == (4, 1) for shape in seen[1:])  # then one position per sample and decode step

@@ -310,7 +310,7 @@ class VLMAdapter:
         unique_inputs, _ = self.collate(unique, device=inputs["input_ids"].device)
         per_token = ("input_ids", "attention_mask", "mm_token_type_ids")
         prefix = {key: value[:, :-1] if key in per_token else value for key, value in unique_inputs.items()}
-        output = model(**prefix, use_cache=True)
+        output = model(**prefix, use_cache=True, logits_to_keep=1)  # only the cache is used: no [u, P, V] logits
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         index = torch.tensor([positions[id(p)] for p in prompts], device=inputs["input_ids"].device)  # [n]
         cache.batch_select_indices(index)
