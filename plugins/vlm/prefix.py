@@ -83,8 +83,8 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
         num_completion: C >= 1.
 
     Returns:
-        ``(hidden [n, C, H], head)``, or None when no prompt repeats or a prompt ends in a vision token (nothing to
-        share; the caller runs the plain pass).
+        ``(hidden [n, C, H], head)``, or None when no prompt repeats, a prompt ends in a vision token, or prompts
+        with images carry no ``mm_token_type_ids`` (the caller then runs the plain pass).
     """
     unique, index_list = distinct_prompts(prompts)
     if len(unique) == len(prompts):
@@ -93,6 +93,8 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
     prefix, width = adapter.collate(unique, device=device)  # [u, P]
     if width != prompt_width:
         raise RuntimeError(f"distinct prompts collate to {width} positions, the samples to {prompt_width}")
+    if "image_grid_thw" in prefix and "mm_token_type_ids" not in prefix:
+        return None  # no token types to compute the M-RoPE positions from (the model infers them in the plain pass)
     if "mm_token_type_ids" in prefix and bool(prefix["mm_token_type_ids"][:, -1].any()):
         return None  # the completions would continue a vision segment: its positions are not the text positions
     index = torch.tensor(index_list, device=device)  # [n]

@@ -104,6 +104,10 @@ def test_distinct_prompts_compare_values_not_objects(tiny_models):
     assert index == [0, 1, 0, 2, 1] and len(unique) == 3 and unique[0] is prompts[0]
     inputs, width = plugin.adapter.collate(prompts, [torch.tensor([5, 6]), torch.tensor([7])])
     assert shared_prompt_hidden(plugin.adapter, plugin.model, prompts, inputs, width, 2) is None  # nothing repeats
+    untyped = [{key: value for key, value in prompts[0].items() if key != "mm_token_type_ids"}] * 2
+    inputs, width = plugin.adapter.collate(untyped, [torch.tensor([5, 6]), torch.tensor([7])])
+    assert "mm_token_type_ids" not in inputs  # no token types for M-RoPE: the plain pass runs
+    assert shared_prompt_hidden(plugin.adapter, plugin.model, untyped, inputs, width, 2) is None
 
 
 def test_ratio_is_one_and_the_reference_shares_too(tiny_models):
