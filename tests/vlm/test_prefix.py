@@ -111,11 +111,15 @@ def test_distinct_prompts_compare_values_not_objects(tiny_models):
 
 
 def test_ratio_is_one_and_the_reference_shares_too(tiny_models):
-    """The rollout's old_logp (split pass) against the training forward of a reordered subset (split pass) and the
-    plain pass; the reference through the disabled adapter equals its plain pass and differs from the policy."""
-    plugin = make_plugin(tiny_models["qwen2_5_vl"], force_old_logp_pass=True)
+    """The core's old-policy pass over the whole rollout (split pass, every prompt shared by its two samples) against
+    the training forward of a reordered subset (split pass) and the plain pass; the reference through the disabled
+    adapter equals its plain pass and differs from the policy."""
+    from mmrl.trainer.learn import old_policy_pass
+
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
     _perturb_lora(plugin, seed=6)
     rollout = plugin.rollout(plugin.policy(), prompt_batch(plugin.dataset("train")[:3], 2, seed=23))
+    rollout = old_policy_pass(plugin, plugin.policy(), rollout)
     part: Rollout = rollout.select([5, 0, 3, 1])
     outputs = []
     for share in (True, False):
