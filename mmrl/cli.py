@@ -1,5 +1,5 @@
-"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain``, ``mmrl serve-rewards`` (also
-``python -m mmrl``).
+"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain``, ``mmrl serve-rewards``,
+``mmrl new-plugin`` (also ``python -m mmrl``).
 
 Configuration mistakes end with one line on stderr and exit code 2, never a traceback::
 
@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kind, help_text in SERVE_LIMIT_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=help_text)
     serve.set_defaults(handler=_serve_rewards)
+
+    scaffold = commands.add_parser("new-plugin", help="Scaffold an installable plugin package (entry point, config, "
+                                                      "recipe, a test running mmrl.testing.check_plugin).")
+    scaffold.add_argument("name", help="The plugin's registry name, a lowercase identifier such as my_modality.")
+    scaffold.add_argument("--dir", help="The folder to create (default: ./mmrl-NAME); it must not exist.")
+    scaffold.set_defaults(handler=_new_plugin)
     for command in commands.choices.values():  # accepted after the command too: `mmrl train CONFIG --traceback`
         command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
     return parser
@@ -271,6 +277,19 @@ def _serve_rewards(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{name: value for name, value in limits.items() if value is not None})
     token = server_token(args.token_file, args.token_env)
     return serve(args.config, host=args.host, port=args.port, token=token, limits=limits)
+
+
+def _new_plugin(args: argparse.Namespace) -> int:
+    from mmrl.scaffold import ScaffoldError, new_plugin
+
+    try:
+        root = new_plugin(args.name, args.dir)
+    except ScaffoldError as error:
+        print(f"mmrl: new-plugin: {_one_line(error)}", file=sys.stderr)
+        return 2
+    print(f"wrote plugin {args.name!r} to {root}: `pip install -e {root}`, then `pytest {root}` and "
+          f"`mmrl train {root / 'configs' / (args.name + '.yaml')}`")
+    return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
