@@ -163,3 +163,10 @@ def test_config_validation_names_the_key_and_check_config_sees_the_other_section
     _fails(NoKL, "config validation", r"check_config refused the config: config key 'algorithm.kl_coef': got 0.1",
            train_config={"algorithm": {"kl_coef": 0.1}})
     assert "config validation" in check_plugin(NoKL, TOY, train_config={"algorithm": {"kl_coef": 0.0}})
+
+
+def test_unknown_sections_of_the_train_config_are_refused_by_name():
+    _fails(ToyPlugin, "config validation", r"config key 'algo': got \{\}; allowed: one of the sections rewards, run",
+           train_config={"algo": {}})
+    _fails(ToyPlugin, "config validation", r"config key 'plugin'.*the plugin section is check_plugin's config",
+           train_config={"plugin": {"name": "toy"}})
