@@ -24,6 +24,7 @@ def _run(args: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a pip install and three child interpreters: 12-23 s on the shared 2-core machine
 def test_the_scaffold_installs_passes_its_conformance_test_and_trains(tmp_path, capsys):
     package = tmp_path / "pkg"
     assert main(["new-plugin", "my_modality", "--dir", str(package)]) == 0
