@@ -134,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     scaffold.add_argument("name", help="The plugin's registry name, a lowercase identifier such as my_modality.")
     scaffold.add_argument("--dir", help="The folder to create (default: ./mmrl-NAME); it must not exist.")
     scaffold.set_defaults(handler=_new_plugin)
+
     for command in commands.choices.values():  # accepted after the command too: `mmrl train CONFIG --traceback`
         command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
     return parser
