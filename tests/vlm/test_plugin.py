@@ -352,7 +352,11 @@ def test_fused_lm_head_matches_the_model_logits(tiny_models):
     torch.testing.assert_close(entropy_a, entropy_b, rtol=0, atol=1e-5)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+        # The two heads sum the same float32 products in different orders, so an element that is a near-cancelling
+        # sum carries an absolute error set by the tensor's scale, not its own: up to 1.2e-6 of the tensor's max here,
+        # 1.9e-6 on an element of 4.8e-4 in CI under ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=COMPATIBLE.
+        scale = float(grads_b[name].abs().max())
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5 * scale + 1e-9)
     head = plugin.model.get_base_model().lm_head
     head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what ZeRO-3 leaves outside the call
     with pytest.raises(RuntimeError, match="fused_lm_head: false"):
