@@ -332,19 +332,19 @@ def test_prompt_embeddings_are_encoded_once_per_prompt(make_plugin):
 
 def test_prompt_files(make_plugin, tmp_path):
     from mmrl.config import from_dict
-    from mmrl.plugins.flow.plugin import FlowPluginConfig, _load_rows
+    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
 
     folder = tmp_path / "prompts"
     folder.mkdir()
     (folder / "train.txt").write_text("a cat\n\na dog\n")
     (folder / "test_metadata.jsonl").write_text('{"prompt": "two cats", "count": 2}\n')
     config = from_dict(FlowPluginConfig, {"model": "unused", "dataset": str(folder)}, "plugin")
-    assert _load_rows(config, "train") == [{"prompt": "a cat"}, {"prompt": "a dog"}]
-    assert _load_rows(config, "eval") == [{"prompt": "two cats", "count": 2}]
+    assert load_rows(config, "train") == [{"prompt": "a cat"}, {"prompt": "a dog"}]
+    assert load_rows(config, "eval") == [{"prompt": "two cats", "count": 2}]
     (folder / "bad.jsonl").write_text('{"text": "no prompt"}\n')
     bad = from_dict(FlowPluginConfig, {"model": "unused", "dataset": str(folder / "bad.jsonl")}, "plugin")
     with pytest.raises(ValueError, match="line 1"):
-        _load_rows(bad, "train")
+        load_rows(bad, "train")
 
 
 def test_importing_the_plugin_package_does_not_import_diffusers():

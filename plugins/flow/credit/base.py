@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mmrl.plugin import PromptBatch
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 
 class CreditStrategy:

@@ -66,7 +66,8 @@ from mmrl.rollout import Rollout, RolloutError
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 
 def branch_points(points: list[int] | None, num_steps: int) -> list[int]:

@@ -60,7 +60,8 @@ from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 _CHUNK_SAMPLING_TAG = 0xC4C2
 

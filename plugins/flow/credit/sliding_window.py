@@ -45,8 +45,9 @@ from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
+    from mmrl.plugins.flow.config import FlowPluginConfig
     from mmrl.plugins.flow.credit.config import SlidingWindowCreditConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 _RANDOM_WINDOW_TAG = 0x51D3
 

@@ -19,7 +19,8 @@ from mmrl.rollout import Rollout
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 
 def step_plan(config: FlowPluginConfig, batch: PromptBatch, run_seed: int) -> StepPlan:

@@ -40,7 +40,8 @@ from mmrl.rollout import Rollout, RolloutError
 
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
-    from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.plugin import FlowPlugin
 
 
 def tree_trained_steps(split_points: list[int], num_steps: int, sde_steps: str) -> list[int]:

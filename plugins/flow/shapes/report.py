@@ -58,14 +58,14 @@ def _task_of(run: Path) -> dict[str, str]:
     import yaml
 
     from mmrl.config import from_dict
-    from mmrl.plugins.flow.plugin import FlowPluginConfig, _load_rows
+    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     _check_rewards(config, run)
     options = dict(config.get("plugin") or {})
     if options.pop("name", "flow") != "flow":
         raise ValueError(f"{run}: not a flow-plugin run (plugin.name {config['plugin']['name']!r})")
-    rows = _load_rows(from_dict(FlowPluginConfig, options, "plugin"), "eval")
+    rows = load_rows(from_dict(FlowPluginConfig, options, "plugin"), "eval")
     return {row["prompt"]: row.get("task", "all") for row in rows}
 
 
@@ -122,12 +122,12 @@ def guided_reference(run: str | Path) -> dict[str, float] | None:
     import tempfile
 
     from mmrl.config import load_config
-    from mmrl.plugins.flow.plugin import _adapter_class
+    from mmrl.plugins.flow.config import adapter_class
     from mmrl.trainer import Trainer
 
     run = Path(run)
     plugin = load_config(run / "config.yaml").plugin.config
-    adapter = _adapter_class(plugin)  # the run's own model family: FLUX is guided without a CFG pass
+    adapter = adapter_class(plugin)  # the run's own model family: FLUX is guided without a CFG pass
     if not adapter.supports_cfg or plugin.cfg is not False:
         return None
     scale = adapter.default_guidance_scale

@@ -93,7 +93,7 @@ def compare(run: str | Path, *, samples: int = 8, seed: int = 0, checkpoint: str
 
     from mmrl.config import load_config
     from mmrl.plugins.flow.adapters.sd3 import SD3Adapter
-    from mmrl.plugins.flow.plugin import _load_rows
+    from mmrl.plugins.flow.config import load_rows
     from mmrl.plugins.flow.shapes.sampling import sample
     from mmrl.trainer.checkpoint import checkpoints_dir, list_checkpoints, resolve
 
@@ -101,7 +101,7 @@ def compare(run: str | Path, *, samples: int = 8, seed: int = 0, checkpoint: str
     if samples < 1:
         raise ValueError(f"requirements: samples must be >= 1, got {samples}")
     plugin = load_config(run / "config.yaml").plugin.config  # the run's FlowPluginConfig, defaults filled in
-    rows = _load_rows(plugin, "eval")
+    rows = load_rows(plugin, "eval")
     if not rows:
         raise FileNotFoundError(f"{run}: its config names no evaluation prompts")
     complete = list_checkpoints(run)

@@ -1,0 +1,260 @@
+"""The ``plugin:`` section of the flow plugin (``name: flow``): its options, their validation, the adapter class it
+names and the prompt rows it points at. :mod:`mmrl.plugins.flow.plugin` re-exports :class:`FlowPluginConfig` and
+:class:`FlowLoraConfig`; docs/flow.md has the options table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mmrl.config import ConfigError, config_field
+from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
+from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
+
+
+@dataclass
+class FlowLoraConfig:
+    """LoRA on the transformer (peft). ``plugin.lora: null`` trains the whole transformer instead."""
+
+    rank: int = config_field(32, minimum=1, help="LoRA rank r.",
+                             ref="Flow-GRPO: 32 (SD3.5), 64 (FLUX); DanceGRPO: 128")
+    alpha: float = config_field(64.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha/r).",
+                                ref="Flow-GRPO: 64 (SD3.5), 128 (FLUX); DanceGRPO: 256")
+    target_modules: list[str] | None = config_field(
+        None, help="Module-name suffixes to adapt (peft matching). Null: the adapter's defaults (SD3: attention "
+        "q/k/v/out of both streams; FLUX: also the feed-forward layers)."
+    )
+    init: Literal["gaussian", "default"] = config_field(
+        "gaussian", help="peft init_lora_weights: A random, B zero either way, so the policy starts at the base "
+        "model and the KL starts at 0.", ref="Flow-GRPO: gaussian",
+    )
+
+
+@dataclass
+class FlowPluginConfig:
+    """The ``plugin:`` section of the flow plugin (``name: flow``)."""
+
+    model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
+                              "medium or black-forest-labs/FLUX.1-dev.")
+    adapter: str = config_field(
+        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'wan' or another registered one "
+        "(`mmrl list`); 'auto' reads model_index.json."
+    )
+    lora: FlowLoraConfig | None = config_field(
+        default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
+    )
+    gradient_checkpointing: bool = config_field(False, help="Recompute transformer activations in the backward.")
+    resolution: int = config_field(512, minimum=1, help="Image side in pixels (square images).",
+                                   ref="Flow-GRPO and DanceGRPO image runs: 512 (DanceGRPO FLUX: 720)")
+    num_frames: int | None = config_field(
+        None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
+        "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
+        ref="DanceGRPO HunyuanVideo: 53 frames at 480x480; WanPipeline default: 81",
+    )
+    num_steps: int = config_field(10, minimum=1, help="Denoising steps of a training rollout.",
+                                  ref="Flow-GRPO denoising reduction: 10 (SD3.5), 6 (FLUX)")
+    eval_num_steps: int = config_field(40, minimum=1, help="Denoising steps of an evaluation (plain ODE).",
+                                       ref="Flow-GRPO eval: 40 (SD3.5), 28 (FLUX)")
+    guidance_scale: float | None = config_field(
+        None, minimum=0.0, help="Guidance of training rollouts (true CFG scale, or FLUX's guidance embedding). "
+        "Null: the adapter's default (SD3 4.5, or 1.0 with cfg false; FLUX 3.5).", ref="Flow-GRPO: 4.5 (SD3.5)",
+    )
+    eval_guidance_scale: float | None = config_field(None, minimum=0.0, help="Guidance at evaluation (null: "
+                                                     "guidance_scale).")
+    cfg: bool | None = config_field(
+        None, help="True classifier-free guidance (an unconditional pass with negative_prompt) in rollouts and in "
+        "the training forward. Null: on for SD3, off for FLUX (guidance-distilled, no CFG pass).",
+        ref="Flow-GRPO train.cfg",
+    )
+    negative_prompt: str = config_field("", help="Negative prompt of the unconditional pass.",
+                                        ref="Flow-GRPO eval protocol: ''")
+    sde: Literal["flow_grpo", "dance_grpo", "cps"] = config_field(
+        "flow_grpo", help="SDE of the stochastic steps (docs of mmrl.plugins.flow.sde).",
+        ref="Flow-GRPO arXiv:2505.05470; DanceGRPO arXiv:2505.07818; CPS arXiv:2509.05952",
+    )
+    noise_level: float = config_field(
+        0.7, minimum=0.0, exclusive_minimum=True,
+        help="a of the flow_grpo SDE, η of dance_grpo (0.3), the angle fraction of cps (0.8). Above 0: with 0 every "
+        "step is deterministic, with nothing to train and an undefined KL.",
+        ref="Flow-GRPO: 0.7 (SD3.5), 0.9 (FLUX); DanceGRPO: 0.3",
+    )
+    cps_log_prob: Literal["flow_grpo", "gaussian"] = config_field(
+        "flow_grpo", help="The log-prob of a cps step: Flow-GRPO's CPS objective -mean((x' - mu)^2) (its clip range "
+        "1e-5), or 'gaussian', the exact log-density. Warning: the exact density scales as 1/(2 std^2) with std = "
+        "sigma_next*sin(a*pi/2): 0.6 at step 0 and 6934 at step 8 of SD3.5's 10-step grid, so the last trained steps "
+        "dominate the gradient and no single clip range fits every step. Ignored by the other sde kinds.",
+        ref="Flow-GRPO code: sd3_sde_with_logprob.py, cps 'remove all constants'",
+    )
+    train_steps: Literal["fraction", "random", "window"] = config_field(
+        "fraction", help="Which steps are trained: the first timestep_fraction of them (Flow-GRPO), a random "
+        "timestep_fraction per sample (DanceGRPO), or an SDE window with ODE outside it (Flow-GRPO-Fast).",
+    )
+    timestep_fraction: float = config_field(
+        0.99, minimum=0.0, exclusive_minimum=True, maximum=1.0,
+        help="Fraction of steps trained in the fraction and random modes.", ref="Flow-GRPO: 0.99; DanceGRPO: 0.6",
+    )
+    window_size: int = config_field(3, minimum=1, help="SDE steps of the window mode (all trained).",
+                                    ref="Flow-GRPO-Fast sde_window_size")
+    window_range: list[int] | None = config_field(
+        None, help="[lo, hi): the window lies within steps lo..hi-1. Null: [0, num_steps/2), the high-noise half.",
+        ref="Flow-GRPO-Fast sde_window_range",
+    )
+    share_initial_noise: bool = config_field(
+        False, help="All samples of a prompt start from the same noise (drawn from the group id), so they differ "
+        "only through SDE noise.", ref="DanceGRPO --init_same_noise",
+    )
+    kl_variance: Literal["flow_grpo", "transition"] = config_field(
+        "flow_grpo", help="Denominator of the KL between means: Flow-GRPO's 2·s² (its β values assume it) or the "
+        "exact transition variance 2·s²·Δ.", ref="Flow-GRPO code; flow_grpo#22",
+    )
+    dataset: str | None = config_field(
+        None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
+        "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...).",
+    )
+    eval_dataset: str | None = config_field(None, help="Evaluation prompts file (default: the test file of a "
+                                            "dataset folder).")
+    prompts: list[str] | None = config_field(None, help="Training prompts given inline (instead of dataset).")
+    eval_prompts: list[str] | None = config_field(None, help="Evaluation prompts given inline.")
+    max_sequence_length: int | None = config_field(
+        None, minimum=1, help="T5 tokens per prompt (null: the pipeline's default, SD3 256, FLUX 512)."
+    )
+    embedding_cache_size: int = config_field(
+        1024, minimum=1, help="Prompts whose text embeddings are kept on the device (least recently used first out)."
+    )
+    transformer_batch_size: int | None = config_field(
+        None, minimum=1,
+        help="Run the transformer on fixed batches of this many samples, padding the last one, in rollouts and in "
+        "the training forward alike, so kernels see the same shapes whatever the micro-batch and batch-size-"
+        "dependent numerics cannot break ratio == 1 (on CPU the velocities become bit-identical). Set it to "
+        "algorithm.micro_batch_size. Null: the batch as it comes.",
+        ref="flow_grpo#104, DanceGRPO#57 (batch-dependent kernels break ratio == 1)",
+    )
+    credit: CreditConfig = field(default_factory=CreditConfig)
+
+    def validate(self, path: str) -> None:
+        from mmrl.plugins.flow.adapters import flow_adapters
+
+        if self.adapter != "auto" and self.adapter not in flow_adapters:
+            raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
+        if self.sde == "cps" and self.noise_level > 1:
+            raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in (0, 1] for sde 'cps'")
+        strategy = credit_strategies.get(self.credit.strategy)
+        if strategy.uses_step_selection:
+            if self.train_steps == "random" and self.num_steps < 2:
+                raise ConfigError(f"{path}.num_steps", self.num_steps, "at least 2 with train_steps 'random'")
+            if self.step_selection_count() < 1:
+                raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
+                                  f"a fraction that trains at least one of the {self.num_steps} steps")
+            if self.train_steps == "window":
+                if self.window_size > self.num_steps:
+                    raise ConfigError(f"{path}.window_size", self.window_size,
+                                      f"at most num_steps ({self.num_steps})")
+                lo, hi = self.resolved_window_range()
+                if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
+                    raise ConfigError(f"{path}.window_range", self.window_range,
+                                      f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
+            self._refuse_the_last_cps_step(path)
+        strategy(self).validate(self, f"{path}.credit")
+        if (self.dataset is None) == (self.prompts is None):
+            raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
+        if self.prompts is not None and not self.prompts:
+            raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
+
+    def _refuse_the_last_cps_step(self, path: str) -> None:
+        """With ``sde: cps`` the last step is deterministic (std = σ_next·sin(a·π/2) = 0 at σ_next = 0): it has no
+        log-prob to train (0, no gradient) and its KL to the reference is infinite (means that differ) or NaN
+        (equal means), so a step selection that can train it is refused. Flow-GRPO never trains that step either
+        (``num_train_timesteps = num_steps - 1``; its CPS configs keep the SDE window within the first half). The
+        credit strategies that choose their own steps refuse it in their own checks (branch points, tree splits,
+        the sliding window's range)."""
+        if self.sde != "cps":
+            return
+        last = self.num_steps - 1
+        if self.train_steps == "fraction" and self.step_selection_count() > last:
+            raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
+                              f"a fraction that leaves out the last of the {self.num_steps} steps with sde 'cps' "
+                              "(its last step is deterministic: no log-prob, infinite KL), e.g. 0.99")
+        if self.train_steps == "window" and self.resolved_window_range()[1] > last:
+            raise ConfigError(f"{path}.window_range", self.window_range,
+                              f"[lo, hi] with hi <= {last} with sde 'cps' (the window must not reach the "
+                              "deterministic last step: no log-prob, infinite KL)")
+
+    def num_actions(self) -> int:
+        """A, the width of the action axis (trained steps per sample for 'step'; see the credit strategy)."""
+        return credit_strategies.get(self.credit.strategy)(self).num_actions(self)
+
+    def step_selection_count(self) -> int:
+        """Steps per sample that plugin.train_steps trains (the action budget of 'step' and 'chunk')."""
+        return trained_step_count(self.train_steps, self.num_steps, timestep_fraction=self.timestep_fraction,
+                                  window_size=self.window_size)
+
+    def resolved_window_range(self) -> tuple[int, int]:
+        if self.window_range is None:
+            return default_window_range(self.num_steps, self.window_size)
+        if len(self.window_range) != 2:
+            raise ConfigError("plugin.window_range", self.window_range, "two integers [lo, hi]")
+        return int(self.window_range[0]), int(self.window_range[1])
+
+    def resolved_guidance_scales(self, adapter_default: float, *, guided_by_cfg: bool = False) -> tuple[float, float]:
+        """(rollout, evaluation) guidance scales: ``guidance_scale`` (null: ``adapter_default``, the adapter's) and
+        ``eval_guidance_scale`` (null: the rollout's). For a model guided only by the CFG pass (``guided_by_cfg``:
+        SD3) with ``cfg: false`` the default is 1.0, and any other value is refused: it would be silently ignored."""
+        if guided_by_cfg and self.cfg is False:
+            for key in ("guidance_scale", "eval_guidance_scale"):
+                value = getattr(self, key)
+                if value is not None and value != 1.0:
+                    raise ConfigError(f"plugin.{key}", value, "null or 1.0 with plugin.cfg false: the model is guided "
+                                      "only through the unconditional pass that cfg: false turns off")
+            adapter_default = 1.0
+        rollout = adapter_default if self.guidance_scale is None else self.guidance_scale
+        return rollout, rollout if self.eval_guidance_scale is None else self.eval_guidance_scale
+
+
+def adapter_class(config: FlowPluginConfig) -> Any:
+    """The :class:`~mmrl.plugins.flow.adapters.base.FlowAdapter` subclass ``config.adapter`` names ('auto': the one
+    registered for the pipeline class in the model's model_index.json)."""
+    from mmrl.plugins.flow.adapters import adapter_for_pipeline, flow_adapters
+    from mmrl.plugins.flow.adapters.base import read_model_index
+
+    if config.adapter != "auto":
+        return flow_adapters.get(config.adapter)
+    index = read_model_index(config.model)
+    return adapter_for_pipeline(str(index.get("_class_name")), config.model)
+
+
+def load_rows(config: FlowPluginConfig, split: str) -> list[dict[str, Any]]:
+    """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files."""
+    inline = config.prompts if split == "train" else config.eval_prompts
+    if inline is not None:
+        return [{"prompt": prompt} for prompt in inline]
+    source = config.dataset if split == "train" else config.eval_dataset
+    if split == "eval" and source is None and config.dataset is not None and Path(config.dataset).is_dir():
+        source = config.dataset
+    if source is None:
+        return []
+    path = Path(source).expanduser()
+    if path.is_dir():
+        stem = "train" if split == "train" else "test"
+        candidates = [path / f"{stem}.txt", path / f"{stem}_metadata.jsonl", path / f"{stem}.jsonl"]
+        found = [candidate for candidate in candidates if candidate.is_file()]
+        if not found:
+            raise FileNotFoundError(f"prompt folder {path} has none of {', '.join(c.name for c in candidates)}")
+        path = found[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt file at {path}")
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path} line {number}: expected a JSON object with a 'prompt' string")
+            rows.append(row)
+    else:
+        rows = [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
+    if not rows and split == "train":
+        raise ValueError(f"{path} holds no prompts")
+    return rows
