@@ -41,7 +41,7 @@ from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, load_adapter
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.schedule import StepPlan
-from mmrl.plugins.flow.sde import SDEStepOutput, diffusion_coefficient, gaussian_kl_between_means, sde_step
+from mmrl.plugins.flow.sde import SDEStepOutput, get_sde_kind, sde_step
 from mmrl.rollout import Rollout, RolloutError
 from mmrl.seeding import derive_seed
 
@@ -375,10 +375,9 @@ class FlowPlugin(Plugin):
                     ref_velocity = self._velocity(reference, latents, timesteps, picked, self.guidance_scale)
                 ref_mean = self._step(ref_velocity, latents, sigma, sigma_next, stochastic=True,
                                       prev_sample=stored).mean
-                coefficient = diffusion_coefficient(self.config.sde, sigma, sigma_next,
-                                                    noise_level=self.config.noise_level)
-                kl = gaussian_kl_between_means(out.mean, ref_mean, out.std, variance=self.config.kl_variance,
-                                               diffusion_coeff=coefficient)
+                kl = get_sde_kind(self.config.sde).kl(out.mean, ref_mean, out.std, sigma, sigma_next,
+                                                      noise_level=self.config.noise_level,
+                                                      variance=self.config.kl_variance)
                 if forced:
                     kl = kl * 0
             if index is not None:  # back to all n rows; gradients flow into the computed ones

@@ -13,7 +13,8 @@ and sampling runs σ from 1 (pure noise) down to 0 (data). One step goes from ``
 Every step is a Gaussian transition ``x_next ~ N(mean, std²·I)`` with one ``std`` per sample; the "action" of the
 policy is the realised ``x_next`` and :func:`sde_step` returns its log-density under the current velocity.
 
-Kinds (:data:`SDE_KINDS`):
+Kinds (:data:`SDE_KINDS`; each is a small :class:`SDEKind` class in :data:`sde_kind_registry` that holds its
+mean and std, diffusion coefficient, log-prob and KL):
 
 ``"flow_grpo"``
     Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv:2505.05470).
@@ -91,13 +92,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
+from mmrl.registry import Registry
+
 SDE_KINDS: tuple[str, ...] = ("flow_grpo", "dance_grpo", "cps", "ode")
-"""The step kinds :func:`sde_step` accepts."""
+"""The built-in step kinds, in a fixed order (classes in :data:`sde_kind_registry`)."""
 
 CPS_LOG_PROBS: tuple[str, ...] = ("flow_grpo", "gaussian")
 """What :func:`sde_step` reports as the log-prob of a ``"cps"`` step (see the module docstring)."""
@@ -127,17 +130,25 @@ class SDEStepOutput(NamedTuple):
     std: Tensor
 
 
+sde_kind_registry: Registry[type[SDEKind]] = Registry("flow SDE kind", entry_point_group="mmrl.flow_sde")
+"""The step kinds by name, each an :class:`SDEKind` subclass (``mmrl list`` shows them as ``flow.sde_kinds``); a
+package adds one through the entry-point group ``mmrl.flow_sde``."""
+
+
 def sde_kinds() -> tuple[str, ...]:
-    """The step kinds :func:`sde_step` accepts, in a fixed order: ``("flow_grpo", "dance_grpo", "cps", "ode")``."""
-    return SDE_KINDS
+    """The step kinds :func:`sde_step` accepts: the built-in ones in a fixed order, ``("flow_grpo", "dance_grpo",
+    "cps", "ode")``, then any that another package registered, sorted."""
+    return SDE_KINDS + tuple(name for name in sde_kind_registry.names() if name not in SDE_KINDS)
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in SDE_KINDS:
-        raise ValueError(f"unknown SDE kind {kind!r}; expected one of {', '.join(SDE_KINDS)}")
+def get_sde_kind(kind: str) -> SDEKind:
+    """The :class:`SDEKind` registered as ``kind``, or a ValueError naming the kinds there are."""
+    if not isinstance(kind, str) or kind not in sde_kind_registry:
+        raise ValueError(f"unknown SDE kind {kind!r}; expected one of {', '.join(sde_kinds())}")
+    return sde_kind_registry.get(kind)()
 
 
-def _check_noise_level(kind: str, noise_level: float) -> float:
+def _check_noise_level(step_kind: SDEKind, noise_level: float) -> float:
     if isinstance(noise_level, Tensor):
         if noise_level.numel() != 1:
             raise ValueError("noise_level must be a scalar")
@@ -145,8 +156,7 @@ def _check_noise_level(kind: str, noise_level: float) -> float:
     noise_level = float(noise_level)
     if not math.isfinite(noise_level) or noise_level < 0:
         raise ValueError(f"noise_level must be a finite number >= 0; got {noise_level}")
-    if kind == "cps" and noise_level > 1:
-        raise ValueError(f"noise_level for 'cps' is an angle fraction in [0, 1]; got {noise_level}")
+    step_kind.check_noise_level(noise_level)
     return noise_level
 
 
@@ -183,19 +193,6 @@ def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
         raise ValueError(f"sigmas must lie in [0, 1]; got {sigma.flatten().tolist()} → {sigma_next.flatten().tolist()}")
 
 
-def _diffusion_coeff(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
-    """s for the SDE kinds; the transition std for "cps"; 0 for "ode". Same shape as ``sigma``."""
-    if kind == "flow_grpo":
-        # Flow-GRPO: at σ == 1 the denominator uses the next grid point so s stays finite.
-        denominator_sigma = torch.where(sigma == 1, sigma_next, sigma)
-        return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
-    if kind == "dance_grpo":
-        return torch.full_like(sigma, noise_level)
-    if kind == "cps":
-        return sigma_next * math.sin(noise_level * math.pi / 2)
-    return torch.zeros_like(sigma)
-
-
 def _standard_normal(shape: torch.Size, generator: GeneratorLike, device, dtype: torch.dtype) -> Tensor:
     """z ~ N(0, I) of ``shape``, drawn the way diffusers' ``randn_tensor`` draws it (one generator per sample if a
     list is given), on the generator's device and then moved to ``device``."""
@@ -229,6 +226,144 @@ def _cps_objective(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """
     objective = -((x.detach() - mean) ** 2).reshape(x.shape[0], -1).mean(dim=1)  # [B]
     return torch.where(std.reshape(-1) > 0, objective, torch.zeros_like(objective))
+
+
+# ---------------------------------------------------------------------------------------------------- the kinds
+class SDEKind:
+    """One kind of sampler step x_σ → x_σ_next, a Gaussian transition N(mean, std²·I) (the base class).
+
+    A kind is stateless: its mean and std (:meth:`transition`), diffusion coefficient, log-prob and KL each live in
+    one method. :func:`sde_step`, :func:`diffusion_coefficient`, :func:`transition_std` and the plugin's KL validate
+    their inputs and call these; the tensors they pass are already float32/float64 and shaped for broadcasting
+    (``sigma`` and ``sigma_next`` ``[B, 1, ..., 1]`` in a step, ``[S]`` or ``[B]`` elsewhere).
+    """
+
+    name: ClassVar[str]
+    #: Whether a sampled step draws noise (``"ode"``: no draw, the next sample is the mean).
+    stochastic: ClassVar[bool] = True
+
+    def check_noise_level(self, noise_level: float) -> None:
+        """Raise a ValueError for a noise level the kind cannot take (every kind takes a finite number >= 0)."""
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        """The diffusion coefficient s of the step (:func:`diffusion_coefficient`), shaped as ``sigma``."""
+        raise NotImplementedError
+
+    def transition(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+                   noise_level: float) -> tuple[Tensor, Tensor]:
+        """(mean ``[B, ...]``, std ``[B, 1, ..., 1]``) of x_next given the sample x and the velocity v."""
+        raise NotImplementedError
+
+    def transition_std(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        """The std of the step, which depends on the σ grid only (:func:`transition_std`)."""
+        raise NotImplementedError
+
+    def log_prob(self, action: Tensor, mean: Tensor, std: Tensor, *, cps_log_prob: str) -> Tensor:
+        """``[B]`` the log-prob of the action x_next: the exact Gaussian log-density per element (0 where std = 0)."""
+        return _gaussian_log_prob(action, mean, std)
+
+    def kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor, sigma: SigmaLike, sigma_next: SigmaLike, *,
+           noise_level: float, variance: str) -> Tensor:
+        """``[B]`` the KL between the policy's and the reference's transitions from one x
+        (:func:`gaussian_kl_between_means` with this kind's diffusion coefficient for ``variance="flow_grpo"``)."""
+        coefficient = diffusion_coefficient(self.name, sigma, sigma_next, noise_level=noise_level)
+        return gaussian_kl_between_means(mean, ref_mean, std, variance=variance, diffusion_coeff=coefficient)
+
+
+class _ReverseSDE(SDEKind):
+    """The Euler–Maruyama step of the reverse-time SDE with the flow's marginals; subclasses give s."""
+
+    def transition(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+                   noise_level: float) -> tuple[Tensor, Tensor]:
+        delta = sigma - sigma_next  # > 0
+        s = self.diffusion_coefficient(sigma, sigma_next, noise_level)  # [B, 1, ..., 1]
+        eps_hat = x + (1 - sigma) * v  # [B, ...]
+        mean = x - delta * v - delta * (s**2 / (2 * sigma)) * eps_hat
+        return mean, s * torch.sqrt(delta)
+
+    def transition_std(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        return self.diffusion_coefficient(sigma, sigma_next, noise_level) * torch.sqrt(sigma - sigma_next)
+
+
+@sde_kind_registry.register("flow_grpo")
+class FlowGRPOSDE(_ReverseSDE):
+    """Flow-GRPO's SDE, s = a·√(σ/(1 − σ)) (arXiv:2505.05470)."""
+
+    name = "flow_grpo"
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        # Flow-GRPO: at σ == 1 the denominator uses the next grid point so s stays finite.
+        denominator_sigma = torch.where(sigma == 1, sigma_next, sigma)
+        return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
+
+
+@sde_kind_registry.register("dance_grpo")
+class DanceGRPOSDE(_ReverseSDE):
+    """DanceGRPO's SDE, a constant s = η (arXiv:2505.07818)."""
+
+    name = "dance_grpo"
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        return torch.full_like(sigma, noise_level)
+
+
+@sde_kind_registry.register("cps")
+class CoefficientsPreservingStep(SDEKind):
+    """Coefficients-Preserving Sampling, std = σ_next·sin(a·π/2) (arXiv:2509.05952)."""
+
+    name = "cps"
+
+    def check_noise_level(self, noise_level: float) -> None:
+        if noise_level > 1:
+            raise ValueError(f"noise_level for 'cps' is an angle fraction in [0, 1]; got {noise_level}")
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        # Not an Euler–Maruyama step: its "s" is the transition std itself (Flow-GRPO's CPS std_dev_t).
+        return sigma_next * math.sin(noise_level * math.pi / 2)
+
+    def transition(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+                   noise_level: float) -> tuple[Tensor, Tensor]:
+        angle = noise_level * math.pi / 2
+        std = self.diffusion_coefficient(sigma, sigma_next, noise_level)  # [B, 1, ..., 1]
+        x0_hat = x - sigma * v
+        eps_hat = x + (1 - sigma) * v
+        # √(σ_next² − std²) = σ_next·cos(angle) for angle ∈ [0, π/2]; the product form cannot go negative.
+        mean = (1 - sigma_next) * x0_hat + (sigma_next * math.cos(angle)) * eps_hat
+        return mean, std
+
+    def transition_std(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        return self.diffusion_coefficient(sigma, sigma_next, noise_level)
+
+    def log_prob(self, action: Tensor, mean: Tensor, std: Tensor, *, cps_log_prob: str) -> Tensor:
+        if cps_log_prob == "flow_grpo":
+            return _cps_objective(action, mean, std)
+        return _gaussian_log_prob(action, mean, std)
+
+
+@sde_kind_registry.register("ode")
+class EulerODEStep(SDEKind):
+    """The deterministic Euler step of the flow ODE, std = 0 (no density: log-prob 0, never trained)."""
+
+    name = "ode"
+    stochastic = False
+
+    def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        return torch.zeros_like(sigma)
+
+    def transition(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+                   noise_level: float) -> tuple[Tensor, Tensor]:
+        return x - (sigma - sigma_next) * v, torch.zeros_like(sigma)
+
+    def transition_std(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+        return torch.zeros_like(sigma)
+
+    def log_prob(self, action: Tensor, mean: Tensor, std: Tensor, *, cps_log_prob: str) -> Tensor:
+        return torch.zeros(action.shape[0], dtype=mean.dtype, device=mean.device)
+
+    def kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor, sigma: SigmaLike, sigma_next: SigmaLike, *,
+           noise_level: float, variance: str) -> Tensor:
+        raise ValueError("the KL of an 'ode' step is undefined (a deterministic transition has no density)")
+
 
 
 def sde_step(
@@ -286,10 +421,10 @@ def sde_step(
         ValueError: an unknown ``kind`` or ``cps_log_prob``; ``noise_level < 0`` (or > 1 for ``"cps"``);
             ``sigma <= sigma_next`` or sigmas outside [0, 1]; mismatched shapes or generator count.
     """
-    _check_kind(kind)
+    step_kind = get_sde_kind(kind)
     if cps_log_prob not in CPS_LOG_PROBS:
         raise ValueError(f"unknown cps_log_prob {cps_log_prob!r}; expected one of {', '.join(CPS_LOG_PROBS)}")
-    noise_level = _check_noise_level(kind, noise_level)
+    noise_level = _check_noise_level(step_kind, noise_level)
     if velocity.shape != sample.shape:
         raise ValueError(f"velocity {tuple(velocity.shape)} and sample {tuple(sample.shape)} must share one shape")
     if prev_sample is not None and prev_sample.shape != sample.shape:
@@ -307,39 +442,16 @@ def sde_step(
     sigma_t = _per_sample(sigma, "sigma", batch, ndim, dtype, device)  # [B, 1, ..., 1]
     sigma_n = _per_sample(sigma_next, "sigma_next", batch, ndim, dtype, device)  # [B, 1, ..., 1]
     _check_sigmas(sigma_t, sigma_n)
-    delta = sigma_t - sigma_n  # [B, 1, ..., 1], > 0
-
-    if kind in ("flow_grpo", "dance_grpo"):
-        s = _diffusion_coeff(kind, sigma_t, sigma_n, noise_level)  # [B, 1, ..., 1]
-        eps_hat = x + (1 - sigma_t) * v  # [B, ...]
-        mean = x - delta * v - delta * (s**2 / (2 * sigma_t)) * eps_hat
-        std = s * torch.sqrt(delta)
-    elif kind == "cps":
-        angle = noise_level * math.pi / 2
-        std = sigma_n * math.sin(angle)
-        x0_hat = x - sigma_t * v
-        eps_hat = x + (1 - sigma_t) * v
-        # √(σ_next² − std²) = σ_next·cos(angle) for angle ∈ [0, π/2]; the product form cannot go negative.
-        mean = (1 - sigma_n) * x0_hat + (sigma_n * math.cos(angle)) * eps_hat
-    else:  # "ode"
-        mean = x - delta * v
-        std = torch.zeros_like(sigma_t)
-
+    mean, std = step_kind.transition(x, v, sigma_t, sigma_n, noise_level)  # [B, ...], [B, 1, ..., 1]
     if prev_sample is None:
-        if kind == "ode":
-            prev_sample = mean
-        else:
+        if step_kind.stochastic:
             z = _standard_normal(x.shape, generator, device, dtype)  # [B, ...]
             prev_sample = mean + std * z
+        else:
+            prev_sample = mean
     else:
         prev_sample = prev_sample.to(device=device, dtype=dtype)
-
-    if kind == "ode":
-        log_prob = torch.zeros(batch, dtype=dtype, device=device)
-    elif kind == "cps" and cps_log_prob == "flow_grpo":
-        log_prob = _cps_objective(prev_sample, mean, std)  # [B]
-    else:
-        log_prob = _gaussian_log_prob(prev_sample, mean, std)  # [B]
+    log_prob = step_kind.log_prob(prev_sample, mean, std, cps_log_prob=cps_log_prob)  # [B]
     return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
 
@@ -361,8 +473,33 @@ def diffusion_coefficient(kind: str, sigma: SigmaLike, sigma_next: SigmaLike, *,
         `torch.Tensor`: s with the broadcast shape of ``sigma`` and ``sigma_next`` (float32, or float64 for float64
         sigmas).  # [] or [B]
     """
-    _check_kind(kind)
-    noise_level = _check_noise_level(kind, noise_level)
+    step_kind = get_sde_kind(kind)
+    sigma_t, sigma_n, noise_level = _checked_sigmas(step_kind, sigma, sigma_next, noise_level)
+    return step_kind.diffusion_coefficient(sigma_t, sigma_n, noise_level)
+
+
+def transition_std(kind: str, sigma: SigmaLike, sigma_next: SigmaLike, *, noise_level: float) -> Tensor:
+    r"""The transition std of a step, a function of the σ grid only: s·√Δ for the SDE kinds, σ_next·sin(a·π/2) for
+    ``"cps"``, 0 for ``"ode"`` (what :func:`sde_step` returns as ``std``, without the trailing dims).
+
+    Args:
+        kind (`str`): One of :func:`sde_kinds`.
+        sigma (`float` or `torch.Tensor`): The current noise level.  # [] or [S]
+        sigma_next (`float` or `torch.Tensor`): The next noise level.  # [] or [S]
+        noise_level (`float`): As in :func:`sde_step`.
+
+    Returns:
+        `torch.Tensor`: the std with the broadcast shape of the sigmas (float32, or float64 for float64 sigmas).
+    """
+    step_kind = get_sde_kind(kind)
+    sigma_t, sigma_n, noise_level = _checked_sigmas(step_kind, sigma, sigma_next, noise_level)
+    return step_kind.transition_std(sigma_t, sigma_n, noise_level)
+
+
+def _checked_sigmas(step_kind: SDEKind, sigma: SigmaLike, sigma_next: SigmaLike,
+                    noise_level: float) -> tuple[Tensor, Tensor, float]:
+    """Both sigmas as tensors of one dtype (float64 if either is) and broadcast shape, and the checked noise level."""
+    noise_level = _check_noise_level(step_kind, noise_level)
     dtypes = [t.dtype for t in (sigma, sigma_next) if isinstance(t, Tensor)]
     dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     device = next((t.device for t in (sigma, sigma_next) if isinstance(t, Tensor)), None)
@@ -370,7 +507,7 @@ def diffusion_coefficient(kind: str, sigma: SigmaLike, sigma_next: SigmaLike, *,
         torch.as_tensor(sigma, dtype=dtype, device=device), torch.as_tensor(sigma_next, dtype=dtype, device=device)
     )
     _check_sigmas(sigma_t, sigma_n)
-    return _diffusion_coeff(kind, sigma_t, sigma_n, noise_level)
+    return sigma_t, sigma_n, noise_level
 
 
 def gaussian_kl_between_means(

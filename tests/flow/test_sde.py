@@ -92,6 +92,64 @@ def test_kinds_listing():
     assert sde_kinds() == SDE_KINDS
 
 
+def test_every_kind_is_a_registered_class_that_mmrl_list_shows(capsys):
+    """The kinds are classes in the registry sde_kind_registry, announced to `mmrl list` through the entry-point
+    group mmrl.registries (pyproject.toml: flow.sde_kinds)."""
+    from mmrl.cli import main
+    from mmrl.plugins.flow.sde import SDEKind, sde_kind_registry
+
+    assert set(sde_kind_registry.names()) == set(SDE_KINDS)
+    for kind in SDE_KINDS:
+        assert issubclass(sde_kind_registry.get(kind), SDEKind) and sde_kind_registry.get(kind).name == kind
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = lines.index("sde_kinds (plugin flow):") + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("  "))
+    assert {line.split()[0] for line in lines[start:end]} == set(SDE_KINDS)
+
+
+def test_a_registered_kind_is_a_step_kind_like_the_built_in_ones():
+    """A kind registered by another package goes through sde_step, diffusion_coefficient and transition_std: here
+    x_next ~ N(x - Δ·v, (c·Δ)²) with c = noise_level, checked against the formulas written out."""
+    from mmrl.plugins.flow.sde import SDEKind, diffusion_coefficient, sde_kind_registry, transition_std
+
+    class LinearStd(SDEKind):
+        """x_next ~ N(x - Δ·v, (a·Δ)²) (a test kind)."""
+
+        name = "test_linear_std"
+
+        def diffusion_coefficient(self, sigma, sigma_next, noise_level):
+            return torch.full_like(sigma, noise_level)
+
+        def transition(self, x, v, sigma, sigma_next, noise_level):
+            return x - (sigma - sigma_next) * v, noise_level * (sigma - sigma_next)
+
+        def transition_std(self, sigma, sigma_next, noise_level):
+            return noise_level * (sigma - sigma_next)
+
+    sde_kind_registry.register("test_linear_std", LinearStd)
+    try:
+        assert sde_kinds() == (*SDE_KINDS, "test_linear_std")
+        x = torch.tensor([[0.5, -1.0]], dtype=torch.float64)
+        v = torch.tensor([[2.0, 1.0]], dtype=torch.float64)
+        prev = torch.tensor([[0.3, -1.2]], dtype=torch.float64)
+        out = sde_step("test_linear_std", v, x, 0.8, 0.6, noise_level=0.5, prev_sample=prev)
+        std = 0.5 * 0.2
+        mean = [0.5 - 0.2 * 2.0, -1.0 - 0.2 * 1.0]  # [0.1, -1.2]
+        expected = sum(-((p - m) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+                       for p, m in zip([0.3, -1.2], mean, strict=True)) / 2
+        assert out.mean.flatten().tolist() == pytest.approx(mean, abs=1e-12)
+        assert float(out.std) == pytest.approx(std, abs=1e-12)
+        assert float(out.log_prob) == pytest.approx(expected, abs=1e-9)
+        assert float(diffusion_coefficient("test_linear_std", 0.8, 0.6, noise_level=0.5)) == pytest.approx(0.5)
+        assert float(transition_std("test_linear_std", 0.8, 0.6, noise_level=0.5)) == pytest.approx(0.1)
+    finally:
+        sde_kind_registry._entries.pop("test_linear_std")
+    with pytest.raises(ValueError, match="flow_grpo, dance_grpo, cps, ode"):
+        sde_step("test_linear_std", v, x, 0.8, 0.6, noise_level=0.5)
+
+
 @pytest.mark.parametrize("kind", SDE_KINDS)
 @pytest.mark.parametrize(
     "sigmas", [((0.8, 0.5), (0.6, 0.2)), ((1.0, 0.3), (0.9, 0.0))], ids=["interior", "sigma1-and-sigma_next0"]

@@ -96,15 +96,12 @@ class CreditStrategy:
 # ---------------------------------------------------------------------------------------------------- step weights
 def transition_std(kind: str, sigmas: Tensor, noise_level: float) -> Tensor:
     """std of every step of the grid ``sigmas [S+1]`` → ``[S]`` (float64): s·√Δ for flow_grpo and dance_grpo, σ_next·
-    sin(a·π/2) for cps, 0 for ode, exactly what :func:`~mmrl.plugins.flow.sde.sde_step` uses."""
-    from mmrl.plugins.flow.sde import diffusion_coefficient
+    sin(a·π/2) for cps, 0 for ode, exactly what :func:`~mmrl.plugins.flow.sde.sde_step` uses (the kind's own
+    :meth:`~mmrl.plugins.flow.sde.SDEKind.transition_std`)."""
+    from mmrl.plugins.flow.sde import transition_std as step_std
 
     sigmas = sigmas.detach().to(torch.float64).cpu()
-    sigma, sigma_next = sigmas[:-1], sigmas[1:]
-    coefficient = diffusion_coefficient(kind, sigma, sigma_next, noise_level=noise_level)
-    if kind in ("flow_grpo", "dance_grpo"):
-        return coefficient * torch.sqrt(sigma - sigma_next)
-    return coefficient  # cps: already the transition std; ode: 0
+    return step_std(kind, sigmas[:-1], sigmas[1:], noise_level=noise_level)
 
 
 def _normalised(per_step: Tensor) -> Tensor:
