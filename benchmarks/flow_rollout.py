@@ -170,9 +170,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     # The adapters' conditioning keys are the pipelines' own keyword arguments (prompt_embeds and
     # pooled_prompt_embeds or prompt_embeds_mask), and the negative ones the same names with "negative_" in front.
-    embeds = dict(plugin.conditioning(prompts))
+    embeds = dict(plugin.sampler.conditioning(prompts))
     if plugin.cfg:
-        for key, value in plugin.negative_conditioning().items():
+        for key, value in plugin.sampler.negative_conditioning().items():
             embeds[f"negative_{key}"] = value.expand(args.batch, *value.shape[1:])
     kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
     if args.kind in ("sd3", "wan") and not plugin.cfg:

@@ -46,7 +46,7 @@ class FlowFloor(Floor):
         self.piece = config.transformer_batch_size
         self.negative = None
         if plugin.cfg:
-            self.negative = {key: value.to(self.dtype) for key, value in plugin.negative_conditioning().items()}
+            self.negative = {key: value.to(self.dtype) for key, value in plugin.sampler.negative_conditioning().items()}
         generator = torch.Generator().manual_seed(0)
         # Per rollout call: (initial latents [n, *latent], conditioning {key: [n, ...]}).
         self.calls = []
@@ -149,14 +149,14 @@ class FlowFloor(Floor):
                     generators = batch.sample_generators()
                     for s in range(self.timesteps.shape[0]):
                         stochastic = s in trained
-                        out = plugin._step(latents, latents, self.sigmas[s], self.sigmas[s + 1],
-                                           stochastic=stochastic, generators=generators if stochastic else None)
+                        out = plugin.sampler.step(latents, latents, self.sigmas[s], self.sigmas[s + 1],
+                                                  stochastic=stochastic, generators=generators if stochastic else None)
                         latents = out.prev_sample
             for steps in units:
                 for latents, _, _, stored, sigma, sigma_next in steps:
                     velocity = latents.float().detach().requires_grad_(True)
-                    out = plugin._step(velocity, latents.float(), sigma, sigma_next, stochastic=True,
-                                       prev_sample=stored)
+                    out = plugin.sampler.step(velocity, latents.float(), sigma, sigma_next, stochastic=True,
+                                              prev_sample=stored)
                     out.log_prob.sum().backward()
 
         return logprob_math

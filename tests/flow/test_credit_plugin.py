@@ -82,15 +82,15 @@ def test_branch_shares_the_ode_trunk_and_trains_only_the_branch_step(make_plugin
     assert rollout.mask.tolist() == [[1, 0], [1, 0], [0, 1], [0, 1]] * 2
     for group in range(2):
         rows = torch.arange(4) + 4 * group
-        start = plugin._group_noise(group)[0]
+        start = plugin.sampler.group_noise(group)[0]
         assert torch.equal(replay["latents"][rows[0], 0], start) and torch.equal(replay["latents"][rows[1], 0], start)
         trunk = start.unsqueeze(0)  # the ODE trunk to step 2, recomputed
         sigmas, timesteps = plugin.adapter.schedule(4, 16)
         conditioning = {k: v[rows[:1]] for k, v in replay["conditioning"].items()}
         with torch.no_grad():
             for s in range(2):
-                v = plugin._velocity(plugin.policy(), trunk, timesteps[s].expand(1), conditioning,
-                                     plugin.guidance_scale)
+                v = plugin.sampler.velocity(plugin.policy(), trunk, timesteps[s].expand(1), conditioning,
+                                            plugin.guidance_scale, phase="rollout")
                 trunk = trunk - (sigmas[s] - sigmas[s + 1]) * v
         torch.testing.assert_close(replay["latents"][rows[2], 1], trunk[0], rtol=0, atol=1e-5)
         assert torch.equal(replay["latents"][rows[2], 1], replay["latents"][rows[3], 1])  # same x_k, one trunk
@@ -100,7 +100,7 @@ def test_branch_shares_the_ode_trunk_and_trains_only_the_branch_step(make_plugin
     # noise-aware weights: std_k / mean std over steps 0..S−2, the same for every sample at that step
     from mmrl.plugins.flow.credit.base import noise_aware_weights
 
-    expected = noise_aware_weights("flow_grpo", plugin.sigma_grid(), 0.7)[[0, 2]].float()
+    expected = noise_aware_weights("flow_grpo", plugin.sampler.sigma_grid(), 0.7)[[0, 2]].float()
     torch.testing.assert_close(rollout.action_weights, expected.expand(8, 2))
     # per-action credit: the core normalises the rewards of the samples that branched at the same step
     rewards = torch.tensor([1.0, 3.0, 10.0, 30.0, 0.0, 4.0, 5.0, 5.0])
@@ -145,7 +145,7 @@ def test_tree_edges_are_shared_trained_once_and_pruned(make_plugin):
                 assert rollout.old_logp[a, column] == rollout.old_logp[b, column]
         assert not torch.equal(replay["next_latents"][m, 0], replay["next_latents"][m + 2, 0])
         assert not torch.equal(replay["next_latents"][m, 2], replay["next_latents"][m + 1, 2])
-        assert torch.equal(replay["latents"][m, 0], plugin._group_noise(group)[0])
+        assert torch.equal(replay["latents"][m, 0], plugin.sampler.group_noise(group)[0])
     # node rewards: the mean of the leaves below; width pruning (0.5 of 4 leaves: best and worst) after step 2
     rewards = torch.tensor([1.0, 3.0, 2.0, 6.0, 4.0, 4.0, 0.0, 8.0])
     per_action = plugin.action_rewards(rollout, rewards)
@@ -214,7 +214,7 @@ def test_chunk_mean_weighting_sets_gcpos_action_weights(make_plugin):
     rollout = plugin.rollout(plugin.policy(), _batch())
     from mmrl.plugins.flow.credit.base import noise_aware_weights
 
-    noise = noise_aware_weights("flow_grpo", plugin.sigma_grid(), 0.7)[:3].float()
+    noise = noise_aware_weights("flow_grpo", plugin.sampler.sigma_grid(), 0.7)[:3].float()
     torch.testing.assert_close(rollout.action_weights, (torch.tensor([1.5, 0.75, 0.75]) * noise).expand(8, 3))
 
 
@@ -243,7 +243,7 @@ def test_ratio_norm_stores_the_old_means_and_weights_steps_by_one_over_delta(mak
     plugin = make_plugin("sd3", credit=STRATEGIES["guard"])
     rollout = plugin.rollout(plugin.policy(), _batch())
     assert rollout.replay["means"].shape == rollout.replay["latents"].shape
-    sigmas = plugin.sigma_grid().double()
+    sigmas = plugin.sampler.sigma_grid().double()
     inverse = 1 / (sigmas[:-1] - sigmas[1:])
     expected = (inverse / inverse[:-1].mean())[:3].float()
     torch.testing.assert_close(rollout.action_weights, expected.expand(8, 3))

@@ -53,6 +53,21 @@ def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, ki
         assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
 
 
+def test_transformer_rows_are_counted_under_the_phase_each_call_names(make_plugin):
+    """The sampler counts transformer rows by the phase each velocity call passes (there is no phase state): an
+    evaluation between a rollout and its forward takes none of their rows, and the reference pass counts as forward."""
+    plugin = make_plugin("sd3")
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))  # 4 samples x 4 steps (CFG counts once)
+    assert plugin.model_evaluations == {"rollout": 16, "forward": 0, "evaluation": 0}
+    plugin.rollout(policy, prompt_batch(["a cat"], 1, training=False))  # 1 sample x 3 evaluation steps
+    assert plugin.model_evaluations == {"rollout": 16, "forward": 0, "evaluation": 3}
+    with torch.no_grad():
+        plugin.forward(policy, rollout, need_reference=True)  # 4 samples x 3 trained steps, policy and reference
+    assert plugin.model_evaluations == {"rollout": 16, "forward": 24, "evaluation": 3}
+    assert plugin.model_evaluations is plugin.sampler.model_evaluations
+
+
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_fixed_transformer_batches_make_velocities_independent_of_the_batch(make_plugin, kind):
     plugin = make_plugin(kind, transformer_batch_size=4)
@@ -60,11 +75,12 @@ def test_fixed_transformer_batches_make_velocities_independent_of_the_batch(make
     rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat", "a dog", "a red car"], 2))
     replay = rollout.replay
     with torch.no_grad():
-        whole = plugin._velocity(plugin.policy(), replay["latents"][:, 1], replay["timesteps"][:, 1],
-                                 replay["conditioning"], plugin.guidance_scale)
+        whole = plugin.sampler.velocity(plugin.policy(), replay["latents"][:, 1], replay["timesteps"][:, 1],
+                                        replay["conditioning"], plugin.guidance_scale, phase="forward")
         index = torch.tensor([4, 1])
-        part = plugin._velocity(plugin.policy(), replay["latents"][index, 1], replay["timesteps"][index, 1],
-                                {k: v[index] for k, v in replay["conditioning"].items()}, plugin.guidance_scale)
+        part = plugin.sampler.velocity(plugin.policy(), replay["latents"][index, 1], replay["timesteps"][index, 1],
+                                       {k: v[index] for k, v in replay["conditioning"].items()}, plugin.guidance_scale,
+                                       phase="forward")
     assert torch.equal(part, whole[index])  # bit-exact, not merely close
 
 
@@ -320,13 +336,13 @@ def test_prompt_embeddings_are_encoded_once_per_prompt(make_plugin):
     calls = []
     encode = plugin.adapter.encode_prompts
     plugin.adapter.encode_prompts = lambda prompts, length: calls.append(list(prompts)) or encode(prompts, length)
-    first = plugin.conditioning(["a cat", "a dog", "a cat"])
-    again = plugin.conditioning(["a dog", "a cat"])
+    first = plugin.sampler.conditioning(["a cat", "a dog", "a cat"])
+    again = plugin.sampler.conditioning(["a dog", "a cat"])
     assert calls == [["a cat", "a dog"]]
     assert torch.equal(again["prompt_embeds"], first["prompt_embeds"][[1, 0]])
-    plugin.conditioning(["a red car"])  # evicts the least recently used ("a dog")
-    plugin.conditioning(["a cat"])
-    plugin.conditioning(["a dog"])
+    plugin.sampler.conditioning(["a red car"])  # evicts the least recently used ("a dog")
+    plugin.sampler.conditioning(["a cat"])
+    plugin.sampler.conditioning(["a dog"])
     assert calls == [["a cat", "a dog"], ["a red car"], ["a dog"]]
 
 

@@ -49,8 +49,8 @@ def test_guided_velocity_is_rescaled_to_the_conditional_norm(make_plugin):
     plugin = make_plugin("qwen_image", cfg=True, guidance_scale=4.0)
     _perturb_lora(plugin)
     adapter, policy = plugin.adapter, plugin.policy()
-    conditioning = plugin.conditioning(["a cat", "a red dog"])
-    negative = plugin.negative_conditioning()
+    conditioning = plugin.sampler.conditioning(["a cat", "a red dog"])
+    negative = plugin.sampler.negative_conditioning()
     latents = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))  # [n, (16/4)², 4·4]
     timesteps = torch.tensor([743.0, 424.0])
     with torch.no_grad():

@@ -208,7 +208,7 @@ def test_committed_checkpoint_loads_in_the_flow_plugin_as_sd3(tmp_path):
     assert len(plugin.dataset("train")) == 135 and plugin.dataset("eval")[0]["objects"]
     prompts = ["a red circle above a blue square", "three green triangles"]
     mine = encode_prompts(plugin.adapter.pipeline, prompts)
-    theirs = plugin.conditioning(prompts)
+    theirs = plugin.sampler.conditioning(prompts)
     for key in theirs:  # pretraining conditions the model exactly as the plugin does
         assert torch.equal(mine[key], theirs[key])
 

@@ -1,13 +1,14 @@
 """What every credit strategy shares: the strategy interface and the per-step weights (pure torch).
 
 A strategy turns one :class:`~mmrl.plugin.PromptBatch` into a :class:`~mmrl.rollout.Rollout` through one of the
-flow plugin's two sampling engines:
+two sampling engines of the :class:`~mmrl.plugins.flow.sampler.FlowSampler` the plugin hands it (the strategy never
+calls back into the plugin):
 
-- the *chain* engine (``FlowPlugin.chain_rollout``): every sample follows its own trajectory with its own noise, and a
-  :class:`~mmrl.plugins.flow.schedule.StepPlan` says which steps are SDE and which are trained ("step", "chunk",
+- the *chain* engine (``FlowSampler.chain_rollout``): every sample follows its own trajectory with its own noise, and
+  a :class:`~mmrl.plugins.flow.schedule.StepPlan` says which steps are SDE and which are trained ("step", "chunk",
   "sliding_window");
-- the *shared-prefix* engine (:mod:`.sharing`): the G samples of a group share trajectory prefixes and branch at
-  given steps ("branch", "tree"), so every rollout call needs whole groups.
+- the *shared-prefix* engine (``FlowSampler.shared_rollout``, :mod:`.sharing`): the G samples of a group share
+  trajectory prefixes and branch at given steps ("branch", "tree"), so every rollout call needs whole groups.
 
 It then fills the per-action fields of the contract (``mask``, ``chunk_ids``, ``action_weights``) and, through
 :meth:`CreditStrategy.action_rewards` (the plugin's ``Plugin.action_rewards`` hook), per-action rewards.
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 
 class CreditStrategy:
@@ -65,19 +66,19 @@ class CreditStrategy:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ rollout
-    def rollout(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
+    def rollout(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
         """Sample ``batch`` and return the rollout with every per-action field filled in."""
         if self.shares_prefixes:
             check_whole_groups(batch, self.name)
-        rollout = self.sample(plugin, policy, batch)
-        return self.finalize(plugin, rollout)
+        rollout = self.sample(sampler, policy, batch)
+        return self.finalize(sampler, rollout)
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
         raise NotImplementedError
 
-    def finalize(self, plugin: FlowPlugin, rollout: Rollout) -> Rollout:
+    def finalize(self, sampler: FlowSampler, rollout: Rollout) -> Rollout:
         """Multiply the configured per-step weights into ``rollout.action_weights``."""
-        weights = step_weights(self.config, plugin.sigma_grid(), rollout.replay["step_index"])
+        weights = step_weights(self.config, sampler.sigma_grid(), rollout.replay["step_index"])
         if weights is not None:
             weights = weights.to(rollout.old_logp.device)
             rollout.action_weights = weights if rollout.action_weights is None else rollout.action_weights * weights

@@ -67,7 +67,7 @@ from mmrl.rollout import Rollout, RolloutError
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 
 def branch_points(points: list[int] | None, num_steps: int) -> list[int]:
@@ -136,8 +136,8 @@ class BranchCredit(CreditStrategy):
                         f"released code takes 6 per step), or list fewer points")
             raise RolloutError(f"credit.branch.points with rollout.group_size {group_size}: {error}{hint}") from None
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
-        return plugin.shared_rollout(policy, batch, self.template(batch.group_size))
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        return sampler.shared_rollout(policy, batch, self.template(batch.group_size))
 
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor:
         """Every column gets the sample's reward; the mask keeps only the sample's own branch point, so the core's

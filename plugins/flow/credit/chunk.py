@@ -61,7 +61,7 @@ from mmrl.seeding import derive_seed
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 _CHUNK_SAMPLING_TAG = 0xC4C2
 
@@ -165,13 +165,13 @@ class ChunkCredit(CreditStrategy):
     def num_actions(self, config: FlowPluginConfig) -> int:
         return config.step_selection_count()
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
-        level = plugin.runtime.ratio_level
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        level = sampler.runtime.ratio_level
         if level is not None and level != "chunk":
             raise ConfigError("algorithm.policy_loss.ratio_level", level,
                               "'chunk' with plugin.credit.strategy 'chunk' (one importance ratio per chunk)")
         options = self.credit.chunk
-        rollout = plugin.chain_rollout(policy, batch, step_plan(self.config, batch, plugin.runtime.seed))
+        rollout = sampler.chain_rollout(policy, batch, step_plan(self.config, batch, sampler.runtime.seed))
         dynamics = relative_l1(rollout.replay["latents"], rollout.replay["next_latents"]).cpu()  # [N, A]
         if options.sizes is not None:
             chunk_ids = chunks_from_sizes(list(options.sizes), rollout.num_actions).expand_as(dynamics).clone()

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
     from mmrl.plugins.flow.credit.config import SlidingWindowCreditConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 _RANDOM_WINDOW_TAG = 0x51D3
 
@@ -98,14 +98,14 @@ class SlidingWindowCredit(CreditStrategy):
     def num_actions(self, config: FlowPluginConfig) -> int:
         return config.credit.sliding_window.size
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
         options, num_steps = self.credit.sliding_window, self.config.num_steps
         start = window_start(options, num_steps, step=batch.step, max_steps=batch.max_steps,
-                             run_seed=plugin.runtime.seed)
+                             run_seed=sampler.runtime.seed)
         plan = window_plan(len(batch), num_steps, start, options.size)
         tail = None
         if options.solver != "euler" or options.solver_steps < 1.0:
             tail = tail_grid(start + options.size, num_steps, options.solver_steps)
-        rollout = plugin.chain_rollout(policy, batch, plan, tail=tail or None, solver=options.solver)
+        rollout = sampler.chain_rollout(policy, batch, plan, tail=tail or None, solver=options.solver)
         rollout.metrics["window_start"] = float(start)
         return rollout

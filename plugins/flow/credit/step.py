@@ -20,7 +20,7 @@ from mmrl.rollout import Rollout
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 
 def step_plan(config: FlowPluginConfig, batch: PromptBatch, run_seed: int) -> StepPlan:
@@ -41,5 +41,5 @@ class StepCredit(CreditStrategy):
     def num_actions(self, config: FlowPluginConfig) -> int:
         return config.step_selection_count()
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
-        return plugin.chain_rollout(policy, batch, step_plan(self.config, batch, plugin.runtime.seed))
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        return sampler.chain_rollout(policy, batch, step_plan(self.config, batch, sampler.runtime.seed))

@@ -41,7 +41,7 @@ from mmrl.rollout import Rollout, RolloutError
 if TYPE_CHECKING:
     from mmrl.plugin import PromptBatch
     from mmrl.plugins.flow.config import FlowPluginConfig
-    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.sampler import FlowSampler
 
 
 def tree_trained_steps(split_points: list[int], num_steps: int, sde_steps: str) -> list[int]:
@@ -148,9 +148,9 @@ class TreeCredit(CreditStrategy):
         except ValueError as error:
             raise RolloutError(f"credit.tree with rollout.group_size {group_size}: {error}") from None
 
-    def sample(self, plugin: FlowPlugin, policy: nn.Module, batch: PromptBatch) -> Rollout:
+    def sample(self, sampler: FlowSampler, policy: nn.Module, batch: PromptBatch) -> Rollout:
         template = self.template(batch.group_size)
-        rollout = plugin.shared_rollout(policy, batch, template)
+        rollout = sampler.shared_rollout(policy, batch, template)
         _, rows = grouped_rows(batch.group_ids)
         nodes = torch.empty_like(rollout.replay["step_index"])
         columns = template.node.gather(1, template.step_index).to(nodes.device)  # [G, A]
