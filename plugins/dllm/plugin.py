@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +68,7 @@ from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters, padding_inputs
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
+from mmrl.prompts import read_jsonl_prompts
 from mmrl.rollout import Rollout
 
 OBJECTIVES = ("grpo", "wd1", "spg")
@@ -677,14 +677,7 @@ class DLLMPlugin(Plugin):
             return []  # a single training file and no eval_dataset: nothing held out
         if not path.is_file():
             raise FileNotFoundError(f"dllm plugin: no {split} rows at {path} (plugin.dataset / plugin.eval_dataset)")
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path} line {number}: expected a JSON object with a 'prompt' string")
-            rows.append(row)
+        rows = read_jsonl_prompts(path)
         limit = config.train_size if split == "train" else config.eval_size
         return rows[:limit] if limit else rows
 

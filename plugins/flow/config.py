@@ -4,7 +4,6 @@ names and the prompt rows it points at. :mod:`mmrl.plugins.flow.plugin` re-expor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from typing import Any, Literal
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
+from mmrl.prompts import read_prompt_file
 
 
 @dataclass
@@ -242,19 +242,7 @@ def load_rows(config: FlowPluginConfig, split: str) -> list[dict[str, Any]]:
         if not found:
             raise FileNotFoundError(f"prompt folder {path} has none of {', '.join(c.name for c in candidates)}")
         path = found[0]
-    if not path.is_file():
-        raise FileNotFoundError(f"no prompt file at {path}")
-    if path.suffix == ".jsonl":
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path} line {number}: expected a JSON object with a 'prompt' string")
-            rows.append(row)
-    else:
-        rows = [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
+    rows = read_prompt_file(path)
     if not rows and split == "train":
         raise ValueError(f"{path} holds no prompts")
     return rows

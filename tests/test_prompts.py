@@ -1,0 +1,42 @@
+"""The shared prompt-file readers (mmrl.prompts), used by the flow and dllm plugins."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmrl.prompts import read_jsonl_prompts, read_prompt_file
+
+
+def test_jsonl_rows_keep_their_keys_and_skip_blank_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "two cats", "count": 2}\n\n{"prompt": "a dog", "solution": "1"}\n')
+    assert read_jsonl_prompts(path) == [{"prompt": "two cats", "count": 2}, {"prompt": "a dog", "solution": "1"}]
+    assert read_prompt_file(path) == read_jsonl_prompts(path)
+
+
+def test_text_files_give_one_stripped_prompt_per_non_blank_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("  a cat \n\na dog\n")
+    assert read_prompt_file(path) == [{"prompt": "a cat"}, {"prompt": "a dog"}]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"prompt": "ok"}\n{"text": "no prompt"}\n', r"p.jsonl line 2: expected a JSON object with a 'prompt' string$"),
+    ('["a list"]\n', r"line 1: expected a JSON object"),
+    ('{"prompt": 3}\n', r"line 1: expected a JSON object with a 'prompt' string"),
+    ('{"prompt": "ok"}\n{"prompt": \n', r"p.jsonl line 2: not valid JSON \(Expecting value at column 12\)$"),
+])
+def test_malformed_jsonl_is_one_line_naming_file_and_line(tmp_path, text, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        read_jsonl_prompts(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_file_names_its_path(tmp_path):
+    for read in (read_jsonl_prompts, read_prompt_file):
+        with pytest.raises(FileNotFoundError, match="no prompt file at .*missing"):
+            read(tmp_path / "missing.jsonl")
+    with pytest.raises(FileNotFoundError, match="no prompt file at"):
+        read_prompt_file(tmp_path / "missing.txt")
