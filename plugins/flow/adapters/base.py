@@ -216,6 +216,12 @@ class FlowAdapter(ABC):
         output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
                                        both, guidance_scale)
         uncond, cond = output.float().chunk(2)  # [n, ...] each
+        return self.combine_guidance(uncond, cond, guidance_scale)
+
+    def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float) -> Tensor:
+        """The guided velocity from the float32 unconditional and conditional ones (``[n, ...]`` each): the standard
+        v_u + w·(v_c − v_u). A model whose pipeline post-processes the combination (Qwen-Image's norm rescale)
+        overrides this, not :meth:`velocity`."""
         return uncond + guidance_scale * (cond - uncond)
 
     @torch.no_grad()

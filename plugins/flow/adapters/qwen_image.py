@@ -117,19 +117,10 @@ class QwenImageAdapter(FlowAdapter):
             raise ValueError(f"Qwen-Image adapter: {tokens} latent tokens are not a square grid (square images only)")
         return side
 
-    def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning, *,
-                 guidance_scale: float, negative: Conditioning | None = None) -> Tensor:
-        """As :meth:`FlowAdapter.velocity`, with Qwen-Image's rescale of the guided velocity: each token's guided
-        velocity is scaled to the norm of its conditional velocity (QwenImagePipeline.__call__)."""
-        if negative is None:
-            return self.call_transformer(module, latents, timesteps, conditioning, guidance_scale).float()
-        n = latents.shape[0]
-        both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]), value])
-                for key, value in conditioning.items()}
-        output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
-                                       both, guidance_scale)
-        uncond, cond = output.float().chunk(2)  # [n, tokens, 4C] each
-        guided = uncond + guidance_scale * (cond - uncond)
+    def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float) -> Tensor:
+        """Qwen-Image's rescale of the guided velocity: each token's guided velocity (``[n, tokens, 4C]``) is scaled
+        to the norm of its conditional velocity (QwenImagePipeline.__call__)."""
+        guided = super().combine_guidance(uncond, cond, guidance_scale)
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
     @torch.no_grad()
