@@ -42,7 +42,7 @@ class FlowFloor(Floor):
         self.adapter = plugin.adapter
         self.dtype = plugin.input_dtype
         config = plugin.config
-        self.sigmas, self.timesteps = self.adapter.schedule(config.num_steps, config.resolution)  # [S+1], [S]
+        self.sigmas, self.timesteps = self.adapter.schedule(config.num_steps)  # [S+1], [S]
         self.piece = config.transformer_batch_size
         self.negative = None
         if plugin.cfg:
@@ -77,7 +77,7 @@ class FlowFloor(Floor):
             for s in range(self.timesteps.shape[0]):
                 velocity = self.velocity(self.policy, latents, self.timesteps[s].expand(n), conditioning)
                 latents = (latents.float() + (self.sigmas[s + 1] - self.sigmas[s]) * velocity).to(self.dtype)
-            self.adapter.decode(latents, self.plugin.config.resolution)
+            self.adapter.decode(latents)
 
     def unit_inputs(self, epoch: int, indices: list[int], columns: torch.Tensor | None) -> Any:
         index = torch.tensor(indices, dtype=torch.long, device=self.device)

@@ -46,8 +46,20 @@ class FlowPluginConfig:
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
     )
     gradient_checkpointing: bool = config_field(False, help="Recompute transformer activations in the backward.")
-    resolution: int = config_field(512, minimum=1, help="Image side in pixels (square images).",
-                                   ref="Flow-GRPO and DanceGRPO image runs: 512 (DanceGRPO FLUX: 720)")
+    resolution: int = config_field(
+        512, minimum=1, help="Image (video frame) side in pixels: the height and width wherever plugin.height or "
+        "plugin.width is null (square images by default).",
+        ref="Flow-GRPO and DanceGRPO image runs: 512 (DanceGRPO FLUX: 720)",
+    )
+    height: int | None = config_field(
+        None, minimum=1, help="Image (video frame) height in pixels, as the diffusers pipelines' height=; a multiple "
+        "of the adapter's VAE factor x patch size (16 for every shipped family). Null: resolution.",
+        ref="Wan2.1 480p: height 480, width 832",
+    )
+    width: int | None = config_field(
+        None, minimum=1, help="Image (video frame) width in pixels, as the diffusers pipelines' width=; the same "
+        "multiple as height. Null: resolution.", ref="Wan2.1 480p: height 480, width 832",
+    )
     num_frames: int | None = config_field(
         None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
         "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
@@ -189,6 +201,18 @@ class FlowPluginConfig:
         """Steps per sample that plugin.train_steps trains (the action budget of 'step' and 'chunk')."""
         return trained_step_count(self.train_steps, self.num_steps, timestep_fraction=self.timestep_fraction,
                                   window_size=self.window_size)
+
+    def size_options(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """``((key, height), (key, width))``: each side in pixels and the option that sets it (``height`` or
+        ``width``, or ``resolution`` where that one is null), so an error names the option the user wrote."""
+        height = ("resolution", self.resolution) if self.height is None else ("height", self.height)
+        width = ("resolution", self.resolution) if self.width is None else ("width", self.width)
+        return height, width
+
+    def resolved_size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels of every generated image (video frame)."""
+        (_, height), (_, width) = self.size_options()
+        return height, width
 
     def resolved_window_range(self) -> tuple[int, int]:
         if self.window_range is None:

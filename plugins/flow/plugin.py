@@ -72,9 +72,11 @@ class FlowPlugin(Plugin):
             if isinstance(component, nn.Module):
                 component.requires_grad_(False).eval()
         multiple = adapter.resolution_multiple()
-        if config.resolution % multiple:
-            raise ConfigError("plugin.resolution", config.resolution,
-                              f"a multiple of {multiple} for {config.model} (VAE downsampling x patch size)")
+        for key, pixels in config.size_options():  # (height, width), each named by the option that set it
+            if pixels % multiple:
+                raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
+                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
+        adapter.set_size(*config.resolved_size())
         frames_problem = adapter.frames_requirement(config.num_frames)
         if frames_problem is not None:
             raise ConfigError("plugin.num_frames", config.num_frames, frames_problem)

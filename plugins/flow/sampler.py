@@ -73,7 +73,7 @@ class FlowSampler:
 
     def sigma_grid(self) -> Tensor:
         """σ of the training schedule, ``[S+1]`` from about 1 down to 0."""
-        return self.adapter.schedule(self.config.num_steps, self.config.resolution)[0]
+        return self.adapter.schedule(self.config.num_steps)[0]
 
     @torch.no_grad()
     def chain_rollout(self, policy: nn.Module, batch: PromptBatch, plan: StepPlan, *, tail: list[int] | None = None,
@@ -86,7 +86,7 @@ class FlowSampler:
         config = self.config
         n = len(batch)
         counted = self.model_evaluations["rollout"]
-        sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)  # [S+1], [S]
+        sigmas, timesteps = self.adapter.schedule(config.num_steps)  # [S+1], [S]
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)  # each [n, ...]
         generators = batch.sample_generators()
@@ -152,7 +152,7 @@ class FlowSampler:
         config = self.config
         n = len(batch)
         counted = self.model_evaluations["rollout"]
-        sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)
+        sigmas, timesteps = self.adapter.schedule(config.num_steps)
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)
         groups, rows = grouped_rows(batch.group_ids)  # [R, G] batch rows of each group's members
@@ -193,7 +193,7 @@ class FlowSampler:
                           final: Tensor, before: Tensor, after: Tensor, old_logp: Tensor, means: Tensor | None,
                           step_index: Tensor, *, mask: Tensor, evaluations: int) -> Rollout:
         config = self.config
-        sigmas, timesteps = self.adapter.schedule(config.num_steps, config.resolution)
+        sigmas, timesteps = self.adapter.schedule(config.num_steps)
         replay = {
             "latents": before,  # x before each trained step, float32
             "next_latents": after,  # the sampled x_next: the action, float32
@@ -215,7 +215,7 @@ class FlowSampler:
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask,
-            payload={self.adapter.output: self.adapter.decode(final, config.resolution), "prompts": prompts},
+            payload={self.adapter.output: self.adapter.decode(final), "prompts": prompts},
             replay=replay,
             shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
                     "credit": config.credit.strategy},
@@ -227,7 +227,7 @@ class FlowSampler:
         """The plain ODE (Euler) with the evaluation steps and guidance, as the diffusers pipeline samples; A = 0."""
         config = self.config
         n = len(batch)
-        sigmas, timesteps = self.adapter.schedule(config.eval_num_steps, config.resolution)
+        sigmas, timesteps = self.adapter.schedule(config.eval_num_steps)
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)
         latents = self.initial_noise(batch, batch.sample_generators())
@@ -237,7 +237,7 @@ class FlowSampler:
             latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
         empty = latents.new_zeros(n, 0)
         return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                       payload={self.adapter.output: self.adapter.decode(latents, config.resolution),
+                       payload={self.adapter.output: self.adapter.decode(latents),
                                 "prompts": prompts})
 
     def conditioning(self, prompts: Sequence[str]) -> dict[str, Tensor]:
@@ -274,13 +274,13 @@ class FlowSampler:
                 if group not in per_group:
                     per_group[group] = self.group_noise(group)
             return torch.cat([per_group[group] for group in batch.group_ids.tolist()])
-        shape = (1, *self.adapter.noise_shape(self.config.resolution))
+        shape = (1, *self.adapter.noise_shape())
         noise = torch.cat([torch.randn(shape, generator=generator) for generator in generators])
         return self.adapter.pack(noise.to(self.runtime.device))
 
     def group_noise(self, group: int) -> Tensor:
         """x at σ = 1 shared by a group, ``[1, *latent]``, drawn from (run seed, group id) only."""
-        shape = (1, *self.adapter.noise_shape(self.config.resolution))
+        shape = (1, *self.adapter.noise_shape())
         generator = torch.Generator().manual_seed(derive_seed(self.runtime.seed, int(group), _SHARED_NOISE_TAG))
         return self.adapter.pack(torch.randn(shape, generator=generator).to(self.runtime.device))
 

@@ -85,7 +85,7 @@ def test_branch_shares_the_ode_trunk_and_trains_only_the_branch_step(make_plugin
         start = plugin.sampler.group_noise(group)[0]
         assert torch.equal(replay["latents"][rows[0], 0], start) and torch.equal(replay["latents"][rows[1], 0], start)
         trunk = start.unsqueeze(0)  # the ODE trunk to step 2, recomputed
-        sigmas, timesteps = plugin.adapter.schedule(4, 16)
+        sigmas, timesteps = plugin.adapter.schedule(4)
         conditioning = {k: v[rows[:1]] for k, v in replay["conditioning"].items()}
         with torch.no_grad():
             for s in range(2):

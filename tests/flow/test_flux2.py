@@ -28,17 +28,20 @@ def pipelines(pipelines, tmp_path_factory):
     return {**pipelines, "flux2": folder}
 
 
-def test_evaluation_is_the_flux2_pipeline_ode(make_plugin):
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (16, 32)], ids=["16x16", "16x32"])
+def test_evaluation_is_the_flux2_pipeline_ode(make_plugin, height, width):
     # Same batch, same padded text length, same single transformer call per step on both sides: only the float32
-    # rounding of the two code paths can differ, 1e-5 on pixels in [0, 1] after 5 steps.
-    plugin = make_plugin("flux2", eval_num_steps=5, eval_guidance_scale=3.0, max_sequence_length=TEXT_TOKENS)
+    # rounding of the two code paths can differ, 1e-5 on pixels in [0, 1] after 5 steps. The non-square size checks
+    # the image ids (rows, columns), their unpacking and the shift μ of h/2·w/2 tokens.
+    plugin = make_plugin("flux2", eval_num_steps=5, eval_guidance_scale=3.0, max_sequence_length=TEXT_TOKENS,
+                         height=height, width=width)
     assert plugin.adapter.name == "flux2" and not plugin.cfg  # detected from model_index.json; guidance-distilled
     prompts = ["a cat", "a big red dog"]
     rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
-    assert rollout.payload["images"].shape == (2, 3, 16, 16)
+    assert rollout.payload["images"].shape == (2, 3, height, width)
     generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
     with torch.no_grad():
-        expected = plugin.adapter.pipeline(prompt=prompts, height=16, width=16, num_inference_steps=5,
+        expected = plugin.adapter.pipeline(prompt=prompts, height=height, width=width, num_inference_steps=5,
                                            guidance_scale=3.0, generator=generators, output_type="pt",
                                            max_sequence_length=TEXT_TOKENS).images
     torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
@@ -51,7 +54,7 @@ def test_schedule_shift_depends_on_the_number_of_steps(make_plugin):
 
     adapter = make_plugin("flux2", max_sequence_length=TEXT_TOKENS).adapter
     for steps in (4, 10):
-        sigmas, timesteps = adapter.schedule(steps, 16)
+        sigmas, timesteps = adapter.schedule(steps)
         mu = compute_empirical_mu(image_seq_len=16, num_steps=steps)  # 16 px → (16 / 4)² tokens
         base = torch.linspace(1.0, 1 / steps, steps, dtype=torch.float64)
         shifted = math.exp(mu) / (math.exp(mu) + (1 / base - 1))  # the scheduler's exponential time shift

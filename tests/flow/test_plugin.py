@@ -117,16 +117,21 @@ def test_flow_grpo_kl_is_the_exact_kl_times_the_step_size(make_plugin):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_evaluation_is_the_diffusers_pipeline_ode(make_plugin, kind):
-    plugin = make_plugin(kind, eval_num_steps=5, eval_guidance_scale=3.0)
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (16, 32), (32, 16)], ids=["16x16", "16x32", "32x16"])
+def test_evaluation_is_the_diffusers_pipeline_ode(make_plugin, kind, height, width):
+    # Non-square sizes too: FLUX's image position ids and its unpacking read height and width separately, so a
+    # transposed grid gives other pixels than the pipeline's.
+    plugin = make_plugin(kind, eval_num_steps=5, eval_guidance_scale=3.0, height=height, width=width)
     prompts = ["a cat", "a red dog"]
     batch = prompt_batch(prompts, 1, first_seed=5, training=False)
     rollout = plugin.rollout(plugin.policy(), batch).validate()
     assert rollout.num_actions == 0 and rollout.payload["prompts"] == prompts
+    assert rollout.payload["images"].shape == (2, 3, height, width)
     generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
     with torch.no_grad():
-        expected = plugin.adapter.pipeline(prompts, height=16, width=16, num_inference_steps=5, guidance_scale=3.0,
-                                           generator=generators, output_type="pt", max_sequence_length=8).images
+        expected = plugin.adapter.pipeline(prompts, height=height, width=width, num_inference_steps=5,
+                                           guidance_scale=3.0, generator=generators, output_type="pt",
+                                           max_sequence_length=8).images
     torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
 
 
@@ -165,7 +170,7 @@ def test_stored_steps_follow_the_step_selection(make_plugin, selection):
     expected_width = {"fraction": 3, "random": 2, "window": 2}[selection]
     assert steps.shape == rollout.mask.shape == (4, expected_width) and rollout.mask.all()
     assert plugin.max_actions() == expected_width
-    sigmas, _ = plugin.adapter.schedule(6, 16)
+    sigmas, _ = plugin.adapter.schedule(6)
     assert torch.equal(rollout.replay["sigmas"], sigmas[steps])
     assert torch.equal(rollout.replay["sigmas_next"], sigmas[steps + 1])
     if selection == "fraction":

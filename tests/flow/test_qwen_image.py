@@ -21,26 +21,30 @@ def pipelines(pipelines, tmp_path_factory):
     return {**pipelines, "qwen_image": folder}
 
 
-def _pipeline_images(plugin, prompts, seeds, steps, scale, cfg):
+def _pipeline_images(plugin, prompts, seeds, steps, scale, cfg, height=16, width=16):
     """The diffusers pipeline's own output for ``prompts``, one generator per sample as the plugin seeds them."""
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     guidance = {"true_cfg_scale": scale, "negative_prompt": ""} if cfg else {"true_cfg_scale": 1.0}
     with torch.no_grad():
-        return plugin.adapter.pipeline(prompts, height=16, width=16, num_inference_steps=steps, generator=generators,
-                                       output_type="pt", max_sequence_length=8, **guidance).images
+        return plugin.adapter.pipeline(prompts, height=height, width=width, num_inference_steps=steps,
+                                       generator=generators, output_type="pt", max_sequence_length=8,
+                                       **guidance).images
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
-def test_evaluation_is_the_qwen_image_pipeline_ode(make_plugin, cfg):
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (32, 16)], ids=["16x16", "32x16"])
+def test_evaluation_is_the_qwen_image_pipeline_ode(make_plugin, cfg, height, width):
     # The pipeline pads text to the longest prompt of its batch ("a cat": 7 tokens, "a big red dog": 9, cut to 8)
     # and runs the negative prompt as a second call; the plugin pads every prompt to 8 with a mask and runs
     # [uncond; cond] in one call. Masked keys get exactly zero attention weight, so only float32 rounding of
     # differently shaped matmuls separates the two: 1e-5 on pixels in [0, 1] after 5 steps.
-    plugin = make_plugin("qwen_image", cfg=cfg, eval_num_steps=5, eval_guidance_scale=3.0 if cfg else None)
+    # A non-square size checks img_shapes (1, h/2, w/2), the unpacking and the σ shift of h/2·w/2 tokens.
+    plugin = make_plugin("qwen_image", cfg=cfg, eval_num_steps=5, eval_guidance_scale=3.0 if cfg else None,
+                         height=height, width=width)
     prompts = ["a cat", "a big red dog"]
     rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
-    assert rollout.payload["images"].shape == (2, 3, 16, 16)
-    expected = _pipeline_images(plugin, prompts, (5, 6), 5, 3.0, cfg)
+    assert rollout.payload["images"].shape == (2, 3, height, width)
+    expected = _pipeline_images(plugin, prompts, (5, 6), 5, 3.0, cfg, height, width)
     torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
 
 

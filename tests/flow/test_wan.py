@@ -27,7 +27,7 @@ def pipelines(pipelines, tmp_path_factory):
     return {**pipelines, "wan": folder}
 
 
-def _pipeline_videos(plugin, prompts, seeds, steps, scale, cfg):
+def _pipeline_videos(plugin, prompts, seeds, steps, scale, cfg, height=16, width=16):
     """The diffusers pipeline's own output ``[N, 3, F, H, W]`` for ``prompts`` (one generator per sample, as the
     plugin seeds them), with its UniPC scheduler replaced by the flow-shifted Euler one the adapter samples with."""
     from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
@@ -38,7 +38,7 @@ def _pipeline_videos(plugin, prompts, seeds, steps, scale, cfg):
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     try:
         with torch.no_grad():
-            frames = pipeline(prompts, negative_prompt="", height=16, width=16, num_frames=FRAMES,
+            frames = pipeline(prompts, negative_prompt="", height=height, width=width, num_frames=FRAMES,
                               num_inference_steps=steps, guidance_scale=scale if cfg else 1.0, generator=generators,
                               output_type="pt", max_sequence_length=8).frames  # [N, F, 3, H, W]
     finally:
@@ -47,17 +47,20 @@ def _pipeline_videos(plugin, prompts, seeds, steps, scale, cfg):
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
-def test_evaluation_is_the_wan_pipeline_ode(make_plugin, cfg):
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (16, 32)], ids=["16x16", "16x32"])
+def test_evaluation_is_the_wan_pipeline_ode(make_plugin, cfg, height, width):
     # Same noise, σ grid, raw timesteps and padded text; the plugin runs [uncond; cond] in one transformer call where
     # the pipeline makes two, and Wan's attention has no text mask and no cross-sample terms, so only float32
     # rounding of differently shaped matmuls separates the two: 1e-5 on pixels in [0, 1] after 4 steps.
-    plugin = make_plugin("wan", cfg=cfg, num_frames=FRAMES, eval_num_steps=4, eval_guidance_scale=3.0 if cfg else None)
+    # 16x32: Wan's native frames are wider than tall (480x832); WanPipeline takes multiples of 16 only.
+    plugin = make_plugin("wan", cfg=cfg, num_frames=FRAMES, eval_num_steps=4, eval_guidance_scale=3.0 if cfg else None,
+                         height=height, width=width)
     _perturb_lora(plugin, scale=0.1)  # the pipeline shares the transformer, LoRA included
     prompts = ["a cat", "a big red dog"]
     rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
     videos = rollout.payload["videos"]
-    assert videos.shape == (2, 3, FRAMES, 16, 16) and "images" not in rollout.payload
-    expected = _pipeline_videos(plugin, prompts, (5, 6), 4, 3.0, cfg)
+    assert videos.shape == (2, 3, FRAMES, height, width) and "images" not in rollout.payload
+    expected = _pipeline_videos(plugin, prompts, (5, 6), 4, 3.0, cfg, height, width)
     torch.testing.assert_close(videos, expected, rtol=0, atol=1e-5)
     assert float((videos[:, :, 1:] - videos[:, :, :1]).abs().max()) > 1e-2  # the frames are not one image repeated
 
@@ -66,7 +69,7 @@ def test_the_adapter_samples_with_the_flow_shifted_euler_grid(make_plugin):
     """σ_k = shift·s/(1 + (shift−1)·s) on FlowMatchEulerDiscreteScheduler's linspace of unshifted σ, computed by hand
     (shift 3 from the UniPC config); the timesteps the transformer sees are 1000·σ, not σ."""
     plugin = make_plugin("wan", num_frames=FRAMES)
-    sigmas, timesteps = plugin.adapter.schedule(4, 16)
+    sigmas, timesteps = plugin.adapter.schedule(4)
     shift = 3.0
     low = shift * 1e-3 / (1 + (shift - 1) * 1e-3)  # the scheduler's σ_min: its shifted training σ at t = 1
     unshifted = [1.0 + (low - 1.0) * k / 3 for k in range(4)]
@@ -74,7 +77,7 @@ def test_the_adapter_samples_with_the_flow_shifted_euler_grid(make_plugin):
     torch.testing.assert_close(sigmas, torch.tensor(expected), rtol=0, atol=1e-6)
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000, rtol=0, atol=1e-3)
     assert type(plugin.adapter.pipeline.scheduler).__name__ == "UniPCMultistepScheduler"  # the pipeline's, untouched
-    assert plugin.adapter.noise_shape(16) == (4, 3, 8, 8)  # [C, (5 − 1)/2 + 1, 16/2, 16/2]
+    assert plugin.adapter.noise_shape() == (4, 3, 8, 8)  # [C, (5 − 1)/2 + 1, 16/2, 16/2]
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
@@ -175,7 +178,7 @@ def test_video_samples_are_saved_as_a_grid_of_filmstrips(make_plugin, tmp_path):
 def test_decoding_in_batches_gives_the_same_videos(make_plugin):
     plugin = make_plugin("wan", num_frames=FRAMES)
     latents = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0))  # [n, C, F_lat, h, w]
-    one_by_one = plugin.adapter.decode(latents, 16)
+    one_by_one = plugin.adapter.decode(latents)
     plugin.adapter.decode_batch_size = 2
-    torch.testing.assert_close(plugin.adapter.decode(latents, 16), one_by_one, rtol=0, atol=1e-6)
+    torch.testing.assert_close(plugin.adapter.decode(latents), one_by_one, rtol=0, atol=1e-6)
     assert one_by_one.shape == (3, 3, FRAMES, 16, 16)

@@ -10,9 +10,13 @@ An adapter wraps a loaded diffusers pipeline and answers five questions the plug
 :meth:`decode`          final latents → images ``[N, 3, H, W]`` (videos ``[N, 3, F, H, W]``) in [0, 1]
 =====================  ===================================================================================
 
-Video models (Wan) declare it once here: :attr:`FlowAdapter.output` is ``"videos"``, :attr:`num_frames` (set by
-the plugin from ``plugin.num_frames`` after :meth:`FlowAdapter.frames_requirement` accepted it) gives the frame axis
-of :meth:`noise_shape` and :meth:`decode`, and :attr:`temporal_scale_factor` is the VAE's frames per latent frame.
+The sample size is adapter state, set once by the plugin: :attr:`FlowAdapter.height` and :attr:`FlowAdapter.width`
+in pixels (``plugin.height``/``plugin.width``, else ``plugin.resolution``), read by every operation that depends on
+it (noise shapes, packed-latent position ids, resolution-dependent σ shifts, decode), so height and width reach the
+transformer call too. Video models (Wan) declare it once here: :attr:`FlowAdapter.output` is ``"videos"``,
+:attr:`num_frames` (set by the plugin from ``plugin.num_frames`` after :meth:`FlowAdapter.frames_requirement`
+accepted it) gives the frame axis of :meth:`noise_shape` and :meth:`decode`, and :attr:`temporal_scale_factor` is
+the VAE's frames per latent frame.
 The SDE, the log-probs and every credit strategy treat a latent as one tensor per sample whatever its rank.
 
 Everything else (SDE steps and their log-probs, classifier-free guidance, the KL, LoRA, checkpoints) is shared and
@@ -72,9 +76,12 @@ class FlowAdapter(ABC):
         self.device = torch.device(device)
         # A private copy: set_timesteps mutates the scheduler, and the pipeline's own scheduler stays untouched.
         self.scheduler = copy.deepcopy(pipeline.scheduler)
-        self._schedules: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        self._schedules: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}  # (steps, height, width)
         #: Frames per sample: 1 for images; the plugin sets it for video adapters (:meth:`frames_requirement`).
         self.num_frames = 1
+        #: Image (frame) size in pixels; the plugin sets both from its config (:meth:`set_size`).
+        self.height: int | None = None
+        self.width: int | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -126,8 +133,30 @@ class FlowAdapter(ABC):
         return None
 
     def resolution_multiple(self) -> int:
-        """Image sides must be multiples of this (VAE downsampling × transformer patch)."""
+        """Image height and width must each be a multiple of this (VAE downsampling × transformer patch, as the
+        pipeline's ``check_inputs`` requires)."""
         return self.vae_scale_factor * int(getattr(self.transformer.config, "patch_size", 1) or 1)
+
+    def set_size(self, height: int, width: int) -> None:
+        """Generate ``height × width`` pixel images (frames) from now on. The plugin has checked both against
+        :meth:`resolution_multiple` and names the option in its error; here a bad size is a ValueError."""
+        multiple = self.resolution_multiple()
+        if height < 1 or width < 1 or height % multiple or width % multiple:
+            raise ValueError(f"{self.name} adapter: height {height} and width {width} must be positive multiples of "
+                             f"{multiple}")
+        self.height, self.width = int(height), int(width)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels, as :meth:`set_size` set them."""
+        if self.height is None or self.width is None:
+            raise RuntimeError(f"{self.name} adapter: no image size; call set_size(height, width) before sampling")
+        return self.height, self.width
+
+    def latent_size(self) -> tuple[int, int]:
+        """``(h, w)`` of the VAE latents of one image (frame): the pixel size over the VAE's spatial factor."""
+        height, width = self.size
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
 
     # ------------------------------------------------------------------ the five operations
     @abstractmethod
@@ -135,27 +164,30 @@ class FlowAdapter(ABC):
         """Encode ``prompts`` with the pipeline's text encoders → tensors with ``len(prompts)`` rows."""
 
     @abstractmethod
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        """Shape of one sample's initial noise as the pipeline's ``prepare_latents`` draws it (before packing)."""
+    def noise_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's initial noise at :attr:`size` as the pipeline's ``prepare_latents`` draws it
+        (before packing)."""
 
     def pack(self, noise: Tensor) -> Tensor:
         """Initial noise ``[N, *noise_shape]`` → the transformer's latent layout (identity unless packed)."""
         return noise
 
-    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
+    def unpack(self, latents: Tensor) -> Tensor:
         """Transformer layout → VAE latents ``[N, C, h, w]`` (identity unless packed)."""
         return latents
 
-    def image_seq_len(self, resolution: int) -> int:
-        """Image tokens the transformer sees, for schedulers with resolution-dependent (dynamic) shifting."""
-        side = resolution // self.resolution_multiple()
-        return side * side
+    def image_seq_len(self) -> int:
+        """Image tokens the transformer sees at :attr:`size`, for schedulers with resolution-dependent (dynamic)
+        shifting."""
+        height, width = self.size
+        multiple = self.resolution_multiple()
+        return (height // multiple) * (width // multiple)
 
     def default_sigmas(self, num_steps: int) -> list[float] | None:
         """Custom σ grid the pipeline passes to ``set_timesteps`` (None: the scheduler's own spacing)."""
         return None
 
-    def dynamic_shift_mu(self, num_steps: int, resolution: int) -> float:
+    def dynamic_shift_mu(self, num_steps: int) -> float:
         """μ of a dynamically shifting scheduler (``use_dynamic_shifting``): FLUX's ``calculate_shift`` of the image
         tokens with the scheduler config's base/max shift. Overridden where the pipeline computes μ otherwise
         (FLUX.2: from the image tokens and the number of steps)."""
@@ -163,20 +195,20 @@ class FlowAdapter(ABC):
 
         config = self.scheduler.config
         return calculate_shift(
-            self.image_seq_len(resolution), config.get("base_image_seq_len", 256),
+            self.image_seq_len(), config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )
 
-    def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
+    def schedule(self, num_steps: int) -> tuple[Tensor, Tensor]:
         """``(sigmas [S+1], timesteps [S])`` float32 on the device: σ from ~1 down to 0 (the last entry) and the
         timestep value the transformer is given at each step, computed by the pipeline's scheduler exactly as its
-        ``__call__`` does (including FLUX's resolution-dependent shift)."""
-        key = (num_steps, resolution)
+        ``__call__`` does (including FLUX's shift, which depends on the image tokens of :attr:`size`)."""
+        key = (num_steps, *self.size)
         if key not in self._schedules:
             config = self.scheduler.config
             kwargs: dict[str, Any] = {}
             if config.get("use_dynamic_shifting", False):
-                kwargs["mu"] = self.dynamic_shift_mu(num_steps, resolution)
+                kwargs["mu"] = self.dynamic_shift_mu(num_steps)
             sigmas = None if config.get("use_flow_sigmas", False) else self.default_sigmas(num_steps)
             if sigmas is None:
                 self.scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
@@ -225,11 +257,11 @@ class FlowAdapter(ABC):
         return uncond + guidance_scale * (cond - uncond)
 
     @torch.no_grad()
-    def decode(self, latents: Tensor, resolution: int) -> Tensor:
+    def decode(self, latents: Tensor) -> Tensor:
         """Final latents (transformer layout) → images ``[N, 3, H, W]`` float32 in [0, 1], as the pipeline's
         ``output_type="pt"``."""
         vae = self.vae
-        latents = self.unpack(latents, resolution)
+        latents = self.unpack(latents)
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)

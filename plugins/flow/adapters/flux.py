@@ -8,7 +8,6 @@ LoRA targets, which add the feed-forward layers of both streams to the attention
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -45,30 +44,30 @@ class FluxAdapter(FlowAdapter):
         # prompt_embeds [n, L, D_t5]; pooled [n, D_clip]
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        side = 2 * (resolution // (self.vae_scale_factor * 2))
-        return (self.transformer.config.in_channels // 4, side, side)
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.transformer.config.in_channels // 4, *self.latent_size())  # [C, h, w], h = H/8 even
 
     def pack(self, noise: Tensor) -> Tensor:
         n, channels, height, width = noise.shape
         return self.pipeline._pack_latents(noise, n, channels, height, width)  # [n, h/2·w/2, 4C]
 
-    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
-        return self.pipeline._unpack_latents(latents, resolution, resolution, self.vae_scale_factor)
-
-    def image_seq_len(self, resolution: int) -> int:
-        side = resolution // self.resolution_multiple()
-        return side * side
+    def unpack(self, latents: Tensor) -> Tensor:
+        height, width = self.size
+        return self.pipeline._unpack_latents(latents, height, width, self.vae_scale_factor)  # [n, C, h, w]
 
     def default_sigmas(self, num_steps: int) -> list[float]:
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()  # as FluxPipeline.__call__
 
     def _position_ids(self, image_tokens: int, text_tokens: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """FLUX's rotary position ids of the image tokens (row, column) and of the text tokens (zeros), cached."""
-        key = (image_tokens, text_tokens, like.device, like.dtype)
+        """FLUX's rotary position ids of the image tokens ``[h/2·w/2, 3]`` (0, row, column on the h/2 × w/2 grid of
+        :attr:`size`, row-major as ``_pack_latents`` lays the tokens out) and of the text tokens (zeros), cached."""
+        rows, columns = (side // 2 for side in self.latent_size())
+        if rows * columns != image_tokens:
+            raise ValueError(f"FLUX adapter: {image_tokens} latent tokens, but a {self.height}x{self.width} image has "
+                             f"{rows * columns} ({rows} x {columns})")
+        key = (rows, columns, text_tokens, like.device, like.dtype)
         if key not in self._ids:
-            side = math.isqrt(image_tokens)  # square images
-            self._ids[key] = (self.pipeline._prepare_latent_image_ids(1, side, side, like.device, like.dtype),
+            self._ids[key] = (self.pipeline._prepare_latent_image_ids(1, rows, columns, like.device, like.dtype),
                               torch.zeros(text_tokens, 3, device=like.device, dtype=like.dtype))
         return self._ids[key]
 

@@ -25,7 +25,6 @@ double-stream blocks' ``to_out`` ModuleList, which peft cannot wrap).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -55,8 +54,10 @@ class Flux2Adapter(FlowAdapter):
     def resolution_multiple(self) -> int:
         return self.vae_scale_factor * 2  # 2×2 patches of the VAE latents
 
-    def _token_side(self, resolution: int) -> int:
-        return resolution // (self.vae_scale_factor * 2)
+    def _token_grid(self) -> tuple[int, int]:
+        """``(rows, columns)`` of the packed tokens: the pixel size over (VAE factor × 2)."""
+        height, width = self.size
+        return height // (self.vae_scale_factor * 2), width // (self.vae_scale_factor * 2)
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         prompt_embeds, _ = self.pipeline.encode_prompt(
@@ -64,37 +65,39 @@ class Flux2Adapter(FlowAdapter):
         )
         return {"prompt_embeds": prompt_embeds}  # [n, L, 3·D], L = max_sequence_length (padded by the processor)
 
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        side = self._token_side(resolution)
-        return (self.transformer.config.in_channels, side, side)  # [4C, h/2, w/2], as prepare_latents draws it
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.transformer.config.in_channels, *self._token_grid())  # [4C, h/2, w/2], as prepare_latents
 
     def pack(self, noise: Tensor) -> Tensor:
         return self.pipeline._pack_latents(noise)  # [n, h/2·w/2, 4C]
 
-    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
+    def unpack(self, latents: Tensor) -> Tensor:
         image_ids, _ = self._position_ids(latents.shape[1], 1, latents)
         ids = image_ids.expand(latents.shape[0], -1, -1)
         return self.pipeline._unpack_latents_with_ids(latents, ids)  # [n, 4C, h/2, w/2]
 
-    def image_seq_len(self, resolution: int) -> int:
-        return self._token_side(resolution) ** 2
+    def image_seq_len(self) -> int:
+        rows, columns = self._token_grid()
+        return rows * columns
 
     def default_sigmas(self, num_steps: int) -> list[float]:
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()  # as Flux2Pipeline.__call__
 
-    def dynamic_shift_mu(self, num_steps: int, resolution: int) -> float:
+    def dynamic_shift_mu(self, num_steps: int) -> float:
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        return compute_empirical_mu(image_seq_len=self.image_seq_len(resolution), num_steps=num_steps)
+        return compute_empirical_mu(image_seq_len=self.image_seq_len(), num_steps=num_steps)
 
     def _position_ids(self, image_tokens: int, text_tokens: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """Image ids ``[1, h/2·w/2, 4]`` (0, row, column, 0) and text ids ``[1, L, 4]`` (0, 0, 0, position), cached."""
-        key = (image_tokens, text_tokens, like.device)
+        """Image ids ``[1, h/2·w/2, 4]`` (0, row, column, 0) on the token grid of :attr:`size` and text ids
+        ``[1, L, 4]`` (0, 0, 0, position), cached."""
+        rows, columns = self._token_grid()
+        if rows * columns != image_tokens:
+            raise ValueError(f"FLUX.2 adapter: {image_tokens} latent tokens, but a {self.height}x{self.width} image "
+                             f"has {rows * columns} ({rows} x {columns})")
+        key = (rows, columns, text_tokens, like.device)
         if key not in self._ids:
-            side = math.isqrt(image_tokens)  # square images
-            if side * side != image_tokens:
-                raise ValueError(f"FLUX.2 adapter: {image_tokens} latent tokens are not a square grid")
-            grid = torch.empty(1, 1, side, side)  # only its shape is read
+            grid = torch.empty(1, 1, rows, columns)  # only its shape is read
             self._ids[key] = (self.pipeline._prepare_latent_ids(grid).to(like.device),
                               self.pipeline._prepare_text_ids(torch.empty(1, text_tokens, 1)).to(like.device))
         return self._ids[key]
@@ -115,9 +118,9 @@ class Flux2Adapter(FlowAdapter):
         )[0]
 
     @torch.no_grad()
-    def decode(self, latents: Tensor, resolution: int) -> Tensor:
+    def decode(self, latents: Tensor) -> Tensor:
         vae = self.vae
-        latents = self.unpack(latents, resolution)  # [n, 4C, h/2, w/2]
+        latents = self.unpack(latents)  # [n, 4C, h/2, w/2]
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
                                                                                                 latents.dtype)

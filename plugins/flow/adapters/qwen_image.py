@@ -55,9 +55,6 @@ class QwenImageAdapter(FlowAdapter):
     def resolution_multiple(self) -> int:
         return self.vae_scale_factor * 2  # latents are packed in 2×2 patches
 
-    def _latent_side(self, resolution: int) -> int:
-        return 2 * (resolution // (self.vae_scale_factor * 2))
-
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         limit = self.pipeline.tokenizer_max_length  # 1024: QwenImagePipeline.check_inputs refuses longer
         if max_sequence_length > limit:
@@ -75,27 +72,36 @@ class QwenImageAdapter(FlowAdapter):
         padded_mask[:, :length] = mask
         return {"prompt_embeds": padded, "prompt_embeds_mask": padded_mask}
 
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        side = self._latent_side(resolution)
-        return (1, self.transformer.config.in_channels // 4, side, side)  # [frames = 1, C, h, w]
+    def noise_shape(self) -> tuple[int, ...]:
+        return (1, self.transformer.config.in_channels // 4, *self.latent_size())  # [frames = 1, C, h, w]
 
     def pack(self, noise: Tensor) -> Tensor:
         n, _, channels, height, width = noise.shape
         return self.pipeline._pack_latents(noise, n, channels, height, width)  # [n, h/2·w/2, 4C]
 
-    def unpack(self, latents: Tensor, resolution: int) -> Tensor:
-        return self.pipeline._unpack_latents(latents, resolution, resolution, self.vae_scale_factor)  # [n,C,1,h,w]
+    def unpack(self, latents: Tensor) -> Tensor:
+        height, width = self.size
+        return self.pipeline._unpack_latents(latents, height, width, self.vae_scale_factor)  # [n, C, 1, h, w]
 
-    def image_seq_len(self, resolution: int) -> int:
-        return (self._latent_side(resolution) // 2) ** 2
+    def image_seq_len(self) -> int:
+        rows, columns = self._token_grid()
+        return rows * columns
+
+    def _token_grid(self) -> tuple[int, int]:
+        """``(h/2, w/2)``: rows and columns of the packed tokens, the pipeline's ``img_shapes`` entry."""
+        h, w = self.latent_size()
+        return h // 2, w // 2
 
     def default_sigmas(self, num_steps: int) -> list[float]:
         return np.linspace(1.0, 1 / num_steps, num_steps).tolist()  # as QwenImagePipeline.__call__
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        n = latents.shape[0]  # latents [n, h/2·w/2, 4C]
-        side = self._grid_side(latents.shape[1])
+        n, tokens = latents.shape[:2]  # latents [n, h/2·w/2, 4C]
+        rows, columns = self._token_grid()
+        if rows * columns != tokens:
+            raise ValueError(f"Qwen-Image adapter: {tokens} latent tokens, but a {self.height}x{self.width} image has "
+                             f"{rows * columns} ({rows} x {columns})")
         guidance = None
         if self.transformer.config.guidance_embeds:  # as the pipeline; no released Qwen-Image is guidance-distilled
             guidance = torch.full((n,), guidance_scale, device=latents.device, dtype=torch.float32)
@@ -105,17 +111,9 @@ class QwenImageAdapter(FlowAdapter):
             guidance=guidance,
             encoder_hidden_states=conditioning["prompt_embeds"],
             encoder_hidden_states_mask=conditioning["prompt_embeds_mask"].bool(),
-            img_shapes=[[(1, side, side)]] * n,
+            img_shapes=[[(1, rows, columns)]] * n,  # as QwenImagePipeline: (frames, h/2, w/2) per sample
             return_dict=False,
         )[0]
-
-    @staticmethod
-    def _grid_side(tokens: int) -> int:
-        """Side of the square grid of ``tokens`` packed latent tokens (square images)."""
-        side = int(round(tokens ** 0.5))
-        if side * side != tokens:
-            raise ValueError(f"Qwen-Image adapter: {tokens} latent tokens are not a square grid (square images only)")
-        return side
 
     def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float) -> Tensor:
         """Qwen-Image's rescale of the guided velocity: each token's guided velocity (``[n, tokens, 4C]``) is scaled
@@ -124,9 +122,9 @@ class QwenImageAdapter(FlowAdapter):
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
     @torch.no_grad()
-    def decode(self, latents: Tensor, resolution: int) -> Tensor:
+    def decode(self, latents: Tensor) -> Tensor:
         vae = self.vae
-        latents = self.unpack(latents, resolution).to(vae.dtype)  # [n, C, 1, h, w]
+        latents = self.unpack(latents).to(vae.dtype)  # [n, C, 1, h, w]
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

@@ -32,9 +32,8 @@ class SD3Adapter(FlowAdapter):
         # prompt_embeds [n, 77 + L, D_joint] (CLIP hidden states padded to T5's width, then T5); pooled [n, D_pool]
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        side = resolution // self.vae_scale_factor
-        return (self.transformer.config.in_channels, side, side)
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.transformer.config.in_channels, *self.latent_size())  # [C, H/8, W/8]
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:

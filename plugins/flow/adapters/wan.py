@@ -18,12 +18,15 @@ What the adapter reproduces from ``WanPipeline.__call__`` (diffusers 0.42):
 - guidance: v = v_u + w·(v_c − v_u) (the base class's one ``[uncond; cond]`` call; the pipeline makes two calls).
   The pipeline guides when ``guidance_scale > 1``; the plugin when ``plugin.cfg`` is on (default: on, scale 5.0).
 - decode: latents·std + mean per channel (``latents_mean``/``latents_std``), the VAE decode one sample at a time
-  (a 33-frame 480×480 video's decoder activations dominate memory), ``[N, 3, F, H, W]`` in [0, 1] as
+  (a 33-frame 480×832 video's decoder activations dominate memory), ``[N, 3, F, H, W]`` in [0, 1] as
   ``output_type="pt"`` (which returns ``[N, F, 3, H, W]``: the plugin keeps the channel axis second).
 
+- size: frames of ``plugin.height`` × ``plugin.width`` pixels (Wan 2.1's native 480p is 480 × 832), each a multiple
+  of 16: ``WanPipeline.check_inputs`` refuses anything else, and 16 is also the VAE factor × patch of the released
+  models (``__call__``'s ``h_multiple_of``/``w_multiple_of``).
+
 Not covered: Wan 2.2's two-expert pipelines (``transformer_2`` with ``boundary_ratio``) and its per-token timesteps
-(``expand_timesteps``, TI2V-5B); both are refused when the adapter is built. Square frames only (the plugin's
-``resolution``).
+(``expand_timesteps``, TI2V-5B); both are refused when the adapter is built.
 
 DanceGRPO's released Wan 2.1 trainer runs the same model with the same guidance combination and raw integer
 timesteps (XueZeyue/DanceGRPO, fastvideo/train_grpo_wan_2_1.py, ``run_sample_step``, commit 15cc71d5).
@@ -31,6 +34,7 @@ timesteps (XueZeyue/DanceGRPO, fastvideo/train_grpo_wan_2_1.py, ``run_sample_ste
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,7 +58,7 @@ class WanAdapter(FlowAdapter):
     default_max_sequence_length = 512  # WanPipeline.__call__'s default
     output = "videos"
     default_num_frames = 33
-    #: Videos per VAE decode call. One bounds memory (a 33-frame 480×480 video's decoder activations take GBs);
+    #: Videos per VAE decode call. One bounds memory (a 33-frame 480×832 video's decoder activations take GBs);
     #: for tiny videos, where the per-call overhead dominates, a larger value decodes as the pipeline does.
     decode_batch_size = 1
 
@@ -80,12 +84,14 @@ class WanAdapter(FlowAdapter):
 
     def resolution_multiple(self) -> int:
         _, patch_h, patch_w = self.transformer.config.patch_size  # (frames, height, width)
-        return self.vae_scale_factor * max(patch_h, patch_w)  # as WanPipeline.__call__'s h/w_multiple_of
+        # WanPipeline.check_inputs refuses sides that are not multiples of 16 whatever the model, and __call__ rounds
+        # each side down to a multiple of VAE factor × patch (h_multiple_of, w_multiple_of): both must hold.
+        return math.lcm(16, self.vae_scale_factor * patch_h, self.vae_scale_factor * patch_w)
 
-    def image_seq_len(self, resolution: int) -> int:
+    def image_seq_len(self) -> int:
         _, patch_h, patch_w = self.transformer.config.patch_size
-        side = resolution // self.vae_scale_factor
-        return self.latent_frames(self.num_frames) * (side // patch_h) * (side // patch_w)
+        h, w = self.latent_size()
+        return self.latent_frames(self.num_frames) * (h // patch_h) * (w // patch_w)
 
     # ------------------------------------------------------------------ the five operations
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
@@ -95,9 +101,9 @@ class WanAdapter(FlowAdapter):
         )
         return {"prompt_embeds": embeds}  # [n, max_sequence_length, D], zeros after each prompt's tokens
 
-    def noise_shape(self, resolution: int) -> tuple[int, ...]:
-        side = resolution // self.vae_scale_factor
-        return (self.transformer.config.in_channels, self.latent_frames(self.num_frames), side, side)
+    def noise_shape(self) -> tuple[int, ...]:
+        # [C, F_lat, H/8, W/8], as WanPipeline.prepare_latents
+        return (self.transformer.config.in_channels, self.latent_frames(self.num_frames), *self.latent_size())
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
@@ -109,7 +115,7 @@ class WanAdapter(FlowAdapter):
         )[0]
 
     @torch.no_grad()
-    def decode(self, latents: Tensor, resolution: int) -> Tensor:
+    def decode(self, latents: Tensor) -> Tensor:
         vae = self.vae
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)

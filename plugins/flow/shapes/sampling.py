@@ -22,8 +22,9 @@ def sample(pipeline: Any, prompts: Sequence[str], *, num_steps: int, guidance_sc
     from mmrl.plugins.flow.shapes.world import RESOLUTION
 
     adapter = SD3Adapter(pipeline, torch.device("cpu"))
+    adapter.set_size(RESOLUTION, RESOLUTION)  # the world's square images
     module = transformer if transformer is not None else pipeline.transformer
-    sigmas, timesteps = adapter.schedule(num_steps, RESOLUTION)
+    sigmas, timesteps = adapter.schedule(num_steps)
     negative = adapter.encode_prompts([""], max_sequence_length) if guidance_scale != 1.0 else None
     out = []
     with torch.no_grad():
@@ -32,14 +33,14 @@ def sample(pipeline: Any, prompts: Sequence[str], *, num_steps: int, guidance_sc
             n = len(chunk)
             conditioning = adapter.encode_prompts(chunk, max_sequence_length)
             latents = torch.cat([
-                torch.randn((1, *adapter.noise_shape(RESOLUTION)), generator=torch.Generator().manual_seed(seed + k))
+                torch.randn((1, *adapter.noise_shape()), generator=torch.Generator().manual_seed(seed + k))
                 for k in range(start, start + n)
             ])
             for s in range(num_steps):
                 velocity = adapter.velocity(module, latents, timesteps[s].expand(n), conditioning,
                                             guidance_scale=guidance_scale, negative=negative)
                 latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
-            out.append(adapter.decode(latents, RESOLUTION))
+            out.append(adapter.decode(latents))
     return torch.cat(out)
 
 
