@@ -14,9 +14,9 @@ drifts during the run). Peak memory:
 - CPU: the high-water mark of bytes held by torch tensors allocated during the call, from the torch profiler's
   memory events (one extra, untimed call per side), so allocator caching and Python objects are not counted.
 
-``--json`` also writes the settings (``kind``, ``size``, ``device``, ``dtype``, ``batch``, ``steps``, ``resolution``,
-``frames`` (1 for image models), ``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``, the median
-times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
+``--json`` also writes the settings (``kind``, ``size``, ``device``, ``dtype``, ``batch``, ``steps``, ``height``,
+``width``, ``frames`` (1 for image models), ``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``,
+the median times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
 ``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
     # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2 or wan for the others)
@@ -24,6 +24,7 @@ times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of th
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
     # the smallest run (what tests/benchmarks/test_smoke.py does): one image, 2 steps, one timed pair
+    # Wan2.1's native 480p frames (height 480, width 832) on the tiny Wan: --kind wan --height 480 --width 832
     python benchmarks/flow_rollout.py --device cpu --batch 1 --steps 2 --warmup 0 --repeats 1 --threads 1 \
         --json rollout.json
 """
@@ -61,7 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Weights and autocast dtype (default: bf16 on CUDA, fp32 on CPU).")
     parser.add_argument("--batch", type=int, default=8, help="Images per call.")
     parser.add_argument("--steps", type=int, default=10, help="Denoising steps (Flow-GRPO rollouts: 10).")
-    parser.add_argument("--resolution", type=int, default=None, help="Pixels (default: 64 tiny, 512 sd35-medium).")
+    parser.add_argument("--resolution", type=int, default=None,
+                        help="Height and width in pixels where --height/--width are not given (default: 64 tiny, "
+                        "512 sd35-medium).")
+    parser.add_argument("--height", type=int, default=None, help="Image (frame) height in pixels (plugin.height).")
+    parser.add_argument("--width", type=int, default=None, help="Image (frame) width in pixels (plugin.width).")
     parser.add_argument("--frames", type=int, default=None,
                         help="Frames per video of --kind wan (default: 5, the tiny Wan's 3 latent frames).")
     parser.add_argument("--cfg", choices=["on", "off"], default=None, help="True CFG (default: the adapter's).")
@@ -92,7 +97,7 @@ def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
     else:
         save_tiny_pipeline(args.kind, folder, size=args.size, dtype=None if dtype == torch.float32 else dtype)
     options = {
-        "model": str(folder), "prompts": PROMPTS, "resolution": args.resolution, "num_steps": args.steps,
+        "model": str(folder), "prompts": PROMPTS, "height": args.height, "width": args.width, "num_steps": args.steps,
         "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank}, "timestep_fraction": 0.99,
         # Tiny FLUX.2 pads after a 33-token system turn: 48 leaves the prompt its tokens.
         "max_sequence_length": (48 if args.kind == "flux2" else 16) if args.size == "tiny" else 256,
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bf16" if str(args.device).startswith("cuda") else "fp32")
     args.resolution = args.resolution or (64 if args.size == "tiny" else 512)
+    args.height, args.width = args.height or args.resolution, args.width or args.resolution
     if args.kind == "wan":
         from mmrl.plugins.flow.testing import TINY_WAN_FRAMES
 
@@ -195,12 +201,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with torch.no_grad(), plugin.runtime.autocast():
             return pipeline(prompt_embeds=embeds["prompt_embeds"], **{k: v for k, v in embeds.items()
                                                                       if k != "prompt_embeds"},
-                            height=args.resolution, width=args.resolution, num_inference_steps=args.steps,
+                            height=args.height, width=args.width, num_inference_steps=args.steps,
                             generator=generators, output_type="pt", **kwargs)[0]  # images, or Wan's frames
 
     results: dict[str, Any] = {
         "kind": args.kind, "size": args.size, "device": str(device), "dtype": args.dtype, "batch": args.batch,
-        "steps": args.steps, "resolution": args.resolution, "frames": args.frames or 1, "cfg": plugin.cfg,
+        "steps": args.steps, "height": args.height, "width": args.width, "frames": args.frames or 1, "cfg": plugin.cfg,
         "threads": torch.get_num_threads(),
         "transformer_parameters": sum(p.numel() for p in policy.parameters()),
         "trained_steps": plugin.max_actions(),
@@ -226,10 +232,11 @@ def table(results: dict[str, Any]) -> str:
     mib = 2**20
     memory = "CUDA max_memory_allocated above the weights" if results["device"].startswith("cuda") \
         else "peak live torch tensors (profiler)"
-    header = ("| model | device | dtype | batch x steps | resolution | frames | CFG | plain pipeline "
+    header = ("| model | device | dtype | batch x steps | height x width | frames | CFG | plain pipeline "
               f"| rollout with log-probs | time ratio | peak memory, pipeline | peak memory, rollout |\n|{'---|' * 12}")
     row = (f"| {results['kind']} {results['size']} | {results['device']} ({results['threads']} threads) | "
-           f"{results['dtype']} | {results['batch']} x {results['steps']} | {results['resolution']} px | "
+           f"{results['dtype']} | {results['batch']} x {results['steps']} | "
+           f"{results['height']} x {results['width']} px | "
            f"{results['frames']} | "
            f"{'on' if results['cfg'] else 'off'} | {results['pipeline_seconds']:.3f} s | "
            f"{results['rollout_seconds']:.3f} s | {results['time_ratio']:.3f} | "

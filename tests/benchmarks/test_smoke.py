@@ -74,14 +74,18 @@ def test_every_benchmark_has_a_smoke_test():
 @pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "wan"])
 def test_flow_rollout(tmp_path, kind):
     out = tmp_path / "rollout.json"
+    # Non-square (plugin.height / plugin.width) on both sides: the plugin's rollout and the pipeline's height=/width=.
     run_benchmark(tmp_path, "flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
-                  "--warmup", "0", "--repeats", "1", "--threads", "1", "--json", str(out))
+                  "--height", "32", "--width", "64", "--warmup", "0", "--repeats", "1", "--threads", "1",
+                  "--json", str(out))
     result = read_json(out)
-    assert set(result) == {"kind", "size", "device", "dtype", "batch", "steps", "resolution", "frames", "cfg",
-                           "threads", "transformer_parameters", "trained_steps", "pipeline_seconds", "rollout_seconds",
-                           "time_ratio", "time_ratio_of_fastest", "pipeline_peak_bytes", "rollout_peak_bytes"}
+    assert set(result) == {"kind", "size", "device", "dtype", "batch", "steps", "height", "width", "frames",
+                           "cfg", "threads", "transformer_parameters", "trained_steps", "pipeline_seconds",
+                           "rollout_seconds", "time_ratio", "time_ratio_of_fastest", "pipeline_peak_bytes",
+                           "rollout_peak_bytes"}
     assert (result["kind"], result["device"], result["dtype"], result["batch"], result["steps"], result["threads"]) \
         == (kind, "cpu", "fp32", 1, 2, 1)
+    assert (result["height"], result["width"]) == (32, 64)
     assert result["frames"] == (5 if kind == "wan" else 1)  # the tiny Wan's default: 3 latent frames
     assert result["trained_steps"] == 1  # the first 0.99 of 2 steps: int(2 * 0.99)
     assert result["pipeline_seconds"] > 0 and result["rollout_seconds"] > 0
