@@ -140,3 +140,26 @@ def test_a_side_below_one_is_refused_when_the_config_loads():
 
     with pytest.raises(ConfigError, match="^config key 'plugin.height': got 0"):
         from_dict(FlowPluginConfig, {"model": "m", "prompts": ["a"], "height": 0}, "plugin")
+
+
+def test_set_size_refuses_a_side_off_the_multiple(make_plugin):
+    adapter = make_plugin("flux").adapter
+    with pytest.raises(ValueError, match="^flux adapter: height 16 and width 18 must be positive multiples of 4$"):
+        adapter.set_size(16, 18)
+    assert adapter.size == (16, 16)  # unchanged
+
+
+def test_caption_grids_keep_wide_images_wide():
+    """Two 16x32 images, each red on its left half and blue on its right: cells are enlarged by ceil(192 / 32) = 6
+    to 96 x 192 px and laid out side by side (PAD 4 around them, a 3 x 14 + 8 = 50 px caption strip below)."""
+    from mmrl.plugins.flow.images import caption_grid
+
+    images = torch.zeros(2, 3, 16, 32)
+    images[:, 0, :, :16] = 1.0  # red left half
+    images[:, 2, :, 16:] = 1.0  # blue right half
+    grid = caption_grid(images, ["a", "b"])
+    assert grid.size == (4 + 2 * (192 + 4), 4 + 96 + 50 + 4)  # (width, height)
+    for x0 in (4, 4 + 192 + 4):  # the two cells
+        assert grid.getpixel((x0, 4)) == (255, 0, 0) and grid.getpixel((x0 + 95, 4 + 95)) == (255, 0, 0)
+        assert grid.getpixel((x0 + 96, 4)) == (0, 0, 255) and grid.getpixel((x0 + 191, 4 + 95)) == (0, 0, 255)
+    assert grid.getpixel((4, 4 + 96)) == (255, 255, 255)  # the caption strip starts below the 96 rows
