@@ -33,9 +33,19 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+# Re-exported: these names lived here before the policy module, for plugins that override save_trainable.
+from mmrl.policy import (  # noqa: F401
+    PEFT_ADAPTER_WEIGHTS,
+    LoraConfig,
+    clean_parameter_name,
+    has_lora,
+    load_adapter_state,
+    load_policy,
+    save_peft_adapter,
+    save_policy,
+)
 from mmrl.registry import Registry
 from mmrl.rollout import Rollout
 
@@ -295,34 +305,53 @@ class Plugin(ABC):
             )
         return {name: state[name].detach().cpu().contiguous() for name in names}
 
+    #: The format of a LoRA adapter in checkpoints and exports (:data:`mmrl.policy.POLICY_FORMATS`): peft's adapter
+    #: folder, or ``"diffusers_lora"`` for diffusers models (``pipeline.load_lora_weights``).
+    lora_format: ClassVar[str] = "peft_lora"
+
+    def policy_format(self, policy: nn.Module, *, export: bool) -> str:
+        """The :func:`mmrl.policy.save_policy` format of this policy's checkpoints (``export`` False) and exports.
+
+        Default: :attr:`lora_format` when the policy carries a LoRA adapter; otherwise ``"trainable"`` in checkpoints
+        (the trainable weights only: frozen parts are rebuilt from the config) and ``"pretrained"`` in exports when
+        the model has ``save_pretrained`` (transformers, diffusers), else ``"trainable"``.
+        """
+        module = self.runtime.unwrap(policy)
+        if has_lora(module):
+            return self.lora_format
+        if export and hasattr(module, "save_pretrained"):
+            return "pretrained"
+        return "trainable"
+
     def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """Write the trainable weights to ``directory`` (default: ``trainable.safetensors`` with every parameter that
-        requires gradients). LoRA plugins override this to save the adapter.
+        """Write the trainable weights to ``directory`` for a checkpoint, in :meth:`policy_format`: a LoRA adapter in
+        the library's own format, else ``trainable.safetensors`` with every parameter that requires gradients.
 
         Called on every process (see :meth:`gathered_trainable_state`); only the main process writes.
         """
         state = self.gathered_trainable_state(policy)
         if state is None:
             return
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(directory / "trainable.safetensors"))
+        save_policy(self.runtime.unwrap(policy), directory, self.policy_format(policy, export=False), state=state)
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """Load what :meth:`save_trainable` wrote; every trainable tensor must be present."""
-        path = Path(directory) / "trainable.safetensors"
-        if not path.is_file():
-            raise FileNotFoundError(f"no trainable weights at {path}")
-        state = load_file(str(path))
-        module = self.runtime.unwrap(policy)
-        params = {clean_parameter_name(name): p for name, p in module.named_parameters()}
-        missing = [name for name, p in params.items() if p.requires_grad and name not in state]
-        unexpected = [name for name in state if name not in params]
-        if missing or unexpected:
-            raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor.to(params[name].device))
+        """Load what :meth:`save_trainable` wrote; every trainable tensor must be present. A LoRA adapter of another
+        rank or alpha than the config's is refused in one line."""
+        lora = getattr(self.config, "lora", None)
+        load_policy(self.runtime.unwrap(policy), directory, self.policy_format(policy, export=False),
+                    lora=lora if isinstance(lora, LoraConfig) else None)
+
+    def export(self, policy: nn.Module, directory: str | Path) -> str:
+        """Write the policy to ``directory`` as a folder its model library loads (``mmrl export``); return the format.
+
+        Default: :func:`mmrl.policy.save_policy` in :meth:`policy_format` (``export=True``): a LoRA adapter
+        (``PeftModel.from_pretrained(base, directory)`` or ``pipeline.load_lora_weights(directory)``), or the whole
+        model through ``save_pretrained``. Plugins add what their library needs next to it (a VLM's processor, a
+        language model's tokenizer). Called on one process, outside any distributed wrapper.
+        """
+        fmt = self.policy_format(policy, export=True)
+        save_policy(self.runtime.unwrap(policy), directory, fmt)
+        return fmt
 
     def save_samples(
         self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str
@@ -343,47 +372,6 @@ class Plugin(ABC):
                     record["output"] = texts[i]
                 handle.write(json.dumps(record) + "\n")
         return [path]
-
-
-_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def clean_parameter_name(name: str) -> str:
-    """A parameter name without the components FSDP, activation checkpointing and torch.compile insert, so that names
-    from a wrapped module, its unwrapped module and a gathered state dict compare equal. For plugins that override
-    :meth:`Plugin.save_trainable`."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
-
-
-PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
-"""peft's adapter file name: ``PeftModel.from_pretrained(base, folder)`` loads a folder written by
-:func:`save_peft_adapter`."""
-
-
-def save_peft_adapter(module: nn.Module, trainable: dict[str, Tensor], directory: str | Path) -> None:
-    """Write the LoRA adapter of a peft-wrapped ``module`` in peft's format (``adapter_model.safetensors`` and
-    ``adapter_config.json``), from ``trainable`` (the gathered trainable state, see
-    :meth:`Plugin.gathered_trainable_state`). For plugins that override :meth:`Plugin.save_trainable`."""
-    from peft.utils import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(module, state_dict=trainable)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state.items()},
-              str(directory / PEFT_ADAPTER_WEIGHTS))
-    module.peft_config["default"].save_pretrained(str(directory))
-
-
-def load_adapter_state(module: nn.Module, state: dict[str, Tensor], source: str | Path) -> None:
-    """Load ``state`` (peft's adapter names) into the ``default`` adapter of a peft-wrapped ``module``; every adapter
-    tensor must be present and nothing else, else a ``KeyError`` names ``source`` and the first differences."""
-    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-
-    expected = set(get_peft_model_state_dict(module))
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise KeyError(f"{source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    set_peft_model_state_dict(module, state, adapter_name="default")
 
 
 # The built-in plugins are entry points of mmrl's own pyproject.toml, declared as a third-party package declares its

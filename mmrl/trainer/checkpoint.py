@@ -260,8 +260,24 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return differing
 
 
+def with_current_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded config read through today's schema: keys that a later mmrl added are filled with their
+    defaults (e.g. ``plugin.lora.dropout``, which the flow plugin's LoRA section gained with the shared
+    :class:`mmrl.policy.LoraConfig`), so that a checkpoint written before them still resumes. A config the schema
+    refuses is returned as recorded: :func:`check_compatible` then names the keys that differ."""
+    from mmrl.config import ConfigError, TrainConfig, from_dict, to_dict
+    from mmrl.registry import RegistryError
+
+    try:
+        return to_dict(from_dict(TrainConfig, saved))
+    except (ConfigError, RegistryError):
+        return saved
+
+
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
-    """Refuse to resume from a checkpoint whose config differs in anything that changes the run."""
+    """Refuse to resume from a checkpoint whose config differs in anything that changes the run (a key added since
+    the checkpoint was written counts as its default, :func:`with_current_defaults`)."""
+    saved = with_current_defaults(saved)
     differing = config_differences(saved, current)
     if differing:
         flat_saved, flat_current = _flatten(saved), _flatten(current)

@@ -40,34 +40,25 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
 from mmrl.config.schema import bind_options
 from mmrl.extras import require_extra
-from mmrl.plugin import (
-    PEFT_ADAPTER_WEIGHTS,
-    Plugin,
-    PolicyOutput,
-    PromptBatch,
-    Runtime,
-    load_adapter_state,
-    save_peft_adapter,
-)
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters, padding_inputs
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
+from mmrl.policy import attach_lora, frozen_copy, lora_config_class, reference_policy
 from mmrl.prompts import read_jsonl_prompts
 from mmrl.rollout import Rollout
 
@@ -80,22 +71,14 @@ _ESTIMATOR_DATA = frozenset({"model", "prompt_ids", "completion_ids", "completio
                              "generator", "micro_batch"})
 
 
-@dataclass
-class DLLMLoraConfig:
-    """LoRA on the masked diffusion LM (peft). ``plugin.lora: null`` (the default) trains every weight instead."""
-
-    rank: int = config_field(128, minimum=1, help="LoRA rank r.", ref="d1 / wd1 / SPG: 128")
-    alpha: float = config_field(64.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha/r).",
-                                ref="d1 / wd1 / SPG: 64")
-    dropout: float = config_field(
-        0.0, minimum=0.0, maximum=1.0,
-        help="LoRA dropout. Non-zero dropout makes the training forward differ from the rollout's, so the ratio is "
-        "not 1 on the first inner step (d1 uses 0.05).", ref="d1: 0.05",
-    )
-    target_modules: list[str] | None = config_field(
-        None, help="Module-name suffixes to adapt. Null: the adapter's defaults (LLaDA: q_proj, k_proj, v_proj, "
-        "attn_out, ff_proj, up_proj, ff_out).",
-    )
+DLLMLoraConfig = lora_config_class(
+    "DLLMLoraConfig", __name__, rank=128, alpha=64.0,
+    doc="LoRA on the masked diffusion LM (:class:`mmrl.policy.LoraConfig` with d1's defaults). ``plugin.lora: null`` "
+    "(the default) trains every weight instead.",
+    refs={"rank": "d1 / wd1 / SPG: 128", "alpha": "d1 / wd1 / SPG: 64", "dropout": "d1: 0.05"},
+    targets_help="Module-name suffixes to adapt. Null: the adapter's defaults (LLaDA: q_proj, k_proj, v_proj, "
+    "attn_out, ff_proj, up_proj, ff_out).",
+)
 
 
 @dataclass
@@ -289,9 +272,11 @@ class DLLMPlugin(Plugin):
         if config.lora is None:
             model.to(torch.float32).requires_grad_(True)  # float32 master weights; autocast runs mixed precision
             if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
-                self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+                self.reference = frozen_copy(model)
         else:
-            self._add_lora(model, config.lora)
+            # peft injects the LoRA layers in place (no wrapper: parameter names and the adapter's scorer stay).
+            attach_lora(model, config.lora, default_targets=self.adapter.lora_target_modules,
+                        what=str(self.adapter.model_path), base_model=config.model)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model
@@ -606,62 +591,19 @@ class DLLMPlugin(Plugin):
         index = torch.cat(order)
         return scores.index_select(0, torch.argsort(index.to(scores.device)))
 
-    # ------------------------------------------------------------------ reference and LoRA
-    @contextmanager
-    def _reference_module(self, policy: nn.Module) -> Iterator[nn.Module]:
+    # ------------------------------------------------------------------ reference and export
+    def _reference_module(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
         """The reference policy: the model with its LoRA adapter disabled, or the frozen copy."""
-        if self.config.lora is None:
-            if self.reference is None:
-                raise RuntimeError("dllm plugin: a reference was requested but Runtime.needs_reference was False "
-                                   "(full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0)")
-            yield self.reference
-            return
-        module = self.runtime.unwrap(policy)
-        _enable_lora(module, False)
-        try:
-            yield module
-        finally:
-            _enable_lora(module, True)
+        return reference_policy(self.runtime.unwrap(policy), self.reference)
 
-    def _add_lora(self, model: nn.Module, options: DLLMLoraConfig) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
-
-        targets = list(options.target_modules or self.adapter.lora_target_modules)
-        model.requires_grad_(False)
-        lora = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout,
-                          target_modules=targets)
-        try:
-            # peft injects the LoRA layers in place (no wrapper: parameter names and the adapter's scorer stay as
-            # they are); transformers' own add_adapter would need a newer peft.
-            inject_adapter_in_model(lora, model, adapter_name="default")
-        except ValueError as error:  # peft: no module matched
-            raise ConfigError("plugin.lora.target_modules", targets,
-                              f"module-name suffixes present in {self.adapter.model_path} ({error})") from None
-        model.peft_config = {"default": lora}  # what peft's state-dict helpers read
-        for parameter in model.parameters():
-            if parameter.requires_grad:  # float32 adapter weights on a half-precision base
-                parameter.data = parameter.data.float()
-
-    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """LoRA: the adapter in peft's format (``adapter_model.safetensors`` + ``adapter_config.json``, loadable with
-        ``PeftModel.from_pretrained``). Full fine-tuning: ``trainable.safetensors`` (the base class).
-
-        Called on every process (the gather is a collective under FSDP and ZeRO-3); only the main process writes."""
-        if self.config.lora is None:
-            super().save_trainable(policy, directory)
-            return
-        trainable = self.gathered_trainable_state(policy)  # a collective: every process calls it
-        if trainable is not None:
-            save_peft_adapter(self.runtime.unwrap(policy), trainable, directory)
-
-    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        if self.config.lora is None:
-            super().load_trainable(policy, directory)
-            return
-        path = Path(directory) / PEFT_ADAPTER_WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"no LoRA adapter at {path}")
-        load_adapter_state(self.runtime.unwrap(policy), load_file(str(path)), path)
+    def export(self, policy: nn.Module, directory: str | Path) -> str:
+        """LoRA: the peft adapter folder (``PeftModel.from_pretrained(base, directory)``). Full fine-tuning: the
+        model's ``save_pretrained`` folder with its tokenizer (``AutoModelForMaskedLM`` for the toy's BERT, or the
+        family's class with ``trust_remote_code`` for LLaDA and Dream, and ``AutoTokenizer``)."""
+        fmt = super().export(policy, directory)
+        if fmt == "pretrained":
+            self.adapter.tokenizer.save_pretrained(str(directory))
+        return fmt
 
     # ------------------------------------------------------------------ data
     def _load_rows(self, split: str) -> list[dict[str, Any]]:
@@ -680,15 +622,6 @@ class DLLMPlugin(Plugin):
         rows = read_jsonl_prompts(path)
         limit = config.train_size if split == "train" else config.eval_size
         return rows[:limit] if limit else rows
-
-
-def _enable_lora(module: nn.Module, enabled: bool) -> None:
-    """Switch every LoRA layer of ``module`` on or off (off: the base model, the reference policy)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for layer in module.modules():
-        if isinstance(layer, BaseTunerLayer):
-            layer.enable_adapters(enabled)
 
 
 __all__ = ["DLLMLoraConfig", "DLLMPlugin", "DLLMPluginConfig"]

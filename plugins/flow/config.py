@@ -11,25 +11,18 @@ from typing import Any, Literal
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
+from mmrl.policy import lora_config_class
 from mmrl.prompts import read_prompt_file
 
-
-@dataclass
-class FlowLoraConfig:
-    """LoRA on the transformer (peft). ``plugin.lora: null`` trains the whole transformer instead."""
-
-    rank: int = config_field(32, minimum=1, help="LoRA rank r.",
-                             ref="Flow-GRPO: 32 (SD3.5), 64 (FLUX); DanceGRPO: 128")
-    alpha: float = config_field(64.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha/r).",
-                                ref="Flow-GRPO: 64 (SD3.5), 128 (FLUX); DanceGRPO: 256")
-    target_modules: list[str] | None = config_field(
-        None, help="Module-name suffixes to adapt (peft matching). Null: the adapter's defaults (SD3: attention "
-        "q/k/v/out of both streams; FLUX: also the feed-forward layers)."
-    )
-    init: Literal["gaussian", "default"] = config_field(
-        "gaussian", help="peft init_lora_weights: A random, B zero either way, so the policy starts at the base "
-        "model and the KL starts at 0.", ref="Flow-GRPO: gaussian",
-    )
+FlowLoraConfig = lora_config_class(
+    "FlowLoraConfig", __name__, rank=32, alpha=64.0, init="gaussian",
+    doc="LoRA on the transformer (:class:`mmrl.policy.LoraConfig` with Flow-GRPO's defaults). ``plugin.lora: null`` "
+    "trains the whole transformer instead.",
+    refs={"rank": "Flow-GRPO: 32 (SD3.5), 64 (FLUX); DanceGRPO: 128",
+          "alpha": "Flow-GRPO: 64 (SD3.5), 128 (FLUX); DanceGRPO: 256", "init": "Flow-GRPO: gaussian"},
+    targets_help="Module-name suffixes to adapt (peft matching). Null: the adapter's defaults (SD3: attention "
+    "q/k/v/out of both streams; FLUX: also the feed-forward layers).",
+)
 
 
 @dataclass
@@ -82,8 +75,9 @@ class FlowPluginConfig:
     )
     negative_prompt: str = config_field("", help="Negative prompt of the unconditional pass.",
                                         ref="Flow-GRPO eval protocol: ''")
-    sde: Literal["flow_grpo", "dance_grpo", "cps"] = config_field(
-        "flow_grpo", help="SDE of the stochastic steps (docs of mmrl.plugins.flow.sde).",
+    sde: str = config_field(
+        "flow_grpo", help="SDE of the stochastic steps: flow_grpo, dance_grpo, cps or another stochastic kind "
+        "registered in mmrl.plugins.flow.sde.sde_kind_registry (`mmrl list`: sde_kinds; mmrl.plugins.flow.sde).",
         ref="Flow-GRPO arXiv:2505.05470; DanceGRPO arXiv:2505.07818; CPS arXiv:2509.05952",
     )
     noise_level: float = config_field(
@@ -150,6 +144,7 @@ class FlowPluginConfig:
 
         if self.adapter != "auto" and self.adapter not in flow_adapters:
             raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
+        self._check_sde_kind(path)
         if self.sde == "cps" and self.noise_level > 1:
             raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in (0, 1] for sde 'cps'")
         strategy = credit_strategies.get(self.credit.strategy)
@@ -173,6 +168,16 @@ class FlowPluginConfig:
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
             raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
+
+    def _check_sde_kind(self, path: str) -> None:
+        """``sde`` names a stochastic kind of the registry (built-in or registered by a package); the deterministic
+        ``ode`` kind has no log-prob to train."""
+        from mmrl.plugins.flow.sde import sde_kind_registry, sde_kinds
+
+        stochastic = [kind for kind in sde_kinds() if sde_kind_registry.get(kind).stochastic]
+        if self.sde not in stochastic:
+            raise ConfigError(f"{path}.sde", self.sde, f"a stochastic SDE kind registered in sde_kind_registry: "
+                              f"{', '.join(stochastic)}")
 
     def _refuse_the_last_cps_step(self, path: str) -> None:
         """With ``sde: cps`` the last step is deterministic (std = σ_next·sin(a·π/2) = 0 at σ_next = 0): it has no

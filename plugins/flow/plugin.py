@@ -28,10 +28,8 @@ classes of :data:`~.sde.sde_kind_registry`.
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +38,14 @@ from torch import Tensor, nn
 
 from mmrl.config import ConfigError
 from mmrl.extras import require_extra
-from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime, load_adapter_state
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.sampler import FlowSampler
+from mmrl.policy import DIFFUSERS_LORA_WEIGHTS, attach_lora, frozen_copy, reference_policy
 from mmrl.rollout import Rollout, RolloutError
 
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
+LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
 
 __all__ = ["LORA_WEIGHTS", "FlowLoraConfig", "FlowPlugin", "FlowPluginConfig"]
 
@@ -57,6 +56,9 @@ class FlowPlugin(Plugin):
 
     name = "flow"
     config_class = FlowPluginConfig
+    # Checkpoints and exports of a LoRA: diffusers' file, which `pipeline.load_lora_weights(folder)` loads. Full
+    # fine-tuning exports the transformer's save_pretrained folder (docs/flow.md, "Saving and exporting").
+    lora_format = "diffusers_lora"
     # Each action is its own transformer call: the trainer can back-propagate one denoising step at a time.
     supports_action_chunks = True
 
@@ -95,10 +97,11 @@ class FlowPlugin(Plugin):
             transformer.to(torch.float32).requires_grad_(True)
             self.input_dtype = torch.float32
             if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
-                self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+                self.reference = frozen_copy(transformer)
         else:
             self.input_dtype = runtime.dtype  # the frozen base weights' dtype
-            self._add_lora(transformer, config.lora)
+            attach_lora(transformer, config.lora, default_targets=adapter.lora_target_modules,
+                        what=f"the {adapter.name} transformer", base_model=config.model)
         if config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         self._rows = {split: load_rows(config, split) for split in ("train", "eval")}
@@ -195,80 +198,7 @@ class FlowPlugin(Plugin):
                 handle.write(json.dumps({"prompt": prompt, "reward": float(reward)}) + "\n")
         return [grid, records]
 
-    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """LoRA: the adapter in diffusers' LoRA format (``pipe.load_lora_weights(directory)`` loads it into a
-        pipeline). Full fine-tuning: the transformer's weights in ``trainable.safetensors`` (the base class).
-
-        Called on every process: the weights are gathered through ``Runtime.full_state_dict`` (a collective under
-        FSDP and ZeRO-3) and only the main process writes."""
-        if self.config.lora is None:
-            super().save_trainable(policy, directory)
-            return
-        from peft.utils import get_peft_model_state_dict
-
-        trainable = self.gathered_trainable_state(policy)
-        if trainable is None:  # not the main process: it only took part in gathering
-            return
-        module = self.runtime.unwrap(policy)
-        state = get_peft_model_state_dict(module, state_dict=trainable)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        type(self.adapter.pipeline).save_lora_weights(
-            str(directory), transformer_lora_layers={k: v.detach().cpu().contiguous() for k, v in state.items()},
-            weight_name=LORA_WEIGHTS, transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
-        )
-
-    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        if self.config.lora is None:
-            super().load_trainable(policy, directory)
-            return
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(directory) / LORA_WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"no LoRA weights at {path}")
-        module = self.runtime.unwrap(policy)
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = json.loads((handle.metadata() or {}).get("lora_adapter_metadata", "{}"))
-        lora = self.config.lora
-        saved = (metadata.get("transformer.r"), metadata.get("transformer.lora_alpha"))
-        if saved != (None, None) and (saved[0] != lora.rank or float(saved[1]) != float(lora.alpha)):
-            raise ValueError(f"{path} holds a LoRA of rank {saved[0]} and alpha {saved[1]}; this run has rank "
-                             f"{lora.rank} and alpha {lora.alpha}")
-        prefix = "transformer."
-        state = {name[len(prefix):]: tensor for name, tensor in load_file(str(path)).items()
-                 if name.startswith(prefix)}
-        load_adapter_state(module, state, path)
-
     # ------------------------------------------------------------------ building blocks
-    @contextmanager
-    def _reference_module(self, policy: nn.Module) -> Iterator[nn.Module]:
+    def _reference_module(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
         """The reference policy: the transformer with its LoRA adapter disabled, or the frozen copy."""
-        if self.config.lora is None:
-            if self.reference is None:
-                raise RuntimeError("flow plugin: a reference was requested but Runtime.needs_reference was False "
-                                   "(full fine-tuning keeps a frozen copy only when algorithm.kl_coef > 0)")
-            yield self.reference
-            return
-        module = self.runtime.unwrap(policy)
-        module.disable_adapters()
-        try:
-            yield module
-        finally:
-            module.enable_adapters()
-
-    def _add_lora(self, transformer: nn.Module, options: FlowLoraConfig) -> None:
-        from peft import LoraConfig
-
-        targets = list(options.target_modules or self.adapter.lora_target_modules)
-        transformer.requires_grad_(False)
-        try:
-            transformer.add_adapter(LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
-                                               init_lora_weights=options.init, target_modules=targets))
-        except ValueError as error:  # peft: no module matched
-            raise ConfigError("plugin.lora.target_modules", targets, f"module-name suffixes present in the "
-                              f"{self.adapter.name} transformer ({error})") from None
-        for parameter in transformer.parameters():
-            if parameter.requires_grad:  # float32 adapter weights on a half-precision base
-                parameter.data = parameter.data.float()
+        return reference_policy(self.runtime.unwrap(policy), self.reference)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,18 +40,10 @@ from torch import Tensor, nn
 
 from mmrl.config import ConfigError, config_field
 from mmrl.extras import require_extra
-from mmrl.plugin import (
-    PEFT_ADAPTER_WEIGHTS,
-    Plugin,
-    PolicyOutput,
-    PromptBatch,
-    Runtime,
-    load_adapter_state,
-    save_peft_adapter,
-)
+from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.policy import attach_lora, lora_config_class, reference_policy
 from mmrl.rollout import Rollout, RolloutError
 
-ADAPTER_CONFIG = "adapter_config.json"  # written by peft next to PEFT_ADAPTER_WEIGHTS
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> "
                "tags.")
 """The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
@@ -59,22 +51,14 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and f
 REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_grid_thw")
 
 
-@dataclass
-class VLMLoraConfig:
-    """LoRA on the language model (peft). ``plugin.lora: null`` fine-tunes all weights instead."""
-
-    rank: int = config_field(64, minimum=1, help="LoRA rank r.", ref="VLM-R1 LoRA runs: r = 64 (vlm.md §5)")
-    alpha: float = config_field(128.0, minimum=0.0, exclusive_minimum=True, help="LoRA alpha (scale alpha / r).",
-                                ref="VLM-R1 LoRA runs: alpha = 128")
-    dropout: float = config_field(
-        0.0, minimum=0.0, maximum=0.99, help="LoRA dropout. Anything above 0 makes the training forward differ from "
-        "the core's old-policy pass (run in eval mode, dropout off, as sampling), so where that pass runs "
-        "(inner_epochs > 1 or minibatches > 1) the first-step ratio is no longer exactly 1.",
-    )
-    target_modules: list[str] | None = config_field(
-        None, help="Module-name suffixes to adapt. Null: the language model's q/k/v/o and gate/up/down projections. "
-        "The vision tower is excluded while freeze_vision is true.",
-    )
+VLMLoraConfig = lora_config_class(
+    "VLMLoraConfig", __name__, rank=64, alpha=128.0,
+    doc="LoRA on the language model (:class:`mmrl.policy.LoraConfig` with VLM-R1's defaults). ``plugin.lora: null`` "
+    "fine-tunes all weights instead.",
+    refs={"rank": "VLM-R1 LoRA runs: r = 64 (vlm.md §5)", "alpha": "VLM-R1 LoRA runs: alpha = 128"},
+    targets_help="Module-name suffixes to adapt. Null: the language model's q/k/v/o and gate/up/down projections. "
+    "The vision tower is excluded while freeze_vision is true.",
+)
 
 
 @dataclass
@@ -248,7 +232,9 @@ class VLMPlugin(Plugin):
             if config.freeze_vision:
                 self.adapter.vision_tower(model).requires_grad_(False)
         else:
-            model = self._add_lora(model, config.lora)
+            attach_lora(model, config.lora, default_targets=self.adapter.lora_target_modules,
+                        what="the language model", base_model=config.model,
+                        exclude_modules=self.adapter.vision_module_pattern if config.freeze_vision else None)
         if config.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
             if enable is not None:
@@ -380,19 +366,14 @@ class VLMPlugin(Plugin):
         return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
                 and self.runtime.unwrap(model) is model and not checkpointing)
 
-    @contextmanager
-    def reference_model(self, policy: nn.Module) -> Iterator[nn.Module]:
-        """The KL reference: the policy with its LoRA adapter disabled, or (full fine-tuning) a frozen copy of the
-        initial checkpoint, loaded from ``plugin.model`` at construction when ``runtime.needs_reference`` (else on
-        the first forward that asks for it)."""
+    def reference_model(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
+        """The KL reference (:func:`mmrl.policy.reference_policy`): the policy with its LoRA adapter disabled, or
+        (full fine-tuning) a frozen copy of the initial checkpoint, loaded from ``plugin.model`` at construction when
+        ``runtime.needs_reference`` (else on the first forward that asks for it)."""
         module = self.runtime.unwrap(policy)
-        if self.config.lora is not None:
-            with module.disable_adapter():
-                yield module
-            return
-        if self._reference is None:  # runtime.needs_reference was False, yet the KL is asked for
+        if self.config.lora is None and self._reference is None:  # needs_reference was False, yet the KL is asked
             self._reference = self._load_reference()
-        yield self._reference
+        return reference_policy(module, self._reference)
 
     # ------------------------------------------------------------------ prompts and completions
     def encode_rows(self, rows: Sequence[dict[str, Any]], group_ids: Tensor | None = None, *,
@@ -492,37 +473,14 @@ class VLMPlugin(Plugin):
                 handle.write(json.dumps(record, default=str) + "\n")
         return [path]
 
-    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        """LoRA: the adapter in peft's format (``PeftModel.from_pretrained(base, directory)`` loads it). Full
-        fine-tuning: every trainable weight in ``trainable.safetensors`` (the base class).
-
-        Called on every process: the weights are read from ``Runtime.full_state_dict`` (a collective under FSDP and
-        ZeRO-3) and only the main process writes; missing or empty tensors stop the save."""
-        if self.config.lora is None:
-            super().save_trainable(policy, directory)
-            return
-        trainable = self.gathered_trainable_state(policy)  # a collective: every process calls it
-        if trainable is not None:
-            save_peft_adapter(self.runtime.unwrap(policy), trainable, directory)
-
-    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
-        if self.config.lora is None:
-            super().load_trainable(policy, directory)
-            return
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        path = directory / PEFT_ADAPTER_WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"no LoRA adapter at {path}")
-        config_path = directory / ADAPTER_CONFIG
-        if config_path.is_file():
-            saved = json.loads(config_path.read_text())
-            lora = self.config.lora
-            if saved.get("r") != lora.rank or float(saved.get("lora_alpha", lora.alpha)) != float(lora.alpha):
-                raise ValueError(f"{directory} holds a LoRA of rank {saved.get('r')} and alpha "
-                                 f"{saved.get('lora_alpha')}; this run has rank {lora.rank} and alpha {lora.alpha}")
-        load_adapter_state(self.runtime.unwrap(policy), load_file(str(path)), path)
+    def export(self, policy: nn.Module, directory: str | Path) -> str:
+        """LoRA: the peft adapter folder (``PeftModel.from_pretrained(base, directory)``). Full fine-tuning: the
+        model's ``save_pretrained`` folder with its processor, which the family's model class (e.g.
+        ``Qwen2_5_VLForConditionalGeneration``) and ``AutoProcessor`` load."""
+        fmt = super().export(policy, directory)
+        if fmt == "pretrained":
+            self.adapter.processor.save_pretrained(str(directory))
+        return fmt
 
     # ------------------------------------------------------------------ building blocks
     def _weight_dtype(self) -> torch.dtype:
@@ -537,20 +495,6 @@ class VLMPlugin(Plugin):
         reference = self.adapter.load_model(dtype=self.weight_dtype,
                                             attn_implementation=self.config.attn_implementation)
         return reference.to(self.runtime.device).requires_grad_(False).eval()
-
-    def _add_lora(self, model: nn.Module, lora: VLMLoraConfig) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-
-        targets = list(lora.target_modules or self.adapter.lora_target_modules)
-        peft_config = LoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-            exclude_modules=self.adapter.vision_module_pattern if self.config.freeze_vision else None,
-        )
-        try:
-            return get_peft_model(model, peft_config)
-        except ValueError as error:
-            raise ConfigError("plugin.lora.target_modules", targets,
-                              f"module names present in the language model ({error})") from None
 
     def _load_rows(self) -> dict[str, list[dict[str, Any]]]:
         from mmrl.plugins.vlm import data as vlm_data

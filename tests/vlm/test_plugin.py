@@ -128,7 +128,7 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_models):
     """Qwen checkpoints ship top_k=1 / repetition_penalty in generation_config.json; sampling must ignore them
     (else the G samples of a prompt would all be the same)."""
     plugin = make_plugin(tiny_models["qwen2_vl"])
-    hf_config = plugin.model.get_base_model().generation_config
+    hf_config = plugin.model.generation_config
     hf_config.top_k, hf_config.do_sample, hf_config.repetition_penalty = 1, True, 5.0
     rollout = _rollout(plugin, rows=plugin.dataset("train")[:1], group=4)
     assert len(set(rollout.payload["completions"])) > 1
@@ -296,7 +296,7 @@ def test_memory_levers_keep_ratio_one_and_train(tiny_models):
     (train mode, checkpointed) reproduces the rollout's log-probs and back-propagates into the adapters only."""
     plugin = make_plugin(tiny_models["qwen2_5_vl"], attn_implementation="sdpa", dtype="bfloat16",
                          gradient_checkpointing=True, logprob_chunk_size=3)
-    assert plugin.model.get_base_model().lm_head.weight.dtype == torch.bfloat16
+    assert plugin.model.lm_head.weight.dtype == torch.bfloat16
     adapters = [p for name, p in plugin.model.named_parameters() if p.requires_grad]
     assert adapters and all(p.dtype == torch.float32 for p in adapters)
     rollout = _rollout(plugin, seed=13)
@@ -357,7 +357,7 @@ def test_fused_lm_head_matches_the_model_logits(tiny_models):
         # 1.9e-6 on an element of 4.8e-4 in CI under ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=COMPATIBLE.
         scale = float(grads_b[name].abs().max())
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5 * scale + 1e-9)
-    head = plugin.model.get_base_model().lm_head
+    head = plugin.model.lm_head
     head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what ZeRO-3 leaves outside the call
     with pytest.raises(RuntimeError, match="fused_lm_head: false"):
         plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions, with_entropy=False)

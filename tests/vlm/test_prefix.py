@@ -80,7 +80,7 @@ def test_each_distinct_prompt_runs_once(tiny_models):
     inputs, width = plugin.adapter.collate(prompts, completions)
     num_completion = int(inputs["input_ids"].shape[1]) - width
     calls = []
-    language_model = plugin.model.get_base_model().model.language_model
+    language_model = plugin.model.model.language_model
     hook = language_model.register_forward_pre_hook(
         lambda _module, _args, kwargs: calls.append(tuple(kwargs["inputs_embeds"].shape[:2])), with_kwargs=True)
     try:
@@ -155,7 +155,7 @@ def test_shared_prefill_applies_the_lm_head_to_no_prompt_position(tiny_models):
     group_ids = torch.tensor([0, 1, 0, 1])
     prompts = plugin.encode_rows([rows[g] for g in group_ids.tolist()], group_ids, model=plugin.model)
     seen = []
-    head = plugin.model.get_base_model().get_output_embeddings()
+    head = plugin.model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _module, args, _output: seen.append(tuple(args[0].shape[:2])))
     try:
         with torch.no_grad():
