@@ -455,3 +455,26 @@ def test_zero_noise_is_refused_for_training(sde):
     with pytest.raises(ConfigError) as error:
         from_dict(FlowPluginConfig, {"model": "unused", "prompts": ["a"], "sde": sde, "noise_level": 0.0}, "plugin")
     assert error.value.key == "plugin.noise_level"
+
+
+def test_a_registered_sde_kind_drives_rollouts_and_forwards(make_plugin):
+    """A kind registered in sde_kind_registry (here DanceGRPO's SDE under another name) is selected by plugin.sde and
+    samples exactly as the kind it copies; the forward reproduces the rollout's log-probs (ratio 1)."""
+    from mmrl.plugins.flow.sde import DanceGRPOSDE, sde_kind_registry
+
+    class Renamed(DanceGRPOSDE):
+        name = "test_renamed"
+
+    sde_kind_registry.register("test_renamed", Renamed)
+    try:
+        renamed = make_plugin("sd3", sde="test_renamed", noise_level=0.3)
+        rollout = renamed.rollout(renamed.policy(), prompt_batch(["a cat"], 2))
+        with torch.no_grad():
+            logp = renamed.forward(renamed.policy(), rollout, need_reference=False).logp
+    finally:
+        sde_kind_registry._entries.pop("test_renamed")
+    original = make_plugin("sd3", sde="dance_grpo", noise_level=0.3)
+    expected = original.rollout(original.policy(), prompt_batch(["a cat"], 2))
+    assert torch.equal(rollout.replay["next_latents"], expected.replay["next_latents"])
+    torch.testing.assert_close(rollout.old_logp, expected.old_logp, rtol=0, atol=0)
+    torch.testing.assert_close(logp, rollout.old_logp, rtol=0, atol=1e-5)

@@ -661,3 +661,28 @@ def test_kl_hand_value_and_reference_is_detached():
     assert mean.grad is not None and ref_mean.grad is None
     flow = gaussian_kl_between_means(mean, ref_mean, 0.5, variance="flow_grpo", diffusion_coeff=1.0)
     torch.testing.assert_close(flow, torch.tensor([0.25 / 2.0, 0.5 / 2.0]))
+
+
+def test_plugin_sde_accepts_a_registered_kind_and_names_the_kinds_otherwise():
+    """plugin.sde is validated against the registry when the config is read: a kind another package registers can be
+    selected; an unknown name, or the deterministic ode kind (nothing to train), is one line listing the kinds."""
+    from mmrl.config import ConfigError, from_dict
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.sde import DanceGRPOSDE, sde_kind_registry
+
+    class Wider(DanceGRPOSDE):
+        """DanceGRPO's SDE under another name (a test kind)."""
+
+        name = "test_wider"
+
+    options = {"model": "unused", "prompts": ["a cat"]}
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.sde': got 'test_wider'; allowed: a stochastic SDE "
+                                          r"kind registered in sde_kind_registry: flow_grpo, dance_grpo, cps$"):
+        from_dict(FlowPluginConfig, {**options, "sde": "test_wider"}, "plugin")
+    sde_kind_registry.register("test_wider", Wider)
+    try:
+        assert from_dict(FlowPluginConfig, {**options, "sde": "test_wider"}, "plugin").sde == "test_wider"
+        with pytest.raises(ConfigError, match=r"allowed: .*: flow_grpo, dance_grpo, cps, test_wider$"):
+            from_dict(FlowPluginConfig, {**options, "sde": "ode"}, "plugin")
+    finally:
+        sde_kind_registry._entries.pop("test_wider")
