@@ -1,5 +1,5 @@
-"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl list``, ``mmrl explain``, ``mmrl serve-rewards``,
-``mmrl new-plugin`` (also ``python -m mmrl``).
+"""Command line: ``mmrl train``, ``mmrl eval``, ``mmrl export``, ``mmrl list``, ``mmrl explain``,
+``mmrl serve-rewards``, ``mmrl new-plugin`` (also ``python -m mmrl``).
 
 Configuration mistakes end with one line on stderr and exit code 2, never a traceback::
 
@@ -7,8 +7,8 @@ Configuration mistakes end with one line on stderr and exit code 2, never a trac
     mmrl: config key 'algorithm.policy_loss.clip_hgh': got 0.3; allowed: options of policy loss 'grpo': ...
 
 Errors of the inputs (a reward that fails, a checkpoint, a rollout that breaks the contract, a run in which no step
-trained on any sample) end with one line and exit code 1. ``--traceback`` (or ``MMRL_TRACEBACK=1``) shows their full
-traceback instead, for developers.
+trained on any sample, an export whose output folder is in the way) end with one line and exit code 1.
+``--traceback`` (or ``MMRL_TRACEBACK=1``) shows their full traceback instead, for developers.
 
 Several processes: ``accelerate launch [--num_processes N] -m mmrl train CONFIG``.
 """
@@ -16,6 +16,7 @@ Several processes: ``accelerate launch [--num_processes N] -m mmrl train CONFIG`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -60,12 +61,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by inputs (checkpoints, rollouts, rewards, groups, a run that trained on nothing), shown as one
     line with exit code 1."""
     from mmrl.algos import GroupError
+    from mmrl.policy import ExportError
     from mmrl.reward import RewardError
     from mmrl.rollout import RolloutError
     from mmrl.trainer.checkpoint import CheckpointError
     from mmrl.trainer.updates import NoUpdateError
 
-    return (CheckpointError, RewardError, RolloutError, GroupError, NoUpdateError, FileNotFoundError)
+    return (CheckpointError, RewardError, RolloutError, GroupError, NoUpdateError, FileNotFoundError, ExportError)
 
 
 def _one_line(error: BaseException) -> str:
@@ -105,6 +107,17 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config")
     evaluate.add_argument("overrides", nargs="*", help="e.g. run.resume=latest to evaluate the newest checkpoint.")
     evaluate.set_defaults(handler=_eval)
+
+    export = commands.add_parser(
+        "export", help="Write a run's trained policy (its latest checkpoint, or --checkpoint) to OUT as a folder the "
+        "model's own library loads: a LoRA for diffusers' load_lora_weights or peft's PeftModel.from_pretrained, or "
+        "full weights for from_pretrained.")
+    export.add_argument("run", help="The run folder (run.output_dir), which holds checkpoints/.")
+    export.add_argument("out", help="The folder to write; it must not exist or be empty (written aside, then renamed).")
+    export.add_argument("--checkpoint", help="A checkpoint name in RUN/checkpoints (e.g. step-00000040) or a path "
+                                             "(default: the latest complete one).")
+    export.add_argument("--device", default="cpu", help="Device the model is loaded on to export it (default cpu).")
+    export.set_defaults(handler=_export)
 
     listing = commands.add_parser("list", help="Show every registry: algorithms, plugins, rewards, and each plugin's "
                                                "own (model adapters, credit strategies, estimators, fixed choices).")
@@ -185,6 +198,15 @@ def _eval(args: argparse.Namespace) -> int:
     if trainer.accelerator.is_main_process:
         for name, value in sorted(metrics.items()):
             print(f"{name}: {value:.6g}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mmrl.policy import EXPORT_INFO, export_run
+
+    out = export_run(args.run, args.out, checkpoint=args.checkpoint, device=args.device)
+    info = json.loads((out / EXPORT_INFO).read_text())
+    print(f"exported {info['checkpoint']} of {args.run} ({info['plugin']} plugin, {info['format']}) to {out}")
     return 0
 
 

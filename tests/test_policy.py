@@ -187,3 +187,50 @@ def test_a_checkpoint_config_without_keys_added_since_resumes(tmp_path):
     saved["plugin"]["lora"]["rank"] = 8
     with pytest.raises(CheckpointError, match=r"plugin.lora.rank: checkpoint 8, now 4"):
         check_compatible(saved, current, tmp_path)
+
+
+def test_export_refuses_what_is_in_the_way_and_writes_atomically(tmp_path, monkeypatch):
+    """The toy plugin's model has a save_pretrained: its export is that folder. OUT is written aside and
+    renamed: an export that fails leaves neither OUT nor the staging folder; bad runs, checkpoints and OUTs are one
+    line each."""
+    from mmrl.plugins.toy.model import TinySequencePolicy
+    from mmrl.plugins.toy.plugin import ToyPlugin
+    from mmrl.policy import EXPORT_INFO, ExportError, export_run
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    with pytest.raises(ExportError, match="no run folder at"):
+        export_run(tmp_path / "absent", tmp_path / "out")
+    run = tmp_path / "run"
+    trainer = Trainer(toy_config(run, "run.max_steps=1"))
+    initial = {name: p.detach().clone() for name, p in trainer.plugin.policy().named_parameters()}
+    trainer.train()
+    trained = {name: p.detach().clone() for name, p in trainer.plugin.policy().named_parameters()}
+    assert any(not torch.equal(initial[name], trained[name]) for name in trained)  # the export must carry the step
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "a").write_text("x")
+    for blocked in ("file", "full"):
+        with pytest.raises(ExportError, match=rf"^export folder .*{blocked} already exists and is not empty; "):
+            export_run(run, tmp_path / blocked)
+    with pytest.raises(ExportError, match=r"--checkpoint 'step-9' is not a complete checkpoint .*step-00000001"):
+        export_run(run, tmp_path / "out", checkpoint="step-9")
+
+    def broken(self, policy, directory):
+        (directory / "partial.bin").parent.mkdir(parents=True, exist_ok=True)
+        (directory / "partial.bin").write_bytes(b"1")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ToyPlugin, "export", broken)
+        with pytest.raises(OSError, match="disk full"):
+            export_run(run, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "run"]
+
+    (tmp_path / "out").mkdir()  # an empty folder is fine
+    out = export_run(run, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", EXPORT_INFO, "model.safetensors"]
+    saved = dict(TinySequencePolicy.from_pretrained(out).named_parameters())
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "out", "run"]

@@ -177,7 +177,7 @@ def load_adapter_state(module: nn.Module, state: dict[str, Tensor], source: str 
     if wrapped:  # adapters saved from an injected module (mmrl before the policy module) lack the prefix
         state = {(name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name): tensor
                  for name, tensor in state.items()}
-    expected = set(get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME))
+    expected = set(get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME, save_embedding_layers=False))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise KeyError(f"{source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
