@@ -173,3 +173,28 @@ def test_each_inner_epoch_scores_its_own_mask_plan(tmp_path):
     assert record["policy/ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert record["policy/ratio_min"] == pytest.approx(1.0, abs=1e-5)
     assert record["policy/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy at step 1
+
+
+def test_a_lora_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
+    """Checkpoints written before mmrl.policy: the dLLM adapter file without peft's ``base_model.model.`` prefix and a
+    recorded config whose plugin.lora has no ``init`` key. Resuming one continues the run as if never stopped."""
+    from safetensors.torch import load_file, save_file
+
+    lora = "plugin.lora={rank: 4, alpha: 8.0}"
+    options = [lora, "algorithm.inner_epochs=1", "eval.save_samples=false", "optim.lr=1e-2"]
+    straight, _, _ = _train(tmp_path / "straight", *options)
+    _train(tmp_path / "split", "run.max_steps=1", *options)
+    checkpoint = tmp_path / "split" / "checkpoints" / "step-00000001"
+    weights = checkpoint / "policy" / "adapter_model.safetensors"
+    state = load_file(str(weights))
+    assert state and all(name.startswith("base_model.model.") for name in state)
+    save_file({name.removeprefix("base_model.model."): tensor for name, tensor in state.items()}, str(weights))
+    recorded = json.loads((checkpoint / "trainer_state.json").read_text())
+    del recorded["config"]["plugin"]["lora"]["init"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(recorded))
+
+    resumed, result, _ = _train(tmp_path / "split", "run.resume=latest", *options)
+    assert [record["step"] for record in result.history] == [2]
+    expected = dict(straight.plugin.policy().named_parameters())
+    for name, parameter in resumed.plugin.policy().named_parameters():
+        torch.testing.assert_close(parameter.detach(), expected[name].detach(), rtol=0, atol=1e-7)
