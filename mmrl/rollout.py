@@ -132,7 +132,8 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> Rollout:
         """Move every tensor (including nested ones) to ``device``."""
-        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+        memo: dict[int, Any] = {}
+        return replace(self, **{f.name: _move(getattr(self, f.name), device, memo) for f in fields(self)})
 
     @staticmethod
     def concat(rollouts: Sequence[Rollout]) -> Rollout:
@@ -239,13 +240,34 @@ def _pad_trailing(tensors: list[Tensor], where: str) -> list[Tensor]:
     return padded
 
 
-def _move(value: Any, device: torch.device | str) -> Any:
+# Values that hold no tensor, recognised by their exact type (a set lookup; ``isinstance(x, Mapping)`` on every
+# string of a payload is an ABC check).
+_LEAF_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _move(value: Any, device: torch.device | str, memo: dict[int, Any] | None = None) -> Any:
+    """``value`` with every tensor in it moved to ``device``; containers are copied. ``memo`` maps the id of a
+    mapping already moved in this call to its copy: the G samples of a group share one dataset row, which is walked
+    once and stays shared in the copy."""
+    kind = type(value)
+    if kind in _LEAF_TYPES:
+        return value
     if isinstance(value, Tensor):
         return value.to(device)
+    if kind is list or kind is tuple:
+        # A list of plain values (completion strings, a row's token ids) has nothing to move: copy it in one call
+        # instead of visiting every item.
+        if all(type(item) in _LEAF_TYPES for item in value):
+            return list(value) if kind is list else value
+        moved = [_move(item, device, memo) for item in value]
+        return moved if kind is list else tuple(moved)
     if isinstance(value, Mapping):
-        return {key: _move(item, device) for key, item in value.items()}
+        memo = {} if memo is None else memo
+        if id(value) not in memo:
+            memo[id(value)] = {key: _move(item, device, memo) for key, item in value.items()}
+        return memo[id(value)]
     if isinstance(value, list):
-        return [_move(item, device) for item in value]
+        return [_move(item, device, memo) for item in value]
     if isinstance(value, tuple):
-        return tuple(_move(item, device) for item in value)
+        return tuple(_move(item, device, memo) for item in value)
     return value

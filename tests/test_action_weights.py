@@ -31,7 +31,7 @@ def test_action_weights_scale_the_policy_term_and_leave_the_kl_coefficient_alone
         with torch.no_grad():
             loss, metrics, _, _ = trainer.learner._micro_loss(rollout, advantages, True, num_actions, num_sequences,
                                                               trainer.plugin.max_actions(), None, lengths)
-        losses[weight], kls[weight] = float(loss), metrics["policy/kl"]
+        losses[weight], kls[weight] = float(loss), float(metrics["policy/kl"])
     assert kls[0.0] > 1e-4 and kls[0.0] == kls[2.0]
     # token_mean: loss = Σ_mask (w·policy + β·kl) / Σ_mask, and policy/kl is the masked mean of kl
     assert losses[0.0] == pytest.approx(beta * kls[0.0], rel=1e-5)

@@ -83,3 +83,21 @@ def test_old_logp_may_be_missing_and_every_operation_keeps_it_missing():
     rollout.chunk_ids = torch.zeros(4, 2, dtype=torch.long)
     with pytest.raises(RolloutError, match=r"chunk_ids must be \[N, A\] = \(4, 3\)"):
         rollout.validate()
+
+
+def test_to_moves_nested_tensors_copies_containers_and_walks_a_shared_row_once():
+    rollout = _rollout()
+    row = {"prompt": "p", "digits": [1, 2], "box": torch.ones(4, dtype=torch.float64)}
+    rollout.rows = [row, row, {"prompt": "q", "digits": [3], "box": torch.zeros(4, dtype=torch.float64)}, row]
+    rollout.payload["pairs"] = [("a", torch.ones(2)), ("b", torch.zeros(2))]
+    moved = rollout.to(torch.float32)  # a dtype stands in for a device: Tensor.to takes either
+    assert moved.replay["nested"]["latents"].dtype == torch.float32 and moved.mask.dtype == torch.float32
+    assert moved.rows[0]["box"].dtype == torch.float32 and moved.rows[2]["box"].dtype == torch.float32
+    assert moved.payload["pairs"][1][0] == "b" and isinstance(moved.payload["pairs"][1], tuple)
+    # containers are copies: changing the moved rollout's lists leaves the original's alone
+    moved.payload["completions"].append("extra")
+    moved.rows[0]["digits"].append(9)
+    assert len(rollout.payload["completions"]) == 4 and row["digits"] == [1, 2]
+    assert rollout.rows[0]["box"].dtype == torch.float64
+    # the samples of a group share their dataset row; the copy is made once and shared the same way
+    assert moved.rows[0] is moved.rows[1] is moved.rows[3] and moved.rows[0] is not moved.rows[2]

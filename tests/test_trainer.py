@@ -575,3 +575,27 @@ def test_a_training_step_that_raises_closes_the_progress_bar_and_the_reward_pool
         trainer.train()
     assert len(bars) == 1 and bars[0].closed
     assert closed and all(kwargs == {"wait": False} for kwargs in closed)  # eval may share this scorer
+
+
+def test_max_ratio_deviation_covers_active_actions_only():
+    from mmrl.trainer.learn import max_ratio_deviation
+
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.2, 0.4, 0.1]]))
+    new = torch.log(torch.tensor([[0.6, 0.25, 5.0], [0.1, 0.4, 0.1]]))  # ratios 1.2, 1, 10 / 0.5, 1, 1
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the ratio 10 is padding
+    assert float(max_ratio_deviation(new, old, mask)) == pytest.approx(0.5, rel=1e-6)  # |0.5 − 1| beats |1.2 − 1|
+    assert float(max_ratio_deviation(new, old, torch.zeros(2, 3))) == 0.0
+    assert float(max_ratio_deviation(new[:, :0], old[:, :0], mask[:, :0])) == 0.0
+    nan = new.clone()
+    nan[0, 0] = float("nan")
+    assert torch.isnan(max_ratio_deviation(nan, old, mask))
+
+
+def test_read_scalars_reads_tensors_as_float32_and_keeps_floats():
+    from mmrl.trainer.learn import _read_scalars
+
+    third = torch.tensor(1 / 3, dtype=torch.float64)
+    metrics, extra = _read_scalars({"a": 0.1, "b": third, "c": torch.tensor([2.5])}, (torch.tensor(7.0), 3))
+    assert metrics == {"a": 0.1, "b": float(third.float().item()), "c": 2.5} and extra == [7.0, 3.0]
+    assert metrics["b"] != 1 / 3  # read through float32, as WeightedMeans.add reads a tensor
+    assert list(metrics) == ["a", "b", "c"]

@@ -169,6 +169,8 @@ class Learner:
                                 lengths,
                             )
                             acc.backward(loss * scale)
+                            # The micro-batch's scalars read back in one transfer, not one .item() each.
+                            part_metrics, (deviation, weight) = _read_scalars(part_metrics, (deviation, weight))
                             means.add_all(part_metrics, weight)
                             step_loss += loss.detach().to(torch.float64)
                             if self.optimizer_steps == steps_before:  # the first mini-batch: no update yet
@@ -215,8 +217,11 @@ class Learner:
 
     def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
                     num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, Any], float, float]:
-        """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, max |ratio − 1|, metric weight)."""
+                    ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
+        """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, max |ratio − 1|, metric weight).
+
+        The metrics, the deviation and the weight are 0-dim tensors (or floats): :func:`_read_scalars` reads them
+        back together, so a micro-batch costs one device-to-host transfer instead of one per scalar."""
         algorithm = self.config.algorithm
         if columns is None:
             output = self.plugin.forward(self.policy, part, need_reference=need_reference)
@@ -238,8 +243,7 @@ class Learner:
             options["chunk_ids"] = part.chunk_ids
         per_action, metrics = self.policy_loss(logp, old_logp, advantages, part.mask, **options)  # [n, A]
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
-        active = part.mask > 0
-        deviation = float((logp.detach() - old_logp).exp().sub(1).abs()[active].max()) if active.any() else 0.0
+        deviation = max_ratio_deviation(logp.detach(), old_logp, part.mask)
         # Action weights scale the policy term only, as TempFlow-GRPO (policy loss × 2.25·std_t, then + β·kl_loss;
         # Shredded-Pork/TempFlow-GRPO e66824e, scripts/train_sd3_pr.py) and verl-omni's grpo_guard loss (÷ Δt before
         # the KL is added): the KL coefficient stays β at every action.
@@ -260,7 +264,7 @@ class Learner:
         metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
-        return loss, metrics, deviation, float(part.mask.sum())
+        return loss, metrics, deviation, part.mask.sum()
 
     def old_policy_rollouts(self, rollout: Rollout) -> list[Rollout]:
         """The rollout each inner epoch trains on, with the old policy's log-probs the core decided on (``[μ]``).
@@ -335,6 +339,34 @@ def old_policy_pass(plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, *
     return replace(rollout, old_logp=old_logp, replay=replay)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+def max_ratio_deviation(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max |π/π_old − 1| over the active actions (``mask > 0``), 0 when there are none, as a 0-dim tensor.
+
+    |r − 1| >= 0, so zeroing the inactive entries leaves the maximum of the active ones without a host-side
+    ``any()`` (and a NaN among the active ones still shows).
+
+    Shapes:
+        logp, old_logp, mask ``[n, A]`` → scalar.
+    """
+    if mask.numel() == 0:
+        return torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return (logp - old_logp).exp().sub(1).abs().masked_fill(mask <= 0, 0.0).max()
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values [n, A]`` over ``mask [n, A]`` (0 when it is empty), as a detached 0-dim float32 tensor."""
     weights = mask.float()
-    return float((values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0))
+    return (values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def _read_scalars(metrics: dict[str, Any], extra: tuple[Any, ...]) -> tuple[dict[str, float], list[float]]:
+    """``metrics`` (floats or 0-dim tensors) and the ``extra`` scalars as Python floats, the tensors read back in one
+    ``tolist()`` (each as float32, as :meth:`WeightedMeans.add` reads a tensor)."""
+    values = [*metrics.values(), *extra]
+    tensors = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
+    if tensors:
+        read = torch.stack([values[i].detach().float().reshape(()) for i in tensors]).tolist()
+        for i, value in zip(tensors, read, strict=True):
+            values[i] = value
+    values = [float(value) for value in values]
+    return dict(zip(metrics, values[:len(metrics)], strict=True)), values[len(metrics):]
