@@ -179,8 +179,61 @@ class MaskPlan:
 
 
 # ---------------------------------------------------------------------- random primitives
-def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """``U[0, 1)`` in float64 drawn on the generator's device (CPU when ``generator`` is None), moved to ``device``."""
+class SampleStreams:
+    """One random stream per sample of a batch, so that a plan drawn for the whole batch at once is, sample by
+    sample, the plan each sample would draw alone from its own generator.
+
+    A plan function draws its uniforms through :func:`uniform` in a fixed order whose shapes depend on the batch
+    size only along the batch axis. Drawn alone (batch size 1), sample ``b`` takes each call's values from its
+    generator in row-major order; the batched draw gives sample ``b``, for every call, the next values of its own
+    stream in the same order, and places them at index ``b`` of the call's batch axis. CPU ``torch.rand`` consumes a
+    generator sequentially (``rand(a)`` then ``rand(b)`` equals ``rand(a + b)``), so the streams are read in blocks,
+    one ``rand`` per sample per block, instead of one per call.
+
+    Args:
+        generators: One CPU generator per sample, in batch order.
+    """
+
+    def __init__(self, generators: list[torch.Generator]):
+        if not generators or any(g.device.type != "cpu" for g in generators):
+            raise ValueError("SampleStreams needs at least one generator, all on the CPU")
+        self.generators = generators
+        self.device = torch.device("cpu")
+        self._buffer = torch.empty(len(generators), 0, dtype=torch.float64)  # [B, drawn]
+        self._position = 0  # values of every stream used so far
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def take(self, shape: tuple[int, ...], batch_axis: int) -> Tensor:
+        """The next uniforms of every stream for a draw of ``shape`` whose axis ``batch_axis`` is the batch.
+
+        Shapes:
+            → float64 ``shape`` (``shape[batch_axis]`` must be the number of streams).
+        """
+        batch = len(self.generators)
+        if shape[batch_axis] != batch:
+            raise ValueError(f"a draw of shape {tuple(shape)} has {shape[batch_axis]} samples along axis {batch_axis}, "
+                             f"but there are {batch} streams")
+        per_sample = [size for axis, size in enumerate(shape) if axis != batch_axis]
+        count = math.prod(per_sample)
+        missing = self._position + count - self._buffer.shape[1]
+        if missing > 0:  # read a block: at least what is missing, at least as much as already read (doubling)
+            block = max(missing, self._buffer.shape[1], 64)
+            fresh = torch.stack([torch.rand(block, generator=g, dtype=torch.float64) for g in self.generators])
+            self._buffer = torch.cat([self._buffer, fresh], dim=1)
+        values = self._buffer[:, self._position:self._position + count]  # [B, count]
+        self._position += count
+        return values.reshape(batch, *per_sample).movedim(0, batch_axis)
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | SampleStreams | None, device: torch.device,
+            batch_axis: int = 0) -> Tensor:
+    """``U[0, 1)`` in float64 drawn on the generator's device (CPU when ``generator`` is None), moved to ``device``.
+
+    With :class:`SampleStreams`, each sample's values along ``batch_axis`` come from its own stream."""
+    if isinstance(generator, SampleStreams):
+        return generator.take(tuple(shape), batch_axis).to(device)
     source = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(shape, generator=generator, device=source, dtype=torch.float64).to(device)
 
@@ -235,7 +288,7 @@ def _prompt_masks(num: int, prompt_ids: Tensor, p_mask_prompt: float, generator,
         raise ValueError(f"p_mask_prompt must be in [0, 1], got {p_mask_prompt}")
     if p_mask_prompt == 0.0 or prompt_ids.shape[1] == 0:
         return None
-    return uniform((num, *prompt_ids.shape), generator, device) < p_mask_prompt
+    return uniform((num, *prompt_ids.shape), generator, device, batch_axis=1) < p_mask_prompt
 
 
 def _check(prompt_ids: Tensor, completion_ids: Tensor, completion_mask: Tensor, num_samples: int) -> Tensor:
@@ -305,8 +358,8 @@ def elbo_t_plan(
         raise ValueError(f"eps must be in [0, 1), got {eps}")
     device = completion_ids.device
     n, (b, length) = num_samples, completion_ids.shape
-    t = (1.0 - eps) * uniform((n, b), generator, device) + eps  # [N, B]
-    r = uniform((n, b, length), generator, device)  # [N, B, L]
+    t = (1.0 - eps) * uniform((n, b), generator, device, batch_axis=1) + eps  # [N, B]
+    r = uniform((n, b, length), generator, device, batch_axis=1)  # [N, B, L]
     masked = (r < t.unsqueeze(-1)) & real
     # t == 0 (u == 0 with eps == 0) masks nothing, so its weight is never used.
     weights = torch.where(masked, 1.0 / t.clamp_min(1e-300).unsqueeze(-1), 0.0).to(torch.float32)
@@ -317,7 +370,8 @@ def _counts(real_count: Tensor, num: int, stratified: bool, generator, device) -
     """``[num, B]`` mask counts uniform on ``{1..L_b}``, stratified or iid."""
     if stratified:
         return stratified_counts(uniform((real_count.shape[0],), generator, device), real_count, num)
-    return uniform_count(uniform((num, real_count.shape[0]), generator, device), real_count.unsqueeze(0))
+    return uniform_count(uniform((num, real_count.shape[0]), generator, device, batch_axis=1),
+                         real_count.unsqueeze(0))
 
 
 def elbo_l_plan(
@@ -335,7 +389,7 @@ def elbo_l_plan(
     n, (b, length) = num_samples, completion_ids.shape
     real_count = real.sum(dim=-1)  # [B]
     counts = _counts(real_count, n, stratified, generator, device)  # [N, B]
-    keys = uniform((n, b, length), generator, device)
+    keys = uniform((n, b, length), generator, device, batch_axis=1)
     masked = random_subset(real.unsqueeze(0).expand(n, -1, -1), counts, keys)
     scale = real_count.unsqueeze(0).to(torch.float64) / counts.clamp(min=1).to(torch.float64)  # L_b / l
     weights = torch.where(masked, scale.unsqueeze(-1), 0.0).to(torch.float32)
@@ -364,7 +418,7 @@ def coupled_plan(
     pairs, (b, length) = num_samples // 2, completion_ids.shape
     real_count = real.sum(dim=-1)  # [B]
     counts = _counts(real_count, pairs, stratified, generator, device)  # [N/2, B], m in 1..L_b
-    keys = uniform((pairs, b, length), generator, device)
+    keys = uniform((pairs, b, length), generator, device, batch_axis=1)
     first = random_subset(real.unsqueeze(0).expand(pairs, -1, -1), counts, keys)  # S
     second = real.unsqueeze(0) & ~first  # S^c
     total = real_count.unsqueeze(0).to(torch.float64)  # [1, B]
@@ -415,12 +469,13 @@ def coupled_cv_plan(
     sets = []
     if pairs:
         counts = _counts(high, pairs, stratified, generator, device)  # [P, B], 0 where L_b = 1
-        first = random_subset(eligible.expand(pairs, -1, -1), counts, uniform((pairs, b, length), generator, device))
+        keys = uniform((pairs, b, length), generator, device, batch_axis=1)
+        first = random_subset(eligible.expand(pairs, -1, -1), counts, keys)
         second = eligible & ~first & (counts > 0).unsqueeze(-1)  # S^c (nothing when L_b = 1)
         sets += [first, second]
     if odd:
-        count = uniform_count(uniform((1, b), generator, device), high.unsqueeze(0))  # [1, B]
-        sets.append(random_subset(eligible, count, uniform((1, b, length), generator, device)))
+        count = uniform_count(uniform((1, b), generator, device, batch_axis=1), high.unsqueeze(0))  # [1, B]
+        sets.append(random_subset(eligible, count, uniform((1, b, length), generator, device, batch_axis=1)))
     d_masked = torch.cat(sets, dim=0)  # [R, B, L]
     sizes = d_masked.sum(dim=-1).to(torch.float64)  # [R, B]
     d_weight = torch.where(sizes > 0, high.to(torch.float64) / (sizes.clamp(min=1) * rows), 0.0)  # (L−1)/(l·R)
@@ -468,8 +523,8 @@ def block_plan(
     in_block = (block_of.view(1, 1, -1) == chosen.unsqueeze(-1)) & real  # [N, B, L]
     later = (block_of.view(1, 1, -1) > chosen.unsqueeze(-1)) & real
     block_count = in_block.sum(dim=-1)  # [N, B]
-    counts = uniform_count(uniform((n, b), generator, device), block_count)
-    scored = random_subset(in_block, counts, uniform((n, b, length), generator, device))
+    counts = uniform_count(uniform((n, b), generator, device, batch_axis=1), block_count)
+    scored = random_subset(in_block, counts, uniform((n, b, length), generator, device, batch_axis=1))
     scale = (
         num_valid.unsqueeze(0).to(torch.float64)
         * block_count.to(torch.float64)

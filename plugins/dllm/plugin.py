@@ -58,6 +58,7 @@ from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters, padding_inputs
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
+from mmrl.plugins.dllm.masking import SampleStreams
 from mmrl.policy import attach_lora, frozen_copy, lora_config_class, reference_policy
 from mmrl.prompts import read_jsonl_prompts
 from mmrl.rollout import Rollout
@@ -502,7 +503,11 @@ class DLLMPlugin(Plugin):
 
         A sample's plans depend on its seed, its completion mask and its prompt length only (prompt masking covers
         the real prompt tokens, never the left padding), not on the batch it was sampled in. Plan ``e`` is the
-        ``e``-th draw of one generator, so plan 0 is the same whatever ``num_plans``.
+        ``e``-th draw of one generator, so plan 0 is the same whatever ``num_plans``. The plans are drawn for the
+        whole batch at once, each sample reading its own generator's stream (:class:`~mmrl.plugins.dllm.masking.
+        SampleStreams`): the same plans as drawing every sample alone, without a Python loop of ``N × num_plans``
+        plan draws. With prompt masking the samples are drawn in groups of one prompt length (a sample's prompt
+        mask covers its own prompt only).
 
         Shapes:
             → ``plan_masked`` bool ``[N, E, D, L]``, ``plan_weights`` float32 ``[N, E, D, L]`` and, with prompt
@@ -510,25 +515,41 @@ class DLLMPlugin(Plugin):
         """
         from mmrl.seeding import derive_seed
 
-        width = prompt_ids.shape[1]
-        masked, weights, prompt_masked = [], [], []
-        for i, seed in enumerate(seeds.tolist()):
-            generator = torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG))
-            length = int(lengths[i])
-            plans = [draw_plan(
-                self.estimator, prompt_ids[i:i + 1, width - length:].cpu(), completion_ids[i:i + 1].cpu(),
-                real[i:i + 1].cpu(), num_samples=self.config.num_mc_samples, generator=generator,
-                **self.config.estimator_options,
-            ) for _ in range(num_plans)]
-            masked.append(torch.stack([plan.completion_masked[:, 0] for plan in plans]))  # [E, D, L]
-            weights.append(torch.stack([plan.weights[:, 0] for plan in plans]))
-            if plans[0].prompt_masked is not None:
-                prompt_masked.append(torch.stack([torch.nn.functional.pad(plan.prompt_masked[:, 0], (width - length, 0))
-                                                  for plan in plans]))
+        n, width = prompt_ids.shape
         device = completion_ids.device
-        out = {"plan_masked": torch.stack(masked).to(device), "plan_weights": torch.stack(weights).to(device)}
-        if prompt_masked:
-            out["plan_prompt_masked"] = torch.stack(prompt_masked).to(device)
+        generators = [torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG)) for seed in seeds.tolist()]
+        prompt_ids, completion_ids, real = prompt_ids.cpu(), completion_ids.cpu(), real.cpu()
+        lengths = [int(length) for length in lengths.tolist()]
+        masks_prompt = float(self.config.estimator_options.get("p_mask_prompt", 0.0)) > 0
+        if masks_prompt:  # one group per prompt length, each with its real prompt tokens
+            groups = {length: [i for i in range(n) if lengths[i] == length] for length in sorted(set(lengths))}
+        else:  # the prompt is not read: one group
+            groups = {width: list(range(n))}
+        masked = weights = prompt_masked = None
+        for length, members in groups.items():
+            index = torch.tensor(members, dtype=torch.long)
+            streams = SampleStreams([generators[i] for i in members])
+            prompt, completion, mask = (prompt_ids.index_select(0, index)[:, width - length:],
+                                        completion_ids.index_select(0, index), real.index_select(0, index))
+            plans = [draw_plan(self.estimator, prompt, completion, mask, num_samples=self.config.num_mc_samples,
+                               generator=streams, **self.config.estimator_options) for _ in range(num_plans)]
+            group_masked = torch.stack([plan.completion_masked.transpose(0, 1) for plan in plans], dim=1)  # [g,E,D,L]
+            group_weights = torch.stack([plan.weights.transpose(0, 1) for plan in plans], dim=1)  # [g, E, D, L]
+            if masked is None:
+                masked = group_masked.new_zeros((n, *group_masked.shape[1:]))
+                weights = group_weights.new_zeros((n, *group_weights.shape[1:]))
+            masked[index], weights[index] = group_masked, group_weights
+            if plans[0].prompt_masked is not None:
+                if not masks_prompt:
+                    raise RuntimeError(f"estimator {self.estimator!r} masked the prompt without a p_mask_prompt option")
+                group_prompt = torch.stack([torch.nn.functional.pad(plan.prompt_masked, (width - length, 0))
+                                            .transpose(0, 1) for plan in plans], dim=1)  # [g, E, D, w]
+                if prompt_masked is None:
+                    prompt_masked = group_prompt.new_zeros((n, *group_prompt.shape[1:]))
+                prompt_masked[index] = group_prompt
+        out = {"plan_masked": masked.to(device), "plan_weights": weights.to(device)}
+        if prompt_masked is not None:
+            out["plan_prompt_masked"] = prompt_masked.to(device)
         return out
 
     def score(self, scorer: Callable[[Tensor], Tensor], replay: dict[str, Any], *, plan: int = 0) -> Tensor:
