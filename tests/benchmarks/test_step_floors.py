@@ -88,3 +88,31 @@ def test_a_restored_step_samples_the_same_batch_and_the_floor_leaves_the_weights
             assert torch.equal(a, b.detach())
     finally:
         trainer.close()
+
+
+def test_the_vlm_floor_shares_each_prompt_forward_as_the_plugin_does(tmp_path):
+    """The vlm recipe's plugin runs each distinct prompt once per teacher-forced pass (share_prompt_forward): the
+    floor does too, and its shared pass computes the plain pass's completion logits (up to float rounding)."""
+    args = step_floors.parse_args(["--plugin", "vlm", "--threads", "1"])
+    trainer = step_floors.build_trainer(args, tmp_path)
+    try:
+        with capturing(trainer) as capture:
+            trainer.training_step()
+        floor = step_floors.floor_class("vlm")(trainer, capture)
+        assert floor.shares_prompts
+        units = [unit.inputs for minibatch in floor.schedule for unit in minibatch]
+        assert units and all(inputs["shared"] is not None for inputs in units)  # G = 4: every pass repeats prompts
+        with torch.no_grad():
+            for inputs in units:
+                distinct = inputs["shared"]["prefix"]["input_ids"].shape[0]
+                assert distinct < inputs["teacher"]["input_ids"].shape[0]
+                shared = floor.teacher_forced(floor.hf, inputs)  # [n, C, V]
+                plain = floor.teacher_forced(floor.hf, {**inputs, "shared": None})
+                assert shared.shape == plain.shape == (*inputs["teacher"]["input_ids"][:, -inputs["completion"]:]
+                                                       .shape, plain.shape[-1])
+                # the completions' own positions (right padding of shorter completions is never scored)
+                real = inputs["teacher"]["attention_mask"][:, -inputs["completion"]:].bool()  # [n, C]
+                torch.testing.assert_close(shared[real], plain[real], rtol=0, atol=1e-5)
+        assert "prompt forward shared per distinct prompt: [True" in floor.describe()["forward_backward"]
+    finally:
+        trainer.close()
