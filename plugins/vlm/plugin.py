@@ -310,16 +310,21 @@ class VLMPlugin(Plugin):
         prompts = replay_prompts(rollout.replay)
         completions = rollout.replay["completion_ids"]
         width = rollout.num_actions
+        # The reference and the training pass read the same samples: collate them (and split their prompts) once.
+        inputs = PassInputs(self, prompts, completions)
         ref_logp = None
         if need_reference:  # first: its temporaries are freed before the policy's activations are kept for backward
             with torch.no_grad(), self.reference_model(policy) as reference:
-                ref_logp, _ = self.token_logp(reference, prompts, completions, width, with_entropy=False)
-        logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy)
+                ref_logp, _ = self.token_logp(reference, prompts, completions, width, with_entropy=False,
+                                              inputs=inputs)
+        logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy,
+                                        inputs=inputs)
         return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
 
     # ------------------------------------------------------------------ log-probs
     def token_logp(self, model: nn.Module, prompts: Sequence[dict[str, Tensor]], completions: Sequence[Tensor],
-                   width: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                   width: int, *, with_entropy: bool, inputs: PassInputs | None = None
+                   ) -> tuple[Tensor, Tensor | None]:
         """Log-prob (and entropy) of every completion token, teacher-forced: ``[n, width]`` float32 each.
 
         The one function behind the training forward and the core's old-policy pass (both through :meth:`forward`).
@@ -328,12 +333,13 @@ class VLMPlugin(Plugin):
         :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax` applies chunk by chunk together with the tempered
         log-softmax (``fused_lm_head``; otherwise the model's logits go through
         :func:`~mmrl.plugins.vlm.logprobs.selective_log_softmax`). Columns past a sample's completion (and past C)
-        are 0 (masked out).
+        are 0 (masked out). ``inputs``: the samples' :class:`PassInputs` when the caller scores them more than once.
         """
         from mmrl.plugins.vlm.logprobs import fused_head_log_softmax, selective_log_softmax
         from mmrl.plugins.vlm.prefix import shared_prompt_hidden
 
-        inputs, prompt_width = self.adapter.collate(prompts, completions, device=self.runtime.device)
+        prepared = PassInputs(self, prompts, completions) if inputs is None else inputs
+        inputs, prompt_width = prepared.inputs, prepared.prompt_width
         num_completion = int(inputs["input_ids"].shape[1]) - prompt_width
         if num_completion > width:
             raise RolloutError(f"vlm replay holds completions of {num_completion} tokens for a rollout of {width} "
@@ -344,8 +350,9 @@ class VLMPlugin(Plugin):
                        with_entropy=with_entropy, suppress=suppress)
         if self.config.fused_lm_head:
             with self.runtime.autocast():
-                shared = (shared_prompt_hidden(self.adapter, model, prompts, inputs, prompt_width, num_completion)
-                          if self._can_share_prompts(model) else None)
+                split = prepared.split(model) if self._can_share_prompts(model) else None
+                shared = (shared_prompt_hidden(self.adapter, model, prompts, inputs, prompt_width, num_completion,
+                                               split=split) if split is not None else None)
                 hidden, head = shared or self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]
             logp, entropy = fused_head_log_softmax(hidden, head.weight, head.bias, tokens, **options)
         else:
@@ -550,6 +557,34 @@ def replay_prompts(replay: dict[str, Any]) -> list[dict[str, Tensor]]:
         raise RolloutError(f"vlm rollout replay lacks {missing}; it was not produced by the vlm plugin")
     keys = [key for key in REPLAY_PROMPT_KEYS if key in replay]
     return [dict(zip(keys, values, strict=True)) for values in zip(*(replay[key] for key in keys), strict=True)]
+
+
+class PassInputs:
+    """The collated inputs of one set of samples for :meth:`VLMPlugin.token_logp`, prepared once for every pass over
+    them: the reference and the training pass of a micro-batch read the same ``collate`` output, and the same
+    distinct-prompt split with its M-RoPE position ids (:func:`~mmrl.plugins.vlm.prefix.prompt_split`, computed on
+    first use; the positions are a function of the inputs, so the policy and its reference share them).
+
+    Attributes:
+        inputs: ``collate(prompts, completions)``'s model inputs, ``[n, P + C]``.
+        prompt_width: P.
+    """
+
+    def __init__(self, plugin: VLMPlugin, prompts: Sequence[dict[str, Tensor]], completions: Sequence[Tensor]):
+        self.plugin, self.prompts = plugin, prompts
+        self.inputs, self.prompt_width = plugin.adapter.collate(prompts, completions, device=plugin.runtime.device)
+        self._split: Any = _UNSET
+
+    def split(self, model: nn.Module) -> Any:
+        """The samples' :class:`~mmrl.plugins.vlm.prefix.PromptSplit`, or None where the plain pass must run."""
+        from mmrl.plugins.vlm.prefix import prompt_split
+
+        if self._split is _UNSET:
+            self._split = prompt_split(self.plugin.adapter, model, self.prompts, self.inputs, self.prompt_width)
+        return self._split
+
+
+_UNSET = object()
 
 
 def row_images(row: dict[str, Any]) -> list[Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -65,26 +66,30 @@ def _same_prompt(a: PromptInputs, b: PromptInputs) -> bool:
     return True
 
 
-def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[PromptInputs],
-                         inputs: dict[str, Tensor], prompt_width: int, num_completion: int
-                         ) -> tuple[Tensor, nn.Module] | None:
-    """Final hidden states ``[n, C, H]`` of the positions that predict the completion tokens, and the LM head —
-    what :meth:`VLMAdapter.completion_hidden` returns for ``inputs`` — computing each distinct prompt once.
+@dataclass(frozen=True, eq=False)
+class PromptSplit:
+    """The distinct prompts of a teacher-forced pass, prepared once for every pass over the same samples (the
+    training forward and the reference pass of one micro-batch).
 
-    Args:
-        adapter: The family adapter (collation, M-RoPE positions).
-        model: The model to run (called twice, the LM head swapped for an identity); it must not be a wrapper that
-            expects one call per backward (DDP, FSDP), and must not drop its KV cache (gradient checkpointing in
-            train mode does).
-        prompts: The n samples' prompts, as passed to :meth:`VLMAdapter.collate`.
-        inputs: ``collate(prompts, completions)``'s model inputs (prompts left-padded to ``prompt_width``,
-            completions right-padded to ``num_completion``).
-        prompt_width: P, the padded prompt length.
-        num_completion: C >= 1.
+    Attributes:
+        prefix: ``collate(unique)``'s inputs of the u distinct prompts, ``[u, P]``.
+        index: ``[n]`` long, the position of each sample's prompt among them.
+        positions: ``[3, u, P]`` the prompts' M-RoPE position ids.
+    """
 
-    Returns:
-        ``(hidden [n, C, H], head)``, or None when no prompt repeats, a prompt ends in a vision token, or prompts
-        with images carry no ``mm_token_type_ids`` (the caller then runs the plain pass).
+    prefix: dict[str, Tensor]
+    index: Tensor
+    positions: Tensor
+
+
+def prompt_split(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[PromptInputs], inputs: dict[str, Tensor],
+                 prompt_width: int) -> PromptSplit | None:
+    """The split :func:`shared_prompt_hidden` runs for ``inputs`` (``collate(prompts, completions)``, prompts
+    left-padded to ``prompt_width``), or None when the plain pass must run: no prompt repeats, prompts with images
+    carry no ``mm_token_type_ids``, or a prompt ends in a vision token.
+
+    ``model`` only provides the M-RoPE position computation (a function of the inputs and the model config), so a
+    split serves the policy and its reference alike.
     """
     unique, index_list = distinct_prompts(prompts)
     if len(unique) == len(prompts):
@@ -98,7 +103,37 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
     if "mm_token_type_ids" in prefix and bool(prefix["mm_token_type_ids"][:, -1].any()):
         return None  # the completions would continue a vision segment: its positions are not the text positions
     index = torch.tensor(index_list, device=device)  # [n]
-    positions = adapter.rope_positions(model, prefix)  # [3, u, P]
+    return PromptSplit(prefix, index, adapter.rope_positions(model, prefix))  # positions [3, u, P]
+
+
+def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[PromptInputs],
+                         inputs: dict[str, Tensor], prompt_width: int, num_completion: int, *,
+                         split: PromptSplit | None = None) -> tuple[Tensor, nn.Module] | None:
+    """Final hidden states ``[n, C, H]`` of the positions that predict the completion tokens, and the LM head —
+    what :meth:`VLMAdapter.completion_hidden` returns for ``inputs`` — computing each distinct prompt once.
+
+    Args:
+        adapter: The family adapter (collation, M-RoPE positions).
+        model: The model to run (called twice, the LM head swapped for an identity); it must not be a wrapper that
+            expects one call per backward (DDP, FSDP), and must not drop its KV cache (gradient checkpointing in
+            train mode does).
+        prompts: The n samples' prompts, as passed to :meth:`VLMAdapter.collate`.
+        inputs: ``collate(prompts, completions)``'s model inputs (prompts left-padded to ``prompt_width``,
+            completions right-padded to ``num_completion``).
+        prompt_width: P, the padded prompt length.
+        num_completion: C >= 1.
+        split: :func:`prompt_split`'s result for these inputs when the caller already has it (None: computed here).
+
+    Returns:
+        ``(hidden [n, C, H], head)``, or None when no prompt repeats, a prompt ends in a vision token, or prompts
+        with images carry no ``mm_token_type_ids`` (the caller then runs the plain pass).
+    """
+    if split is None:
+        split = prompt_split(adapter, model, prompts, inputs, prompt_width)
+        if split is None:
+            return None
+    prefix, index, positions = split.prefix, split.index, split.positions
+    device = inputs["input_ids"].device
     hf_model = _base_model(model)
     cache_name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
     with identity_head(model) as head:
@@ -123,4 +158,4 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
     return torch.cat([last.index_select(0, index), completion], dim=1), head
 
 
-__all__ = ["distinct_prompts", "shared_prompt_hidden"]
+__all__ = ["PromptSplit", "distinct_prompts", "prompt_split", "shared_prompt_hidden"]

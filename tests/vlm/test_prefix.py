@@ -164,3 +164,35 @@ def test_shared_prefill_applies_the_lm_head_to_no_prompt_position(tiny_models):
         hook.remove()
     assert seen[0] == (2, 1)  # the prefill: 2 distinct prompts, one position each
     assert all(shape == (4, 1) for shape in seen[1:])  # then one position per sample and decode step
+
+
+def test_the_reference_and_training_pass_share_one_collation_and_prompt_split(tiny_models):
+    """forward(need_reference=True) collates the micro-batch once and splits its prompts (M-RoPE positions
+    included) once for both passes; the log-probs are those of separate token_logp calls."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
+    _perturb_lora(plugin, seed=8)
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(plugin.dataset("train")[:2], 3, seed=29))
+    calls = {"collate": 0, "rope_positions": 0}
+    adapter = plugin.adapter
+    for name in calls:
+        original = getattr(adapter, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(adapter, name, counted)
+    with torch.no_grad():
+        output = plugin.forward(plugin.policy(), rollout, need_reference=True)
+    # one collation of the samples, one of their distinct prompts; one position computation
+    assert calls == {"collate": 2, "rope_positions": 1}
+    for name in calls:
+        delattr(adapter, name)
+    prompts, completions = replay_prompts(rollout.replay), rollout.replay["completion_ids"]
+    with torch.no_grad():
+        logp, _ = plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions, with_entropy=False)
+        with plugin.reference_model(plugin.policy()) as reference:
+            ref_logp, _ = plugin.token_logp(reference, prompts, completions, rollout.num_actions, with_entropy=False)
+    torch.testing.assert_close(output.logp, logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(output.ref_logp, ref_logp, rtol=0, atol=1e-6)
+    assert (output.logp - output.ref_logp)[rollout.mask > 0].abs().max() > 1e-4
