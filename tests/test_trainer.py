@@ -599,3 +599,7 @@ def test_read_scalars_reads_tensors_as_float32_and_keeps_floats():
     assert metrics == {"a": 0.1, "b": float(third.float().item()), "c": 2.5} and extra == [7.0, 3.0]
     assert metrics["b"] != 1 / 3  # read through float32, as WeightedMeans.add reads a tensor
     assert list(metrics) == ["a", "b", "c"]
+    # Tensors are stacked per device (a loss may return some diagnostics on the CPU): a meta tensor next to CPU
+    # ones is read on its own, which fails for want of data, not with a device mismatch in torch.stack.
+    with pytest.raises(NotImplementedError, match="meta"):
+        _read_scalars({"a": torch.tensor(1.5), "x": torch.empty((), device="meta")}, ())

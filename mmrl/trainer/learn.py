@@ -361,10 +361,13 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _read_scalars(metrics: dict[str, Any], extra: tuple[Any, ...]) -> tuple[dict[str, float], list[float]]:
     """``metrics`` (floats or 0-dim tensors) and the ``extra`` scalars as Python floats, the tensors read back in one
-    ``tolist()`` (each as float32, as :meth:`WeightedMeans.add` reads a tensor)."""
+    ``tolist()`` per device (each as float32, as :meth:`WeightedMeans.add` reads a tensor)."""
     values = [*metrics.values(), *extra]
-    tensors = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
-    if tensors:
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(i)
+    for tensors in by_device.values():
         read = torch.stack([values[i].detach().float().reshape(()) for i in tensors]).tolist()
         for i, value in zip(tensors, read, strict=True):
             values[i] = value
