@@ -141,12 +141,13 @@ the sampling with your modality's. How it maps onto the rollout contract:
 - ``old_logp`` is left None: the core computes it with :meth:`forward` when a run needs it;
 - each sample draws its noise from its own seed (``PromptBatch.sample_generators``), so a sample does not depend on
   the batch it is in;
-- the reference policy of the KL term is a frozen copy of the initial weights, kept only when the run needs it.
+- the reference policy of the KL term comes from ``mmrl.policy``: a frozen copy of the initial weights
+  (``frozen_copy``), kept only when the run needs it; ``reference_policy`` hands it out (or, once you attach a LoRA
+  adapter with ``attach_lora``, the policy with its adapter switched off).
 """
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,7 @@ import torch
 import torch.nn.functional as F
 from mmrl.config import config_field
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.policy import frozen_copy, reference_policy
 from mmrl.rollout import Rollout
 from torch import Tensor, nn
 
@@ -206,7 +208,7 @@ class {{Camel}}Plugin(Plugin):
             self.model = CategoricalPolicy(config.vocab_size, config.length, config.hidden_size)
         self.model.to(runtime.device)
         # The KL reference: a frozen copy of the initial weights, kept only when the KL term needs it.
-        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval() if runtime.needs_reference else None
+        self.reference = frozen_copy(self.model) if runtime.needs_reference else None
         draw = random.Random(config.data_seed)
         self.splits = {
             "train": [self._row(draw.randrange(config.vocab_size)) for _ in range(config.train_size)],
@@ -253,10 +255,8 @@ class {{Camel}}Plugin(Plugin):
         logp, entropy = self._token_logp(policy, prompt_ids, tokens)  # [N, L] each
         ref_logp = None
         if need_reference:
-            if self.reference is None:
-                raise RuntimeError("{{name}} plugin: a reference was requested but Runtime.needs_reference was False")
-            with torch.no_grad():
-                ref_logp, _ = self._token_logp(self.reference, prompt_ids, tokens)
+            with torch.no_grad(), reference_policy(self.runtime.unwrap(policy), self.reference) as reference:
+                ref_logp, _ = self._token_logp(reference, prompt_ids, tokens)
         return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
 
     # ------------------------------------------------------------------ helpers

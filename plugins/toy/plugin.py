@@ -12,13 +12,12 @@ maps onto the rollout contract:
   returns None and the core computes them with ``forward`` when the run needs them);
 - each sample draws its Gumbel noise from its own seed, so a rollout does not depend on how samples are laid out
   over processes;
-- the reference policy is a frozen copy of the initial weights (full fine-tuning; LoRA plugins disable the
-  adapter instead).
+- the reference policy is :mod:`mmrl.policy`'s: a frozen copy of the initial weights (full fine-tuning;
+  :func:`~mmrl.policy.reference_policy` disables the adapter instead for a LoRA policy).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +29,7 @@ from mmrl.config import ConfigError, config_field
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.toy.model import TinyPolicyConfig, TinySequencePolicy
 from mmrl.plugins.toy.task import make_splits
+from mmrl.policy import frozen_copy, reference_policy
 from mmrl.rollout import Rollout
 
 
@@ -88,7 +88,7 @@ class ToyPlugin(Plugin):
                 ))
         self.model.to(runtime.device)
         # The KL reference: a frozen copy of the initial weights, kept only when the KL term needs it.
-        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval() if runtime.needs_reference else None
+        self.reference = frozen_copy(self.model) if runtime.needs_reference else None
         self.splits = make_splits(
             config.task, num_digits=config.num_digits, min_length=config.min_length, max_length=config.max_length,
             train_size=config.train_size, eval_size=config.eval_size, seed=config.data_seed,
@@ -159,10 +159,8 @@ class ToyPlugin(Plugin):
         logp, entropy = self._token_logp(policy, prompt_ids, tokens)  # [N, T] each
         ref_logp = None
         if need_reference:
-            if self.reference is None:
-                raise RuntimeError("toy plugin: a reference was requested but Runtime.needs_reference was False")
-            with torch.no_grad():
-                ref_logp, _ = self._token_logp(self.reference, prompt_ids, tokens)
+            with torch.no_grad(), reference_policy(self.runtime.unwrap(policy), self.reference) as reference:
+                ref_logp, _ = self._token_logp(reference, prompt_ids, tokens)
         if actions is not None:
             columns = actions.to(logp.device)
             logp, entropy = logp.index_select(1, columns), entropy.index_select(1, columns)

@@ -1,0 +1,100 @@
+"""The toy plugin and the ``mmrl new-plugin`` scaffold take their KL reference from :mod:`mmrl.policy` (issue 23).
+
+Full fine-tuning keeps ``frozen_copy``'s copy of the initial weights; a policy that carries a LoRA adapter
+(``attach_lora``) is its own reference with the adapter switched off (``reference_policy``), so no copy is needed.
+The expected log-probs are computed independently, from a copy of the base model taken before the adapter exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from mmrl.config import from_dict
+from mmrl.plugin import PromptBatch, Runtime
+from mmrl.plugins.toy.plugin import ToyPlugin, ToyPluginConfig
+from mmrl.policy import LoraConfig, attach_lora, lora_layers
+from mmrl.scaffold import new_plugin
+
+
+def toy_plugin(runtime: Runtime):
+    config = from_dict(ToyPluginConfig, {"train_size": 16, "eval_size": 4, "init_seed": 5}, "plugin")
+    return ToyPlugin(config, runtime), ["head", "mix"]
+
+
+def scaffold_plugin(runtime: Runtime, tmp_path, monkeypatch):
+    root = new_plugin("ref_check", tmp_path / "pkg")
+    monkeypatch.syspath_prepend(str(root))
+    module = importlib.import_module("mmrl_ref_check.plugin")
+    config = from_dict(module.RefCheckConfig, {"train_size": 16}, "plugin")
+    return module.RefCheckPlugin(config, runtime), ["head"]
+
+
+def build(kind: str, runtime: Runtime, tmp_path, monkeypatch):
+    return toy_plugin(runtime) if kind == "toy" else scaffold_plugin(runtime, tmp_path, monkeypatch)
+
+
+def rollout_of(plugin):
+    rows = [dict(row) for row in plugin.dataset("train")[:4]]
+    batch = PromptBatch(rows=rows, group_ids=torch.arange(4) // 2, group_size=2, seeds=torch.arange(4) + 7,
+                        generator=torch.Generator(), training=True)
+    return plugin.rollout(plugin.policy(), batch)
+
+
+def token_logp(model, plugin, rollout) -> torch.Tensor:
+    """Log-probs of the sampled tokens under ``model``, from its logits (not through the plugin's forward)."""
+    replay = rollout.replay
+    with torch.no_grad():
+        if isinstance(plugin, ToyPlugin):
+            logits = model(replay["prompt_ids"], replay["tokens"])  # [N, T, V]
+        else:
+            logits = model(replay["prompt_ids"])  # [N, L, V]
+    log_probs = torch.log_softmax(logits.float() / plugin.config.temperature, dim=-1)
+    return log_probs.gather(-1, replay["tokens"].unsqueeze(-1)).squeeze(-1)  # [N, A]
+
+
+@pytest.mark.parametrize("kind", ["toy", "scaffold"])
+def test_a_lora_policy_is_its_own_reference_with_the_adapter_off(kind, tmp_path, monkeypatch):
+    # needs_reference False: no frozen copy exists, so the reference can only be the disabled adapter.
+    plugin, targets = build(kind, Runtime(), tmp_path, monkeypatch)
+    policy = plugin.policy()
+    base = copy.deepcopy(policy)
+    attach_lora(policy, LoraConfig(rank=2, alpha=4.0), default_targets=targets)
+    with torch.no_grad():  # B starts at zero: make the adapter change the policy
+        for layer in lora_layers(policy):
+            for weight in layer.lora_B.values():
+                weight.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    rollout = rollout_of(plugin)
+    output = plugin.forward(policy, rollout, need_reference=True)
+    mask = rollout.mask > 0
+    torch.testing.assert_close(output.ref_logp[mask], token_logp(base, plugin, rollout)[mask], rtol=0, atol=1e-5)
+    # the adapter is back on afterwards: the policy's own log-probs are not the base's
+    assert float((output.logp.detach() - output.ref_logp).abs()[mask].max()) > 1e-2
+    torch.testing.assert_close(output.logp.detach()[mask], token_logp(policy, plugin, rollout)[mask], rtol=0,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["toy", "scaffold"])
+def test_full_fine_tuning_keeps_the_initial_weights_as_reference(kind, tmp_path, monkeypatch):
+    plugin, _ = build(kind, Runtime(needs_reference=True), tmp_path, monkeypatch)
+    policy = plugin.policy()
+    initial = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+    rollout = rollout_of(plugin)
+    output = plugin.forward(policy, rollout, need_reference=True)
+    mask = rollout.mask > 0
+    torch.testing.assert_close(output.ref_logp[mask], token_logp(initial, plugin, rollout)[mask], rtol=0, atol=1e-5)
+    assert not output.ref_logp.requires_grad
+
+
+@pytest.mark.parametrize("kind", ["toy", "scaffold"])
+def test_no_reference_without_a_copy_or_an_adapter(kind, tmp_path, monkeypatch):
+    plugin, _ = build(kind, Runtime(), tmp_path, monkeypatch)
+    rollout = rollout_of(plugin)
+    with pytest.raises(RuntimeError, match="needs_reference was False"):
+        plugin.forward(plugin.policy(), rollout, need_reference=True)
