@@ -35,12 +35,13 @@ from torch import Tensor
 
 from mmrl.config import ConfigError, PluginSpec, TrainConfig, from_dict, to_dict
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.policy import POLICY_FORMATS, LoraConfig, load_policy
 from mmrl.rollout import Rollout
 from mmrl.seeding import derive_seed
 from mmrl.trainer.learn import old_policy_pass, ratio_level
 
 # Purpose tags of the kit's sample seeds (any constants: they only keep the kit's streams apart).
-_TRAIN_SEED_TAG, _EVAL_SEED_TAG, _PERTURB_SEED_TAG = 0xC0DE, 0xE7A1, 0x5A7E
+_TRAIN_SEED_TAG, _EVAL_SEED_TAG, _PERTURB_SEED_TAG, _STEP_SEED_TAG = 0xC0DE, 0xE7A1, 0x5A7E, 0x57E9
 
 PROPERTIES = (
     "config validation",
@@ -57,8 +58,24 @@ PROPERTIES = (
     "evaluation rollout",
     "save_samples",
     "save/load round trip",
+    "export",
 )
 """Every property :func:`check_plugin` checks, in the order it checks them."""
+
+
+class CheckedProperties(list):
+    """What :func:`check_plugin` returns: the names of the properties it checked, in order (a list), and
+    :attr:`skipped`, the properties it left out, each with the reason.
+
+    Attributes:
+        skipped: Property name -> why it was not checked (e.g. ``"action chunks"`` for a plugin without
+            :attr:`Plugin.supports_action_chunks`, ``"export"`` for a plugin whose :meth:`Plugin.export` raises
+            ``NotImplementedError``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: dict[str, str] = {}
 
 
 class ConformanceError(AssertionError):
@@ -117,6 +134,11 @@ def check_plugin(
     - **save_samples**: writes the files it returns.
     - **save/load round trip**: :meth:`Plugin.save_trainable` then :meth:`Plugin.load_trainable` restores perturbed
       trainable weights exactly, and the log-probs with them.
+    - **export**: after a step (every trainable weight moved), :meth:`Plugin.export` writes a folder in one of
+      :data:`mmrl.policy.POLICY_FORMATS`; a new plugin built from the same config loads it with
+      :func:`mmrl.policy.load_policy` (``from_pretrained`` for a ``save_pretrained`` folder, the adapter file for a
+      LoRA) and gives the stepped policy's log-probs. Skipped, with the reason in the result's ``skipped``, for a
+      plugin whose ``export`` raises ``NotImplementedError``.
 
     Not checked: "1 process == 2 processes", which needs several processes; the built-in plugins are covered by
     tests/distributed/test_two_processes.py.
@@ -139,7 +161,9 @@ def check_plugin(
         directory: Where save_samples and save_trainable write (default: a temporary folder, removed afterwards).
 
     Returns:
-        The names of the properties that were checked (``"action chunks"`` only when the plugin supports them).
+        The names of the properties that were checked, a :class:`CheckedProperties` list whose ``skipped`` maps each
+        property left out to the reason (``"action chunks"`` without :attr:`Plugin.supports_action_chunks`,
+        ``"export"`` when :meth:`Plugin.export` raises ``NotImplementedError``).
 
     Raises:
         ConformanceError: The first property that fails, in one line.
@@ -158,7 +182,7 @@ class _Checker:
     def __init__(self, plugin_cls: type[Plugin], tolerance: float):
         self.plugin_cls = plugin_cls
         self.tolerance = tolerance
-        self.checked: list[str] = []
+        self.checked = CheckedProperties()
         self.current = ""
 
     @contextmanager
@@ -225,6 +249,8 @@ class _Checker:
         if cls.supports_action_chunks:
             with self.check("action chunks"):
                 self.action_chunks(plugin, policy, rollout)
+        else:
+            self.checked.skipped["action chunks"] = f"{cls.__name__}.supports_action_chunks is False"
         with self.check("action rewards"):
             rewards = torch.linspace(0.0, 1.0, len(rollout))  # [N]
             credit = plugin.action_rewards(rollout, rewards)
@@ -249,6 +275,11 @@ class _Checker:
             self.expect(not missing, f"save_samples returned files it did not write: {missing[:3]}")
         with self.check("save/load round trip"):
             self.round_trip(plugin, policy, rollout, params, directory / "trainable")
+        with self.check("export"):
+            skipped = self.export(plugin, policy, rollout, params, plugin_config, directory / "export")
+        if skipped is not None:  # check() recorded the property as passed: it was not checked
+            self.checked.remove("export")
+            self.checked.skipped["export"] = skipped
         return self.checked
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -422,11 +453,7 @@ class _Checker:
         saved = [p.detach().clone() for p in params]
         plugin.save_trainable(policy, directory)
         self.expect(directory.is_dir() and any(directory.iterdir()), f"save_trainable wrote nothing in {directory}")
-        generator = torch.Generator().manual_seed(derive_seed(_PERTURB_SEED_TAG))
-        with torch.no_grad():
-            for param in params:
-                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                param.add_((0.05 * noise).to(param.dtype).to(param.device))
+        _perturb(params, _PERTURB_SEED_TAG)
         plugin.load_trainable(policy, directory)
         changed = [i for i, (p, s) in enumerate(zip(params, saved, strict=True)) if not torch.equal(p.detach(), s)]
         self.expect(not changed, f"load_trainable left {len(changed)} of {len(params)} trainable tensors different "
@@ -436,6 +463,50 @@ class _Checker:
         policy.train()
         self.close(after_logp, before_logp, rollout.mask, "log-probs after save_trainable, a change of the weights "
                    "and load_trainable differ from before")
+
+    def export(self, plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, params: list[Any], config: Any,
+               directory: Path) -> str | None:
+        """Move every trainable weight (a stand-in for an optimizer step), export, and load the folder into a new
+        plugin built from the same config: its log-probs must be the stepped policy's, not the initial ones.
+
+        Returns:
+            None, or why the export was not checked (the plugin's ``export`` raised ``NotImplementedError``).
+        """
+        saved = [p.detach().clone() for p in params]
+        _perturb(params, _STEP_SEED_TAG)
+        try:
+            plugin.start_inner_epoch(0)
+            policy.eval()
+            with torch.no_grad():
+                stepped = plugin.forward(policy, rollout, need_reference=False).logp.float()
+            try:
+                fmt = plugin.export(policy, directory)
+            except NotImplementedError as error:
+                return f"{type(plugin).__name__}.export raised NotImplementedError: {error}"
+            self.expect(fmt in POLICY_FORMATS, f"export returned {fmt!r}, not one of {', '.join(POLICY_FORMATS)}")
+            self.expect(directory.is_dir() and any(directory.iterdir()), f"export wrote nothing in {directory}")
+            fresh = self.plugin_cls(config, plugin.runtime)
+            fresh_policy = fresh.policy()
+            fresh.start_inner_epoch(0)
+            fresh_policy.eval()
+            with torch.no_grad():
+                initial = fresh.forward(fresh_policy, rollout, need_reference=False).logp.float()
+            moved = _max_abs(initial - stepped.to(initial.device), rollout.mask)
+            self.expect(moved > self.tolerance, f"moving every trainable weight changed no log-prob by more than "
+                        f"{self.tolerance:g}: the check cannot tell the stepped policy from the initial one")
+            lora = getattr(config, "lora", None)
+            load_policy(fresh.runtime.unwrap(fresh_policy), directory, fmt,
+                        lora=lora if isinstance(lora, LoraConfig) else None)
+            with torch.no_grad():
+                reloaded = fresh.forward(fresh_policy, rollout, need_reference=False).logp.float()
+            self.close(reloaded, stepped, rollout.mask, f"a new plugin that loads the {fmt!r} export gives log-probs "
+                       "that differ from the exported policy's")
+            return None
+        finally:
+            with torch.no_grad():
+                for param, value in zip(params, saved, strict=True):
+                    param.copy_(value)
+            policy.train()
 
     # ------------------------------------------------------------------------------------------------ helpers
     def logp_of(self, output: Any, mask: Tensor) -> Tensor:
@@ -493,6 +564,15 @@ def _prompt_batch(rows: Any, num_prompts: int, group_size: int, seed: int, tag: 
     )
 
 
+def _perturb(params: list[Any], tag: int) -> None:
+    """Add ``0.05 * N(0, 1)`` noise (seeded by ``tag``) to every parameter, in place."""
+    generator = torch.Generator().manual_seed(derive_seed(tag))
+    with torch.no_grad():
+        for param in params:
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.add_((0.05 * noise).to(param.dtype).to(param.device))
+
+
 def _max_abs(values: Tensor, mask: Tensor) -> float:
     active = mask.to(values.device) > 0
     if not bool(active.any()):
@@ -535,4 +615,4 @@ def _first_difference(first: Any, second: Any, tolerance: float, where: str) -> 
     return None if first == second else where
 
 
-__all__ = ["PROPERTIES", "ConformanceError", "check_plugin"]
+__all__ = ["PROPERTIES", "CheckedProperties", "ConformanceError", "check_plugin"]

@@ -10,6 +10,7 @@ import torch
 
 from mmrl.plugin import PolicyOutput
 from mmrl.plugins.toy.plugin import ToyPlugin
+from mmrl.policy import save_policy
 from mmrl.testing import PROPERTIES, ConformanceError, check_plugin
 
 # A small toy task: the kit only rolls out 2 prompts x 2 samples.
@@ -36,8 +37,11 @@ def _fails(plugin_cls, prop: str, match: str, config=None, **kwargs) -> Conforma
 def test_the_reference_plugin_passes_every_property(tmp_path):
     checked = check_plugin(ToyPlugin, {"name": "toy", **TOY}, directory=tmp_path)
     assert checked == list(PROPERTIES)  # the toy supports action chunks: nothing is skipped
+    assert checked.skipped == {}
     assert (tmp_path / "samples" / "conformance.jsonl").is_file()
     assert (tmp_path / "trainable" / "trainable.safetensors").is_file()
+    # the toy's model has save_pretrained: a full fine-tune exports as its library's own folder
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "export").iterdir()}
 
 
 def test_a_config_instance_and_other_sections_are_accepted():
@@ -170,3 +174,38 @@ def test_unknown_sections_of_the_train_config_are_refused_by_name():
            train_config={"algo": {}})
     _fails(ToyPlugin, "config validation", r"config key 'plugin'.*the plugin section is check_plugin's config",
            train_config={"plugin": {"name": "toy"}})
+
+
+class StaleExport(ToyPlugin):
+    """Exports the initial weights (the frozen reference copy) instead of the trained policy."""
+
+    def export(self, policy, directory):
+        save_policy(self.reference, directory, "pretrained")
+        return "pretrained"
+
+
+def test_an_export_of_the_initial_weights_fails():
+    _fails(StaleExport, "export", r"a new plugin that loads the 'pretrained' export gives log-probs that differ from "
+           r"the exported policy's \(max difference")
+
+
+class UnknownExportFormat(ToyPlugin):
+    def export(self, policy, directory):
+        super().export(policy, directory)
+        return "onnx"
+
+
+def test_an_export_format_outside_the_policy_formats_fails():
+    _fails(UnknownExportFormat, "export", r"export returned 'onnx', not one of diffusers_lora, peft_lora, pretrained")
+
+
+class NoExport(ToyPlugin):
+    def export(self, policy, directory):
+        raise NotImplementedError("the policy lives on an inference server")
+
+
+def test_a_plugin_without_export_is_skipped_with_the_reason(tmp_path):
+    checked = check_plugin(NoExport, TOY, directory=tmp_path)
+    assert checked == [p for p in PROPERTIES if p != "export"]
+    assert checked.skipped == {"export": "NoExport.export raised NotImplementedError: the policy lives on an "
+                                         "inference server"}
