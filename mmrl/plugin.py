@@ -347,7 +347,9 @@ class Plugin(ABC):
         Default: :func:`mmrl.policy.save_policy` in :meth:`policy_format` (``export=True``): a LoRA adapter
         (``PeftModel.from_pretrained(base, directory)`` or ``pipeline.load_lora_weights(directory)``), or the whole
         model through ``save_pretrained``. Plugins add what their library needs next to it (a VLM's processor, a
-        language model's tokenizer). Called on one process, outside any distributed wrapper.
+        language model's tokenizer). Called on one process, outside any distributed wrapper. A plugin whose policy
+        cannot be exported raises ``NotImplementedError`` saying why (:func:`mmrl.testing.check_plugin` then skips
+        its export check with that reason).
         """
         fmt = self.policy_format(policy, export=True)
         save_policy(self.runtime.unwrap(policy), directory, fmt)
