@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
 from mmrl.policy import lora_config_class
 from mmrl.prompts import read_prompt_file
+
+if TYPE_CHECKING:
+    from mmrl.plugins.flow.sde import SDEKind
 
 FlowLoraConfig = lora_config_class(
     "FlowLoraConfig", __name__, rank=32, alpha=64.0, init="gaussian",
@@ -145,8 +148,10 @@ class FlowPluginConfig:
         if self.adapter != "auto" and self.adapter not in flow_adapters:
             raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
         self._check_sde_kind(path)
-        if self.sde == "cps" and self.noise_level > 1:
-            raise ConfigError(f"{path}.noise_level", self.noise_level, "a number in (0, 1] for sde 'cps'")
+        highest = self.sde_kind().max_noise_level
+        if highest is not None and self.noise_level > highest:
+            raise ConfigError(f"{path}.noise_level", self.noise_level, f"a number in (0, {highest:g}] for sde "
+                              f"{self.sde!r}")
         strategy = credit_strategies.get(self.credit.strategy)
         if strategy.uses_step_selection:
             if self.train_steps == "random" and self.num_steps < 2:
@@ -162,7 +167,7 @@ class FlowPluginConfig:
                 if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
                     raise ConfigError(f"{path}.window_range", self.window_range,
                                       f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
-            self._refuse_the_last_cps_step(path)
+            self._refuse_a_deterministic_last_step(path)
         strategy(self).validate(self, f"{path}.credit")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
@@ -179,23 +184,30 @@ class FlowPluginConfig:
             raise ConfigError(f"{path}.sde", self.sde, f"a stochastic SDE kind registered in sde_kind_registry: "
                               f"{', '.join(stochastic)}")
 
-    def _refuse_the_last_cps_step(self, path: str) -> None:
-        """With ``sde: cps`` the last step is deterministic (std = σ_next·sin(a·π/2) = 0 at σ_next = 0): it has no
-        log-prob to train (0, no gradient) and its KL to the reference is infinite (means that differ) or NaN
-        (equal means), so a step selection that can train it is refused. Flow-GRPO never trains that step either
-        (``num_train_timesteps = num_steps - 1``; its CPS configs keep the SDE window within the first half). The
-        credit strategies that choose their own steps refuse it in their own checks (branch points, tree splits,
-        the sliding window's range)."""
-        if self.sde != "cps":
+    def sde_kind(self) -> type[SDEKind]:
+        """The class of ``sde`` in the SDE-kind registry (its properties: :attr:`SDEKind.stochastic`,
+        :attr:`SDEKind.max_noise_level`, :attr:`SDEKind.deterministic_last_step`)."""
+        from mmrl.plugins.flow.sde import sde_kind_registry
+
+        return sde_kind_registry.get(self.sde)
+
+    def _refuse_a_deterministic_last_step(self, path: str) -> None:
+        """With a kind whose last step is deterministic (:attr:`SDEKind.deterministic_last_step`: ``cps``, whose std
+        σ_next·sin(a·π/2) is 0 at σ_next = 0) that step has no log-prob to train (0, no gradient) and its KL to the
+        reference is infinite (means that differ) or NaN (equal means), so a step selection that can train it is
+        refused. Flow-GRPO never trains that step either (``num_train_timesteps = num_steps - 1``; its CPS configs
+        keep the SDE window within the first half). The credit strategies that choose their own steps refuse it in
+        their own checks (branch points, tree splits, the sliding window's range)."""
+        if not self.sde_kind().deterministic_last_step:
             return
         last = self.num_steps - 1
         if self.train_steps == "fraction" and self.step_selection_count() > last:
             raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction,
-                              f"a fraction that leaves out the last of the {self.num_steps} steps with sde 'cps' "
-                              "(its last step is deterministic: no log-prob, infinite KL), e.g. 0.99")
+                              f"a fraction that leaves out the last of the {self.num_steps} steps with sde "
+                              f"{self.sde!r} (its last step is deterministic: no log-prob, infinite KL), e.g. 0.99")
         if self.train_steps == "window" and self.resolved_window_range()[1] > last:
             raise ConfigError(f"{path}.window_range", self.window_range,
-                              f"[lo, hi] with hi <= {last} with sde 'cps' (the window must not reach the "
+                              f"[lo, hi] with hi <= {last} with sde {self.sde!r} (the window must not reach the "
                               "deterministic last step: no log-prob, infinite KL)")
 
     def num_actions(self) -> int:

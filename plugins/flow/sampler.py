@@ -206,10 +206,11 @@ class FlowSampler:
         if means is not None:
             replay["means"] = means  # the old transition means, for GRPO-Guard's RatioNorm
         active = mask > 0
-        if config.sde == "cps" and bool((active & (replay["sigmas_next"] == 0)).any()):
+        if config.sde_kind().deterministic_last_step and bool((active & (replay["sigmas_next"] == 0)).any()):
             # The configs refuse this for the built-in strategies; a registered one may still choose the step.
-            raise RolloutError(f"credit strategy {config.credit.strategy!r} trained the last step with sde 'cps', "
-                               "which is deterministic (no log-prob, infinite KL); train steps 0..num_steps-2 only")
+            raise RolloutError(f"credit strategy {config.credit.strategy!r} trained the last step with sde "
+                               f"{config.sde!r}, which is deterministic (no log-prob, infinite KL); train steps "
+                               "0..num_steps-2 only")
         trained_sigma = sigmas[step_index][active].mean() if bool(active.any()) else sigmas.new_zeros(())
         return Rollout(
             group_ids=batch.group_ids,

@@ -241,9 +241,19 @@ class SDEKind:
     name: ClassVar[str]
     #: Whether a sampled step draws noise (``"ode"``: no draw, the next sample is the mean).
     stochastic: ClassVar[bool] = True
+    #: The largest noise level the kind takes (None: any finite number >= 0). The plugin's config refuses a larger
+    #: ``plugin.noise_level`` up front; :meth:`check_noise_level` refuses it in a step.
+    max_noise_level: ClassVar[float | None] = None
+    #: Whether the last denoising step (σ_next = 0) is deterministic, std = 0: it then has no log-prob to train (0,
+    #: no gradient) and an infinite (means that differ) or NaN (equal means) KL, so the config and the credit
+    #: strategies refuse any step selection, branch point or split that trains it.
+    deterministic_last_step: ClassVar[bool] = False
 
     def check_noise_level(self, noise_level: float) -> None:
-        """Raise a ValueError for a noise level the kind cannot take (every kind takes a finite number >= 0)."""
+        """Raise a ValueError for a noise level the kind cannot take: every kind takes a finite number >= 0 (checked
+        by the caller), at most :attr:`max_noise_level`."""
+        if self.max_noise_level is not None and noise_level > self.max_noise_level:
+            raise ValueError(f"noise_level for {self.name!r} is at most {self.max_noise_level}; got {noise_level}")
 
     def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
         """The diffusion coefficient s of the step (:func:`diffusion_coefficient`), shaped as ``sigma``."""
@@ -312,9 +322,11 @@ class CoefficientsPreservingStep(SDEKind):
     """Coefficients-Preserving Sampling, std = σ_next·sin(a·π/2) (arXiv:2509.05952)."""
 
     name = "cps"
+    max_noise_level = 1.0  # an angle fraction: a·π/2 in [0, π/2]
+    deterministic_last_step = True  # std = σ_next·sin(a·π/2) = 0 at σ_next = 0
 
     def check_noise_level(self, noise_level: float) -> None:
-        if noise_level > 1:
+        if noise_level > self.max_noise_level:
             raise ValueError(f"noise_level for 'cps' is an angle fraction in [0, 1]; got {noise_level}")
 
     def diffusion_coefficient(self, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:

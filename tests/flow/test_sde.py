@@ -686,3 +686,50 @@ def test_plugin_sde_accepts_a_registered_kind_and_names_the_kinds_otherwise():
             from_dict(FlowPluginConfig, {**options, "sde": "ode"}, "plugin")
     finally:
         sde_kind_registry._entries.pop("test_wider")
+
+
+def test_a_kinds_limits_are_properties_of_its_class_not_of_its_name():
+    """The config and the credit strategies ask the kind's class (max_noise_level, deterministic_last_step), so a
+    registered kind with cps's limits under another name is refused the same way, and the built-in kinds keep their
+    own: cps's noise level is at most 1 and its last step is untrainable; flow_grpo has neither limit."""
+    from mmrl.config import ConfigError, from_dict
+    from mmrl.plugins.flow.config import FlowPluginConfig
+    from mmrl.plugins.flow.sde import CoefficientsPreservingStep, DanceGRPOSDE, sde_kind_registry
+
+    assert (CoefficientsPreservingStep.max_noise_level, CoefficientsPreservingStep.deterministic_last_step) == (1, True)
+    assert (DanceGRPOSDE.max_noise_level, DanceGRPOSDE.deterministic_last_step) == (None, False)
+
+    class Bounded(DanceGRPOSDE):
+        """DanceGRPO's step with a noise ceiling and an untrainable last step (a test kind)."""
+
+        name = "test_bounded"
+        max_noise_level = 0.5
+        deterministic_last_step = True
+
+    options = {"model": "unused", "prompts": ["a cat"], "num_steps": 4}
+
+    def config(**more):
+        return from_dict(FlowPluginConfig, {**options, **more}, "plugin")
+
+    sde_kind_registry.register("test_bounded", Bounded)
+    try:
+        assert config(sde="test_bounded", noise_level=0.5, timestep_fraction=0.75).sde == "test_bounded"
+        with pytest.raises(ConfigError, match=r"'plugin.noise_level': got 0.6; allowed: a number in \(0, 0.5\] for "
+                                              r"sde 'test_bounded'$"):
+            config(sde="test_bounded", noise_level=0.6, timestep_fraction=0.75)
+        with pytest.raises(ConfigError, match=r"'plugin.timestep_fraction': got 1.0; .* the last of the 4 steps with "
+                                              r"sde 'test_bounded'"):
+            config(sde="test_bounded", noise_level=0.5, timestep_fraction=1.0)
+        with pytest.raises(ConfigError, match=r"'plugin.credit.branch.points': got \[1, 3\]; allowed: no branch at "
+                                              r"the last step with sde 'test_bounded'"):
+            config(sde="test_bounded", noise_level=0.5, credit={"strategy": "branch", "branch": {"points": [1, 3]}})
+        with pytest.raises(ConfigError, match=r"'plugin.credit.tree.split_points': got \[0, 3\]; allowed: no split "
+                                              r"at the last step with sde 'test_bounded'"):
+            config(sde="test_bounded", noise_level=0.5,
+                   credit={"strategy": "tree", "tree": {"split_points": [0, 3]}})
+    finally:
+        sde_kind_registry._entries.pop("test_bounded")
+    # the built-in kinds: cps keeps its limits, flow_grpo takes a noise level above 1 and trains every step
+    with pytest.raises(ConfigError, match=r"a number in \(0, 1\] for sde 'cps'$"):
+        config(sde="cps", noise_level=1.5, timestep_fraction=0.75)
+    assert config(sde="flow_grpo", noise_level=1.5, timestep_fraction=1.0).noise_level == 1.5

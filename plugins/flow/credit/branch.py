@@ -117,9 +117,9 @@ class BranchCredit(CreditStrategy):
                               "branches at steps 0..num_steps-2)")
         if max(points) >= config.num_steps:
             raise ConfigError(f"{path}.branch.points", points, f"steps in 0..{config.num_steps - 1}")
-        if config.sde == "cps" and max(points) == config.num_steps - 1:
+        if config.sde_kind().deterministic_last_step and max(points) == config.num_steps - 1:
             raise ConfigError(f"{path}.branch.points", points,
-                              "no branch at the last step with sde 'cps' (its step is deterministic there)")
+                              f"no branch at the last step with sde {config.sde!r} (its step is deterministic there)")
 
     def num_actions(self, config: FlowPluginConfig) -> int:
         return len(self.points(config))

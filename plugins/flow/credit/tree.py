@@ -129,9 +129,9 @@ class TreeCredit(CreditStrategy):
         if max(tree.split_points) >= config.num_steps:
             raise ConfigError(f"{path}.tree.split_points", tree.split_points,
                               f"steps in 0..{config.num_steps - 1}")
-        if config.sde == "cps" and max(tree.split_points) == config.num_steps - 1:
+        if config.sde_kind().deterministic_last_step and max(tree.split_points) == config.num_steps - 1:
             raise ConfigError(f"{path}.tree.split_points", tree.split_points,
-                              "no split at the last step with sde 'cps' (its step is deterministic there)")
+                              f"no split at the last step with sde {config.sde!r} (its step is deterministic there)")
         if tree.width_pruning is not None and tree.sde_steps != "all":
             raise ConfigError(f"{path}.tree.width_pruning", tree.width_pruning,
                               "null with sde_steps 'splits' (no trained edge follows the last split)")
