@@ -7,8 +7,39 @@ from ``RewardInput.rows``. A malformed file is a one-line ``ValueError`` naming 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def iter_jsonl(path: str | Path, *, error: type[ValueError] = ValueError) -> Iterator[tuple[str, Any]]:
+    """The JSON value of every non-blank line of a JSONL file, with where it came from.
+
+    The one JSONL reader of mmrl: the prompt files below and the VLM plugin's datasets (which validate their own
+    keys) read through it, so a malformed line fails the same way everywhere.
+
+    Args:
+        path: The file (it must exist; the callers say what they expected when it does not).
+        error: The exception class raised for a line that is not valid JSON (a ``ValueError`` subclass, such as the
+            VLM plugin's ``DataError``).
+
+    Yields:
+        ``(where, value)``: ``where`` is ``"{path} line {number}"`` for messages, ``value`` the decoded JSON.
+
+    Raises:
+        error: ``"{path} line {number}: not valid JSON ({reason} at column {column})"``.
+    """
+    path = Path(path)
+    with path.open() as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                value = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as failure:
+                raise error(f"{where}: not valid JSON ({failure.msg} at column {failure.colno})") from None
+            yield where, value
 
 
 def read_jsonl_prompts(path: str | Path) -> list[dict[str, Any]]:
@@ -28,15 +59,9 @@ def read_jsonl_prompts(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"no prompt file at {path}")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})") from None
+    for where, row in iter_jsonl(path):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path} line {number}: expected a JSON object with a 'prompt' string")
+            raise ValueError(f"{where}: expected a JSON object with a 'prompt' string")
         rows.append(row)
     return rows
 
@@ -52,4 +77,4 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
     return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["read_jsonl_prompts", "read_prompt_file"]
+__all__ = ["iter_jsonl", "read_jsonl_prompts", "read_prompt_file"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmrl.prompts import read_jsonl_prompts, read_prompt_file
+from mmrl.prompts import iter_jsonl, read_jsonl_prompts, read_prompt_file
 
 
 def test_jsonl_rows_keep_their_keys_and_skip_blank_lines(tmp_path):
@@ -40,3 +40,16 @@ def test_a_missing_file_names_its_path(tmp_path):
             read(tmp_path / "missing.jsonl")
     with pytest.raises(FileNotFoundError, match="no prompt file at"):
         read_prompt_file(tmp_path / "missing.txt")
+
+
+def test_iter_jsonl_is_the_one_reader_raising_the_callers_error_class(tmp_path):
+    from mmrl.plugins.vlm.data import DataError, read_records
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n\n[2]\n')
+    assert list(iter_jsonl(path)) == [(f"{path} line 1", {"a": 1}), (f"{path} line 3", [2])]
+    path.write_text('{"a": 1}\n{"a": \n')
+    with pytest.raises(DataError, match=r"d.jsonl line 2: not valid JSON \(Expecting value at column 7\)$"):
+        list(iter_jsonl(path, error=DataError))
+    with pytest.raises(DataError, match=r"d.jsonl line 2: not valid JSON"):  # the VLM plugin's records reader
+        read_records(path)

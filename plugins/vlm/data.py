@@ -42,6 +42,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmrl.prompts import iter_jsonl
+
 REQUIRED_KEYS = ("image", "problem", "solution", "task")
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -80,17 +82,8 @@ def load_jsonl(path: str | Path, *, image_root: str | Path | None = None, check_
         raise DataError(f"VLM dataset {path} does not exist; expected a JSONL file with keys "
                         f"{', '.join(REQUIRED_KEYS)}")
     root = Path(image_root) if image_root is not None else path.parent
-    rows = []
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-            rows.append(record_to_row(record, where=where, image_root=root, check_images=check_images))
+    rows = [record_to_row(record, where=where, image_root=root, check_images=check_images)
+            for where, record in iter_jsonl(path, error=DataError)]
     if not rows:
         raise DataError(f"VLM dataset {path} holds no rows")
     return rows
@@ -176,14 +169,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"{path} does not exist")
     if path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-        return records
+        return [record for _, record in iter_jsonl(path, error=DataError)]
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:

@@ -46,9 +46,9 @@ def test_loader_reads_rows_and_resolves_images(tmp_path):
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("{not json", r"train.jsonl:2: not valid JSON"),
-    ('["a list"]', r"train.jsonl:2: expected a JSON object"),
-    ('{"image": "a.png", "solution": 1, "task": "counting"}', r"train.jsonl:2: missing key 'problem'"),
+    ("{not json", r"train.jsonl line 2: not valid JSON"),
+    ('["a list"]', r"train.jsonl line 2: expected a JSON object"),
+    ('{"image": "a.png", "solution": 1, "task": "counting"}', r"train.jsonl line 2: missing key 'problem'"),
     ('{"image": [], "problem": "q", "solution": 1, "task": "counting"}', r"'image' must be a path or a non-empty"),
     ('{"image": "a.png", "problem": "  ", "solution": 1, "task": "counting"}', r"'problem' must be a non-empty"),
     ('{"image": "a.png", "problem": "q", "solution": null, "task": "counting"}', r"'solution' must not be null"),
