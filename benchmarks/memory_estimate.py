@@ -2,10 +2,11 @@
 estimator checked against measurements on tiny models on the CPU (issue 26 item 4).
 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
-published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel`` and
-``FluxTransformer2DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``, and ``LlamaForCausalLM`` for
-LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
-``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
+published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
+``FluxTransformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel``, transformers'
+``Qwen2_5_VLForConditionalGeneration``, and ``LlamaForCausalLM`` for LLaDA-8B, whose architecture it shares: RMSNorm,
+SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts ``r·(in + out)`` for every ``nn.Linear`` the
+plugin's adapter targets. Memory per GPU, in GiB:
 
 - weights: the trained module (the frozen base in the recipe's weight dtype with LoRA; float32 master weights with
   full fine-tuning) and the frozen modules that stay on the device (text encoders and VAE for flow, the vision tower
@@ -26,11 +27,14 @@ LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head a
 Not counted: the CUDA context and allocator fragmentation (budget 1–3 GiB), the reward model, the VAE decode and
 text-encoder peaks, temporary copies inside kernels. The numbers are a floor to plan with, not a guarantee.
 
-``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted
-on), runs a forward and one AdamW step in float32 on the CPU and compares the measured bytes (saved activations;
-weights, gradients and optimizer state) with the estimator's. ``--json`` writes ``settings`` (``gpus``,
-``torch``), ``recipes`` (per recipe and variant: ``parameters``, ``trainable``, ``gib`` per component, ``peak_gib``)
-and, with ``--check``, ``check`` (per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``). Examples::
+``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted on,
+except Wan and Qwen-Image, checked at the tiny test pipelines' configs of plugins/flow/testing.py, one of the sizes
+their terms were fitted on), runs a forward and one AdamW step in float32 on the CPU and compares the measured bytes
+(saved activations; weights, gradients and optimizer state) with the estimator's. ``--json`` writes ``settings``
+(``gpus``, ``torch``), ``recipes`` (per recipe and variant: ``parameters``, ``trainable``, ``gib`` per component,
+``peak_gib``) and, with ``--check``, ``check`` (per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``).
+
+Examples::
 
     python benchmarks/memory_estimate.py                   # the table for 1 GPU and for FSDP over 8
     python benchmarks/memory_estimate.py --gpus 1 4 --check --json memory.json
@@ -51,29 +55,51 @@ from torch import nn
 GIB = 1024**3
 FLOW_SD3_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out")  # plugins/flow/adapters/sd3.py
+FLOW_WAN_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                    "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")  # plugins/flow/adapters/wan.py
+FLOW_QWEN_IMAGE_TARGETS = FLOW_SD3_TARGETS + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                              "txt_mlp.net.2")  # plugins/flow/adapters/qwen_image.py
 FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                         "ff_context.net.2")  # plugins/flow/adapters/flux.py
 LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
 
 # Bytes per token per transformer block saved for the backward, in units of the activation dtype's size D (so bytes =
 # D · value), as counted on tiny models in float32 (--check re-measures them at other sizes). ``h`` hidden size,
-# ``kv`` key/value width, ``f`` MLP width, ``r`` LoRA rank. Decoder (Qwen2/Llama, sdpa attention, SwiGLU): the two
-# RMSNorms' inputs and normalised outputs, the q/k/v input, q, k, v and the attention output, the o_proj input,
-# the MLP input and four f-wide tensors (gate, silu, up, product); with LoRA the normalised outputs are not kept (the
-# norm weights are frozen) and each of the 7 adapted linears keeps its r-wide intermediate. MMDiT and FLUX blocks
-# (MLP 4h, adaLN modulation, qk RMSNorm): per token of either stream; SD3.5's dual-attention blocks keep more per image
-# token.
+# ``kv`` key/value width, ``f`` MLP width, ``r`` LoRA rank, ``heads`` attention heads. Decoder (Qwen2/Llama, sdpa
+# attention, SwiGLU): the two RMSNorms' inputs and normalised outputs, the q/k/v input, q, k, v and the attention
+# output, the o_proj input, the MLP input and four f-wide tensors (gate, silu, up, product); with LoRA the normalised
+# outputs are not kept (the norm weights are frozen) and each of the 7 adapted linears keeps its r-wide intermediate.
+# MMDiT and FLUX blocks (MLP 4h, adaLN modulation, qk RMSNorm): per token of either stream; SD3.5's dual-attention
+# blocks keep more per image token. Wan (WanTransformerBlock: self-attention over the video tokens, cross-attention to
+# the text, GELU MLP of width f, qk RMSNorm across heads): per video token, ``wan_context`` per text token (the
+# cross-attention's keys and values) and ``wan_sequence`` per sequence (the block's timestep modulation). Qwen-Image
+# (QwenImageTransformerBlock: MMDiT, both streams with 4h-wide GELU MLPs, qk RMSNorm per head, adaLN per stream): per
+# token of either stream, and ``qwen_image_sequence`` per sequence. The Wan and Qwen-Image terms were fitted on tiny
+# float32 models at h = 16…96 (2…6 heads, MLP 32…256, 16…80 image tokens, 10…20 text tokens, LoRA rank 4), where
+# they reproduce the measured bytes exactly, as they do at a size left out of the fit (Wan h 60 with 3 heads and MLP
+# 100, Qwen-Image h 80 with 5 heads); the ``heads`` and constant terms (per-head norm statistics, the attention's
+# log-sum-exp) matter only at such tiny sizes.
 ACTIVATION_BYTES = {
-    ("decoder", "full"): lambda h, kv, f, r: 8 * h + 2 * kv + 4 * f,
-    ("decoder", "lora"): lambda h, kv, f, r: 6 * h + 2 * kv + 4 * f + 7 * r,
-    ("mmdit", "full"): lambda h, kv, f, r: 25.25 * h,
-    ("mmdit", "lora"): lambda h, kv, f, r: 14.5 * h,
-    ("mmdit_dual_image", "full"): lambda h, kv, f, r: 35.44 * h,
-    ("mmdit_dual_image", "lora"): lambda h, kv, f, r: 20.69 * h,
-    ("flux_double", "full"): lambda h, kv, f, r: 25.25 * h,
-    ("flux_double", "lora"): lambda h, kv, f, r: 19.63 * h,
-    ("flux_single", "full"): lambda h, kv, f, r: 21.22 * h,
-    ("flux_single", "lora"): lambda h, kv, f, r: 12.41 * h,
+    ("decoder", "full"): lambda h, kv, f, r, heads: 8 * h + 2 * kv + 4 * f,
+    ("decoder", "lora"): lambda h, kv, f, r, heads: 6 * h + 2 * kv + 4 * f + 7 * r,
+    ("mmdit", "full"): lambda h, kv, f, r, heads: 25.25 * h,
+    ("mmdit", "lora"): lambda h, kv, f, r, heads: 14.5 * h,
+    ("mmdit_dual_image", "full"): lambda h, kv, f, r, heads: 35.44 * h,
+    ("mmdit_dual_image", "lora"): lambda h, kv, f, r, heads: 20.69 * h,
+    ("flux_double", "full"): lambda h, kv, f, r, heads: 25.25 * h,
+    ("flux_double", "lora"): lambda h, kv, f, r, heads: 19.63 * h,
+    ("flux_single", "full"): lambda h, kv, f, r, heads: 21.22 * h,
+    ("flux_single", "lora"): lambda h, kv, f, r, heads: 12.41 * h,
+    ("wan", "full"): lambda h, kv, f, r, heads: 22 * h + 2 * f + 2 * heads + 9,
+    ("wan", "lora"): lambda h, kv, f, r, heads: 15 * h + 2 * f + 8 * r + 2 * heads + 9,
+    ("wan_context", "full"): lambda h, kv, f, r, heads: 4 * h + 1,
+    ("wan_context", "lora"): lambda h, kv, f, r, heads: 3 * h + 2 * r + 1,
+    ("wan_sequence", "full"): lambda h, kv, f, r, heads: 8 * h,
+    ("wan_sequence", "lora"): lambda h, kv, f, r, heads: 8 * h,
+    ("qwen_image", "full"): lambda h, kv, f, r, heads: 25 * h + 3 * heads + 5,
+    ("qwen_image", "lora"): lambda h, kv, f, r, heads: 19 * h + 6 * r + 3 * heads + 5,
+    ("qwen_image_sequence", "full"): lambda h, kv, f, r, heads: 18 * h,
+    ("qwen_image_sequence", "lora"): lambda h, kv, f, r, heads: 16 * h,
 }
 
 
@@ -136,6 +162,54 @@ def build_vae() -> nn.Module:
                          layers_per_block=2)
 
 
+def build_wan(size: str) -> nn.Module:
+    """Wan2.1-T2V-1.3B or -14B: the transformer configs of diffusers' scripts/convert_wan_to_diffusers.py
+    (``Wan-T2V-1.3B``/``Wan-T2V-14B``, as the Wan-AI/Wan2.1-T2V-*-Diffusers transformer/config.json), the same as
+    Wan-Video/Wan2.1's wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py (dim 1536/5120, ffn 8960/13824, 12/40 heads,
+    30/40 layers); the 14B one is also ``WanTransformer3DModel``'s defaults."""
+    from diffusers import WanTransformer3DModel
+
+    shape = {"1.3b": dict(num_attention_heads=12, ffn_dim=8960, num_layers=30),
+             "14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)}[size]
+    return WanTransformer3DModel(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16,
+                                 text_dim=4096, freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                 eps=1e-6, **shape)
+
+
+def build_wan_extras() -> list[nn.Module]:
+    """WanPipeline's UMT5-XXL encoder (google/umt5-xxl's encoder, the Wan2.1 Diffusers text_encoder/config.json:
+    d_model 4096, d_ff 10240, 24 layers, 64 heads, vocabulary 256384, per diffusers'
+    scripts/convert_wan_to_diffusers.py) and the Wan 2.1 VAE (``AutoencoderKLWan``'s defaults: base_dim 96, z_dim 16,
+    dim_mult [1, 2, 4, 4], the converted Wan2.1_VAE.pth)."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    umt5 = UMT5EncoderModel(UMT5Config(d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
+                                       vocab_size=256384, relative_attention_num_buckets=32,
+                                       feed_forward_proj="gated-gelu", is_encoder_decoder=False))
+    return [umt5, AutoencoderKLWan()]
+
+
+def build_qwen_image() -> nn.Module:
+    """Qwen-Image's 20B MMDiT: ``QwenImageTransformer2DModel``'s defaults are Qwen/Qwen-Image's transformer config
+    (60 blocks of 24 heads × 128, joint_attention_dim 3584 from Qwen2.5-VL-7B, in_channels 64 = 16 latent channels in
+    2×2 patches, axes_dims_rope (16, 56, 56))."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                                       attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                                       guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+
+
+def build_qwen_image_extras() -> list[nn.Module]:
+    """QwenImagePipeline's text encoder, the whole Qwen2.5-VL-7B-Instruct (``Qwen2_5_VLForConditionalGeneration``:
+    the vision tower and the LM head are loaded too), and its 3-D VAE (``AutoencoderKLQwenImage``'s defaults, the
+    Wan 2.1 VAE's layout)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return [build_qwen25vl("7b"), AutoencoderKLQwenImage()]
+
+
 def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, exclude: str | None = None) -> int:
     """``rank · (in + out)`` over the ``nn.Linear`` modules whose name ends with one of ``targets`` (PEFT's rule)."""
     total = 0
@@ -150,12 +224,15 @@ def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, excl
 @dataclass
 class Blocks:
     """A stack of ``count`` blocks of kind ``kind`` (see :data:`ACTIVATION_BYTES`) seeing ``tokens`` tokens per
-    sequence (``dual_image_tokens`` of them through SD3.5's dual-attention image path)."""
+    sequence (``dual_image_tokens`` of them through SD3.5's dual-attention image path), and ``context_tokens`` text
+    tokens that only enter a cross-attention (Wan: kind ``f"{kind}_context"``). A kind with a ``f"{kind}_sequence"``
+    entry also keeps that many values per block and sequence (timestep modulation)."""
 
     kind: str
     count: int
     tokens: int
     dual_image_tokens: int = 0
+    context_tokens: int = 0
 
 
 @dataclass
@@ -178,6 +255,7 @@ class Recipe:
     lora_rank: int | None
     weight_bytes: int  # bytes per frozen base weight under LoRA (the recipe's dtype)
     activation_bytes: int = 2
+    heads: int = 0  # attention heads: only the Wan and Qwen-Image coefficients read it
     checkpointing: bool = False
     kl: bool = False
     ema: bool = False
@@ -198,6 +276,31 @@ def recipes() -> list[Recipe]:
     llada_seq = 200 + 256  # max_prompt_length + gen_length
     # SD3.5-M: the first 13 of 24 blocks add a second attention over the 1024 image tokens (MMDiT-X)
     sd35_blocks = [Blocks("mmdit", 13, sd3_tokens, dual_image_tokens=1024), Blocks("mmdit", 11, sd3_tokens)]
+    # Wan 2.1 at 480 x 832: the VAE compresses 8x in space and 4x in time, the transformer patches 1 x 2 x 2, so F
+    # frames are ((F - 1) / 4 + 1) x 30 x 52 tokens (33 frames: 14,040; 81 frames: 32,760); text padded to 226 tokens
+    wan_tokens = {frames: ((frames - 1) // 4 + 1) * (480 // 16) * (832 // 16) for frames in (33, 81)}
+    wan_text = 226  # configs/flow/wan_t2v.yaml max_sequence_length
+
+    def wan(size: str, frames: int, lora: bool) -> Recipe:
+        hidden, mlp, heads, layers = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}[size]
+        name = f"Wan2.1-{size.upper()} {'LoRA r128' if lora else 'full'} {frames}f"
+        config = "configs/flow/wan_t2v.yaml" + ("" if (size, frames) == ("1.3b", 33) else
+                                                f" ({'14B model, ' if size == '14b' else ''}num_frames {frames})")
+        return Recipe(name, config, lambda: build_wan(size), hidden, hidden, mlp,
+                      [Blocks("wan", layers, wan_tokens[frames], context_tokens=wan_text)], sequences=1 * 2,
+                      lora_targets=FLOW_WAN_TARGETS if lora else (), lora_rank=128 if lora else None, weight_bytes=2,
+                      heads=heads, checkpointing=True, extras=build_wan_extras,
+                      notes=["micro-batch 1 x 2 (CFG), one denoising step per backward (action_chunk_size 1)"])
+
+    def qwen_image(resolution: int) -> Recipe:
+        tokens = (resolution // 16) ** 2 + 128  # packed latents (VAE /8, 2x2 patches) + 128 text tokens
+        config = "configs/flow/qwen_image_pickscore.yaml" + ("" if resolution == 512 else f" (resolution {resolution})")
+        return Recipe(f"Qwen-Image LoRA r64 {resolution}px", config, build_qwen_image, 3072, 3072, 12288,
+                      [Blocks("qwen_image", 60, tokens)], sequences=2 * 2, lora_targets=FLOW_QWEN_IMAGE_TARGETS,
+                      lora_rank=64, weight_bytes=2, heads=24, checkpointing=True, ema=True,
+                      extras=build_qwen_image_extras,
+                      notes=["micro-batch 2 x 2 (CFG), one denoising step per backward (action_chunk_size 1)"])
+
     return [
         Recipe("SD3.5-M LoRA r32", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
                sd35_blocks, sequences=9 * 2, lora_targets=FLOW_SD3_TARGETS,
@@ -235,6 +338,13 @@ def recipes() -> list[Recipe]:
                [Blocks("decoder", 32, llada_seq)], sequences=6, lora_targets=LM_TARGETS, lora_rank=128,
                weight_bytes=2, kl=True, vocab=126464, completion=256,
                notes=["no KV cache: each of the 128 decoding steps is a full forward of 6 sequences"]),
+        wan("1.3b", 33, lora=True),
+        wan("1.3b", 81, lora=True),
+        wan("1.3b", 33, lora=False),
+        wan("14b", 33, lora=True),
+        wan("14b", 81, lora=True),
+        qwen_image(512),
+        qwen_image(1024),
     ]
 
 
@@ -245,11 +355,16 @@ def activation_bytes(recipe: Recipe, mode: str) -> float:
     rank = recipe.lora_rank or 0
     total, largest_block = 0.0, 0.0
     for blocks in recipe.blocks:
-        per_token = ACTIVATION_BYTES[(blocks.kind, mode)](h, recipe.kv_width, recipe.mlp, rank)
+        shape = (h, recipe.kv_width, recipe.mlp, rank, recipe.heads)
+        per_token = ACTIVATION_BYTES[(blocks.kind, mode)](*shape)
         per_block = per_token * blocks.tokens
         if blocks.dual_image_tokens:
-            extra = ACTIVATION_BYTES[("mmdit_dual_image", mode)](h, 0, 0, rank) - per_token
+            extra = ACTIVATION_BYTES[("mmdit_dual_image", mode)](*shape) - per_token
             per_block += extra * blocks.dual_image_tokens
+        if blocks.context_tokens:
+            per_block += ACTIVATION_BYTES[(blocks.kind + "_context", mode)](*shape) * blocks.context_tokens
+        if (blocks.kind + "_sequence", mode) in ACTIVATION_BYTES:
+            per_block += ACTIVATION_BYTES[(blocks.kind + "_sequence", mode)](*shape)
         per_block *= d * recipe.sequences
         largest_block = max(largest_block, per_block)
         if recipe.checkpointing:  # each block keeps its input; one block at a time is recomputed in the backward
@@ -388,6 +503,7 @@ def check() -> list[dict[str, Any]]:
             estimated = activation_bytes(recipe, mode)
             rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
                          "measured_bytes": measured, "ratio": measured / estimated})
+    rows += check_video_and_qwen_image(batch, rank)
     for mode in ("full", "lora"):  # weights, gradients and AdamW state after one step
         model = decoder(2, mode == "lora")
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -403,6 +519,64 @@ def check() -> list[dict[str, Any]]:
         estimated = total * 4 + 12 * count  # float32 weights, gradients and two moments of the trainable ones
         rows.append({"model": f"decoder ({mode}), weights + gradients + AdamW state", "estimated_bytes": estimated,
                      "measured_bytes": measured, "ratio": measured / estimated})
+    return rows
+
+
+def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
+    """The Wan and Qwen-Image blocks at the tiny test pipelines' transformer configs (plugins/flow/testing.py, the
+    depth changed to 2 and 4 blocks): a 5-frame 16 px video (3 × 8 × 8 latents, 48 tokens) with 12 text tokens, and a
+    16 px image (16 packed tokens) with 12 text tokens, the second prompt padded (masked) after 7 as the plugin pads.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from mmrl.plugins.flow.testing import build_qwen_image_pipeline, build_wan_pipeline
+
+    wan_config = dict(build_wan_pipeline().transformer.config)
+    qwen_config = dict(build_qwen_image_pipeline().transformer.config)
+    text = 12
+    video = torch.randn(batch, wan_config["in_channels"], 3, 8, 8)  # [B, C, F_lat, h, w]
+    wan_context = torch.randn(batch, text, wan_config["text_dim"])  # [B, T, text_dim]
+    side = 4  # 8 x 8 latents in 2 x 2 patches
+    packed = torch.randn(batch, side * side, qwen_config["in_channels"])  # [B, L, 4C]
+    qwen_context = torch.randn(batch, text, qwen_config["joint_attention_dim"])  # [B, T, D]
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    mask[1:, 7:] = False
+    timestep = torch.rand(batch)
+
+    def build(config: dict[str, Any], layers: int, lora: bool, targets: tuple[str, ...]) -> nn.Module:
+        from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
+
+        model_class = WanTransformer3DModel if "text_dim" in config else QwenImageTransformer2DModel
+        kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
+        model = model_class(**{**kwargs, "num_layers": layers})
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets))) \
+            if lora else model
+
+    def run_wan(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=video, timestep=timestep * 1000, encoder_hidden_states=wan_context,
+                             return_dict=False)[0].sum()
+
+    def run_qwen(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=packed, timestep=timestep, encoder_hidden_states=qwen_context,
+                             encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * batch,
+                             return_dict=False)[0].sum()
+
+    cases = [("wan", wan_config, FLOW_WAN_TARGETS, run_wan, Blocks("wan", 2, 3 * 4 * 4, context_tokens=text)),
+             ("qwen_image", qwen_config, FLOW_QWEN_IMAGE_TARGETS, run_qwen,
+              Blocks("qwen_image", 2, side * side + text))]
+    rows = []
+    for kind, config, targets, runner, blocks in cases:
+        heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
+        mlp = config.get("ffn_dim", 4 * hidden)
+        for mode in ("full", "lora"):
+            small, large = (build(config, n, mode == "lora", targets) for n in (2, 4))
+            measured = saved_activation_bytes(large, runner(large)) - saved_activation_bytes(small, runner(small))
+            recipe = Recipe(kind, "", None, hidden, hidden, mlp, [blocks], sequences=batch, lora_targets=(),
+                            lora_rank=rank if mode == "lora" else None, weight_bytes=4, activation_bytes=4,
+                            heads=heads)
+            estimated = activation_bytes(recipe, mode)
+            rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
+                         "measured_bytes": measured, "ratio": measured / estimated})
     return rows
 
 
@@ -430,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results: dict[str, Any] = {"settings": {"gpus": args.gpus, "torch": torch.__version__}, "recipes": {}}
     print("GiB per GPU; peaks without / with gradient checkpointing (the recipe's own setting marked *)")
-    print(f"{'recipe':24} {'params':>7} {'trained':>8} {'weights':>7} {'state':>6} {'ref':>5} {'extras':>6} "
+    print(f"{'recipe':26} {'params':>7} {'trained':>8} {'weights':>7} {'state':>6} {'ref':>5} {'extras':>6} "
           f"{'act':>11} {'kv':>5} {'1 GPU':>13}" + "".join(f" {'FSDP ' + str(g):>13}" for g in args.gpus))
     for recipe in recipes():
         if args.only and not any(part.lower() in recipe.name.lower() for part in args.only):
@@ -448,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         gib = single["gib"]
         activations = without_with(rows, "one_gpu", "activations", own)
         peaks = [without_with(rows, key, None, own) for key in ["one_gpu", *(f"fsdp_{g}" for g in args.gpus)]]
-        print(f"{recipe.name:24} {single['parameters'] / 1e9:6.2f}B {single['trainable'] / 1e6:7.1f}M "
+        print(f"{recipe.name:26} {single['parameters'] / 1e9:6.2f}B {single['trainable'] / 1e6:7.1f}M "
               f"{gib['weights']:7.1f} {gib['trainable_state']:6.1f} {gib['reference']:5.1f} "
               f"{gib['frozen_extras']:6.1f} {activations:>11} {gib['rollout_kv_cache']:5.1f}"
               + "".join(f" {peak:>13}" for peak in peaks))

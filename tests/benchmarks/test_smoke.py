@@ -266,12 +266,14 @@ def test_step_floors(tmp_path, plugin):
 
 
 def test_memory_estimate(tmp_path):
-    """LLaDA-8B only (the fastest to build on the meta device), FSDP over 2, with the tiny-model check."""
+    """LLaDA-8B and the Wan2.1-1.3B video recipe (fast to build on the meta device), FSDP over 2, with the tiny-model
+    check."""
     out = tmp_path / "memory.json"
-    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "--check", "--json", str(out))
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f", "--check",
+                  "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
-    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128"]
+    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f"]
     recipe = result["recipes"]["LLaDA-8B LoRA r128"]
     assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
     one = recipe["without_checkpointing"]["one_gpu"]
@@ -287,8 +289,26 @@ def test_memory_estimate(tmp_path):
     assert sharded["weights"] == pytest.approx(gib["weights"] / 2)
     assert sharded["activations"] == pytest.approx(gib["activations"])
     assert recipe["with_checkpointing"]["one_gpu"]["gib"]["activations"] < gib["activations"]
-    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models.
-    assert len(result["check"]) == 12
+    # Wan2.1-T2V-1.3B, configs/flow/wan_t2v.yaml: rank-128 LoRA on 8 attention projections (1536 -> 1536) and the MLP
+    # (1536 -> 8960 -> 1536) of each of 30 blocks; bf16 base; 33 frames at 480 x 832 are 9 x 30 x 52 = 14,040 tokens,
+    # 226 text tokens, micro-batch 1 x 2 (CFG).
+    wan = result["recipes"]["Wan2.1-1.3B LoRA r128 33f"]
+    assert wan["recipe_checkpointing"] is True
+    one = wan["with_checkpointing"]["one_gpu"]
+    assert one["trainable"] == 30 * 128 * (8 * (1536 + 1536) + 2 * (1536 + 8960))
+    gib = one["gib"]
+    assert gib["weights"] == pytest.approx(one["parameters"] * 2 / 2**30)
+    assert gib["trainable_state"] == pytest.approx(one["trainable"] * 16 / 2**30)
+    # Checkpointed: each block keeps its input (14,040 x 1536 per sequence), and one block is recomputed: per video
+    # token 15h + 2f + 8r + 2 heads + 9, per text token 3h + 2r + 1, per sequence 8h (bf16, 2 sequences).
+    h, f, r = 1536, 8960, 128
+    block = 14040 * (15 * h + 2 * f + 8 * r + 2 * 12 + 9) + 226 * (3 * h + 2 * r + 1) + 8 * h
+    assert gib["activations"] == pytest.approx((30 * 14040 * h + block) * 2 * 2 / 2**30)
+    assert wan["without_checkpointing"]["one_gpu"]["gib"]["activations"] == pytest.approx(30 * block * 2 * 2 / 2**30)
+    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan and
+    # Qwen-Image blocks included.
+    assert len(result["check"]) == 16
+    assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image"}
     for row in result["check"]:
         assert 0.95 < row["ratio"] < 1.05, row
 
