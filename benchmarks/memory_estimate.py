@@ -284,8 +284,8 @@ def recipes() -> list[Recipe]:
     def wan(size: str, frames: int, lora: bool) -> Recipe:
         hidden, mlp, heads, layers = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}[size]
         name = f"Wan2.1-{size.upper()} {'LoRA r128' if lora else 'full'} {frames}f"
-        config = "configs/flow/wan_t2v.yaml" + ("" if (size, frames) == ("1.3b", 33) else
-                                                f" ({'14B model, ' if size == '14b' else ''}num_frames {frames})")
+        changes = [*(["14B model"] if size == "14b" else []), *([f"num_frames {frames}"] if frames != 33 else [])]
+        config = "configs/flow/wan_t2v.yaml" + (f" ({', '.join(changes)})" if changes else "")
         return Recipe(name, config, lambda: build_wan(size), hidden, hidden, mlp,
                       [Blocks("wan", layers, wan_tokens[frames], context_tokens=wan_text)], sequences=1 * 2,
                       lora_targets=FLOW_WAN_TARGETS if lora else (), lora_rank=128 if lora else None, weight_bytes=2,
