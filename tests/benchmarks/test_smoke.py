@@ -266,14 +266,14 @@ def test_step_floors(tmp_path, plugin):
 
 
 def test_memory_estimate(tmp_path):
-    """LLaDA-8B and the Wan2.1-1.3B video recipe (fast to build on the meta device), FSDP over 2, with the tiny-model
-    check."""
+    """LLaDA-8B, the Wan2.1-1.3B video recipe and the Qwen-Image recipe (built on the meta device), FSDP over 2, with
+    the tiny-model check."""
     out = tmp_path / "memory.json"
-    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f", "--check",
-                  "--json", str(out))
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f",
+                  "Qwen-Image LoRA r64 512px", "--check", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
-    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f"]
+    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f", "Qwen-Image LoRA r64 512px"]
     recipe = result["recipes"]["LLaDA-8B LoRA r128"]
     assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
     one = recipe["without_checkpointing"]["one_gpu"]
@@ -305,6 +305,18 @@ def test_memory_estimate(tmp_path):
     block = 14040 * (15 * h + 2 * f + 8 * r + 2 * 12 + 9) + 226 * (3 * h + 2 * r + 1) + 8 * h
     assert gib["activations"] == pytest.approx((30 * 14040 * h + block) * 2 * 2 / 2**30)
     assert wan["without_checkpointing"]["one_gpu"]["gib"]["activations"] == pytest.approx(30 * block * 2 * 2 / 2**30)
+    # Qwen-Image, configs/flow/qwen_image_pickscore.yaml: rank-64 LoRA on 8 attention projections (3072 -> 3072) and
+    # both streams' MLPs (3072 -> 12288 -> 3072) of 60 blocks; the EMA copy adds 4 bytes per trainable parameter;
+    # FSDP over 2 halves the transformer's weights and LoRA state, not the frozen text encoder and VAE.
+    qwen = result["recipes"]["Qwen-Image LoRA r64 512px"]["with_checkpointing"]
+    one = qwen["one_gpu"]
+    assert one["trainable"] == 60 * 64 * (8 * (3072 + 3072) + 4 * (3072 + 12288))
+    assert one["gib"]["trainable_state"] == pytest.approx(one["trainable"] * (16 + 4) / 2**30)
+    sharded = qwen["fsdp_2"]["gib"]
+    assert sharded["weights"] == pytest.approx(one["gib"]["weights"] / 2)
+    assert sharded["trainable_state"] == pytest.approx(one["gib"]["trainable_state"] / 2)
+    assert sharded["frozen_extras"] == pytest.approx(one["gib"]["frozen_extras"])
+    assert one["gib"]["frozen_extras"] > 15  # Qwen2.5-VL-7B in bf16 (8.29B parameters) and the VAE
     # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan and
     # Qwen-Image blocks included.
     assert len(result["check"]) == 16
