@@ -30,9 +30,11 @@ text-encoder peaks, temporary copies inside kernels. The numbers are a floor to 
 ``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted on,
 except Wan and Qwen-Image, checked at the tiny test pipelines' configs of plugins/flow/testing.py, one of the sizes
 their terms were fitted on), runs a forward and one AdamW step in float32 on the CPU and compares the measured bytes
-(saved activations; weights, gradients and optimizer state) with the estimator's. ``--json`` writes ``settings``
-(``gpus``, ``torch``), ``recipes`` (per recipe and variant: ``parameters``, ``trainable``, ``gib`` per component,
-``peak_gib``) and, with ``--check``, ``check`` (per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``).
+(saved activations; weights, gradients and optimizer state) with the estimator's; the Wan and Qwen-Image LoRA blocks are
+also measured at bfloat16 under autocast, as the recipes train (reported, not fitted: float32 norms and peft's input
+casts keep more than 2 bytes per counted value). ``--json`` writes ``settings`` (``gpus``, ``torch``), ``recipes`` (per
+recipe and variant: ``parameters``, ``trainable``, ``gib`` per component, ``peak_gib``) and, with ``--check``, ``check``
+(per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``).
 
 Examples::
 
@@ -543,23 +545,30 @@ def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
     mask[1:, 7:] = False
     timestep = torch.rand(batch)
 
-    def build(config: dict[str, Any], layers: int, lora: bool, targets: tuple[str, ...]) -> nn.Module:
+    def build(config: dict[str, Any], layers: int, lora: bool, targets: tuple[str, ...], bf16: bool) -> nn.Module:
         from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
 
         model_class = WanTransformer3DModel if "text_dim" in config else QwenImageTransformer2DModel
         kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
         model = model_class(**{**kwargs, "num_layers": layers})
+        if bf16:  # as from_pretrained(torch_dtype=bfloat16): the model's _keep_in_fp32_modules stay float32
+            model.to(torch.bfloat16)
+            keep = getattr(model, "_keep_in_fp32_modules", None) or []
+            for name, child in model.named_modules():
+                if any(part in keep for part in name.split(".")):
+                    child.to(torch.float32)
+        # peft's adapters are float32 on a bfloat16 base (autocast_adapter_dtype), as mmrl.policy.lora attaches them
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets))) \
             if lora else model
 
-    def run_wan(model: nn.Module) -> Any:
-        return lambda: model(hidden_states=video, timestep=timestep * 1000, encoder_hidden_states=wan_context,
-                             return_dict=False)[0].sum()
+    def run_wan(model: nn.Module, dtype: torch.dtype) -> Any:
+        return lambda: model(hidden_states=video.to(dtype), timestep=timestep * 1000,
+                             encoder_hidden_states=wan_context.to(dtype), return_dict=False)[0].float().sum()
 
-    def run_qwen(model: nn.Module) -> Any:
-        return lambda: model(hidden_states=packed, timestep=timestep, encoder_hidden_states=qwen_context,
-                             encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * batch,
-                             return_dict=False)[0].sum()
+    def run_qwen(model: nn.Module, dtype: torch.dtype) -> Any:
+        return lambda: model(hidden_states=packed.to(dtype), timestep=timestep.to(dtype),
+                             encoder_hidden_states=qwen_context.to(dtype), encoder_hidden_states_mask=mask,
+                             img_shapes=[[(1, side, side)]] * batch, return_dict=False)[0].float().sum()
 
     cases = [("wan", wan_config, FLOW_WAN_TARGETS, run_wan, Blocks("wan", 2, 3 * 4 * 4, context_tokens=text)),
              ("qwen_image", qwen_config, FLOW_QWEN_IMAGE_TARGETS, run_qwen,
@@ -568,15 +577,22 @@ def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
     for kind, config, targets, runner, blocks in cases:
         heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
         mlp = config.get("ffn_dim", 4 * hidden)
-        for mode in ("full", "lora"):
-            small, large = (build(config, n, mode == "lora", targets) for n in (2, 4))
-            measured = saved_activation_bytes(large, runner(large)) - saved_activation_bytes(small, runner(small))
+        # float32 (what the coefficients count), and LoRA as the recipes train: a bfloat16 base under bfloat16
+        # autocast, where float32 norms and modulation (Wan's FP32LayerNorm) and peft's casts of each adapted
+        # linear's input keep more than 2 bytes per counted value: reported, not part of the estimate.
+        for mode, bf16 in (("full", False), ("lora", False), ("lora", True)):
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            small, large = (build(config, n, mode == "lora", targets, bf16) for n in (2, 4))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                measured = (saved_activation_bytes(large, runner(large, dtype))
+                            - saved_activation_bytes(small, runner(small, dtype)))
             recipe = Recipe(kind, "", None, hidden, hidden, mlp, [blocks], sequences=batch, lora_targets=(),
-                            lora_rank=rank if mode == "lora" else None, weight_bytes=4, activation_bytes=4,
-                            heads=heads)
+                            lora_rank=rank if mode == "lora" else None, weight_bytes=4,
+                            activation_bytes=2 if bf16 else 4, heads=heads)
             estimated = activation_bytes(recipe, mode)
-            rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
-                         "measured_bytes": measured, "ratio": measured / estimated})
+            label = f"{kind} ({mode}{', bf16 autocast' if bf16 else ''}), 2 blocks of activations"
+            rows.append({"model": label, "estimated_bytes": estimated, "measured_bytes": measured,
+                         "ratio": measured / estimated})
     return rows
 
 
@@ -628,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f" {peak:>13}" for peak in peaks))
     if args.check:
         results["check"] = check()
-        print("\ncheck on tiny float32 CPU models (measured / estimated bytes):")
+        print("\ncheck on tiny CPU models, float32 unless marked (measured / estimated bytes):")
         for row in results["check"]:
             print(f"  {row['model']:58} {row['measured_bytes']:>10,} / {row['estimated_bytes']:>12,.0f}"
                   f" = {row['ratio']:.3f}")

@@ -319,10 +319,15 @@ def test_memory_estimate(tmp_path):
     assert one["gib"]["frozen_extras"] > 15  # Qwen2.5-VL-7B in bf16 (8.29B parameters) and the VAE
     # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan and
     # Qwen-Image blocks included.
-    assert len(result["check"]) == 16
+    assert len(result["check"]) == 18
     assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image"}
     for row in result["check"]:
-        assert 0.95 < row["ratio"] < 1.05, row
+        if "bf16" in row["model"]:
+            # Wan and Qwen-Image LoRA blocks at bfloat16 under autocast keep float32 norms and peft's input casts
+            # besides what the coefficients count: more than the estimate, as docs/distributed.md reports.
+            assert 1.2 < row["ratio"] < 2.0, row
+        else:
+            assert 0.95 < row["ratio"] < 1.05, row
 
 
 def test_flow_credit_refuses_a_missing_model_other_than_the_tiny_recipes(tmp_path):
