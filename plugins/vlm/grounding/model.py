@@ -31,9 +31,10 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s+(?!\S)|\s+")
 """Qwen2's pre-tokenisation pattern (letters with one leading symbol, single digits, symbol runs, spaces)."""
 
-DIMS: dict[str, Any] = dict(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, mrope=[8, 4, 4],
-                            vision=96, vision_intermediate=256, depth=4, vision_heads=4)
-"""Model sizes. M-RoPE sections sum to head_dim / 2 = 16 (temporal 8, height 4, width 4)."""
+DIMS: dict[str, Any] = dict(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, mrope=[4, 6, 6],
+                            rope_theta=20.0, vision=96, vision_intermediate=256, depth=4, vision_heads=4)
+"""Model sizes. M-RoPE sections sum to head_dim / 2 = 16 (temporal 4, height 6, width 6: Qwen2.5-VL's 16/24/24 of
+64 scaled down); ``rope_theta`` sets the language model's rotary base (see :func:`model_config`)."""
 
 
 def corpus(seed: int = 0, answers: int = 600) -> list[str]:
@@ -88,7 +89,8 @@ def model_config(family: str, tokenizer: Any, dims: dict[str, Any] | None = None
     text = dict(vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                 num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
                 num_key_value_heads=dims["kv_heads"], max_position_embeddings=1024, tie_word_embeddings=True,
-                rope_scaling={"type": "mrope", "mrope_section": list(dims["mrope"])},
+                rope_parameters={"rope_type": "default", "mrope_section": list(dims["mrope"]),
+                                 "rope_theta": float(dims["rope_theta"])},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])

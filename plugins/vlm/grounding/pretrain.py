@@ -138,10 +138,18 @@ def evaluate(learner: Learner, rows: Sequence[dict[str, Any]], batch_size: int =
     return score(rows, texts, learner.convention)
 
 
-def training_batch(rng: np.random.Generator, size: int, step: int) -> list[dict[str, Any]]:
-    """``size`` fresh training records, the kinds in turn (shifted by the step, so each kind gets every slot)."""
-    return [world.scene_row(world.make_scene(world.KINDS[(step + i) % len(world.KINDS)], "train", rng))
-            for i in range(size)]
+def training_batch(rng: np.random.Generator, size: int, step: int, kinds: Sequence[str] = world.KINDS,
+                   max_objects: int = world.MAX_OBJECTS) -> list[dict[str, Any]]:
+    """``size`` fresh training records, the kinds in turn (shifted by the step, so each kind gets every slot); scenes
+    with more than ``max_objects`` objects are drawn again (a curriculum's easy stage)."""
+    rows = []
+    for i in range(size):
+        while True:
+            scene = world.make_scene(kinds[(step + i) % len(kinds)], "train", rng)
+            if len(scene["things"]) <= max_objects:
+                break
+        rows.append(world.scene_row(scene))
+    return rows
 
 
 def _write_checkpoint(learner: Learner, out: Path, record: dict[str, Any]) -> None:
@@ -165,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=("qwen2_5_vl", "qwen2_vl"), default="qwen2_5_vl")
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint folder")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(world.KINDS),
+                        help="comma-separated question kinds to train and validate on (default: all three)")
+    parser.add_argument("--max-objects", type=int, default=world.MAX_OBJECTS,
+                        help="train on scenes with at most this many objects (validation keeps the world's scenes)")
+    parser.add_argument("--dims", type=json.loads, default=None,
+                        help="JSON object overriding model.DIMS for a fresh model, e.g. '{\"rope_theta\": 100}'")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -177,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at", type=float, default=None,
                         help="stop after the first evaluation whose validation locate IoU reaches this value")
     args = parser.parse_args(argv)
+    kinds = tuple(args.kinds.split(","))
+    unknown = sorted(set(kinds) - set(world.KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown kind(s) {unknown}; allowed: {', '.join(world.KINDS)}")
+    if args.dims is not None and args.init is not None:
+        parser.error("--dims applies to a fresh model; it cannot change the model given by --init")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -184,16 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="grounding-init-") as scratch:
         init = args.init
         if init is None:
-            model, processor = world_model.build_model(args.family, seed=args.seed)
+            model, processor = world_model.build_model(args.family, seed=args.seed, dims=args.dims)
             init = world_model.save(model, processor, Path(scratch) / "init")
         learner = Learner(init, args.family)
     optimizer = torch.optim.AdamW(learner.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(args.warmup, 1)))
     rng = np.random.default_rng([args.seed, 7])
-    validation = learner.rows(world.make_records(args.eval_questions, "test", VALIDATION_SEED))
+    validation = learner.rows(world.make_records(args.eval_questions, "test", VALIDATION_SEED, kinds))
     record: dict[str, Any] = {"command": "python -m mmrl.plugins.vlm.grounding.pretrain " + " ".join(sys.argv[1:]),
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                              "model": world_model.DIMS, "torch": torch.__version__, "machine": platform.machine(),
+                              "model": {**world_model.DIMS, **(args.dims or {})}, "torch": torch.__version__,
+                              "machine": platform.machine(),
                               "log": []}
     if args.init is not None and (args.init / "pretrain.json").is_file():
         # A continued run records the stage it started from, so the checkpoint's whole history stays in one file.
@@ -201,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
     learner.model.train()
     for step in range(1, args.steps + 1):
-        rows = learner.rows(training_batch(rng, args.batch_size, step))
+        rows = learner.rows(training_batch(rng, args.batch_size, step, kinds, args.max_objects))
         loss = learner.loss(rows, [world.record_image(row) for row in rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
