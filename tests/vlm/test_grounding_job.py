@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmrl.plugins.vlm.grounding import model as world_model
 from mmrl.plugins.vlm.grounding import world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +33,19 @@ def test_bundled_checkpoint_is_small_and_records_how_it_was_made():
     files = [path for path in CHECKPOINT.rglob("*") if path.is_file()]
     assert sum(path.stat().st_size for path in files) < 10 * 2**20
     record = json.loads((CHECKPOINT / "pretrain.json").read_text())
-    # Two stages (docs/vlm.md): a fresh model, then a continuation from it; each records its command, seed and time.
-    for stage in (record, record["previous_stage"]):
+    # Several stages (docs/vlm.md): a fresh model, then continuations; each records its command, seed and time.
+    stages = [record]
+    while "previous_stage" in stages[-1]:
+        stages.append(stages[-1]["previous_stage"])
+    assert len(stages) >= 2
+    for stage in stages:
         assert stage["args"]["family"] == "qwen2_5_vl" and "seed" in stage["args"] and stage["seconds"] > 0
-    assert record["args"]["init"] is not None and record["previous_stage"]["args"]["init"] is None
+    assert all(stage["args"]["init"] is not None for stage in stages[:-1]) and stages[-1]["args"]["init"] is None
+    # The bundled model has the world's rotary layout (model.DIMS), and its last stage trained every kind.
+    config = json.loads((CHECKPOINT / "config.json").read_text())["text_config"]["rope_parameters"]
+    assert config["mrope_section"] == world_model.DIMS["mrope"]
+    assert config["rope_theta"] == world_model.DIMS["rope_theta"]
+    assert record["args"]["kinds"] == ",".join(world.KINDS)
     last = record["log"][-1]
     # It answers in the format; its held-out grounding is weak (docs/vlm.md gives the numbers).
     assert last["validation/format"] > 0.9 and {"validation/locate", "validation/find", "validation/count"} <= set(last)
@@ -60,6 +70,48 @@ def test_pretraining_script_teaches_the_family_convention_and_writes_a_loadable_
     loss = learner.loss([row], [world.record_image(row)])
     assert torch.isfinite(loss) and float(loss.detach()) > 0
     assert not list(tmp_path.glob(".qwen2_vl-*"))  # the staging folders are gone
+
+
+def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, capsys):
+    """--kinds, --max-objects and --dims: the validation has only the chosen kind, the checkpoint's config has the
+    chosen rotary base and sections, and a bad kind or --dims with --init stop in one line."""
+    import numpy as np
+
+    from mmrl.plugins.vlm.grounding import pretrain
+
+    out = tmp_path / "locate"
+    assert pretrain.main(["--out", str(out), "--kinds", "locate", "--max-objects", "1", "--steps", "1",
+                          "--batch-size", "2", "--eval-every", "1", "--eval-questions", "2", "--threads", "1",
+                          "--dims", '{"rope_theta": 50.0, "mrope": [8, 4, 4]}']) == 0
+    record = json.loads((out / "pretrain.json").read_text())
+    assert {key for key in record["log"][0] if key.startswith("validation/")} == {
+        "validation/locate", "validation/all", "validation/format"}
+    assert record["model"]["rope_theta"] == 50.0
+    config = json.loads((out / "config.json").read_text())["text_config"]["rope_parameters"]
+    assert config["rope_theta"] == 50.0 and config["mrope_section"] == [8, 4, 4]
+    rows = pretrain.training_batch(np.random.default_rng(0), 12, 0, ("locate",), max_objects=1)
+    assert all(row["kind"] == "locate" and len(row["objects"]) == 1 for row in rows)
+    for argv, message in ((["--kinds", "locate,where"], "--kinds: unknown kind"),
+                          (["--init", str(out), "--dims", "{}"], "--dims applies to a fresh model")):
+        with pytest.raises(SystemExit):
+            pretrain.main(["--out", str(tmp_path / "x"), *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_model_rotary_positions_tell_image_rows_and_columns_apart():
+    """The world's language model sees where an image token is: over a 12-token image side, every M-RoPE height and
+    width frequency turns by at least half a radian. With Qwen2.5-VL's base of 1e6 at this head size (32) the width
+    frequencies would turn by at most 4e-4 rad across the image (sections 8/4/4), blind to columns."""
+
+    from mmrl.plugins.vlm.grounding import model
+
+    half = model.DIMS["hidden"] // model.DIMS["heads"] // 2
+    inverse = model.DIMS["rope_theta"] ** (-torch.arange(half, dtype=torch.float64) / half)  # [half]
+    temporal, height, width = model.DIMS["mrope"]
+    spatial = inverse[temporal:temporal + height + width]  # the height then width frequencies
+    assert float(spatial.min()) * 12 >= 0.5
+    blind = 1e6 ** (-torch.arange(half, dtype=torch.float64) / half)[8 + 4:]  # the old width section
+    assert float(blind.max()) * 12 < 1e-3
 
 
 def test_qwen2_vl_build_runs_the_world_in_its_own_convention(tmp_path):

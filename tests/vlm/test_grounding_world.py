@@ -33,22 +33,58 @@ def test_shapes_cover_exactly_the_pixel_centres_inside_them():
         world.shape_mask("star", (0, 0, 4, 4), 8, 8)
 
 
-def test_render_draws_pure_colours_on_a_background_that_never_uses_them():
+def test_render_draws_the_palette_colours_under_the_ramp_on_a_background_that_never_uses_them():
     things = [Thing("red", "square", (4, 4, 20, 20)), Thing("blue", "circle", (30, 10, 50, 30))]
+    shift = world.ramp(64, 48)  # [H, W, 3]
     for kind in world.BACKGROUNDS:
         image = world.render(things, 64, 48, kind, seed=3)
         assert image.shape == (48, 64, 3) and image.dtype == np.uint8
-        assert (image[4:20, 4:20] == world.PALETTE["red"]).all()
-        assert (image[20, 40] == world.PALETTE["blue"]).all()  # the circle's centre
+        lit = lambda color, y, x: np.clip(np.rint(np.array(world.PALETTE[color]) + shift[y, x]), 0, 255)  # noqa: E731
+        assert all((image[y, x] == lit("red", y, x)).all() for y in range(4, 20) for x in range(4, 20))
+        assert (image[20, 40] == lit("blue", 20, 40)).all()  # the circle's centre
         free = np.ones((48, 64), dtype=bool)
         for thing in things:
             free &= ~world.shape_mask(thing.shape, thing.box, 64, 48)
-        colours = {tuple(pixel) for pixel in image[free]}
-        assert not colours & {tuple(c) for c in world.PALETTE.values()}
+        # Every background pixel is at least 60 levels (L1) from every lit palette colour at its place.
+        for color in world.PALETTE:
+            palette = np.clip(np.array(world.PALETTE[color]) + shift, 0, 255)  # [H, W, 3]
+            assert np.abs(image.astype(np.int64) - palette)[free].sum(axis=-1).min() > 60
         assert np.array_equal(image, world.render(things, 64, 48, kind, seed=3))
     assert not np.array_equal(world.render(things, 64, 48, "noise", 3), world.render(things, 64, 48, "noise", 4))
     with pytest.raises(ValueError, match="unknown background 'wood'"):
         world.render(things, 64, 48, "wood", seed=0)
+
+
+def test_background_ramp_encodes_the_pixel_position_in_red_and_blue_minus_green():
+    # The ramp adds RAMP * (2 (x + 1/2) / MAX_SIDE - 1) to red and the same in y to blue; textures change the three
+    # channels alike, so (red - green, blue - green) is the ramp up to rounding (away from clipped pixels).
+    width, height = 336, 140
+    ys, xs = np.mgrid[0:height, 0:width]
+    expected_x = world.RAMP * (2 * (xs + 0.5) / world.MAX_SIDE - 1)  # [H, W]
+    expected_y = world.RAMP * (2 * (ys + 0.5) / world.MAX_SIDE - 1)
+    for kind in world.BACKGROUNDS:
+        image = world.render([], width, height, kind, seed=5).astype(np.int64)
+        unclipped = ((image > 0) & (image < 255)).all(axis=-1)  # [H, W]
+        assert unclipped.mean() > 0.8
+        assert np.abs(image[..., 0] - image[..., 1] - expected_x)[unclipped].max() <= 1.0
+        assert np.abs(image[..., 2] - image[..., 1] - expected_y)[unclipped].max() <= 1.0
+    # The same slope in every image: column 100 has the same red - green in a narrow and a wide image.
+    narrow, wide = world.render([], 112, 112, "flat", 1), world.render([], 336, 112, "flat", 2)
+    column = lambda image: int(image[50, 100, 0]) - int(image[50, 100, 1])  # noqa: E731
+    assert abs(column(narrow) - column(wide)) <= 1
+
+
+def test_image_sizes_stay_unresized_by_the_qwen_processor_at_the_recipe_pixel_bounds():
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    from mmrl.plugins.vlm.grounding import model as world_model
+
+    sizes = {tuple(r["image_size"]) for r in world.make_records(300, "train", 4)}
+    assert len(sizes) > 20 and max(w / h for w, h in sizes) == 3 and min(w / h for w, h in sizes) == 1 / 3
+    for width, height in sizes:
+        assert width % world.GRID == 0 and height % world.GRID == 0 and width * height <= world.MAX_AREA
+        assert smart_resize(height, width, factor=28, min_pixels=world_model.MIN_PIXELS,
+                            max_pixels=world_model.MAX_PIXELS) == (height, width)
 
 
 # ------------------------------------------------------------------------------------------------ questions
@@ -69,7 +105,7 @@ def test_held_out_places_cover_the_grid():
 
 def _check_scene(record, split):
     width, height = record["image_size"]
-    assert world.MIN_SIDE <= width <= world.MAX_SIDE and world.MIN_SIDE <= height <= world.MAX_SIDE
+    assert width in world.SIDES and height in world.SIDES and width * height <= world.MAX_AREA
     things = world.things_of(record)
     assert 1 <= len(things) <= world.MAX_OBJECTS
     for thing in things:
@@ -179,11 +215,11 @@ def test_answer_text_spells_the_thinking_and_the_boxes():
               "solution": [100, 50, 150, 100],
               "objects": [{"color": "red", "shape": "circle", "box": [100, 50, 150, 100]},
                           {"color": "red", "shape": "square", "box": [0, 0, 30, 30]}]}
-    # Centre (125, 75) of 200 × 100: column 1, row 2 → "bottom". Resized to 400 × 50: x doubles, y halves.
+    # The thinking names the object; resized to 400 × 50: x doubles, y halves.
     assert world.answer_text(locate, "qwen2_5_vl", (400, 50)) == \
-        '<think>bottom</think><answer>{"bbox_2d": [200, 25, 300, 50]}</answer>'
+        '<think>the red circle</think><answer>{"bbox_2d": [200, 25, 300, 50]}</answer>'
     assert world.answer_text(locate, "qwen2_vl", None) == \
-        "<think>bottom</think><answer><|box_start|>(500,500),(750,1000)<|box_end|></answer>"
+        "<think>the red circle</think><answer><|box_start|>(500,500),(750,1000)<|box_end|></answer>"
     find = {**locate, "kind": "find", "solution": [[100, 50, 150, 100]]}
     assert world.answer_text(find, "qwen2_5_vl", (200, 100)) == \
         '<think>1 circle</think><answer>[{"bbox_2d": [100, 50, 150, 100]}]</answer>'

@@ -3,13 +3,17 @@
 Everything here is deterministic in its seed and needs numpy and Pillow only.
 
 Images
-    Width and height drawn independently in [:data:`MIN_SIDE`, :data:`MAX_SIDE`] pixels (aspect ratios from 1:3 to
-    3:1), a plain or a textured background (:data:`BACKGROUNDS`: flat, noise, stripes, checks; greys with a slight
-    tint, never a shape colour), and one to four objects: 4 colours (:data:`PALETTE`) × 3 shapes (:data:`SHAPES`),
-    each in a square box whose side is 18–34% of the image's shorter side, at least :data:`GAP` pixels from the others
-    (boxes may touch the image border). An object covers the pixels whose centres lie inside it (no anti-aliasing):
-    a circle inscribed in its box, a square filling it, a triangle with its apex at the top middle and its base along
-    the bottom. Boxes are integer pixels ``[x1, y1, x2, y2]`` of the original image (x2, y2 exclusive).
+    Width and height multiples of :data:`GRID` (28) pixels in [:data:`MIN_SIDE`, :data:`MAX_SIDE`] with an area of
+    at most :data:`MAX_AREA` (aspect ratios from 1:3 to 3:1), so that the Qwen processors at the recipe's pixel
+    bounds (16 to 64 image tokens) keep them at their size and a box in pixels of the resized image is a box in the
+    image's own pixels. A plain or a textured background (:data:`BACKGROUNDS`: flat, noise, stripes, checks on a
+    neutral grey) and one to four objects, all under a faint **coordinate ramp** (:data:`RAMP`, :func:`ramp`): red
+    rises from left to right and blue from top to bottom, by the same number of levels per pixel in every image.
+    Objects: 4 colours (:data:`PALETTE`) × 3 shapes (:data:`SHAPES`), each in a square box whose side is 18–34% of
+    the image's shorter side, at least :data:`GAP` pixels from the others (boxes may touch the image border). An
+    object covers the pixels whose centres lie inside it (no anti-aliasing): a circle inscribed in its box, a square
+    filling it, a triangle with its apex at the top middle and its base along the bottom. Boxes are integer pixels
+    ``[x1, y1, x2, y2]`` of the original image (x2, y2 exclusive).
 
 Questions (:data:`KINDS`), each a dataset row with its ground truth in original-image pixels
     - ``locate``: "Locate the red circle." Exactly one object of that colour and shape; the other objects share its
@@ -29,10 +33,10 @@ Held-out compositions (:func:`held_out_region`)
 Answers (:func:`answer_text`)
     The completion the pretraining teaches, in the model family's own box convention (``qwen2_5_vl``: JSON
     ``bbox_2d`` in pixels of the resized image; ``qwen2_vl``: box tokens on the 0–1000 grid), with a short thinking
-    part: the place of the object (``locate``), how many objects there are (``find``) or the shapes of that colour
-    (``count``)::
+    part: the object asked for (``locate``; see :func:`think_text` for why not its place), how many objects there
+    are (``find``) or the shapes of that colour (``count``)::
 
-        <think>top left</think><answer>{"bbox_2d": [12, 30, 61, 79]}</answer>
+        <think>the red circle</think><answer>{"bbox_2d": [12, 30, 61, 79]}</answer>
         <think>2 circles</think><answer>[{"bbox_2d": [12, 30, 61, 79]}, {"bbox_2d": [140, 8, 182, 50]}]</answer>
         <think>circle, triangle</think><answer>2</answer>
 
@@ -64,7 +68,15 @@ BACKGROUNDS = ("flat", "noise", "stripes", "checks")
 SPLITS = ("train", "test")
 
 MIN_SIDE, MAX_SIDE = 112, 336
-"""Image width and height in pixels (each uniform, independently)."""
+"""Image width and height in pixels."""
+GRID = 28
+"""Image sides are multiples of this (a Qwen2-VL/Qwen2.5-VL image token covers 28 × 28 pixels)."""
+MAX_AREA = 64 * GRID * GRID
+"""Largest image area in pixels (64 image tokens), the recipe's ``max_pixels``."""
+SIDES = tuple(range(MIN_SIDE, MAX_SIDE + 1, GRID))
+"""The possible widths and heights."""
+RAMP = 40.0
+"""Half the range, in 8-bit levels, of the background's coordinate ramp over :data:`MAX_SIDE` pixels."""
 OBJECT_SIDE = (0.18, 0.34)
 """An object's box side as a fraction of the image's shorter side (uniform)."""
 GAP = 4
@@ -132,11 +144,12 @@ def shape_mask(shape: str, box: Sequence[int], width: int, height: int) -> np.nd
 
 
 def background(kind: str, width: int, height: int, rng: np.random.Generator) -> np.ndarray:
-    """``[H, W, 3]`` uint8 background: a light grey with a slight tint, flat or with a low-contrast texture."""
+    """``[H, W, 3]`` float background levels: a neutral light grey, flat or with a low-contrast texture that changes
+    the three channels alike (:func:`render` adds the coordinate ramp and rounds)."""
     if kind not in BACKGROUNDS:
         raise ValueError(f"unknown background {kind!r}; one of {', '.join(BACKGROUNDS)}")
-    base = rng.uniform(165.0, 230.0) + rng.uniform(-8.0, 8.0, size=3)  # [3]
-    image = np.broadcast_to(base, (height, width, 3)).astype(np.float64)
+    base = rng.uniform(175.0, 215.0)
+    image = np.full((height, width, 3), base, dtype=np.float64)
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float64)  # [H, W] each
     if kind == "noise":
         image = image + rng.normal(0.0, rng.uniform(6.0, 14.0), size=(height, width, 1))
@@ -148,17 +161,37 @@ def background(kind: str, width: int, height: int, rng: np.random.Generator) -> 
         cell = int(rng.integers(6, 17))
         parity = ((xs // cell + ys // cell) % 2) * 2 - 1  # [H, W] in {-1, 1}
         image = image + rng.uniform(8.0, 18.0) * parity[..., None]
-    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+    return image
 
 
 def render(things: Sequence[Thing], width: int, height: int, background_kind: str, seed: int) -> np.ndarray:
-    """``[H, W, 3]`` uint8: the background drawn from ``seed``, then the objects in order."""
-    image = background(background_kind, width, height, np.random.default_rng(seed))
+    """``[H, W, 3]`` uint8: the background drawn from ``seed``, then the objects in order, all under the coordinate
+    ramp (:func:`ramp`)."""
+    image = background(background_kind, width, height, np.random.default_rng(seed))  # [H, W, 3] float64
     for thing in things:
         if thing.color not in PALETTE:
             raise ValueError(f"unknown colour {thing.color!r}; the world has {', '.join(COLORS)}")
         image[shape_mask(thing.shape, thing.box, width, height)] = PALETTE[thing.color]
-    return image
+    return np.clip(np.rint(image + ramp(width, height)), 0, 255).astype(np.uint8)
+
+
+def ramp(width: int, height: int) -> np.ndarray:
+    """``[H, W, 3]`` the coordinate ramp added to every pixel, background and objects alike: ``RAMP · (2 (x + ½) /
+    MAX_SIDE − 1)`` levels of red and the same in y of blue, in absolute pixels (the same slope in every image), as if
+    the scene were lit by a faint coloured gradient.
+
+    Why: neither Qwen2.5-VL's vision tower nor its language model has an absolute position embedding (2-D rotary
+    and M-RoPE positions are relative), so a model trained from scratch must learn to turn relative positions into
+    pixel coordinates before it can write a box; real checkpoints learn that from web-scale data, and the world's
+    1.6 M-parameter model had not after 30 minutes of pretraining on a CPU without the ramp (docs/vlm.md, "The
+    grounding world"). The ramp plays the part of a vision transformer's absolute position embedding, added in pixel
+    space: every pixel's red and blue, against its green and its colour, tell its column and row.
+    """
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float64)  # [H, W] each
+    shift = np.zeros((height, width, 3))
+    shift[..., 0] = RAMP * (2.0 * (xs + 0.5) / MAX_SIDE - 1.0)
+    shift[..., 2] = RAMP * (2.0 * (ys + 0.5) / MAX_SIDE - 1.0)
+    return shift
 
 
 # ---------------------------------------------------------------------------------------------------------- scenes
@@ -220,7 +253,9 @@ def make_scene(question: str, split: str, rng: np.random.Generator) -> dict[str,
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
     while True:
-        width, height = (int(v) for v in rng.integers(MIN_SIDE, MAX_SIDE + 1, size=2))
+        width = SIDES[int(rng.integers(len(SIDES)))]
+        heights = [side for side in SIDES if side * width <= MAX_AREA]
+        height = heights[int(rng.integers(len(heights)))]
         subject, kinds, asked = _kinds(question, rng)
         # Evaluation: the first asked object sits at its held-out place; training: no object ever does.
         things: list[Thing] = []
@@ -290,14 +325,19 @@ def make_records(count: int, split: str, seed: int, kinds: Sequence[str] = KINDS
 
 # ---------------------------------------------------------------------------------------------------------- answers
 def think_text(record: dict[str, Any]) -> str:
-    """The thinking part of the pretraining answer: the object's place (locate), how many objects there are
-    (find), or the shapes of that colour in reading order (count)."""
+    """The thinking part of the pretraining answer: the object asked for (locate), how many objects there are
+    (find), or the shapes of that colour in reading order (count).
+
+    A locate answer once thought the object's 3 × 3 place first ("top left"). Greedy answers hinge on their thinking,
+    and the place (the object's centre against the image's width and height) was harder for the world's small model
+    than the box itself: after 1,000 pretraining steps its greedy place was the same for every image and its boxes
+    followed it (held-out IoU 0.02), while the same model given the true place wrote boxes of IoU 0.23 (docs/vlm.md,
+    "The grounding world"). The thinking now names the object, which it can always get right.
+    """
     things = things_of(record)
-    width, height = record["image_size"]
     color, shape = record["subject"]["color"], record["subject"]["shape"]
     if record["kind"] == "locate":
-        target = next(t for t in things if t.kind == (color, shape))
-        return target.place(width, height)
+        return f"the {color} {shape}"
     if record["kind"] == "find":
         number = len(record["solution"])
         return f"{number} {shape if number == 1 else PLURALS[shape]}"
