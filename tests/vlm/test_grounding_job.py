@@ -91,8 +91,11 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
     assert config["rope_theta"] == 50.0 and config["mrope_section"] == [8, 4, 4]
     rows = pretrain.training_batch(np.random.default_rng(0), 12, 0, ("locate",), max_objects=1)
     assert all(row["kind"] == "locate" and len(row["objects"]) == 1 for row in rows)
+    with pytest.raises(ValueError, match=r"max_objects must be in \[1, 4\], got 0"):
+        pretrain.training_batch(np.random.default_rng(0), 1, 0, ("locate",), max_objects=0)
     for argv, message in ((["--kinds", "locate,where"], "--kinds: unknown kind"),
-                          (["--init", str(out), "--dims", "{}"], "--dims applies to a fresh model")):
+                          (["--init", str(out), "--dims", "{}"], "--dims applies to a fresh model"),
+                          (["--max-objects", "0"], "--max-objects: got 0; allowed: 1 to 4")):
         with pytest.raises(SystemExit):
             pretrain.main(["--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err

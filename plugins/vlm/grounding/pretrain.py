@@ -142,6 +142,9 @@ def training_batch(rng: np.random.Generator, size: int, step: int, kinds: Sequen
                    max_objects: int = world.MAX_OBJECTS) -> list[dict[str, Any]]:
     """``size`` fresh training records, the kinds in turn (shifted by the step, so each kind gets every slot); scenes
     with more than ``max_objects`` objects are drawn again (a curriculum's easy stage)."""
+    if not 1 <= max_objects <= world.MAX_OBJECTS:
+        # Every scene holds at least one object: a smaller bound would redraw forever.
+        raise ValueError(f"max_objects must be in [1, {world.MAX_OBJECTS}], got {max_objects}")
     rows = []
     for i in range(size):
         while True:
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(kinds) - set(world.KINDS))
     if unknown:
         parser.error(f"--kinds: unknown kind(s) {unknown}; allowed: {', '.join(world.KINDS)}")
+    if not 1 <= args.max_objects <= world.MAX_OBJECTS:
+        parser.error(f"--max-objects: got {args.max_objects}; allowed: 1 to {world.MAX_OBJECTS}")
     if args.dims is not None and args.init is not None:
         parser.error("--dims applies to a fresh model; it cannot change the model given by --init")
     if args.threads is not None:
