@@ -5,6 +5,7 @@ with the locally built tokenizer."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 
 import numpy as np
@@ -182,6 +183,18 @@ def test_dataset_files_load_in_the_plugin_loader_and_are_kept(tmp_path):
     assert paths["train"].stat().st_mtime_ns == stamp  # same options: nothing rewritten
     world.write_dataset(tmp_path, train=4, test=3, seed=0)
     assert len(load_jsonl(paths["train"])) == 4
+
+
+def test_training_kinds_weight_the_training_split_only(tmp_path):
+    """--train-kinds locate locate find count: half the training questions locate, the held-out split unchanged."""
+    assert world.main([str(tmp_path), "--train", "8", "--test", "3", "--train-kinds", "locate", "locate", "find",
+                       "count"]) == 0
+    from mmrl.plugins.vlm.data import load_jsonl
+
+    assert [row["kind"] for row in load_jsonl(tmp_path / "train.jsonl")] == ["locate", "locate", "find", "count"] * 2
+    assert [row["kind"] for row in load_jsonl(tmp_path / "test.jsonl")] == ["locate", "find", "count"]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["train_kinds"] == ["locate", "locate", "find", "count"] and manifest["kinds"] == list(world.KINDS)
 
 
 # ------------------------------------------------------------------------------------------------ answers and reward

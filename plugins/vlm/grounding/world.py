@@ -315,7 +315,8 @@ def record_image(record: dict[str, Any]) -> np.ndarray:
 
 
 def make_records(count: int, split: str, seed: int, kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
-    """``count`` dataset records of ``split``, the kinds in turn; deterministic in ``seed`` and ``split``."""
+    """``count`` dataset records of ``split``, the kinds in turn; deterministic in ``seed`` and ``split``. A kind
+    listed twice gets twice the questions (``("locate", "locate", "find", "count")``: half of them locate)."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"question kinds must be a non-empty list of {', '.join(KINDS)}, got {list(kinds)}")
@@ -396,17 +397,24 @@ def write_split(directory: str | Path, split: str, count: int, seed: int, kinds:
 
 
 def write_dataset(directory: str | Path, *, train: int, test: int, seed: int = 0,
-                  kinds: Sequence[str] = KINDS) -> dict[str, Path]:
+                  kinds: Sequence[str] = KINDS, train_kinds: Sequence[str] | None = None) -> dict[str, Path]:
     """Both splits under ``directory`` (see :func:`write_split`), with ``manifest.json`` recording the options;
-    a folder whose manifest matches is kept as it is (a second call costs nothing)."""
+    a folder whose manifest matches is kept as it is (a second call costs nothing).
+
+    Args:
+        kinds: The question kinds of both splits, in turn.
+        train_kinds: The training split's kinds instead, repeats weighting them (the held-out split keeps
+            ``kinds``, so that its scores stay comparable across training mixes).
+    """
     directory = Path(directory)
-    manifest = {"train": train, "test": test, "seed": seed, "kinds": list(kinds)}
+    train_kinds = list(kinds if train_kinds is None else train_kinds)
+    manifest = {"train": train, "test": test, "seed": seed, "kinds": list(kinds), "train_kinds": train_kinds}
     marker = directory / "manifest.json"
     paths = {split: directory / f"{split}.jsonl" for split in SPLITS}
     if marker.is_file() and json.loads(marker.read_text()) == manifest and all(p.is_file() for p in paths.values()):
         return paths
     marker.unlink(missing_ok=True)
-    write_split(directory, "train", train, seed, kinds)
+    write_split(directory, "train", train, seed, train_kinds)
     write_split(directory, "test", test, seed, kinds)
     marker.write_text(json.dumps(manifest) + "\n")
     return paths
@@ -419,9 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=3000, help="training questions (default 3000)")
     parser.add_argument("--test", type=int, default=192, help="held-out questions (default 192)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                        help="question kinds of both splits, in turn (default: all three)")
+    parser.add_argument("--train-kinds", nargs="+", default=None, choices=KINDS,
+                        help="the training split's kinds instead; a kind listed twice gets twice the questions "
+                             "(default: --kinds)")
     args = parser.parse_args(argv)
-    paths = write_dataset(args.directory, train=args.train, test=args.test, seed=args.seed, kinds=args.kinds)
+    paths = write_dataset(args.directory, train=args.train, test=args.test, seed=args.seed, kinds=args.kinds,
+                          train_kinds=args.train_kinds)
     print(f"wrote {paths['train']} and {paths['test']}")
     return 0
 
