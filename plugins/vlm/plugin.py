@@ -17,8 +17,9 @@ How it maps onto the rollout contract (docs/vlm.md has the long version):
   :meth:`forward` collates any subset of samples (prompts left-padded, completions right-padded, pixel rows
   concatenated in sample order). The G copies of a prompt share its tensors, so the repeat is per image by
   construction, for any batch size and mixed image sizes;
-- generation is HF ``generate``, batched over prompts of different image sizes (each prompt prefilled once for its
-  G samples, ``share_prompt_prefill``) and seeded from the batch's sample seeds: a rollout is reproducible for a
+- generation is the plugin's decode loop (:mod:`mmrl.plugins.vlm.decode`; ``decoder: hf`` selects HF ``generate``),
+  batched over prompts of different image sizes (each prompt prefilled once for its G samples,
+  ``share_prompt_prefill``) and seeded from the batch's sample seeds: a rollout is reproducible for a
   seed, but unlike the toy plugin it depends on the batch composition (sampling draws from one RNG stream for the
   whole batch). Evaluation decodes greedily;
 - the KL reference is the same model with its LoRA adapter disabled; with full fine-tuning it is a frozen copy of
@@ -170,6 +171,11 @@ class VLMPluginConfig:
     share_prompt_prefill: bool = config_field(
         True, help="Generation prefills each distinct prompt once and copies its KV cache to the prompt's G samples "
         "(the prompt, image tokens included, is computed once per group instead of G times).",
+    )
+    decoder: Literal["mmrl", "hf"] = config_field(
+        "mmrl", help="The rollout's decode loop: 'mmrl', the plugin's own (mmrl.plugins.vlm.decode: prefill, then one "
+        "single-token forward per new token with the sampling settings above), or 'hf', transformers' generate. "
+        "Both sample from the same distribution and, for the same logits and seed, pick the same tokens.",
     )
     share_prompt_forward: bool = config_field(
         True, help="The teacher-forced passes (training forward and backward, reference, old_logp) run each distinct "
@@ -444,9 +450,9 @@ class VLMPlugin(Plugin):
 
     def _generate(self, model: nn.Module, prompts: Sequence[dict[str, Tensor]], batch: PromptBatch
                   ) -> tuple[Tensor, int]:
-        """Batched HF generate under :meth:`generation_config` (:meth:`VLMAdapter.generate`: a prompt's samples
-        share its prefill), seeded from the batch's sample seeds (one seed for the call: HF sampling draws the whole
-        batch from one RNG stream)."""
+        """Batched sampling under :meth:`generation_config` (:meth:`VLMAdapter.generate` with ``plugin.decoder``: a
+        prompt's samples share its prefill), seeded from the batch's sample seeds (one seed for the call: both
+        decoders draw the whole batch from one RNG stream)."""
         from mmrl.plugins.vlm.adapters.base import _base_model
         from mmrl.seeding import derive_seed
 
@@ -461,7 +467,8 @@ class VLMPlugin(Plugin):
             with torch.random.fork_rng(devices=devices), self.runtime.autocast():
                 torch.manual_seed(derive_seed(*batch.seeds.tolist()))
                 return self.adapter.generate(model, prompts, generation_config, device=self.runtime.device,
-                                             share_prefill=self.config.share_prompt_prefill)
+                                             share_prefill=self.config.share_prompt_prefill,
+                                             decoder=self.config.decoder)
         finally:
             hf_model.generation_config = saved
 

@@ -375,8 +375,9 @@ def test_shared_prefill_generates_from_the_same_distribution(tiny_models, family
     config = plugin.generation_config(False)
     config.return_dict_in_generate, config.output_logits = True, True
     with torch.no_grad():
-        plain, width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=False)
-        shared, shared_width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=True)
+        plain, width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=False, decoder="hf")
+        shared, shared_width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=True,
+                                                       decoder="hf")
     assert width == shared_width
     assert torch.equal(plain.sequences, shared.sequences)
     torch.testing.assert_close(torch.stack(shared.logits, 1), torch.stack(plain.logits, 1), rtol=0, atol=1e-5)

@@ -10,7 +10,8 @@ The base class implements the Qwen-VL way of feeding images, shared by Qwen2-VL,
 :meth:`image_features`  a frozen vision tower's output per prompt, computed once and reused by every pass
 :meth:`collate`         prompts (+ completions) of any samples → model inputs: prompts left-padded, completions
                         right-padded, pixel rows concatenated in sample order, ``image_grid_thw`` stacked
-:meth:`generate`        HF generate over the collated prompts, each distinct prompt prefilled once for its samples
+:meth:`generate`        sampling over the collated prompts (the plugin's decode loop or HF generate), each
+                        distinct prompt prefilled once for its samples
 :meth:`completion_logits` logits of the positions that predict the completion tokens only (``logits_to_keep``)
 :meth:`completion_hidden` the same positions' hidden states and the LM head, for the fused head
 :meth:`vision_tower`    the vision encoder module, wherever this transformers version keeps it
@@ -289,15 +290,33 @@ class VLMAdapter:
         return inputs, width
 
     def generate(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
-                 share_prefill: bool = True, device: torch.device | str | None = None) -> tuple[Tensor, int]:
-        """HF ``generate`` on the collated prompts: ``(sequences [n, P + C'], P)``.
+                 share_prefill: bool = True, device: torch.device | str | None = None, decoder: str = "mmrl",
+                 output_scores: bool = False) -> tuple[Any, int]:
+        """Sample completions of the collated prompts: ``(sequences [n, P + C'], P)``.
 
         Samples that share a prompt (the same :data:`PromptInputs` object, as the G copies of a group do) share its
-        prefill: with ``share_prefill`` each distinct prompt but its last token runs through the model once, the KV
-        cache and M-RoPE offsets are copied to its samples, and ``generate`` continues from there, so the prompt
-        (image tokens included) is computed once per group instead of G times. The sampling distribution is the same
-        up to float rounding; log-probs are recomputed by teacher forcing anyway.
+        prefill: with ``share_prefill`` each distinct prompt runs through the model once and its KV cache (and
+        M-RoPE offsets) are copied to its samples, so the prompt (image tokens included) is computed once per group
+        instead of G times. The sampling distribution is the same up to float rounding; log-probs are recomputed by
+        teacher forcing anyway.
+
+        Args:
+            model: The model (possibly inside a peft wrapper).
+            prompts: One :data:`PromptInputs` per sample.
+            generation_config: The ``GenerationConfig`` to sample under (the plugin's
+                :meth:`~mmrl.plugins.vlm.plugin.VLMPlugin.generation_config`).
+            share_prefill: Prefill each distinct prompt once (see above).
+            device: Where to collate (default: the prompts' device).
+            decoder: ``"mmrl"``, the plugin's own loop (:func:`mmrl.plugins.vlm.decode.decode`), or ``"hf"``,
+                transformers' ``model.generate`` (which returns whatever ``generation_config`` asks for, e.g. a
+                ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``).
+            output_scores: ``"mmrl"`` only: return ``(DecodeOutput, P)`` (its tokens and per-step scores) instead.
         """
+        from mmrl.plugins.vlm.decode import check_decoder
+
+        if check_decoder(decoder) == "mmrl":
+            return self._decode(model, prompts, generation_config, share_prefill=share_prefill, device=device,
+                                output_scores=output_scores)
         inputs, width = self.collate(prompts, device=device)
         positions: dict[int, int] = {}
         for prompt in prompts:
@@ -320,6 +339,31 @@ class VLMAdapter:
         name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
         rest = {key: value for key, value in inputs.items() if key not in ("pixel_values", "mm_encoder_outputs")}
         return model.generate(**rest, **{name: cache}, generation_config=generation_config), width
+
+    def _decode(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
+                share_prefill: bool, device: torch.device | str | None, output_scores: bool) -> tuple[Any, int]:
+        """:meth:`generate` through :func:`mmrl.plugins.vlm.decode.decode`: the distinct prompts (or every sample's
+        prompt) collated and prefilled with their M-RoPE positions, then the plugin's decode loop."""
+        from mmrl.plugins.vlm.decode import SamplingSettings, decode
+
+        settings = SamplingSettings.from_generation_config(generation_config)
+        index: list[int] = []
+        slots: dict[int, int] = {}
+        for prompt in prompts:
+            index.append(slots.setdefault(id(prompt), len(slots)))
+        unique = list({id(p): p for p in prompts}.values())
+        shared = share_prefill and self.supports_shared_prefill and len(unique) < len(prompts)
+        inputs, width = self.collate(unique if shared else prompts, device=device)
+        if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:
+            raise ValueError("plugin.decoder 'mmrl' needs the processor's mm_token_type_ids to place image tokens "
+                             "(transformers >= 5); use decoder 'hf'")
+        select = torch.tensor(index, device=inputs["input_ids"].device) if shared else None  # [n]
+        output = decode(model, inputs, self.rope_positions(model, inputs), settings, select=select,
+                        output_scores=output_scores)
+        if output_scores:
+            return output, width
+        prompt_ids = inputs["input_ids"] if select is None else inputs["input_ids"][select]  # [n, P]
+        return torch.cat([prompt_ids, output.tokens], dim=1), width
 
     def completion_logits(self, model: nn.Module, inputs: dict[str, Tensor], num_completion: int) -> Tensor:
         """Logits ``[n, C, V]`` of the positions that predict the last ``num_completion`` tokens of ``inputs``.

@@ -1,0 +1,212 @@
+"""The plugin's own decode loop (``plugin.decoder: mmrl``, mmrl.plugins.vlm.decode) against transformers' ``generate``
+(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL with LoRA: the same tokens greedy and sampled (the
+same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that end early padded after their EOS,
+``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it samples from against hand-computed
+values and against the teacher-forced log-probs (an independent check of the M-RoPE positions of the decode steps).
+
+Token equality with ``generate`` holds because both run the same forwards on the same batch (prefill included when
+the prefill is not shared) and draw from the RNG identically; with the shared prefill the first step's logits come
+from a differently shaped call, equal up to float rounding, which changes a sampled or argmax token only if a
+uniform draw or a top-2 gap falls within ~1e-6 — far from it on these models and seeds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmrl.config import ConfigError
+from mmrl.config.schema import from_dict
+from mmrl.plugins.vlm.decode import SamplingSettings, next_token_scores
+from mmrl.plugins.vlm.plugin import VLMPluginConfig
+from tests.vlm.conftest import make_plugin, plugin_options
+
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
+
+
+@pytest.fixture(scope="module")
+def decode_plugins(tiny_models, tmp_path_factory):
+    """A LoRA plugin per family (Qwen3-VL when transformers has it) with non-zero LoRA B, so the adapter matters."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    plugins = {}
+    for family in ALL_FAMILIES:
+        if family not in vlm_adapters:
+            continue
+        path = tiny_models.get(family) or build_tiny_model(family, tmp_path_factory.mktemp("qwen3") / family)
+        torch.manual_seed(0)  # the LoRA A initialisation
+        plugin = make_plugin(path, max_new_tokens=12)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, parameter in plugin.model.named_parameters():
+                if "lora_B" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator))  # varied greedy tokens
+        plugins[family] = plugin
+    return plugins
+
+
+def _plugin(decode_plugins, family):
+    if family not in decode_plugins:
+        pytest.skip(f"transformers has no {family}")
+    return decode_plugins[family]
+
+
+def _prompts(plugin):
+    rows = plugin.dataset("train")[:3]
+    model = plugin.model if plugin.cache_features else None
+    prompts = plugin.encode_rows([rows[g] for g in GROUPS.tolist()], GROUPS, model=model)
+    assert len({tuple(p["image_grid_thw"].flatten().tolist()) for p in prompts}) > 1  # mixed image sizes
+    return prompts
+
+
+def _generate(plugin, prompts, config, decoder, share, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        sequences, width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=share, decoder=decoder)
+    return sequences[:, width:]
+
+
+def _lengths(tokens, eos):
+    """Each row's length up to and including its first EOS (the whole row without one)."""
+    is_eos = torch.isin(tokens, torch.tensor(eos))
+    return [int(flags.nonzero()[0]) + 1 if flags.any() else tokens.shape[1] for flags in is_eos]
+
+
+def _config(plugin, sampled, **changes):
+    config = plugin.generation_config(sampled)
+    if sampled:
+        config.temperature, config.top_k, config.top_p = 0.8, 60, 0.95
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared"])
+def test_tokens_match_hf_generate(decode_plugins, family, sampled, share):
+    """The same tokens as ``generate`` (always run with a plain prefill here), with rows ending early: an ordinary
+    token that some rows of the first run emit and a row that ran to ``max_new_tokens`` never does is made an extra
+    EOS id of the second run, so the former end at it and the latter still runs to ``max_new_tokens``; everything
+    after a row's EOS is pad."""
+    plugin = _plugin(decode_plugins, family)
+    prompts = _prompts(plugin)
+    config = _config(plugin, sampled)
+    first = _generate(plugin, prompts, config, "mmrl", share, seed=11)
+    torch.testing.assert_close(first, _generate(plugin, prompts, config, "hf", False, seed=11), rtol=0, atol=0)
+    assert first.shape[1] <= config.max_new_tokens
+
+    pad, real_eos = plugin.adapter.pad_token_id, list(config.eos_token_id)
+    lengths = _lengths(first, real_eos)
+    full = [set(row.tolist()) for row, n in zip(first, lengths, strict=True) if n == first.shape[1]]
+    candidates = [int(token) for column in first.T for token in column.tolist()]
+    special = set(real_eos) | {pad}
+    extra = next(token for token in candidates if token not in special and any(token not in row for row in full))
+    ended = _config(plugin, sampled, eos_token_id=[*real_eos, extra])
+    ours = _generate(plugin, prompts, ended, "mmrl", share, seed=11)
+    theirs = _generate(plugin, prompts, ended, "hf", False, seed=11)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    lengths = _lengths(ours, [*real_eos, extra])
+    for row, length in zip(ours, lengths, strict=True):
+        assert (row[length:] == pad).all()
+    assert ours.shape[1] == max(lengths) == config.max_new_tokens
+    assert min(lengths) < max(lengths)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_sampling_scores_are_the_teacher_forced_distribution(decode_plugins, family):
+    """Each step's scores (temperature 0.7, no top-k/top-p) give each sampled token the log-prob the plugin's
+    teacher-forced pass computes for it: the decode steps see the positions and cache of the whole sequence."""
+    plugin = _plugin(decode_plugins, family)
+    prompts = _prompts(plugin)
+    config = _config(plugin, True, temperature=0.7, top_k=0, top_p=1.0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        output, _ = plugin.adapter.generate(plugin.model, prompts, config, output_scores=True)
+    tokens = output.tokens  # [n, C]
+    scores = torch.stack(output.scores, dim=1).log_softmax(-1)  # [n, C, V]
+    sampled = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n, C]
+    saved = plugin.config.temperature
+    plugin.config.temperature = 0.7
+    try:
+        with torch.no_grad():
+            logp, _ = plugin.token_logp(plugin.policy(), prompts, list(tokens), tokens.shape[1], with_entropy=False)
+    finally:
+        plugin.config.temperature = saved
+    torch.testing.assert_close(logp, sampled, rtol=0, atol=1e-4)
+
+
+def test_max_new_tokens_is_respected(decode_plugins):
+    plugin = _plugin(decode_plugins, "qwen2_5_vl")
+    prompts = _prompts(plugin)
+    for budget in (1, 3):
+        config = _config(plugin, True, max_new_tokens=budget, eos_token_id=[plugin.adapter.pad_token_id])
+        tokens = _generate(plugin, prompts, config, "mmrl", True, seed=2)
+        assert tokens.shape == (len(prompts), budget)
+
+
+def test_rollout_is_the_same_with_either_decoder(decode_plugins):
+    """The plugin's rollout (seeded from the batch, shared prefill, features cached) samples the same completions
+    through ``decoder: mmrl`` and ``decoder: hf``."""
+    from tests.vlm.conftest import prompt_batch
+
+    plugin = _plugin(decode_plugins, "qwen2_vl")
+    batch = prompt_batch(plugin.dataset("train")[:3], 3, seed=7)
+    completions = {}
+    try:
+        for decoder in ("hf", "mmrl"):
+            plugin.config.decoder = decoder
+            completions[decoder] = plugin.rollout(plugin.policy(), batch).replay["completion_ids"]
+    finally:
+        plugin.config.decoder = "mmrl"
+    assert len(completions["mmrl"]) == 9
+    for ours, theirs in zip(completions["mmrl"], completions["hf"], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_scores_by_hand():
+    """Suppression, temperature, top-k (ties with the k-th kept) and top-p on numbers worked by hand."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, 5.0, 4.0]])
+    settings = SamplingSettings(max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, temperature=2.0, top_k=3,
+                                top_p=0.6, suppress_token_ids=(4,))
+    # /2 with token 4 suppressed: [0.5, 1.5, 1.0, 0.0, -inf, 2.0]; top-3: tokens 5, 1, 2 with probabilities
+    # e^2, e^1.5, e^1 over their sum = 0.506, 0.307, 0.186; top-p 0.6 keeps 5 (0.506 < 0.6) and 1 (0.813 >= 0.6).
+    scores = next_token_scores(logits, settings)
+    inf = float("-inf")
+    assert scores.tolist() == [[inf, 1.5, inf, inf, inf, 2.0]]
+    probs = scores.softmax(-1)[0]
+    assert math.isclose(float(probs[5]), 1 / (1 + math.exp(-0.5)), rel_tol=1e-6)
+
+    only_k = next_token_scores(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), SamplingSettings(
+        max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, top_k=2))
+    assert only_k.tolist() == [[inf, 2.0, 2.0, inf]]
+    tied = next_token_scores(torch.tensor([[3.0, 2.0, 2.0, 0.0]]), SamplingSettings(
+        max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, top_k=2))
+    assert tied.tolist() == [[3.0, 2.0, 2.0, inf]]  # the k-th value's ties stay
+
+    greedy = SamplingSettings(max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, do_sample=False,
+                              temperature=2.0, top_k=1, suppress_token_ids=(4,))
+    assert next_token_scores(logits, greedy).tolist() == [[1.0, 3.0, 2.0, 0.0, inf, 4.0]]  # only suppression
+
+
+def test_settings_refuse_what_the_loop_does_not_implement(decode_plugins):
+    plugin = _plugin(decode_plugins, "qwen2_5_vl")
+    config = plugin.generation_config(True)
+    assert SamplingSettings.from_generation_config(config).suppress_token_ids == tuple(plugin.suppressed_ids)
+    config.repetition_penalty = 1.3
+    with pytest.raises(ValueError, match="repetition_penalty=1.3.*decoder 'hf'"):
+        SamplingSettings.from_generation_config(config)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingSettings(max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, top_p=1.5)
+
+
+def test_decoder_option_is_validated():
+    options = plugin_options("unused", decoder="beam")
+    with pytest.raises(ConfigError) as error:
+        from_dict(VLMPluginConfig, options, "plugin")
+    assert error.value.key == "plugin.decoder" and "'mmrl'" in error.value.allowed and "\n" not in str(error.value)
+    assert from_dict(VLMPluginConfig, plugin_options("unused"), "plugin").decoder == "mmrl"
