@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-shared-prompt-forward", action="store_true",
                         help="mmrl: run the whole prompt + completion sequence of every sample in the teacher-forced "
                         "passes (plugin.share_prompt_forward false) instead of each distinct prompt once.")
+    parser.add_argument("--decoder", choices=["mmrl", "hf"], default="mmrl",
+                        help="mmrl: the rollout's decode loop (plugin.decoder): the plugin's own or HF generate.")
     parser.add_argument("--no-trl", action="store_true",
                         help="Time mmrl's step alone: no TRL process (TRL need not be installed) and no ratios.")
     parser.add_argument("--json", default=None, help="Also write the results here.")
@@ -197,7 +199,7 @@ def run_mmrl(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bfloat16" if args.device == "cuda" and not args.full else "auto",
             "freeze_vision": True, "gradient_checkpointing": args.gradient_checkpointing,
             "cache_image_features": not args.no_feature_cache,
-            "share_prompt_forward": not args.no_shared_prompt_forward,
+            "share_prompt_forward": not args.no_shared_prompt_forward, "decoder": args.decoder,
             "prompt_template": TEMPLATE,
             # The trainer refuses an empty eval split; the benchmark never evaluates, and make_shapes draws its rows
             # in order, so the 64 training rows are the ones TRL trains on (dataset_rows) whatever eval_size is.
@@ -385,6 +387,8 @@ def table(results: dict[str, Any]) -> str:
         mode += ", mmrl without the image-feature cache"
     if settings.get("no_shared_prompt_forward"):
         mode += ", mmrl without the shared prompt forward"
+    if settings.get("decoder", "mmrl") != "mmrl":
+        mode += f", mmrl decoding with {settings['decoder']}"
     summary = (f"\n\n{settings['size']} {settings['family']}, {mode}, {settings['prompts']} prompts x "
                f"G={settings['group']}, max_new_tokens {settings['max_new_tokens']}, beta {settings['beta']}, "
                f"{settings['attn']} attention, {settings['device']}, {settings['threads']} thread(s). ")
