@@ -29,7 +29,8 @@ over every row, finished rows included, per step), so with the same logits and s
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,32 +213,33 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     suppressed = suppress_mask(settings, logits.shape[-1], device)
     pad = torch.full((n,), settings.pad_token_id, dtype=torch.long, device=device)
     running = torch.ones(n, dtype=torch.bool, device=device)  # rows that have not emitted an EOS yet
-    step = _single_token_step(model)
+    step = _single_token_step(model, full_attention)
     tokens: list[Tensor] = []
     scores_out: list[Tensor] | None = [] if output_scores else None
-    for index in range(steps):
-        scores = next_token_scores(logits, settings, suppressed)  # [n, V]
-        if scores_out is not None:
-            scores_out.append(scores)
-        token = torch.where(running, pick_tokens(scores, settings), pad)  # [n]
-        tokens.append(token)
-        running = running & ~torch.isin(token, eos)
-        if index + 1 == steps or not bool(running.any()):
-            break
-        position = (next_position + index).view(1, n, 1).expand(3, n, 1)  # [3, n, 1]
-        logits = step(token.unsqueeze(1), full_attention[:, :width + index + 1], position, cache)  # [n, V]
+    with plain_lora_forwards(model):
+        for index in range(steps):
+            scores = next_token_scores(logits, settings, suppressed)  # [n, V]
+            if scores_out is not None:
+                scores_out.append(scores)
+            token = torch.where(running, pick_tokens(scores, settings), pad)  # [n]
+            tokens.append(token)
+            running = running & ~torch.isin(token, eos)
+            if index + 1 == steps or not bool(running.any()):
+                break
+            position = (next_position + index).view(1, n, 1).expand(3, n, 1)  # [3, n, 1]
+            logits = step(token.unsqueeze(1), width + index + 1, position, cache)  # [n, V]
     return DecodeOutput(torch.stack(tokens, dim=1), scores_out)
 
 
-def _single_token_step(model: nn.Module) -> Callable[[Tensor, Tensor, Tensor, Any], Tensor]:
-    """A function ``(tokens [n, 1], attention_mask [n, L], position_ids [3, n, 1], cache) -> logits [n, V]`` that
-    runs one decode step.
+def _single_token_step(model: nn.Module, attention: Tensor) -> Callable[[Tensor, int, Tensor, Any], Tensor]:
+    """A function ``(tokens [n, 1], length, position_ids [3, n, 1], cache) -> logits [n, V]`` that runs one decode
+    step attending to the first ``length`` positions of ``attention [n, P + steps]`` (the 2D padding mask).
 
     A decode step has no image inputs, so it calls the language model and the LM head directly when the model has
     them (``model.language_model`` and ``get_output_embeddings()``, transformers >= 4.52), skipping the
     vision-language wrapper's per-call work (its input checks, placeholder masks and position logic, the output
-    dataclasses; ~0.5 ms a step on the tiny model); LoRA layers live inside those modules, so they apply alike.
-    Otherwise it calls the whole model.
+    dataclasses), with the attention mask prebuilt once in the kernel's 4D form (:func:`decode_step_mask`); LoRA
+    layers live inside those modules, so they apply alike. Otherwise it calls the whole model.
     """
     base = _base_model(model)
     backbone = getattr(base, "model", None)
@@ -245,21 +247,94 @@ def _single_token_step(model: nn.Module) -> Callable[[Tensor, Tensor, Tensor, An
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if isinstance(language_model, nn.Module) and isinstance(head, nn.Module):
         name = _cache_argument(language_model)
+        kind = getattr(getattr(language_model, "config", None), "_attn_implementation", None)
+        mask = decode_step_mask(attention, kind, language_model.get_input_embeddings().weight.dtype)
 
-        def step(tokens: Tensor, attention: Tensor, positions: Tensor, cache: Any) -> Tensor:
-            hidden = language_model(input_ids=tokens, attention_mask=attention, position_ids=positions,
+        def step(tokens: Tensor, length: int, positions: Tensor, cache: Any) -> Tensor:
+            hidden = language_model(input_ids=tokens, attention_mask=mask[..., :length], position_ids=positions,
                                     use_cache=True, **{name: cache})[0]  # [n, 1, H]
             return head(hidden[:, -1:])[:, -1]  # [n, V]
 
         return step
     name = _cache_argument(base)
 
-    def whole_model_step(tokens: Tensor, attention: Tensor, positions: Tensor, cache: Any) -> Tensor:
-        output = model(input_ids=tokens, attention_mask=attention, position_ids=positions, use_cache=True,
-                       **{name: cache})
+    def whole_model_step(tokens: Tensor, length: int, positions: Tensor, cache: Any) -> Tensor:
+        output = model(input_ids=tokens, attention_mask=attention[:, :length], position_ids=positions,
+                       use_cache=True, **{name: cache})
         return output.logits[:, -1]
 
     return whole_model_step
+
+
+def decode_step_mask(attention: Tensor, kind: str | None, dtype: torch.dtype) -> Tensor:
+    """The attention mask of single-token steps in the 4D form the attention kernel takes, ``[n, 1, 1, L]`` (a step
+    attending to the first ``l`` positions uses ``[..., :l]``), from the 2D padding mask ``attention [n, L]``:
+    transformers passes a 4D mask through as it is, so a step skips its mask construction (~0.1 ms a step).
+    ``sdpa``: True where attended; ``eager``: 0 there and the dtype's minimum elsewhere (what transformers builds for
+    one query position: causality adds nothing, every cached position is in the past). Other kernels (flash
+    attention's 2D mask, flex attention's block masks) get the 2D mask unchanged."""
+    if kind == "sdpa":
+        return attention.bool()[:, None, None, :]
+    if kind == "eager":
+        blocked = torch.finfo(dtype).min
+        return torch.zeros(attention.shape, dtype=dtype, device=attention.device).masked_fill(
+            attention == 0, blocked)[:, None, None, :]
+    return attention
+
+
+@contextmanager
+def plain_lora_forwards(model: nn.Module) -> Iterator[int]:
+    """For the block's duration, run each plain LoRA linear layer of ``model`` (peft ``lora.Linear`` on an
+    ``nn.Linear``, one active unmerged adapter without dropout, variant, hooks or mixed-batch adapters) as
+    ``W x + b + B(A x) · scaling`` in three ``F.linear`` calls: the sum peft's ``forward`` computes, in the same
+    operations and order, without its per-call Python (adapter bookkeeping, three module calls) — a third of a
+    small model's decode step. Yields the number of layers switched; other layers keep peft's forward."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        yield 0
+        return
+    switched = []
+    for layer in model.modules():
+        forward = _plain_lora_forward(layer) if type(layer) is LoraLinear else None
+        if forward is not None:
+            layer.forward = forward  # an instance attribute: nn.Module.__call__ runs it instead of the class's
+            switched.append(layer)
+    try:
+        yield len(switched)
+    finally:
+        for layer in switched:
+            del layer.forward
+
+
+def _plain_lora_forward(layer: Any) -> Callable[[Tensor], Tensor] | None:
+    adapters = list(layer.active_adapters)
+    if layer.disable_adapters or layer.merged or len(adapters) != 1 or getattr(layer, "fan_in_fan_out", False):
+        return None
+    name = adapters[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
+        return None
+    base, down, up = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    modules = (layer, base, down, up)
+    if type(base) is not nn.Linear or type(down) is not nn.Linear or type(up) is not nn.Linear:
+        return None
+    if not isinstance(layer.lora_dropout[name], nn.Identity) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return None
+    scaling = layer.scaling[name]
+    cast = getattr(layer, "cast_input_dtype_enabled", True)
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if args or kwargs:  # peft-specific arguments (adapter_names, ...): peft's own forward handles them
+            return type(layer).forward(layer, x, *args, **kwargs)
+        result = nn.functional.linear(x, base.weight, base.bias)
+        dtype = result.dtype
+        low = x.to(down.weight.dtype) if cast and x.dtype != down.weight.dtype else x
+        result = result + nn.functional.linear(nn.functional.linear(low, down.weight, down.bias), up.weight,
+                                               up.bias) * scaling
+        return result.to(dtype)
+
+    return forward
 
 
 def _base_model(model: nn.Module) -> nn.Module:

@@ -210,3 +210,50 @@ def test_decoder_option_is_validated():
         from_dict(VLMPluginConfig, options, "plugin")
     assert error.value.key == "plugin.decoder" and "'mmrl'" in error.value.allowed and "\n" not in str(error.value)
     assert from_dict(VLMPluginConfig, plugin_options("unused"), "plugin").decoder == "mmrl"
+
+
+def test_sdpa_attention_gives_generate_tokens_too(tiny_models):
+    """The prebuilt 4D step mask in sdpa's boolean form (the tests above run eager attention, the additive form)."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"], max_new_tokens=12, attn_implementation="sdpa")
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, parameter in plugin.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    prompts = _prompts(plugin)
+    assert len({len(p["input_ids"]) for p in prompts}) > 1  # left padding: the mask matters
+    for sampled in (False, True):
+        config = _config(plugin, sampled)
+        ours = _generate(plugin, prompts, config, "mmrl", True, seed=13)
+        torch.testing.assert_close(ours, _generate(plugin, prompts, config, "hf", False, seed=13), rtol=0, atol=0)
+
+
+def test_plain_lora_forwards_compute_peft_forward(decode_plugins):
+    """Inside the block every plain LoRA layer of the model computes what peft's forward computes (one call per
+    layer on a random input); outside it peft's forward is back; layers with dropout keep peft's forward."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from mmrl.plugins.vlm.decode import plain_lora_forwards
+
+    plugin = _plugin(decode_plugins, "qwen2_5_vl")
+    layers = [m for m in plugin.model.modules() if isinstance(m, LoraLinear)]
+    inputs = [torch.randn(3, 2, layer.in_features, generator=torch.Generator().manual_seed(i))
+              for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        expected = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+        with plain_lora_forwards(plugin.model) as switched:
+            assert switched == len(layers) > 0
+            assert all("forward" in vars(layer) for layer in layers)
+            got = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+    assert not any("forward" in vars(layer) for layer in layers)
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-6, atol=1e-6)
+
+    dropped = layers[0]
+    saved = dropped.lora_dropout["default"]
+    dropped.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    try:
+        with plain_lora_forwards(plugin.model) as switched:
+            assert switched == len(layers) - 1 and "forward" not in vars(dropped)
+    finally:
+        dropped.lora_dropout["default"] = saved
