@@ -1,10 +1,12 @@
 """Floor of the vlm plugin: a transformers vision-language model (Qwen2-VL family) with its LoRA adapter.
 
 - generation: per rollout call, the vision tower once over the call's distinct images (the plugin caches the frozen
-  tower's features per prompt), the prefill of each distinct prompt but its last token (a group's samples share
-  it, as the plugin's ``share_prompt_prefill`` does) with the KV cache copied to the samples, then one single-token
-  forward per generated position over the whole batch (as many as the longest completion), fed the sampled tokens
-  (the sampler's token choice is left out);
+  tower's features per prompt), the prefill of each distinct prompt (a group's samples share it, as the plugin's
+  ``share_prompt_prefill`` does; its last position's logits give every sample's first token) with the KV cache
+  copied to the samples, then one single-token forward over the whole batch per generated token but the last (as
+  many as the longest completion, less one), fed the sampled tokens — the plugin's decode loop
+  (``plugin.decoder: mmrl``); the sampler's token choice is left out. (HF ``generate``, ``decoder: hf``, prefills
+  all but the last prompt token and runs that token as one more step over the whole batch);
 - forward and backward: per backward pass, the teacher-forced forward of the pass's samples (prompt with the cached
   image features, completion), the LM head over the completion positions, reduced to a scalar, then one backward.
   When the plugin shares the prompt's forward across a group (``share_prompt_forward`` with ``fused_lm_head``, as
@@ -78,14 +80,12 @@ class VLMFloor(Floor):
         grids = torch.cat([p["image_grid_thw"] for p in with_images]).to(self.device)  # [Σ images, 3]
         prefill, width = self.adapter.collate(unique, device=self.device)
         prefill["position_ids"] = self.positions(prefill)
-        per_token = ("input_ids", "attention_mask", "mm_token_type_ids", "position_ids")
-        prefix = {key: (value[..., :-1] if key in per_token else value) for key, value in prefill.items()}
         full, _ = self.adapter.collate(prompts, completions, device=self.device)
         steps = max(len(c) for c in completions)
         full_positions = self.positions(full)  # [3, n, P + C]
         attention = torch.cat([full["attention_mask"][:, :width],
                                torch.ones_like(full["attention_mask"][:, width:])], dim=1)  # generated: all attend
-        return {"pixels": pixels, "grids": grids, "prefix": prefix, "width": width, "steps": steps,
+        return {"pixels": pixels, "grids": grids, "prefix": prefill, "width": width, "steps": steps,
                 "select": torch.tensor([order[group] for group in groups], device=self.device),
                 "tokens": full["input_ids"], "attention": attention, "positions": full_positions,
                 "teacher": {**full, "position_ids": full_positions}}
@@ -98,8 +98,8 @@ class VLMFloor(Floor):
             cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
             cache.batch_select_indices(call["select"])
             width = call["width"]
-            for t in range(call["steps"]):
-                position = width - 1 + t
+            for t in range(call["steps"] - 1):  # the prefill's logits sampled the first token
+                position = width + t
                 self.hf(input_ids=call["tokens"][:, position:position + 1],
                         attention_mask=call["attention"][:, :position + 1],
                         position_ids=call["positions"][..., position:position + 1],
@@ -220,6 +220,6 @@ class VLMFloor(Floor):
         calls = [(int(c["select"].shape[0]), int(c["prefix"]["input_ids"].shape[0]), c["steps"]) for c in self.calls]
         units = [tuple(u.inputs["teacher"]["input_ids"].shape) for m in self.schedule for u in m]
         shared = [u.inputs["shared"] is not None for m in self.schedule for u in m]
-        return {"generation": f"rollout calls (samples, distinct prompts, decode steps): {calls}",
+        return {"generation": f"rollout calls (samples, distinct prompts, generated tokens): {calls}",
                 "forward_backward": f"{self.backward_passes()} teacher-forced passes of [n, P + C] = {units}, "
                                     f"prompt forward shared per distinct prompt: {shared}"}
