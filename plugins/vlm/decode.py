@@ -86,12 +86,15 @@ class SamplingSettings:
             unsupported.append(f"num_beams={config.num_beams}")
         if config.repetition_penalty not in (None, 1.0):
             unsupported.append(f"repetition_penalty={config.repetition_penalty}")
-        for name in ("min_p", "top_h", "bad_words_ids", "begin_suppress_tokens", "forced_eos_token_id",
-                     "stop_strings", "sequence_bias"):
+        for name in ("min_p", "top_h", "bad_words_ids", "begin_suppress_tokens", "forced_bos_token_id",
+                     "forced_eos_token_id", "stop_strings", "sequence_bias", "guidance_scale",
+                     "exponential_decay_length_penalty", "watermarking_config", "penalty_alpha", "max_time"):
             if getattr(config, name, None) is not None:
                 unsupported.append(f"{name}={getattr(config, name)!r}")
         for name, neutral in (("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0),
-                              ("no_repeat_ngram_size", 0), ("min_new_tokens", None), ("min_length", 0)):
+                              ("no_repeat_ngram_size", 0), ("min_new_tokens", None), ("min_length", 0),
+                              ("num_return_sequences", 1), ("encoder_repetition_penalty", 1.0),
+                              ("encoder_no_repeat_ngram_size", 0)):
             if getattr(config, name, neutral) not in (None, neutral):
                 unsupported.append(f"{name}={getattr(config, name)!r}")
         if unsupported:

@@ -200,6 +200,9 @@ def test_settings_refuse_what_the_loop_does_not_implement(decode_plugins):
     config.repetition_penalty = 1.3
     with pytest.raises(ValueError, match="repetition_penalty=1.3.*decoder 'hf'"):
         SamplingSettings.from_generation_config(config)
+    config.repetition_penalty, config.num_return_sequences = 1.0, 2
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        SamplingSettings.from_generation_config(config)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingSettings(max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, top_p=1.5)
 
