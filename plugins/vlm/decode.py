@@ -288,7 +288,8 @@ def decode_step_mask(attention: Tensor, kind: str | None, dtype: torch.dtype) ->
 @contextmanager
 def plain_lora_forwards(model: nn.Module) -> Iterator[int]:
     """For the block's duration, run each plain LoRA linear layer of ``model`` (peft ``lora.Linear`` on an
-    ``nn.Linear``, one active unmerged adapter without dropout, variant, hooks or mixed-batch adapters) as
+    ``nn.Linear``, one active unmerged adapter without dropout, variant, hooks, wrapped forwards or mixed-batch
+    adapters) as
     ``W x + b + B(A x) · scaling`` in three ``F.linear`` calls: the sum peft's ``forward`` computes, in the same
     operations and order, without its per-call Python (adapter bookkeeping, three module calls) — a third of a
     small model's decode step. Yields the number of layers switched; other layers keep peft's forward."""
@@ -321,8 +322,9 @@ def _plain_lora_forward(layer: Any) -> Callable[[Tensor], Tensor] | None:
     modules = (layer, base, down, up)
     if type(base) is not nn.Linear or type(down) is not nn.Linear or type(up) is not nn.Linear:
         return None
+    # A module whose forward is wrapped (hooks, or an instance attribute as accelerate's device hooks set) keeps it.
     if not isinstance(layer.lora_dropout[name], nn.Identity) or any(
-            m._forward_hooks or m._forward_pre_hooks for m in modules):
+            m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in modules):
         return None
     scaling = layer.scaling[name]
     cast = getattr(layer, "cast_input_dtype_enabled", True)

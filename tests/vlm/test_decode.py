@@ -233,7 +233,8 @@ def test_sdpa_attention_gives_generate_tokens_too(tiny_models):
 
 def test_plain_lora_forwards_compute_peft_forward(decode_plugins):
     """Inside the block every plain LoRA layer of the model computes what peft's forward computes (one call per
-    layer on a random input); outside it peft's forward is back; layers with dropout keep peft's forward."""
+    layer on a random input); outside it peft's forward is back; layers with dropout or an already wrapped forward
+    keep theirs."""
     from peft.tuners.lora import Linear as LoraLinear
 
     from mmrl.plugins.vlm.decode import plain_lora_forwards
@@ -252,11 +253,16 @@ def test_plain_lora_forwards_compute_peft_forward(decode_plugins):
     for value, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(value, reference, rtol=1e-6, atol=1e-6)
 
-    dropped = layers[0]
+    dropped, wrapped = layers[0], layers[1]
     saved = dropped.lora_dropout["default"]
     dropped.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    wrapper = wrapped.forward  # an instance-level forward, as accelerate's device hooks install
+    wrapped.forward = wrapper
     try:
         with plain_lora_forwards(plugin.model) as switched:
-            assert switched == len(layers) - 1 and "forward" not in vars(dropped)
+            assert switched == len(layers) - 2 and "forward" not in vars(dropped)
+            assert vars(wrapped)["forward"] is wrapper
+        assert vars(wrapped)["forward"] is wrapper
     finally:
         dropped.lora_dropout["default"] = saved
+        del wrapped.forward
