@@ -266,3 +266,21 @@ def test_plain_lora_forwards_compute_peft_forward(decode_plugins):
     finally:
         dropped.lora_dropout["default"] = saved
         del wrapped.forward
+
+
+def test_text_only_prompts_match_hf_generate(decode_plugins):
+    """Prompts without images (plain text positions on all three M-RoPE components), left-padded to different
+    lengths, shared prefill on and off."""
+    plugin = _plugin(decode_plugins, "qwen2_5_vl")
+    adapter = plugin.adapter
+    texts = [adapter.chat_text(adapter.messages(question, 0)) for question in
+             ("Where is the red circle?", "How many squares are there in the image? Answer with a number.")]
+    unique = adapter.encode(texts, [[], []])
+    prompts = [unique[g] for g in (0, 1, 1, 0)]
+    assert len(unique[0]["input_ids"]) != len(unique[1]["input_ids"])
+    for sampled in (False, True):
+        config = _config(plugin, sampled)
+        theirs = _generate(plugin, prompts, config, "hf", False, seed=17)
+        for share in (False, True):
+            torch.testing.assert_close(_generate(plugin, prompts, config, "mmrl", share, seed=17), theirs,
+                                       rtol=0, atol=0)
