@@ -45,7 +45,7 @@ def test_bundled_checkpoint_is_small_and_records_how_it_was_made():
     config = json.loads((CHECKPOINT / "config.json").read_text())["text_config"]["rope_parameters"]
     assert config["mrope_section"] == world_model.DIMS["mrope"]
     assert config["rope_theta"] == world_model.DIMS["rope_theta"]
-    assert record["args"]["kinds"] == ",".join(world.KINDS)
+    assert set(record["args"]["kinds"].split(",")) == set(world.KINDS)  # repeats weight a kind
     last = record["log"][-1]
     # It answers in the format; its held-out grounding is weak (docs/vlm.md gives the numbers).
     assert last["validation/format"] > 0.9 and {"validation/locate", "validation/find", "validation/count"} <= set(last)

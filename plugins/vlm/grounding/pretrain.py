@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(world.KINDS),
-                        help="comma-separated question kinds to train and validate on (default: all three)")
+                        help="comma-separated question kinds to train and validate on, in turn; a kind listed twice "
+                             "gets twice the questions (default: all three)")
     parser.add_argument("--max-objects", type=int, default=world.MAX_OBJECTS,
                         help="train on scenes with at most this many objects (validation keeps the world's scenes)")
     parser.add_argument("--dims", type=json.loads, default=None,
