@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,10 +216,11 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     suppressed = suppress_mask(settings, logits.shape[-1], device)
     pad = torch.full((n,), settings.pad_token_id, dtype=torch.long, device=device)
     running = torch.ones(n, dtype=torch.bool, device=device)  # rows that have not emitted an EOS yet
-    step = _single_token_step(model, full_attention)
+    sharded = has_sharded_parameters(model)
+    step = _single_token_step(model, full_attention, whole_model=sharded)
     tokens: list[Tensor] = []
     scores_out: list[Tensor] | None = [] if output_scores else None
-    with plain_lora_forwards(model):
+    with nullcontext() if sharded else plain_lora_forwards(model):
         for index in range(steps):
             scores = next_token_scores(logits, settings, suppressed)  # [n, V]
             if scores_out is not None:
@@ -234,7 +235,22 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     return DecodeOutput(torch.stack(tokens, dim=1), scores_out)
 
 
-def _single_token_step(model: nn.Module, attention: Tensor) -> Callable[[Tensor, int, Tensor, Any], Tensor]:
+def has_sharded_parameters(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a sharded ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism).
+
+    Such parameters are gathered by hooks on the sharded modules' forwards, the root module's (embeddings, final
+    norm, LM head) among them; a decode step that called the language model and the head directly would skip the
+    root's hook, so :func:`decode` then runs every step through the whole model, with peft's own LoRA forwards.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without torch.distributed: nothing can be sharded
+        return False
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def _single_token_step(model: nn.Module, attention: Tensor, *, whole_model: bool = False
+                       ) -> Callable[[Tensor, int, Tensor, Any], Tensor]:
     """A function ``(tokens [n, 1], length, position_ids [3, n, 1], cache) -> logits [n, V]`` that runs one decode
     step attending to the first ``length`` positions of ``attention [n, P + steps]`` (the 2D padding mask).
 
@@ -242,13 +258,14 @@ def _single_token_step(model: nn.Module, attention: Tensor) -> Callable[[Tensor,
     them (``model.language_model`` and ``get_output_embeddings()``, transformers >= 4.52), skipping the
     vision-language wrapper's per-call work (its input checks, placeholder masks and position logic, the output
     dataclasses), with the attention mask prebuilt once in the kernel's 4D form (:func:`decode_step_mask`); LoRA
-    layers live inside those modules, so they apply alike. Otherwise it calls the whole model.
+    layers live inside those modules, so they apply alike. Otherwise, or with ``whole_model`` (sharded parameters,
+    :func:`has_sharded_parameters`), it calls the whole model.
     """
     base = _base_model(model)
     backbone = getattr(base, "model", None)
     language_model = getattr(backbone, "language_model", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if isinstance(language_model, nn.Module) and isinstance(head, nn.Module):
+    if not whole_model and isinstance(language_model, nn.Module) and isinstance(head, nn.Module):
         name = _cache_argument(language_model)
         kind = getattr(getattr(language_model, "config", None), "_attn_implementation", None)
         mask = decode_step_mask(attention, kind, language_model.get_input_embeddings().weight.dtype)
@@ -362,5 +379,5 @@ def check_decoder(name: str) -> str:
     return name
 
 
-__all__ = ["DECODERS", "DecodeOutput", "SamplingSettings", "check_decoder", "decode", "next_token_scores",
-           "pick_tokens", "suppress_mask"]
+__all__ = ["DECODERS", "DecodeOutput", "SamplingSettings", "check_decoder", "decode", "has_sharded_parameters",
+           "next_token_scores", "pick_tokens", "suppress_mask"]

@@ -284,3 +284,59 @@ def test_text_only_prompts_match_hf_generate(decode_plugins):
         for share in (False, True):
             torch.testing.assert_close(_generate(plugin, prompts, config, "mmrl", share, seed=17), theirs,
                                        rtol=0, atol=0)
+
+
+def test_sharded_parameters_decode_through_the_whole_model(decode_plugins, monkeypatch):
+    """With sharded (DTensor) parameters, FSDP2's hooks gather the root module's weights (embeddings, LM head) only
+    on the root's forward: every decode step then calls the whole model (one call per step after the prefill, not
+    one in all) and keeps peft's LoRA forwards, and the tokens are still generate's."""
+    import functools
+
+    import mmrl.plugins.vlm.decode as decode_module
+
+    plugin = _plugin(decode_plugins, "qwen2_5_vl")
+    prompts = _prompts(plugin)
+    config = _config(plugin, True)
+    base = decode_module._base_model(plugin.model)
+    calls = []
+    original = type(base).forward
+
+    @functools.wraps(original)  # keeps forward's signature: the step picks its cache argument's name from it
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(base), "forward", counted)
+    direct = _generate(plugin, prompts, config, "mmrl", True, seed=5)
+    assert len(calls) == 1  # the prefill only: the steps call the language model directly
+    calls.clear()
+    monkeypatch.setattr(decode_module, "has_sharded_parameters", lambda model: True)
+    monkeypatch.setattr(decode_module, "plain_lora_forwards", lambda model: pytest.fail("plain LoRA forwards used"))
+    whole = _generate(plugin, prompts, config, "mmrl", True, seed=5)
+    assert len(calls) == whole.shape[1] and calls[1:] == [1] * (whole.shape[1] - 1)  # prefill + one per new token
+    torch.testing.assert_close(whole, direct, rtol=0, atol=0)
+
+
+def test_sharded_parameters_are_detected():
+    """A DTensor parameter (a one-process gloo mesh, in a subprocess so that no process group outlives it) is
+    sharded; plain parameters are not."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import tempfile, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from mmrl.plugins.vlm.decode import has_sharded_parameters
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+        layer = torch.nn.Linear(4, 4)
+        plain = has_sharded_parameters(layer)
+        mesh = init_device_mesh("cpu", (1,))
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]))
+        print(plain, has_sharded_parameters(layer))
+        dist.destroy_process_group()
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "True"]
