@@ -50,6 +50,7 @@ Images with non-finite pixels score NaN, the convention of every image reward (`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -86,48 +87,62 @@ class Detected:
 
 # ---------------------------------------------------------------------------------------------------------- detection
 def classify_pixels(image: np.ndarray, max_color_distance: float = 80.0) -> np.ndarray:
-    """``[H, W]`` int: the index in ``COLOR_NAMES`` of each pixel of a ``[H, W, 3]`` uint8 image, or −1 for the
-    background, blends and anything farther than ``max_color_distance`` from its nearest palette colour."""
-    colors = np.array([BACKGROUND, *(PALETTE[name] for name in COLOR_NAMES)], dtype=np.float64)  # [1 + K, 3]
-    pixels = image.astype(np.float64)
-    distance = np.sqrt(((pixels[:, :, None, :] - colors[None, None]) ** 2).sum(-1))  # [H, W, 1 + K]
-    nearest = distance.argmin(-1)
-    close = distance.min(-1) <= max_color_distance
+    """``[..., H, W]`` int: the index in ``COLOR_NAMES`` of each pixel of ``[..., H, W, 3]`` uint8 images, or −1 for
+    the background, blends and anything farther than ``max_color_distance`` from its nearest palette colour.
+
+    Squared distances are exact integers; the nearest colour is their argmin (the square root is monotone and keeps
+    distinct integers below 3·255² apart) and only the nearest one's distance is rooted for the threshold."""
+    colors = np.array([BACKGROUND, *(PALETTE[name] for name in COLOR_NAMES)], dtype=np.int32)  # [1 + K, 3]
+    pixels = image.astype(np.int32)
+    squared = sum((pixels[..., channel, None] - colors[:, channel]) ** 2 for channel in range(3))  # [..., H, W, 1 + K]
+    nearest = squared.argmin(-1)
+    close = np.sqrt(np.take_along_axis(squared, nearest[..., None], -1)[..., 0]) <= max_color_distance
     return np.where(close & (nearest > 0), nearest - 1, -1)
 
 
 def connected_components(labels: np.ndarray) -> np.ndarray:
-    """``[H, W]`` int component ids (0 where ``labels`` is −1) of the 4-connected regions of equal label: every
-    pixel takes the largest id of its region, propagated until nothing changes."""
-    height, width = labels.shape
+    """``[..., H, W]`` int component ids (0 where ``labels`` is −1) of the 4-connected regions of equal label, in
+    each ``[H, W]`` image of a batch separately: every pixel takes the largest id of its region (ids are the
+    flat positions in the whole array, plus one, so the images' ids never collide).
+
+    Each round a pixel takes the largest id among itself and its joined neighbours, then the id that the pixel its
+    id names holds now (pointer jumping: ids always name pixels of the same region, so the jump stays inside it and
+    long regions converge in a logarithmic number of rounds); it stops when nothing changes. The fixed point is the
+    region's largest position (that pixel's id can only be itself), as plain propagation would give."""
     active = labels >= 0
-    ids = np.where(active, np.arange(1, height * width + 1).reshape(height, width), 0)
+    ids = np.where(active, np.arange(1, labels.size + 1).reshape(labels.shape), 0)
+    same_down = active[..., 1:, :] & (labels[..., 1:, :] == labels[..., :-1, :])  # pixel (i+1, j) and (i, j) joined
+    same_right = active[..., :, 1:] & (labels[..., :, 1:] == labels[..., :, :-1])
     while True:
         new = ids.copy()
-        same_down = active[1:] & (labels[1:] == labels[:-1])  # pixel (i+1, j) and (i, j) in one region
-        same_right = active[:, 1:] & (labels[:, 1:] == labels[:, :-1])
-        new[1:] = np.where(same_down, np.maximum(new[1:], ids[:-1]), new[1:])
-        new[:-1] = np.where(same_down, np.maximum(new[:-1], ids[1:]), new[:-1])
-        new[:, 1:] = np.where(same_right, np.maximum(new[:, 1:], ids[:, :-1]), new[:, 1:])
-        new[:, :-1] = np.where(same_right, np.maximum(new[:, :-1], ids[:, 1:]), new[:, :-1])
+        new[..., 1:, :] = np.where(same_down, np.maximum(new[..., 1:, :], ids[..., :-1, :]), new[..., 1:, :])
+        new[..., :-1, :] = np.where(same_down, np.maximum(new[..., :-1, :], ids[..., 1:, :]), new[..., :-1, :])
+        new[..., :, 1:] = np.where(same_right, np.maximum(new[..., :, 1:], ids[..., :, :-1]), new[..., :, 1:])
+        new[..., :, :-1] = np.where(same_right, np.maximum(new[..., :, :-1], ids[..., :, 1:]), new[..., :, :-1])
+        new = np.concatenate([[0], new.ravel()])[new]  # the jump: entry k holds pixel k - 1's id, entry 0 stays 0
         if np.array_equal(new, ids):
             return ids
         ids = new
 
 
+@functools.lru_cache(maxsize=4096)
 def _templates(height: int, width: int) -> dict[str, np.ndarray]:
+    """The three shape templates drawn in an ``[height, width]`` box (cached: the same box sizes recur; read-only)."""
     y = (np.arange(height) + 0.5)[:, None]
     x = (np.arange(width) + 0.5)[None, :]
-    return {
+    templates = {
         "circle": ((x - width / 2) / (width / 2)) ** 2 + ((y - height / 2) / (height / 2)) ** 2 <= 1,
         "square": np.ones((height, width), dtype=bool),
         "triangle": np.abs(x - width / 2) <= (y / height) * (width / 2),
     }
+    for template in templates.values():
+        template.flags.writeable = False
+    return templates
 
 
 def template_ious(mask: np.ndarray) -> dict[str, float]:
     """IoU of a region, given as its bounding-box crop ``[h, w]`` bool, with each shape's template drawn in its box."""
-    return {name: float((mask & template).sum() / max((mask | template).sum(), 1))
+    return {name: float(np.count_nonzero(mask & template) / max(np.count_nonzero(mask | template), 1))
             for name, template in _templates(*mask.shape).items()}
 
 
@@ -160,34 +175,57 @@ class Component:
 def components(image: np.ndarray, max_color_distance: float = 80.0,
                min_area_fraction: float = MIN_AREA_FRACTION) -> list[Component]:
     """The candidate objects of a ``[H, W, 3]`` uint8 image (steps 1 and 2 of the module docstring)."""
-    height, width = image.shape[:2]
-    labels = classify_pixels(image, max_color_distance)
-    ids = connected_components(labels)
+    return batch_components(image[None], max_color_distance, min_area_fraction)[0]
+
+
+def batch_components(images: np.ndarray, max_color_distance: float = 80.0,
+                     min_area_fraction: float = MIN_AREA_FRACTION) -> list[list[Component]]:
+    """The candidate objects of each of ``[N, H, W, 3]`` uint8 images of one size (steps 1 and 2 of the module
+    docstring), found for the whole batch at once: pixel classes and components in array operations over every
+    image, then each component's area, box and centroid from its pixels sorted by component (``np.*.reduceat``),
+    so only the components that pass the size and aspect filters are visited one by one (to crop their masks).
+    Each image's list is in increasing component id (the order a per-image search finds them in)."""
+    count, height, width = images.shape[:3]
+    labels = classify_pixels(images, max_color_distance)  # [N, H, W]
+    ids = connected_components(labels)  # [N, H, W]
+    found: list[list[Component]] = [[] for _ in range(count)]
     flat = ids.ravel()
-    areas = np.bincount(flat, minlength=1)
-    min_area = max(1.0, min_area_fraction * height * width)
-    found = []
-    for component in np.nonzero(areas >= min_area)[0]:
-        if component == 0:
-            continue
-        ys, xs = np.nonzero(ids == component)
-        y0, y1, x0, x1 = int(ys.min()), int(ys.max()), int(xs.min()), int(xs.max())
-        box_h, box_w = y1 - y0 + 1, x1 - x0 + 1
-        if box_h > MAX_SIDE_FRACTION * height or box_w > MAX_SIDE_FRACTION * width:
-            continue
-        if max(box_h, box_w) > MAX_ASPECT * min(box_h, box_w):
-            continue
-        mask = ids[y0:y1 + 1, x0:x1 + 1] == component
-        found.append(Component(mask, COLOR_NAMES[int(labels[ys[0], xs[0]])], float(xs.mean() + 0.5),
-                               float(ys.mean() + 0.5), int(areas[component]), template_ious(mask)))
+    pixels = np.flatnonzero(flat)  # [P] flat positions of the classified pixels
+    if not len(pixels):
+        return found
+    order = np.argsort(flat[pixels], kind="stable")  # row-major within each component
+    pixels = pixels[order]
+    component = flat[pixels]  # [P], non-decreasing
+    starts = np.flatnonzero(np.r_[True, component[1:] != component[:-1]])  # [C] first pixel of each component
+    areas = np.diff(np.r_[starts, len(pixels)])  # [C]
+    image_index, ys, xs = np.unravel_index(pixels, ids.shape)
+    y0, y1 = np.minimum.reduceat(ys, starts), np.maximum.reduceat(ys, starts)  # [C]
+    x0, x1 = np.minimum.reduceat(xs, starts), np.maximum.reduceat(xs, starts)
+    box_h, box_w = y1 - y0 + 1, x1 - x0 + 1
+    keep = ((areas >= max(1.0, min_area_fraction * height * width))
+            & (box_h <= MAX_SIDE_FRACTION * height) & (box_w <= MAX_SIDE_FRACTION * width)
+            & (np.maximum(box_h, box_w) <= MAX_ASPECT * np.minimum(box_h, box_w)))
+    cx = np.add.reduceat(xs, starts) / areas + 0.5  # [C] mean pixel centre: integer sums, exact
+    cy = np.add.reduceat(ys, starts) / areas + 0.5
+    first = labels.ravel()[pixels[starts]]  # [C] the component's palette index
+    for c in np.flatnonzero(keep):
+        n = int(image_index[starts[c]])
+        mask = ids[n, y0[c]:y1[c] + 1, x0[c]:x1[c] + 1] == component[starts[c]]
+        found[n].append(Component(mask, COLOR_NAMES[int(first[c])], float(cx[c]), float(cy[c]), int(areas[c]),
+                                  template_ious(mask)))
     return found
 
 
 def detect(image: np.ndarray, max_color_distance: float = 80.0,
            min_area_fraction: float = MIN_AREA_FRACTION) -> list[Detected]:
     """The objects of a ``[H, W, 3]`` uint8 image."""
+    return objects_of(components(image, max_color_distance, min_area_fraction))
+
+
+def objects_of(items: Sequence[Component]) -> list[Detected]:
+    """The objects among candidate :class:`Component` s: those with a shape (step 3 of the module docstring)."""
     found = []
-    for item in components(image, max_color_distance, min_area_fraction):
+    for item in items:
         shape = shape_from_ious(item.ious)
         if shape is not None:
             box_h, box_w = item.mask.shape
@@ -260,8 +298,9 @@ AreaFraction = Annotated[float, Range(0, 1, high_open=True)]
 
 
 class _RowPixelReward(Reward):
-    """What ``shapes`` and ``shape_fidelity`` share: the detector's options, the row check and the per-image loop
-    (non-finite images score NaN); a subclass scores one finite ``[H, W, 3]`` uint8 image for its row."""
+    """What ``shapes`` and ``shape_fidelity`` share: the detector's options, the row check and the detection over the
+    batch (:func:`batch_components` once per image size; non-finite images score NaN); a subclass scores one finite
+    image's candidate objects for its row (``score_found``)."""
 
     name = ""
 
@@ -275,17 +314,27 @@ class _RowPixelReward(Reward):
         self.min_area_fraction = float(min_area_fraction)
         self.output = output
 
-    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
+    def score_found(self, row: dict[str, Any], items: list[Component]) -> float:
         raise NotImplementedError
+
+    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
+        """The score of one finite ``[H, W, 3]`` uint8 image for its row."""
+        return self.score_found(row, components(image, self.max_color_distance, self.min_area_fraction))
 
     def __call__(self, batch: RewardInput) -> Tensor:
         for index, row in enumerate(batch.rows):
             check_row(row, index, self.name)
         images = read_images(batch, self.output, self.name)
         scores = torch.zeros(len(batch), dtype=torch.float64)
-        for i, row in enumerate(batch.rows):
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i in range(len(batch)):
             if bool(images.finite[i]):  # the others score NaN below
-                scores[i] = self.score_image(row, images.numpy(i))
+                by_size.setdefault(tuple(images.images[i].shape), []).append(i)
+        for indices in by_size.values():  # the detector runs once per image size, over all its images
+            stack = torch.stack([images.images[i] for i in indices]).permute(0, 2, 3, 1).cpu().numpy()  # [n, H, W, 3]
+            found = batch_components(stack, self.max_color_distance, self.min_area_fraction)
+            for i, items in zip(indices, found, strict=True):
+                scores[i] = self.score_found(batch.rows[i], items)
         return images.nan_where_invalid(scores)
 
 
@@ -308,8 +357,8 @@ class ShapesReward(_RowPixelReward):
         super().__init__(max_color_distance, min_area_fraction, output)
         self.strict = bool(strict)
 
-    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
-        return score_row(row, detect(image, self.max_color_distance, self.min_area_fraction), self.strict)
+    def score_found(self, row: dict[str, Any], items: list[Component]) -> float:
+        return score_row(row, objects_of(items), self.strict)
 
 
 # ---------------------------------------------------------------------------------------------------------- fidelity
@@ -344,5 +393,5 @@ class ShapeFidelityReward(_RowPixelReward):
         """Options (the config's ``args``): as :class:`ShapesReward` (without ``strict``)."""
         super().__init__(max_color_distance, min_area_fraction, output)
 
-    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
-        return fidelity_row(row, components(image, self.max_color_distance, self.min_area_fraction))
+    def score_found(self, row: dict[str, Any], items: list[Component]) -> float:
+        return fidelity_row(row, items)

@@ -127,6 +127,78 @@ def test_connected_components_are_four_connected():
     assert len(np.unique(ids[labels >= 0])) == 4
 
 
+def _flood_fill_components(image: np.ndarray, min_area_fraction: float, max_color_distance: float = 80.0
+                           ) -> list[tuple]:
+    """An independent reference for the detector's steps 1-2: nearest palette colour by a per-pixel loop, regions
+    by breadth-first flood fill, filtered by area, side and aspect; each as (colour, cx, cy, area, box)."""
+    from collections import deque
+
+    from mmrl.rewards.shapes import COLOR_NAMES, MAX_ASPECT, MAX_SIDE_FRACTION
+
+    height, width = image.shape[:2]
+    palette = [world.BACKGROUND] + [world.PALETTE[name] for name in COLOR_NAMES]
+    labels = np.full((height, width), -1)
+    for y in range(height):
+        for x in range(width):
+            distances = [math.dist(image[y, x].tolist(), color) for color in palette]
+            k = distances.index(min(distances))
+            if k > 0 and distances[k] <= max_color_distance:
+                labels[y, x] = k - 1
+    seen = np.zeros((height, width), dtype=bool)
+    regions = []
+    for y in range(height):
+        for x in range(width):
+            if labels[y, x] < 0 or seen[y, x]:
+                continue
+            pixels, queue = [], deque([(y, x)])
+            seen[y, x] = True
+            while queue:
+                py, px = queue.popleft()
+                pixels.append((py, px))
+                for ny, nx in ((py + 1, px), (py - 1, px), (py, px + 1), (py, px - 1)):
+                    if 0 <= ny < height and 0 <= nx < width and not seen[ny, nx] and labels[ny, nx] == labels[y, x]:
+                        seen[ny, nx] = True
+                        queue.append((ny, nx))
+            ys, xs = zip(*pixels, strict=True)
+            box_h, box_w = max(ys) - min(ys) + 1, max(xs) - min(xs) + 1
+            if (len(pixels) >= max(1.0, min_area_fraction * height * width) and box_h <= MAX_SIDE_FRACTION * height
+                    and box_w <= MAX_SIDE_FRACTION * width and max(box_h, box_w) <= MAX_ASPECT * min(box_h, box_w)):
+                regions.append((COLOR_NAMES[labels[y, x]], sum(xs) / len(xs) + 0.5, sum(ys) / len(ys) + 0.5,
+                                len(pixels), (min(ys), min(xs), box_h, box_w)))
+    return sorted(regions)
+
+
+@pytest.mark.parametrize("min_area_fraction", [0.0, 16 / 1024])
+def test_batched_detector_equals_a_per_pixel_flood_fill(min_area_fraction):
+    """`batch_components` over a batch (renderings, noisy renderings, noise, a one-pixel serpentine whose ids need
+    many propagation rounds) finds, for every image, the regions a plain flood fill finds: colour, centroid, area,
+    box size."""
+    from mmrl.rewards.shapes import batch_components
+
+    rng = np.random.default_rng(3)
+    rows = world.split()["train"][:6]
+    clean = world.sample_images(rows, rng)
+    noisy = np.clip(clean.astype(np.int16) + rng.integers(-45, 45, clean.shape), 0, 255).astype(np.uint8)
+    noise = rng.integers(0, 256, (2, 32, 32, 3)).astype(np.uint8)
+    serpentine = np.full((32, 32, 3), world.BACKGROUND, dtype=np.uint8)
+    for row in range(2, 19, 2):  # rows 2, 4, ..., 18 from x = 2 to 17, joined at alternate ends
+        serpentine[row, 2:18] = world.PALETTE["red"]
+        if row < 18:
+            serpentine[row + 1, 17 if row % 4 == 2 else 2] = world.PALETTE["red"]
+    images = np.concatenate([clean, noisy, noise, serpentine[None]])
+    found = batch_components(images, min_area_fraction=min_area_fraction)
+    for image, items in zip(images, found, strict=True):
+        ours = sorted((item.color, item.cx, item.cy, item.area, item.mask.shape) for item in items)
+        reference = [(color, cx, cy, area, box[2:]) for color, cx, cy, area, box in
+                     _flood_fill_components(image, min_area_fraction)]
+        assert len(ours) == len(reference)
+        for a, b in zip(ours, reference, strict=True):
+            assert (a[0], a[3], a[4]) == (b[0], b[3], b[4])
+            assert a[1] == pytest.approx(b[1]) and a[2] == pytest.approx(b[2])
+    assert all(found[:6])  # every rendering has its objects
+    assert [(item.color, item.area) for item in found[-1]] == [("red", 9 * 16 + 8)]  # the serpentine, whole
+
+
 # ------------------------------------------------------------------------------------------------ malformed inputs
 def test_malformed_images_are_scored_not_raised():
     rng = np.random.default_rng(1)
