@@ -1,4 +1,4 @@
-"""Run the reference plugin for a few steps and record what the equality tests compare.
+"""Run a plugin (the reference one by default) for a few steps and record what the equality tests compare.
 
 Launched by the tests in this folder, alone or under ``accelerate launch --multi_gpu --num_processes 2``. Every
 process writes ``rank{r}.json`` with the advantage of each sample it trained (keyed by the sample's seed, which
@@ -97,7 +97,10 @@ def main() -> None:
               "num_processes": trainer.accelerator.num_processes}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if trainer.accelerator.is_main_process:
-        torch.save({k: v.detach().cpu() for k, v in trainer.plugin.model.state_dict().items()}, out / "params.pt")
+        model = getattr(trainer.plugin, "model", None)  # the flow plugin holds a pipeline: its trained parameters
+        params = (model.state_dict().items() if model is not None
+                  else ((str(i), p) for i, p in enumerate(trainer.learner.parameters)))
+        torch.save({k: v.detach().cpu() for k, v in params}, out / "params.pt")
         torch.save(torch.stack(gradients), out / "gradients.pt")
     trainer.close()  # the process group is destroyed before the interpreter exits
     assert not torch.distributed.is_initialized()
