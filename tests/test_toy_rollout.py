@@ -8,6 +8,7 @@ benchmarks/step_floors.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmrl.config import from_dict
@@ -60,3 +61,21 @@ def test_old_logp_equals_the_training_forward():
         expected = torch.log_softmax(logits / temperature, dim=-1).gather(
             -1, rollout.replay["tokens"].unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(rollout.old_logp, expected, rtol=0, atol=1e-6)
+
+
+def test_prompt_ids_are_the_digits_padded_with_pad():
+    """The prompt encoding (one ``torch.tensor`` call over padded rows) against a row-by-row construction, and its
+    one-line error for a prompt wider than the model."""
+    plugin = make_plugin(min_length=1, max_length=5)
+    sequences = [row["digits"] for row in plugin.dataset("train")] + [[]]
+    width, pad = plugin.tiny.max_prompt_length, plugin.tiny.pad_id
+    expected = torch.full((len(sequences), width), pad, dtype=torch.long)
+    for i, digits in enumerate(sequences):
+        for j, digit in enumerate(digits):
+            expected[i, j] = digit
+    ids = plugin._encode(sequences)
+    assert ids.dtype == torch.long and torch.equal(ids, expected)
+    assert {len(digits) for digits in sequences} >= {0, width}, "the rows do not span empty to full width"
+    assert plugin._encode([]).shape == (0, width)
+    with pytest.raises(ValueError, match="exceeds the model's width"):
+        plugin._encode([[1] * (width + 1)])
