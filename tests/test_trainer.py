@@ -603,3 +603,32 @@ def test_read_scalars_reads_tensors_as_float32_and_keeps_floats():
     # ones is read on its own, which fails for want of data, not with a device mismatch in torch.stack.
     with pytest.raises(NotImplementedError, match="meta"):
         _read_scalars({"a": torch.tensor(1.5), "x": torch.empty((), device="meta")}, ())
+
+
+def test_micro_batch_diagnostics_are_the_masked_means_of_kl_entropy_and_advantage(tmp_path):
+    """The learner's own diagnostics (computed in one stacked reduction with the policy loss's) against one masked
+    mean each, on a rollout with padding and a fractional mask."""
+    from mmrl.plugin import PolicyOutput
+
+    trainer = Trainer(toy_config(tmp_path, "algorithm.kl_coef=0.1"))
+    rollout = trainer.collector.collect(trainer.policy, 0, {}).rollout.select(torch.arange(12))
+    generator = torch.Generator().manual_seed(3)
+    shape = rollout.mask.shape
+    rollout.mask = rollout.mask * torch.rand(shape, generator=generator).clamp(min=0.1)
+    rollout.mask[0] = 0.0
+    logp = rollout.old_logp + 0.1 * torch.randn(shape, generator=generator)
+    entropy, ref = torch.rand(shape, generator=generator), logp - 0.2 * torch.rand(shape, generator=generator)
+    advantages = torch.randn(len(rollout), generator=generator)
+    trainer.plugin.forward = lambda *args, **kwargs: PolicyOutput(logp=logp, ref_logp=ref, entropy=entropy)
+    _, metrics, _, weight = trainer.learner._micro_loss(rollout, advantages, False, 50.0, 10.0, 6, None,
+                                                        rollout.mask.double().sum(1))
+
+    def mean(values):
+        return float((values * rollout.mask).sum() / rollout.mask.sum())
+
+    kl = trainer.learner.kl_estimator(logp, ref)
+    assert float(metrics["policy/kl"]) == pytest.approx(mean(kl), rel=1e-6)
+    assert float(metrics["policy/entropy"]) == pytest.approx(mean(entropy), rel=1e-6)
+    assert float(metrics["policy/advantage"]) == pytest.approx(mean(advantages.unsqueeze(1).expand(shape)), rel=1e-6)
+    assert float(weight) == pytest.approx(float(rollout.mask.sum()), rel=1e-6)
+    trainer.close()

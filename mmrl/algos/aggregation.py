@@ -129,12 +129,15 @@ def aggregate(
     """
     if loss.shape != mask.shape or loss.dim() != 2:
         raise ValueError(f"loss and mask must share one [N, A] shape; got {tuple(loss.shape)}, {tuple(mask.shape)}")
-    local_actions, local_sequences = aggregation_counts(mask)
+    if num_actions is None or num_sequences is None:  # the trainer passes both: no local count (and no sync) then
+        local_actions, local_sequences = aggregation_counts(mask)
+        num_actions = local_actions if num_actions is None else num_actions
+        num_sequences = local_sequences if num_sequences is None else num_sequences
     return aggregation_modes.get(mode)(
         loss,
         mask,
-        num_actions=local_actions if num_actions is None else float(num_actions),
-        num_sequences=local_sequences if num_sequences is None else float(num_sequences),
+        num_actions=float(num_actions),
+        num_sequences=float(num_sequences),
         max_actions=float(loss.shape[1]) if max_actions is None else float(max_actions),
         sequence_lengths=mask.to(torch.float64).sum(dim=1) if sequence_lengths is None else sequence_lengths,
     )

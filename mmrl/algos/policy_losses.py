@@ -14,7 +14,8 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import torch
@@ -55,20 +56,49 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return ((values.detach().to(torch.float32) * weights).sum() / total.clamp(min=1.0)).detach()
 
 
-def _ratio_metrics(log_r: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    ratio = log_r.detach().exp()
-    active = mask > 0
-    if active.any():
-        ratio_min, ratio_max = ratio[active].min().float(), ratio[active].max().float()
+@torch.no_grad()
+def masked_means(values: Sequence[Tensor], mask: Tensor) -> Tensor:
+    """:func:`masked_mean` of each of ``values`` (float or bool tensors shaped like ``mask``) in one stacked
+    reduction: a micro-batch's diagnostics cost a handful of tensor operations instead of five each.
+
+    Shapes:
+        values: K tensors ``[N, A]``; mask ``[N, A]`` → ``[K]`` float32, detached.
+    """
+    weights = _as_float32(mask)  # [N, A]
+    stacked = torch.stack([_as_float32(value) for value in values])  # [K, N, A]; no_grad: nothing to detach
+    dims = tuple(range(1, stacked.dim()))
+    return (stacked * weights).sum(dim=dims) / weights.sum().clamp(min=1.0)  # [K]
+
+
+def _as_float32(value: Tensor) -> Tensor:
+    """``value`` in float32, without a conversion call when it is float32 already (most diagnostics are)."""
+    return value if value.dtype == torch.float32 else value.to(torch.float32)
+
+
+@torch.no_grad()
+def _ratio_metrics(log_r: Tensor, mask: Tensor, fractions: dict[str, Tensor] | None = None,
+                   ratio: Tensor | None = None) -> dict[str, Tensor]:
+    """Ratio statistics over the active actions (``mask > 0``; min and max 1 when there are none), Schulman's
+    k2-style estimate of KL(π_old‖π_θ) on the sampled actions, and the masked mean of each boolean ``fractions``
+    entry, from one stacked reduction (:func:`masked_means`); each value a detached 0-dim float32 tensor.
+    ``ratio``: ``log_r.exp()`` when the caller has it already."""
+    log_r = log_r.detach()  # [N, A]
+    ratio = log_r.exp() if ratio is None else ratio.detach()  # [N, A]
+    fractions = fractions or {}
+    means = masked_means([ratio, 0.5 * log_r**2, *fractions.values()], mask)  # [2 + F]
+    if ratio.numel():
+        active = mask > 0  # [N, A]
+        # min r and min(−r) = −max r over the active actions in one reduction; with none active both are +inf and
+        # the extremes are 1 (min 1, −max −1).
+        extremes = torch.stack([ratio.masked_fill(~active, math.inf), ratio.neg().masked_fill(~active, math.inf)])
+        empty = torch.tensor([1.0, -1.0], dtype=ratio.dtype, device=ratio.device)
+        low, neg_high = torch.where(active.any(), extremes.amin(dim=(1, 2)), empty).to(torch.float32).unbind()
+        high = -neg_high
     else:
-        ratio_min = ratio_max = torch.ones((), dtype=torch.float32, device=ratio.device)
-    return {
-        "ratio_mean": masked_mean(ratio, mask),
-        "ratio_min": ratio_min,
-        "ratio_max": ratio_max,
-        # Schulman's k2-style estimate of KL(π_old‖π_θ) on the sampled actions.
-        "approx_kl": masked_mean(0.5 * log_r.detach() ** 2, mask),
-    }
+        low = high = torch.ones((), dtype=torch.float32, device=ratio.device)
+    ratio_mean, approx_kl, *shares = means.unbind()
+    return {"ratio_mean": ratio_mean, "ratio_min": low, "ratio_max": high, "approx_kl": approx_kl,
+            **dict(zip(fractions, shares, strict=True))}
 
 
 @policy_losses.register("grpo")
@@ -105,21 +135,19 @@ def clipped_policy_loss(
     log_r = log_ratio(logp, old_logp, mask, level=ratio_level, chunk_ids=chunk_ids)  # [N, A]
     ratio = log_r.exp()  # [N, A]
     adv = broadcast_advantages(advantages, logp).to(ratio.dtype)  # [N, A]
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)  # [N, A]
-    low = (adv < 0) & (ratio < 1.0 - clip_low)
-    high = (adv > 0) & (ratio > 1.0 + clip_high)
-    metrics = _ratio_metrics(log_r, mask)
-    metrics["clip_fraction"] = masked_mean((low | high).float(), mask)
-    metrics["clip_fraction_low"] = masked_mean(low.float(), mask)
-    metrics["clip_fraction_high"] = masked_mean(high.float(), mask)
+    neg_adv = -adv  # [N, A]
+    loss = torch.maximum(neg_adv * ratio, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))  # [N, A]
+    with torch.no_grad():
+        low = (adv < 0) & (ratio < 1.0 - clip_low)  # [N, A]
+        high = (adv > 0) & (ratio > 1.0 + clip_high)  # [N, A]
+        fractions = {"clip_fraction": low | high, "clip_fraction_low": low, "clip_fraction_high": high}
     if dual_clip is not None:
-        cap = -dual_clip * adv
-        capped = (adv < 0) & (loss > cap)
-        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
-        metrics["dual_clip_fraction"] = masked_mean(capped.float(), mask)
-    return loss, metrics
+        cap = -dual_clip * adv  # [N, A]
+        negative = adv < 0
+        with torch.no_grad():
+            fractions["dual_clip_fraction"] = negative & (loss > cap)
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+    return loss, _ratio_metrics(log_r, mask, fractions, ratio=ratio)
 
 
 @policy_losses.register("gspo")

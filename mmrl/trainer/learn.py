@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, policy_losses
+from mmrl.algos.policy_losses import masked_means
 from mmrl.config import ConfigError, TrainConfig
 from mmrl.plugin import Plugin
 from mmrl.rollout import Rollout, RolloutError
@@ -248,6 +249,7 @@ class Learner:
         # Shredded-Pork/TempFlow-GRPO e66824e, scripts/train_sd3_pr.py) and verl-omni's grpo_guard loss (÷ Δt before
         # the KL is added): the KL coefficient stays β at every action.
         total = per_action if part.action_weights is None else per_action * part.action_weights
+        diagnostics: dict[str, torch.Tensor] = {}  # [n, A] each, averaged over the mask together below
         if algorithm.kl_coef > 0:
             kl = output.kl
             if kl is None:
@@ -256,12 +258,13 @@ class Learner:
                     raise RolloutError("kl_coef > 0 but the plugin returned neither kl nor ref_logp")
                 kl = self.kl_estimator(logp, ref.float())
             total = total + algorithm.kl_coef * kl
-            metrics["policy/kl"] = _masked_mean(kl, part.mask)
+            diagnostics["policy/kl"] = kl
         if output.entropy is not None:
-            metrics["policy/entropy"] = _masked_mean(output.entropy, part.mask)
+            diagnostics["policy/entropy"] = output.entropy
             if algorithm.entropy_coef > 0:
                 total = total - algorithm.entropy_coef * output.entropy
-        metrics["policy/advantage"] = _masked_mean(broadcast_advantages(advantages, logp), part.mask)
+        diagnostics["policy/advantage"] = broadcast_advantages(advantages, logp)
+        metrics.update(zip(diagnostics, masked_means(list(diagnostics.values()), part.mask).unbind(), strict=True))
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
         return loss, metrics, deviation, part.mask.sum()
@@ -353,12 +356,6 @@ def max_ratio_deviation(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.
     return (logp - old_logp).exp().sub(1).abs().masked_fill(mask <= 0, 0.0).max()
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values [n, A]`` over ``mask [n, A]`` (0 when it is empty), as a detached 0-dim float32 tensor."""
-    weights = mask.float()
-    return (values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0)
-
-
 def _read_scalars(metrics: dict[str, Any], extra: tuple[Any, ...]) -> tuple[dict[str, float], list[float]]:
     """``metrics`` (floats or 0-dim tensors) and the ``extra`` scalars as Python floats, the tensors read back in one
     ``tolist()`` per device (each as float32, as :meth:`WeightedMeans.add` reads a tensor)."""
@@ -368,8 +365,16 @@ def _read_scalars(metrics: dict[str, Any], extra: tuple[Any, ...]) -> tuple[dict
         if isinstance(value, torch.Tensor):
             by_device.setdefault(value.device, []).append(i)
     for tensors in by_device.values():
-        read = torch.stack([values[i].detach().float().reshape(()) for i in tensors]).tolist()
+        with torch.no_grad():  # no detach needed; a 0-dim float32 tensor (the usual metric) goes in as it is
+            read = torch.stack([_as_float32_scalar(values[i]) for i in tensors]).tolist()
         for i, value in zip(tensors, read, strict=True):
             values[i] = value
     values = [float(value) for value in values]
     return dict(zip(metrics, values[:len(metrics)], strict=True)), values[len(metrics):]
+
+
+def _as_float32_scalar(value: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor as a 0-dim float32 tensor (itself when it is one already)."""
+    if value.dtype != torch.float32:
+        value = value.float()
+    return value if value.dim() == 0 else value.reshape(())

@@ -117,3 +117,68 @@ def test_clipped_actions_get_no_gradient():
     loss.sum().backward()
     assert logp.grad[0, 0].item() == 0.0  # r = 1.5 > 1.2 with A > 0: clipped
     assert logp.grad[0, 1].item() == pytest.approx(-1.0)
+
+
+def _reference_metrics(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip, level):
+    """The diagnostics written out one masked mean at a time (the formulas before they were fused into one stacked
+    reduction): an independent computation of every metric the clipped loss reports."""
+    def mean(values):
+        weights = mask.float()
+        return float((values.detach().float() * weights).sum() / weights.sum().clamp(min=1.0))
+
+    log_r = log_ratio(logp, old_logp, mask, level=level).detach()
+    ratio = log_r.exp()
+    adv = adv.unsqueeze(1).expand_as(ratio) if adv.dim() == 1 else adv
+    active = mask > 0
+    low = (adv < 0) & (ratio < 1 - clip_low)
+    high = (adv > 0) & (ratio > 1 + clip_high)
+    expected = {
+        "ratio_mean": mean(ratio),
+        "ratio_min": float(ratio[active].min()) if active.any() else 1.0,
+        "ratio_max": float(ratio[active].max()) if active.any() else 1.0,
+        "approx_kl": mean(0.5 * log_r**2),
+        "clip_fraction": mean((low | high).float()),
+        "clip_fraction_low": mean(low.float()),
+        "clip_fraction_high": mean(high.float()),
+    }
+    if dual_clip is not None:
+        unclipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
+        expected["dual_clip_fraction"] = mean(((adv < 0) & (unclipped > -dual_clip * adv)).float())
+    return expected
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_diagnostics_equal_one_masked_mean_each(level, dual_clip, dtype):
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(5):
+        n, a = 9, 7
+        old = -torch.rand(n, a, generator=generator, dtype=dtype) * 3
+        logp = old + 0.4 * torch.randn(n, a, generator=generator, dtype=dtype)
+        adv = torch.randn(n, generator=generator, dtype=dtype) if trial % 2 else torch.randn(
+            n, a, generator=generator, dtype=dtype)
+        mask = (torch.rand(n, a, generator=generator) > 0.3).float()
+        if trial == 3:
+            mask = mask * torch.rand(n, a, generator=generator)  # fractional weights
+        if trial == 4:
+            mask = torch.zeros(n, a)  # no active action: ratio min and max are 1
+        _, metrics = policy_losses["grpo"](logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip,
+                                           ratio_level=level)
+        expected = _reference_metrics(logp, old, adv, mask, 0.2, 0.28, dual_clip, level)
+        assert list(metrics) == list(expected)
+        for name, value in metrics.items():
+            assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad
+            assert float(value) == pytest.approx(expected[name], rel=1e-6, abs=1e-7), (trial, name)
+
+
+def test_fused_diagnostics_keep_nan_and_empty_batches():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[float("nan"), 0.1, 0.2], [0.0, -0.1, 0.3]])
+    _, metrics = policy_losses["grpo"](logp, old, torch.ones(2), torch.ones(2, 3))
+    assert all(torch.isnan(metrics[name]) for name in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl"))
+    _, empty = policy_losses["grpo"](torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0), torch.zeros(0, 3))
+    assert float(empty["ratio_min"]) == float(empty["ratio_max"]) == 1.0
+    assert float(empty["ratio_mean"]) == float(empty["clip_fraction"]) == 0.0
+    _, reinforce = policy_losses["reinforce"](logp.nan_to_num(), old, torch.ones(2), torch.ones(2, 3))
+    assert float(reinforce["ratio_max"]) == pytest.approx(math.exp(0.3), rel=1e-6)
