@@ -227,6 +227,83 @@ def test_the_core_computes_old_logp_that_a_rollout_leaves_out(tmp_path, override
         assert record["loss/first_step_ratio_deviation"] < 1e-5
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_first_minibatch_is_its_own_old_policy_unless_the_policy_has_dropout(tmp_path, dropout):
+    """μ = 1, two mini-batches, a rollout without old_logp: the first mini-batch trains on the sampling weights, so the
+    old-policy pass scores only the second one's samples, and the run trains with the gradients of a run whose plugin
+    computed every old log-prob itself. A policy with dropout computes differently in training mode than the
+    eval-mode pass (the old policy): then every sample is scored."""
+    common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.micro_batch_size=16", "algorithm.minibatches=2")
+    core = _leaving_old_logp_out(Trainer(toy_config(tmp_path / "core", *common)))
+    core.plugin.model.probe = torch.nn.Dropout(dropout)  # a module the forward never calls: only the guard reads it
+    sizes: list[int] = []  # samples of every no-grad forward
+    forward = core.plugin.forward
+
+    def recorded(policy, rollout, **kwargs):
+        if not torch.is_grad_enabled():
+            sizes.append(len(rollout))
+        return forward(policy, rollout, **kwargs)
+
+    core.plugin.forward = recorded
+    got = record_gradients(core, core.plugin.model)
+    result = core.train()
+    own = _with_old_logp(Trainer(toy_config(tmp_path / "own", *common)))
+    expected = record_gradients(own, own.plugin.model)
+    own.train()
+    assert sizes == ([16, 16] if dropout == 0 else [32, 32])  # one pass per step, the second mini-batch or all
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+    for record in result.history:
+        assert (record["loss/first_step_ratio_deviation"] == 0.0) if dropout == 0 else \
+            (record["loss/first_step_ratio_deviation"] < 1e-5)
+
+
+def test_old_policy_pass_leaves_out_the_skipped_samples(tmp_path):
+    """``old_policy_pass(skip=...)`` scores the other samples as the full pass does; the skipped rows are NaN (and
+    with everything skipped no forward runs)."""
+    from mmrl.trainer.learn import old_policy_pass
+
+    trainer = _leaving_old_logp_out(Trainer(toy_config(tmp_path, "run.max_steps=1", "algorithm.inner_epochs=2")))
+    results = {}
+    update = trainer.learner.update
+
+    def recorded_update(batch, step):
+        plugin, policy = trainer.plugin, trainer.policy
+        calls = record_calls(plugin, "forward")
+        rollout = batch.rollout
+        results["full"] = old_policy_pass(plugin, policy, rollout, batch_size=8).old_logp
+        results["part"] = old_policy_pass(plugin, policy, rollout, batch_size=8, skip=[0, 3, 5]).old_logp
+        before = len(calls)
+        results["none"] = old_policy_pass(plugin, policy, rollout, skip=list(range(len(rollout)))).old_logp
+        results["forwards"] = len(calls) - before
+        del plugin.forward
+        return update(batch, step)
+
+    trainer.learner.update = recorded_update
+    trainer.train()
+    full, part = results["full"], results["part"]
+    kept = [i for i in range(full.shape[0]) if i not in (0, 3, 5)]
+    assert part.shape == full.shape and bool(part[[0, 3, 5]].isnan().all())
+    torch.testing.assert_close(part[kept], full[kept])
+    assert results["forwards"] == 0 and bool(results["none"].isnan().all())
+
+
+def test_same_in_train_and_eval_reads_dropout_batch_norm_and_model_configs():
+    from types import SimpleNamespace
+
+    from mmrl.trainer.learn import same_in_train_and_eval
+
+    assert same_in_train_and_eval(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+    assert not same_in_train_and_eval(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+    assert not same_in_train_and_eval(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(to_dict=lambda: {"attention_dropout": 0.0, "hidden_dropout_prob": None})
+    assert same_in_train_and_eval(model)
+    model.config = SimpleNamespace(to_dict=lambda: {"attention_dropout": 0.1})
+    assert not same_in_train_and_eval(model)
+
+
 def _epoch_noise(trainer, *, declare: bool) -> list[tuple[str, object]]:
     """Give the trainer's toy plugin per-epoch 'noise': ``forward`` adds ``0.2 * epoch`` to every log-prob (as a Monte
     Carlo estimate redrawn per inner epoch shifts it), and ``redraws_per_epoch`` says ``declare``. The shift cancels
@@ -254,8 +331,9 @@ def _epoch_noise(trainer, *, declare: bool) -> list[tuple[str, object]]:
 def test_plugins_that_redraw_noise_per_epoch_get_old_logp_on_each_epochs_draw(tmp_path):
     """μ = 2 with noise redrawn per epoch (``redraws_per_epoch``): the learner runs one old-policy pass per epoch, each
     after ``start_inner_epoch(e)``, so epoch e's ratio compares the two policies on draw e and the run trains like a
-    run without the noise. One pass shared by both epochs (a plugin that does not declare the redraw) leaves epoch 1
-    with a ratio off by e^0.2 and other gradients."""
+    run without the noise; epoch 0's pass leaves out the first mini-batch (here all samples: one mini-batch), whose
+    old log-probs are its own training forward's. One pass shared by both epochs (a plugin that does not declare the
+    redraw) leaves epoch 1 with a ratio off by e^0.2 and other gradients."""
     common = ("run.max_steps=2", "optim.lr=3e-2", "algorithm.inner_epochs=2", "algorithm.micro_batch_size=16")
     runs = {}
     for name, declare in (("redraws", True), ("undeclared", False)):
@@ -267,7 +345,7 @@ def test_plugins_that_redraw_noise_per_epoch_get_old_logp_on_each_epochs_draw(tm
     expected = record_gradients(plain, plain.plugin.model)
     plain.train()
     got, events = runs["redraws"]
-    per_step = [("epoch", 0), ("forward", False), ("epoch", 1), ("forward", False),
+    per_step = [("epoch", 0), ("epoch", 1), ("forward", False),  # epoch 0's pass has nothing left to score
                 ("epoch", 0), ("forward", True), ("forward", True), ("epoch", 1), ("forward", True), ("forward", True)]
     assert events == per_step * 2
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):

@@ -6,7 +6,9 @@
   epoch's mask plan (the rows whose plan scores a position, in ``score_micro_batch`` pieces, two forwards each with
   ``cfg_scale > 0``), reduced to a scalar over the completion positions, then one backward;
 - extras: ``old_logp``, the core's no-grad scoring of the sampling policy under every epoch's plan, when the run
-  needs old log-probs; ``reference``, the same scoring with the reference model, when ``kl_coef > 0``;
+  needs old log-probs, without the samples of the first mini-batch where the learner takes their old log-probs
+  from the training forward (:meth:`mmrl.trainer.learn.Learner.old_policy_rollouts`); ``reference``, the scoring
+  of every sample under every plan with the reference model, when ``kl_coef > 0``;
   ``logprob_math``, the plugin's scoring function (``DLLMPlugin.score``: the masked inputs, the float32 log-softmax
   of the scored positions, the plan's reduction and the token columns) with the model replaced by a precomputed
   output, for every scoring pass of the step (with gradients and their backward for the training passes).
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mmrl.trainer.learn import needs_old_logp
+from mmrl.trainer.learn import needs_old_logp, same_in_train_and_eval
 
 from . import Floor, scalar
 
@@ -88,12 +90,26 @@ class DLLMFloor(Floor):
         return total
 
     # ------------------------------------------------------------------ extras
+    def old_policy_samples(self) -> list[list[int]]:
+        """Per plan, the samples the learner's old-policy pass scores (empty when the run needs no old log-probs): all
+        of them, but for plan 0 not the first mini-batch's when the learner reuses its training forward (one pass per
+        epoch, or a single epoch, and a policy that computes the same in training and eval mode)."""
+        if not needs_old_logp(self.trainer.config):
+            return [[] for _ in range(self.num_plans)]
+        everything = list(range(len(self.rollout)))
+        epochs = self.trainer.geometry.inner_epochs
+        reused = set()
+        if (self.num_plans > 1 or epochs == 1) and same_in_train_and_eval(self.policy):
+            reused = {i for unit in self.schedule[0] for i in unit.indices}  # epoch 0's first mini-batch
+        return [[i for i in everything if plan > 0 or i not in reused] for plan in range(self.num_plans)]
+
     def extras(self) -> dict[str, Callable[[], None]]:
         plugin, runtime = self.plugin, self.plugin.runtime
         everything = list(range(len(self.rollout)))
-        passes = [self.masked_rows(everything, plan) for plan in range(self.num_plans)]
 
-        def scoring(module_of: Callable[[], Any]) -> Callable[[], None]:
+        def scoring(module_of: Callable[[], Any], samples: list[list[int]]) -> Callable[[], None]:
+            passes = [self.masked_rows(indices, plan) for plan, indices in enumerate(samples) if indices]
+
             def run() -> None:
                 with torch.no_grad(), module_of() as module, runtime.autocast():
                     for pieces, width in passes:
@@ -102,31 +118,37 @@ class DLLMFloor(Floor):
             return run
 
         extras: dict[str, Callable[[], None]] = {}
-        if needs_old_logp(self.trainer.config):  # the core's old-policy pass, one per redrawn plan
-            extras["old_logp"] = scoring(lambda: nullcontext(self.module))
+        old = self.old_policy_samples()
+        if any(old):  # the core's old-policy pass, one per redrawn plan
+            extras["old_logp"] = scoring(lambda: nullcontext(self.module), old)
         if runtime.needs_reference:
-            extras["reference"] = scoring(lambda: plugin._reference_module(self.policy))
+            extras["reference"] = scoring(lambda: plugin._reference_module(self.policy),
+                                          [everything] * self.num_plans)
         extras["logprob_math"] = self._logprob_math(extras)
         return extras
 
     def _logprob_math(self, extras: dict[str, Any]) -> Callable[[], None]:
         """``DLLMPlugin.score`` with a model that returns a precomputed output: every no-grad scoring pass the
-        rollout runs (old-policy and reference, per plan), then every training pass with its backward."""
+        step runs (old-policy and reference, per plan), then every training pass with its backward."""
         plugin, replay = self.plugin, self.rollout.replay
         vocab = int(self.adapter.model_logits(self.module, self.decoded[0][:1]).shape[-1])
         longest = max(rows.shape[0] for pieces, _ in
                       [self.masked_rows(list(range(len(self.rollout))), plan) for plan in range(self.num_plans)]
                       for rows in pieces)
         table = torch.randn(longest, self.decoded[0].shape[1], vocab, device=self.device)
-        passes = sum(1 for name in ("old_logp", "reference") if name in extras)
+        everything = list(range(len(self.rollout)))
+        scorings = [] if "reference" not in extras else [(plan, everything) for plan in range(self.num_plans)]
+        if "old_logp" in extras:
+            scorings += [(plan, indices) for plan, indices in enumerate(self.old_policy_samples()) if indices]
+        scorings = [(plan, {key: _rows(value, torch.tensor(indices, device=self.device))
+                            for key, value in replay.items()}) for plan, indices in scorings]
         units = [(unit.epoch, torch.tensor(unit.indices, device=self.device)) for minibatch in self.schedule
                  for unit in minibatch]
 
         def logprob_math() -> None:
             with torch.no_grad():
-                for plan in range(self.num_plans):
-                    for _ in range(passes):
-                        plugin.score(lambda ids: table[:ids.shape[0]], replay, plan=plan)
+                for plan, part in scorings:
+                    plugin.score(lambda ids: table[:ids.shape[0]], part, plan=plan)
             for (epoch, indices) in units:
                 leaf = table.detach().requires_grad_(True)
                 part = {key: _rows(value, indices) for key, value in replay.items()}

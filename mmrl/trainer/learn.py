@@ -115,7 +115,14 @@ class Learner:
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
         need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        epoch_rollouts = self.old_policy_rollouts(rollout)  # [μ] the rollout with each inner epoch's old log-probs
+        # The same samples share a mini-batch on any number of processes (see minibatch_partition).
+        partitions = [minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
+                                          acc.num_processes, acc.process_index,
+                                          seed=derive_seed(config.run.seed, step, epoch))
+                      for epoch in range(geometry.inner_epochs)]
+        # [μ] the rollout with each inner epoch's old log-probs; `current`: the first mini-batch's old policy is its
+        # own training forward (no old-policy pass scored it)
+        epoch_rollouts, current = self.old_policy_rollouts(rollout, first=partitions[0][0] if partitions[0] else ())
         column_chunks: list[torch.Tensor | None] = [None]
         if algorithm.action_chunk_size is not None:
             budget = self.plugin.max_actions()
@@ -140,13 +147,12 @@ class Learner:
         for epoch in range(geometry.inner_epochs):
             self.plugin.start_inner_epoch(epoch)
             rollout = epoch_rollouts[epoch]
-            # The same samples share a mini-batch on any number of processes (see minibatch_partition).
-            partition = minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
-                                            acc.num_processes, acc.process_index,
-                                            seed=derive_seed(config.run.seed, step, epoch))
-            for members in partition:
+            for position, members in enumerate(partitions[epoch]):
                 indices = torch.tensor(members, dtype=torch.long)
                 minibatch = rollout.select(indices)
+                if current and epoch == 0 and position == 0:
+                    # Before any update the training forward is the old policy: ratio ≡ 1 (see old_policy_rollouts).
+                    minibatch = replace(minibatch, old_logp=None)
                 mb_adv = advantages.index_select(0, indices.to(advantages.device))
                 counts = torch.tensor(aggregation_counts(minibatch.mask), dtype=torch.float64, device=device)
                 num_actions, num_sequences = acc.reduce(counts, "sum").tolist()  # step-wide denominators
@@ -269,8 +275,10 @@ class Learner:
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
         return loss, metrics, deviation, part.mask.sum()
 
-    def old_policy_rollouts(self, rollout: Rollout) -> list[Rollout]:
-        """The rollout each inner epoch trains on, with the old policy's log-probs the core decided on (``[μ]``).
+    def old_policy_rollouts(self, rollout: Rollout, first: list[int] | tuple[int, ...] = ()
+                            ) -> tuple[list[Rollout], bool]:
+        """The rollout each inner epoch trains on, with the old policy's log-probs the core decided on (``[μ]``), and
+        whether the learner takes the first mini-batch's old log-probs from its training forward.
 
         - One optimizer step per rollout (:func:`needs_old_logp` False): the rollout as it is, except that
           ``recompute_old_logp`` drops the sampler's log-probs; a missing ``old_logp`` means the detached training
@@ -279,26 +287,50 @@ class Learner:
           else one old-policy pass (:func:`old_policy_pass`) on the weights that sampled, before any update, shared by
           every epoch, or one per epoch on that epoch's noise draw for a plugin that redraws its noise per epoch
           (:attr:`mmrl.plugin.Plugin.redraws_per_epoch`).
+        - The samples ``first`` (the first mini-batch of inner epoch 0) train on the weights that sampled them, so
+          their old log-probs are the detached training log-probs, as with one optimizer step per rollout (TRL and
+          verl reuse them the same way): epoch 0's pass leaves them out when no later epoch reads it (one pass per
+          epoch, or a single epoch) and the policy computes the same in training and eval mode
+          (:func:`same_in_train_and_eval`), and the second value is True; the learner then hands that mini-batch
+          ``old_logp=None``. Their rows of epoch 0's ``old_logp`` are NaN.
         """
         algorithm, epochs = self.config.algorithm, self.geometry.inner_epochs
         if not needs_old_logp(self.config):
             if algorithm.recompute_old_logp:
                 rollout = replace(rollout, old_logp=None)
-            return [rollout] * epochs
+            return [rollout] * epochs, False
         redraws = self.plugin.redraws_per_epoch and epochs > 1
         if rollout.old_logp is not None and not algorithm.recompute_old_logp and not redraws:
-            return [rollout] * epochs
+            return [rollout] * epochs, False
+        skip = list(first) if (redraws or epochs == 1) and same_in_train_and_eval(self.policy) else []
         passes = []
         for epoch in range(epochs if redraws else 1):
             self.plugin.start_inner_epoch(epoch)
-            passes.append(old_policy_pass(self.plugin, self.policy, rollout,
-                                          batch_size=self.config.rollout.batch_size))
-        return passes if redraws else passes * epochs
+            passes.append(old_policy_pass(self.plugin, self.policy, rollout, batch_size=self.config.rollout.batch_size,
+                                          skip=skip if epoch == 0 else ()))
+        return (passes if redraws else passes * epochs), bool(skip)
+
+
+def same_in_train_and_eval(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes the same in training mode as in eval mode, as far as its modules show: no dropout
+    module with ``p > 0``, no batch norm, and no model config (``module.config`` of any submodule, as transformers
+    and remote-code models keep theirs) with a positive ``*dropout*`` entry (the functional dropout of attention
+    kernels). False keeps the learner's eval-mode old-policy pass for every sample."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return False
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            return False
+        config = getattr(sub, "config", None)
+        entries = config.to_dict() if hasattr(config, "to_dict") else {}
+        if any("dropout" in key and isinstance(value, (int, float)) and value > 0 for key, value in entries.items()):
+            return False
+    return True
 
 
 @torch.no_grad()
 def old_policy_pass(plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, *,
-                    batch_size: int | None = None) -> Rollout:
+                    batch_size: int | None = None, skip: list[int] | tuple[int, ...] = ()) -> Rollout:
     """``rollout`` with ``old_logp`` computed by :meth:`mmrl.plugin.Plugin.forward` on the current weights.
 
     This is how the core scores the old policy of a rollout that left ``old_logp`` out (the learner calls it before
@@ -314,7 +346,10 @@ def old_policy_pass(plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, *
         plugin: The plugin whose :meth:`~mmrl.plugin.Plugin.forward` scores the rollout.
         policy: The policy module, on the weights that sampled ``rollout``.
         rollout: A rollout of ``plugin``.
-        batch_size: Samples per forward (None: all).
+        batch_size: Samples per forward (None: all the scored samples).
+        skip: Samples left out of the pass (the learner's first mini-batch, whose old log-probs are its training
+            forward's, see :meth:`Learner.old_policy_rollouts`): their ``old_logp`` rows are NaN and their replay
+            entries the rollout's (NaN, or 0 for integer entries, where the rollout has none).
 
     Returns:
         A shallow copy of ``rollout`` with ``old_logp`` ``[N, A]`` float32 and the plugin's replay entries.
@@ -322,23 +357,37 @@ def old_policy_pass(plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, *
     Raises:
         RolloutError: the plugin's log-probs do not match the rollout's mask ``[N, A]``.
     """
-    size = batch_size or len(rollout)
+    left_out = set(skip)
+    scored = [i for i in range(len(rollout)) if i not in left_out]
+    if not scored:  # nothing to score: no forward, every row NaN
+        return replace(rollout, old_logp=torch.full(rollout.mask.shape, math.nan, device=rollout.mask.device))
+    size = batch_size or len(scored)
     parts, replays = [], []
     training = policy.training
     policy.eval()
     try:
-        for piece in chunks(list(range(len(rollout))), size):
+        for piece in chunks(scored, size):
             part = rollout.select(torch.tensor(piece, dtype=torch.long))
             output = plugin.forward(policy, part, need_reference=False)
             parts.append(output.logp.float())
             replays.append(output.replay or {})
     finally:
         policy.train(training)
-    old_logp = torch.cat(parts)  # [N, A]
-    if old_logp.shape != rollout.mask.shape:
+    old_logp = torch.cat(parts)  # [n, A], n = len(scored)
+    if old_logp.shape != (len(scored), *rollout.mask.shape[1:]):
         raise RolloutError(f"plugin forward returned logp {tuple(old_logp.shape)} for a rollout whose mask is "
-                           f"{tuple(rollout.mask.shape)}")
-    replay = {**rollout.replay, **{key: torch.cat([r[key] for r in replays]) for key in replays[0]}}
+                           f"{(len(scored), *rollout.mask.shape[1:])}")
+    entries = {key: torch.cat([r[key] for r in replays]) for key in replays[0]}
+    if left_out:  # scatter the scored rows into [N, ...] tensors
+        index = torch.tensor(scored, dtype=torch.long, device=old_logp.device)
+        old_logp = old_logp.new_full(rollout.mask.shape, math.nan).index_copy(0, index, old_logp)  # [N, A]
+        for key, values in entries.items():
+            base = rollout.replay.get(key)
+            if not isinstance(base, torch.Tensor) or base.shape[1:] != values.shape[1:] or base.dtype != values.dtype:
+                fill = math.nan if values.is_floating_point() else 0
+                base = values.new_full((len(rollout), *values.shape[1:]), fill)
+            entries[key] = base.to(values.device).index_copy(0, index.to(values.device), values)
+    replay = {**rollout.replay, **entries}
     return replace(rollout, old_logp=old_logp, replay=replay)
 
 

@@ -71,9 +71,9 @@ def _with_old_logp(trainer):
 def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_same(tmp_path):
     """μ = 1, one mini-batch: nobody scores the sampling policy (old_logp None; the core uses the detached training
     estimate) and every optimizer step gets the gradient of a run whose rollouts carry scored estimates; with μ = 2
-    the core's old-policy pass scores π_old on each epoch's mask plan before the first update, and the first inner
-    step's ratio is 1. Gradients are compared, not parameters after AdamW (see tests.helpers.record_gradients:
-    BERT's key biases)."""
+    the core's old-policy pass scores π_old on epoch 1's mask plan before the first update (epoch 0's one mini-batch
+    trains on the sampling weights and is its own old policy), and the first inner step's ratio is 1. Gradients are
+    compared, not parameters after AdamW (see tests.helpers.record_gradients: BERT's key biases)."""
     runs = {}
     for name, overrides in (("fast", ["algorithm.inner_epochs=1"]), ("scored", ["algorithm.inner_epochs=1"]),
                             ("epochs", ["algorithm.inner_epochs=2"])):
@@ -90,7 +90,9 @@ def test_one_optimizer_step_per_rollout_skips_the_scoring_pass_and_trains_the_sa
     # 2 steps x 16 samples in micro-batches of 8: two training forwards per step; the scoring pass, one per rollout.
     assert fast_calls == [True] * 4
     assert sorted(scored_calls) == [False, False, True, True, True, True]
-    assert runs["epochs"][1].count(False) == 4  # μ = 2: π_old scored on each epoch's mask plan, two per rollout
+    # μ = 2: π_old scored on epoch 1's mask plan, one pass per rollout (epoch 0's single mini-batch trains on the
+    # sampling weights: its old log-probs are its training forward's)
+    assert runs["epochs"][1].count(False) == 2
     assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in runs["epochs"][2].history)
     assert all(record["loss/first_step_ratio_deviation"] == 0.0 for record in fast_result.history)
     assert len(fast_gradients) == len(scored_gradients) == 2 and fast_gradients[0].keys() == scored_gradients[0].keys()
@@ -167,8 +169,9 @@ def test_each_inner_epoch_scores_its_own_mask_plan(tmp_path):
 
     trainer.plugin.score = recorded
     record = trainer.train().history[0]
-    # Rollout: π_old and π_ref on plans 0 and 1 (no grad); training: two micro-batches in each epoch, with grad.
-    assert sorted(p for grad, p in plans if not grad) == [0, 0, 1, 1]
+    # No grad: π_ref on plans 0 and 1 (rollout), π_old on plan 1 (the core; epoch 0's single mini-batch is its own
+    # old policy); training: two micro-batches in each epoch, with grad.
+    assert sorted(p for grad, p in plans if not grad) == [0, 1, 1]
     assert [p for grad, p in plans if grad] == [0, 0, 1, 1]
     assert record["policy/ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert record["policy/ratio_min"] == pytest.approx(1.0, abs=1e-5)
@@ -198,3 +201,58 @@ def test_a_lora_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
     expected = dict(straight.plugin.policy().named_parameters())
     for name, parameter in resumed.plugin.policy().named_parameters():
         torch.testing.assert_close(parameter.detach(), expected[name].detach(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_the_first_minibatch_reuses_its_training_forward_as_the_old_policy(tmp_path, minibatches):
+    """μ = 2 with a plan per epoch: epoch 0's first mini-batch trains on the sampling weights, so the learner takes
+    its old log-probs from its own training forward (ratio exactly 1) instead of scoring plan 0 in a separate pass.
+    The values it uses equal those of the separate pass (``old_policy_pass`` on plan 0, before the update), and the
+    samples of later mini-batches and of epoch 1 are still scored by the pass."""
+    from mmrl.seeding import derive_seed
+    from mmrl.trainer.learn import old_policy_pass, same_in_train_and_eval
+    from mmrl.trainer.sampler import minibatch_partition
+
+    trainer = Trainer(load_config(BASE, [f"run.output_dir={tmp_path}", "run.max_steps=1", "eval.every=0",
+                                         "algorithm.kl_coef=0.04", f"algorithm.minibatches={minibatches}"]))
+    plugin, learner, policy = trainer.plugin, trainer.learner, trainer.policy
+    assert plugin.redraws_per_epoch and same_in_train_and_eval(policy)
+    separate: dict[int, torch.Tensor] = {}  # plan -> [N, A] the separate old-policy pass, on the sampling weights
+    scored: list[tuple[bool, int, int]] = []  # (gradients enabled, plan, samples) of every forward
+    used: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (epoch, logp, old_logp, mask) per loss
+    update, forward, loss = learner.update, plugin.forward, learner.policy_loss
+
+    def recorded_update(batch, step):
+        rollout = batch.rollout.to(trainer.accelerator.device)
+        for plan in range(2):
+            plugin.start_inner_epoch(plan)
+            separate[plan] = old_policy_pass(plugin, policy, rollout).old_logp
+        scored.clear()
+        return update(batch, step)
+
+    def recorded_forward(policy, rollout, **kwargs):
+        scored.append((torch.is_grad_enabled(), plugin._inner_epoch, len(rollout)))
+        return forward(policy, rollout, **kwargs)
+
+    def recorded_loss(logp, old_logp, advantages, mask, **options):
+        used.append((plugin._inner_epoch, logp.detach().clone(), old_logp.clone(), mask.clone()))
+        return loss(logp, old_logp, advantages, mask, **options)
+
+    learner.update, plugin.forward, learner.policy_loss = recorded_update, recorded_forward, recorded_loss
+    record = trainer.train().history[0]
+    partition = minibatch_partition(16, minibatches, trainer.config.rollout.layout, 1, 0,
+                                    seed=derive_seed(trainer.config.run.seed, 0, 0))
+    first = list(partition[0])  # epoch 0's first mini-batch, in the learner's order
+    # Without grad the core scores plan 1 for every sample, and plan 0 only for the later mini-batches.
+    assert sorted((plan, n) for grad, plan, n in scored if not grad) == sorted(
+        [(1, 16)] + ([(0, 16 - len(first))] if minibatches > 1 else []))
+    micro = -(-len(first) // 8)  # micro-batches of 8 in the first mini-batch
+    epoch0 = [(logp, old, mask) for epoch, logp, old, mask in used if epoch == 0][:micro]
+    logp = torch.cat([logp for logp, _, _ in epoch0])  # [n, A]
+    mask = torch.cat([mask for _, _, mask in epoch0]) > 0
+    assert all(torch.equal(old, logp) for logp, old, _ in epoch0)  # ratio exactly 1
+    torch.testing.assert_close(logp[mask], separate[0][first][mask], rtol=1e-5, atol=1e-6)
+    assert record["loss/first_step_ratio_deviation"] == 0.0
+    # Later mini-batches of epoch 0 and all of epoch 1 train against the pass's old log-probs (finite, not NaN rows).
+    later = [old for epoch, _, old, _ in used if epoch == 0][micro:] + [old for epoch, _, old, _ in used if epoch == 1]
+    assert len(later) == len(used) - micro and all(bool(torch.isfinite(old).all()) for old in later)
