@@ -103,3 +103,13 @@ def test_minibatch_partitions_are_random_across_seeds_and_stratified_within_a_pr
 def test_a_partition_the_processes_cannot_share_evenly_is_refused():
     with pytest.raises(ValueError, match="cannot form 3 mini-batches on 2 processes"):
         minibatch_partition(16, 3, "spread", 2, 0, seed=0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "spread"])
+def test_one_minibatch_holds_every_local_sample_in_order(layout):
+    """minibatches = 1 returns every local sample at once (no seeded deal), as the dealing loop would."""
+    for num_processes in (1, 2, 4):
+        for rank in range(num_processes):
+            assert minibatch_partition(16, 1, layout, num_processes, rank, seed=3) == [list(range(16 // num_processes))]
+    with pytest.raises(ValueError, match="layout"):
+        minibatch_partition(16, 1, "diagonal", 1, 0, seed=3)

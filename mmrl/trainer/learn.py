@@ -316,14 +316,18 @@ def same_in_train_and_eval(module: torch.nn.Module) -> bool:
     module with ``p > 0``, no batch norm, and no model config (``module.config`` of any submodule, as transformers
     and remote-code models keep theirs) with a positive ``*dropout*`` entry (the functional dropout of attention
     kernels). False keeps the learner's eval-mode old-policy pass for every sample."""
+    configs: dict[int, Any] = {}  # submodules share their model's config: read each once (to_dict is not cheap)
     for sub in module.modules():
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
             return False
         if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
             return False
         config = getattr(sub, "config", None)
-        entries = config.to_dict() if hasattr(config, "to_dict") else {}
-        if any("dropout" in key and isinstance(value, (int, float)) and value > 0 for key, value in entries.items()):
+        if hasattr(config, "to_dict"):
+            configs[id(config)] = config
+    for config in configs.values():
+        if any("dropout" in key and isinstance(value, (int, float)) and value > 0
+               for key, value in config.to_dict().items()):
             return False
     return True
 

@@ -119,6 +119,8 @@ def minibatch_partition(num_samples: int, minibatches: int, layout: str, num_pro
     """
     if num_samples % (minibatches * num_processes):
         raise ValueError(f"{num_samples} samples cannot form {minibatches} mini-batches on {num_processes} processes")
+    if minibatches == 1:  # one mini-batch holds every local sample (each stratum's deal is randperm(1) = [0])
+        return [list(range(len(local_sample_indices(num_samples, num_processes, process_index, layout))))]
     strata = num_samples // minibatches  # W*: the most processes this geometry allows
     generator = torch.Generator().manual_seed(seed)
     assignment = [0] * num_samples  # [B] mini-batch of each global sample
