@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmrl.plugins.dllm.masking import SampleStreams
+
 REMASKING = ("low_confidence", "random")
 
 
@@ -81,11 +83,14 @@ def check_schedule(gen_length: int, block_length: int, steps: int) -> int:
     return steps // num_blocks
 
 
-def _per_sample_uniform(shape: tuple[int, ...], generators: Sequence[torch.Generator] | None, batch: int,
-                        device: torch.device) -> Tensor:
-    """``[B, *shape]`` float64 uniforms, row ``b`` from ``generators[b]`` (the global RNG when None)."""
+def _per_sample_uniform(shape: tuple[int, ...], generators: Sequence[torch.Generator] | SampleStreams | None,
+                        batch: int, device: torch.device) -> Tensor:
+    """``[B, *shape]`` float64 uniforms, row ``b`` from ``generators[b]`` (the global RNG when None; with
+    :class:`SampleStreams`, the next values of stream ``b``: the same numbers, read ahead in blocks)."""
     if generators is None:
         return torch.rand((batch, *shape), dtype=torch.float64, device=device)
+    if isinstance(generators, SampleStreams):
+        return generators.take((batch, *shape), 0).to(device)
     rows = [torch.rand(shape, generator=g, dtype=torch.float64, device=g.device) for g in generators]
     return torch.stack(rows).to(device)
 
@@ -158,6 +163,13 @@ def generate(
         uncond_prompt = prompt_mask if prompt_mask is not None else torch.ones_like(prompt_ids, dtype=torch.bool)
     order = torch.arange(block_length, device=device)
     mask_index = torch.tensor([mask_id], device=device)
+    noise: Sequence[torch.Generator] | SampleStreams | None = generators
+    draws = (temperature > 0) + (remasking == "random")  # uniforms drawn per step: Gumbel noise, confidences
+    if generators is not None and draws and all(g.device.type == "cpu" for g in generators):
+        # CPU generators are read sequentially (rand(a) then rand(b) is rand(a + b)): every step's uniforms of a
+        # sample are read in one call (reserved at the first step, when the vocabulary size is known) instead of
+        # one call per sample per step; the same numbers, and the generators end in the same state.
+        noise = SampleStreams(list(generators))
     for block in range(gen_length // block_length):
         start = prompt_length + block * block_length
         end = start + block_length
@@ -170,14 +182,17 @@ def generate(
                 logits = apply_guidance(logits, model(unconditional), cfg_scale)
             block_logits = logits[:, start:end].to(torch.float64)  # [B, K, V]
             block_logits = block_logits.index_fill(-1, mask_index, float("-inf"))  # the mask token is no output
+            if isinstance(noise, SampleStreams) and block == 0 and j == 0:
+                per_step = block_length * (logits.shape[-1] * (temperature > 0) + (remasking == "random"))
+                noise.reserve(steps * per_step)
             uniforms = None
             if temperature > 0:
-                uniforms = _per_sample_uniform(tuple(block_logits.shape[1:]), generators, batch, device)
+                uniforms = _per_sample_uniform(tuple(block_logits.shape[1:]), noise, batch, device)
             candidates = gumbel_argmax(block_logits, temperature, uniforms)  # [B, K]
             if remasking == "low_confidence":
                 confidence = block_logits.softmax(dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
             else:
-                confidence = _per_sample_uniform((block_length,), generators, batch, device)
+                confidence = _per_sample_uniform((block_length,), noise, batch, device)
             masked = x[:, start:end] == mask_id  # [B, K]
             confidence = torch.where(masked, confidence, float("-inf"))
             # The k most confident masked positions; a stable sort puts the leftmost first among ties.

@@ -205,6 +205,15 @@ class SampleStreams:
     def __len__(self) -> int:
         return len(self.generators)
 
+    def reserve(self, count: int) -> None:
+        """Read ahead so that the next ``count`` values of every stream are buffered, in one ``rand`` per sample
+        (exactly what is missing: the generators then end where reading the values one draw at a time would leave
+        them)."""
+        missing = self._position + count - self._buffer.shape[1]
+        if missing > 0:
+            fresh = torch.stack([torch.rand(missing, generator=g, dtype=torch.float64) for g in self.generators])
+            self._buffer = torch.cat([self._buffer, fresh], dim=1)
+
     def take(self, shape: tuple[int, ...], batch_axis: int) -> Tensor:
         """The next uniforms of every stream for a draw of ``shape`` whose axis ``batch_axis`` is the batch.
 

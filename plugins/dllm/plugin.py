@@ -440,20 +440,25 @@ class DLLMPlugin(Plugin):
             → ``[N, w]`` long, ``[N]`` long, on the runtime device.
         """
         config, tokenizer = self.config, self.adapter.tokenizer
-        texts = []
+        texts, made = [], {}  # made: id(row) -> its text (a group's G samples share their row object)
         for row in rows:
-            try:
-                text = config.prompt_template.format_map(row)
-            except (KeyError, IndexError, ValueError) as error:
-                raise ValueError(f"plugin.prompt_template {config.prompt_template!r} does not fit the row "
-                                 f"{sorted(row)}: {error}") from None
-            if config.chat_template:
-                messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-                messages.append({"role": "user", "content": text})
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = made.get(id(row))
+            if text is None:
+                try:
+                    text = config.prompt_template.format_map(row)
+                except (KeyError, IndexError, ValueError) as error:
+                    raise ValueError(f"plugin.prompt_template {config.prompt_template!r} does not fit the row "
+                                     f"{sorted(row)}: {error}") from None
+                if config.chat_template:
+                    messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+                    messages.append({"role": "user", "content": text})
+                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                made[id(row)] = text
             texts.append(text)
-        encoded = tokenizer(texts, add_special_tokens=config.add_special_tokens)["input_ids"]
-        encoded = [list(ids)[-config.max_prompt_length:] for ids in encoded]
+        distinct = list(dict.fromkeys(texts))  # each text is tokenized on its own: tokenize every distinct one once
+        ids_of = dict(zip(distinct, tokenizer(distinct, add_special_tokens=config.add_special_tokens)["input_ids"],
+                          strict=True))
+        encoded = [list(ids_of[text])[-config.max_prompt_length:] for text in texts]
         if any(not ids for ids in encoded):
             raise ValueError("a prompt encodes to no tokens; check plugin.prompt_template")
         width = max(len(ids) for ids in encoded)

@@ -175,3 +175,35 @@ def test_bad_geometry_is_named():
     with pytest.raises(ValueError, match="remasking"):
         generate(lambda x: torch.zeros(*x.shape, V), torch.zeros(1, 1, dtype=torch.long), mask_id=MASK,
                  gen_length=2, block_length=2, steps=2, remasking="top_k")
+
+
+@pytest.mark.parametrize("temperature, remasking", [(1.0, "low_confidence"), (0.7, "random"), (0.0, "random")])
+def test_read_ahead_noise_is_the_per_step_noise(monkeypatch, temperature, remasking):
+    """With CPU generators every step's uniforms of a sample are read in one call (SampleStreams.reserve); drawing
+    them one call per sample per step instead (the plain path, forced here) gives the same tokens and commit steps
+    and leaves the generators in the same state."""
+    from mmrl.plugins.dllm import generation
+
+    torch.manual_seed(2)
+    weight = torch.randn(V, V, dtype=torch.float64)
+
+    def model(x: Tensor) -> Tensor:  # context-dependent logits
+        return torch.nn.functional.one_hot(x, V).double().cumsum(1) @ weight
+
+    class PerCall:  # stands in for SampleStreams: hands the generators back, so every draw is one rand per sample
+        def __new__(cls, generators):
+            return generators
+
+    prompts = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0]])
+    kwargs = dict(mask_id=MASK, gen_length=6, block_length=3, steps=6, temperature=temperature, remasking=remasking)
+    runs = []
+    for streams in (True, False):
+        if not streams:
+            monkeypatch.setattr(generation, "SampleStreams", PerCall)
+        generators = [torch.Generator().manual_seed(s) for s in (3, 4, 5, 6)]
+        out = generate(model, prompts, generators=generators, **kwargs)
+        runs.append((out, [float(torch.rand(1, generator=g, dtype=torch.float64)) for g in generators]))
+    (read_ahead, after_read_ahead), (per_call, after_per_call) = runs
+    assert torch.equal(read_ahead.completion_ids, per_call.completion_ids)
+    assert torch.equal(read_ahead.step_map, per_call.step_map)
+    assert after_read_ahead == after_per_call  # the generators' next values: the same state

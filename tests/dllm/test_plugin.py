@@ -211,6 +211,18 @@ def test_files_dataset_and_prompt_template(tmp_path):
         digit_pad.encode_prompts(digit_pad.dataset("train"))
 
 
+def test_encoded_prompts_of_repeated_rows_are_each_rows_own(plugin):
+    """A group's samples share a row object (each distinct text is tokenized once): every row still gets the ids of
+    its own text tokenized alone, left-padded to the longest, whether its row object is shared, equal or new."""
+    rows = plugin.dataset("train")[:3]
+    batch = [rows[0]] * 3 + [rows[1], dict(rows[0]), rows[2], rows[1]]
+    ids, lengths = plugin.encode_prompts(batch)  # [7, w]
+    tokenizer, width = plugin.adapter.tokenizer, ids.shape[1]
+    for row, got, length in zip(batch, ids.tolist(), lengths.tolist(), strict=True):
+        alone = tokenizer(plugin.config.prompt_template.format_map(row), add_special_tokens=False)["input_ids"]
+        assert got == [plugin.adapter.pad_id] * (width - len(alone)) + alone and length == len(alone)
+
+
 def test_bundled_checkpoint_is_the_default():
     assert (toy.ASSETS / "model.safetensors").is_file() and (toy.ASSETS / "tokenizer.json").is_file()
     plugin = _plugin()
