@@ -13,8 +13,9 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   the sequence estimate; ``objective: spg``: ``A = 2`` (column 0 the ELBO, column 1 the EUBO); divided by the
   length with ``normalize_by_length``. The rollout's ``old_logp`` is None: when the run needs the sampling policy's
   estimates (μ > 1 or several mini-batches) the core scores them with :meth:`DLLMPlugin.forward` before the first
-  update, on every epoch's plan (:attr:`DLLMPlugin.redraws_per_epoch`); otherwise it uses the detached training
-  estimate, the same loss and gradient.
+  update, on every epoch's plan (:attr:`DLLMPlugin.redraws_per_epoch`), but for the first mini-batch of epoch 0,
+  which trains on the sampling weights; otherwise (and for that mini-batch) it uses the detached training estimate,
+  the same loss and gradient.
 - **The mask plans travel with the sample.** At rollout time each sample draws its masks, timesteps and weights
   (a :class:`~mmrl.plugins.dllm.masking.MaskPlan`) from a generator seeded by its own sample seed: one plan per
   inner epoch (``redraw_masks``, the default, when μ > 1 and the plan is random), as d1, wd1 and SPG draw a new mask

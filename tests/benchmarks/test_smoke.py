@@ -150,6 +150,26 @@ def test_dllm_estimators_training(tmp_path):
     assert sorted(path.name for path in plots.iterdir()) in ([], ["dllm_estimators_training.png"])
 
 
+def test_dllm_step_parts(tmp_path):
+    """One timed step of the toy recipe, no warm-up: every piece timed, model time inside its pieces, the pieces
+    nested within the step."""
+    out = tmp_path / "parts.json"
+    run_benchmark(tmp_path, "dllm_step_parts.py", "--threads", "1", "--steps", "1", "--warmup", "0",
+                  "--json", str(out))
+    result = read_json(out)
+    assert result["settings"] == {"config": "configs/dllm/toy.yaml", "overrides": [], "steps": 1, "warmup": 0,
+                                  "threads": 1}
+    ms = result["milliseconds"]
+    pieces = {"step", "collect", "rollout", "decode", "reference", "draw_plans", "encode_prompts", "decode_texts",
+              "update", "micro_loss", "backward", "old_policy_pass", "optimizer_step", "model", "trainer_rest"}
+    assert pieces <= set(ms) and all(len(values) == 1 for values in result["per_step"].values())
+    assert all(ms[piece] > 0 for piece in pieces - {"trainer_rest"})
+    for outer, inner in (("step", "collect"), ("step", "update"), ("collect", "rollout"), ("rollout", "decode"),
+                         ("rollout", "reference"), ("update", "micro_loss"), ("update", "old_policy_pass"),
+                         ("decode", "model in decode"), ("reference", "model in reference")):
+        assert ms[inner] <= ms[outer] + 1e-6, (outer, inner)
+
+
 # ---------------------------------------------------------------------------------------------------- rewards
 
 
