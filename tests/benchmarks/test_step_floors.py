@@ -116,3 +116,41 @@ def test_the_vlm_floor_shares_each_prompt_forward_as_the_plugin_does(tmp_path):
         assert "prompt forward shared per distinct prompt: [True" in floor.describe()["forward_backward"]
     finally:
         trainer.close()
+
+
+def test_the_dllm_floor_scores_the_old_policy_where_the_learner_does(tmp_path):
+    """μ = 2 with a plan per epoch and two mini-batches: the learner's old-policy pass scores plan 0 for the second
+    mini-batch only (the first is its own old policy) and plan 1 for every sample; the floor's ``old_logp`` extra
+    scores the same samples."""
+    args = step_floors.parse_args(["--plugin", "dllm", "--override", "rollout.prompts_per_step=4",
+                                   "rollout.group_size=4", "algorithm.minibatches=2", "algorithm.micro_batch_size=8",
+                                   "plugin.train_size=64", "plugin.eval_size=4"])
+    trainer = step_floors.build_trainer(args, tmp_path)
+    try:
+        plugin, scored = trainer.plugin, []  # (plan, samples) of every no-grad forward in the learner
+        forward = plugin.forward
+
+        def recorded(policy, rollout, **kwargs):
+            if not torch.is_grad_enabled():
+                scored.append((plugin._inner_epoch, sorted(rollout.replay["sample_index"].tolist())))
+            return forward(policy, rollout, **kwargs)
+
+        plugin.forward = recorded
+        collect = trainer.collector.collect
+
+        def numbered(*a, **k):  # tag each sample with its index, to see which ones the pass scores
+            batch = collect(*a, **k)
+            batch.rollout.replay["sample_index"] = torch.arange(len(batch.rollout))
+            return batch
+
+        trainer.collector.collect = numbered
+        with capturing(trainer) as capture:
+            trainer.training_step()
+        del plugin.forward
+        floor = step_floors.floor_class("dllm")(trainer, capture)
+        expected = floor.old_policy_samples()
+        assert [len(samples) for samples in expected] == [8, 16]
+        assert scored == [(plan, samples) for plan, samples in enumerate(expected)]
+        assert "old_logp" in floor.extras()
+    finally:
+        trainer.close()
