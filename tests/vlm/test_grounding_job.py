@@ -173,3 +173,13 @@ def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path):
     assert summary["held_out_before"]["format"] > 0.5
     for name in ("grid.png", "reward_curve.png", "summary.json"):
         assert (run / name).stat().st_size > 0
+
+
+def test_report_refuses_a_folder_that_is_not_a_training_run_in_one_line(tmp_path, capsys):
+    """`mmrl eval` writes only evaluations.jsonl: the report names what is missing instead of a traceback."""
+    from mmrl.plugins.vlm.grounding import report
+
+    (tmp_path / "evaluations.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path)])
+    assert "not a training run folder (no config.yaml or metrics.jsonl)" in capsys.readouterr().err

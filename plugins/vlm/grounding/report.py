@@ -328,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.run is None:
         parser.error("give a run folder, or --compare")
+    missing = [name for name in ("config.yaml", "metrics.jsonl") if not (args.run / name).is_file()]
+    if missing:
+        parser.error(f"{args.run} is not a training run folder (no {' or '.join(missing)}): the report reads what "
+                     "`mmrl train` writes, with evaluations at the start and the end")
     summary = report(args.run, args.export)
     before, after = summary["held_out_before"], summary["held_out_after"]
     print(f"held-out grounding world ({summary['convention']} boxes): {before['all']:.3f} before -> "
