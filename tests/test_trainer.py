@@ -710,3 +710,34 @@ def test_micro_batch_diagnostics_are_the_masked_means_of_kl_entropy_and_advantag
     assert float(metrics["policy/advantage"]) == pytest.approx(mean(advantages.unsqueeze(1).expand(shape)), rel=1e-6)
     assert float(weight) == pytest.approx(float(rollout.mask.sum()), rel=1e-6)
     trainer.close()
+
+
+def test_runtime_unwrap_runs_accelerate_once_per_wrapper_and_forgets_dropped_modules():
+    """`Runtime.unwrap` (CachedUnwrap) returns what the wrapped unwrap returns, calls it once per module object, and
+    holds no module alive."""
+    import gc
+    import weakref
+
+    from mmrl.trainer.trainer import CachedUnwrap
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    calls = []
+
+    def unwrap(module):
+        calls.append(type(module).__name__)
+        return getattr(module, "module", module)
+
+    cached = CachedUnwrap(unwrap)
+    bare, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    wrapper = Wrapper(bare)
+    assert cached(wrapper) is bare and cached(wrapper) is bare
+    assert cached(other) is other and cached(other) is other
+    assert calls == ["Wrapper", "Linear"]
+    dropped = weakref.ref(other)
+    del other
+    gc.collect()
+    assert dropped() is None  # not kept alive by the cache (an unwrapped module is stored without itself)

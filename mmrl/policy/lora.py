@@ -178,12 +178,18 @@ def reference_policy(module: nn.Module, frozen: nn.Module | None = None) -> Iter
     Raises:
         RuntimeError: Full fine-tuning without a frozen copy (plugins keep one only when ``Runtime.needs_reference``).
     """
-    if has_lora(module):
-        set_lora_enabled(module, False)
+    try:
+        layers = lora_layers(module)  # one walk over the modules for off and on
+    except ImportError:  # no peft installed: nothing can carry an adapter
+        layers = []
+    if layers:
+        for layer in layers:
+            layer.enable_adapters(False)
         try:
             yield module
         finally:
-            set_lora_enabled(module, True)
+            for layer in layers:
+                layer.enable_adapters(True)
         return
     if frozen is None:
         raise RuntimeError("a reference policy was requested but Runtime.needs_reference was False (full "

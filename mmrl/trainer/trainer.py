@@ -18,6 +18,8 @@ import logging
 import math
 import os
 import time
+import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,6 +68,30 @@ class TrainResult:
     stopped_early: bool = False
 
 
+class CachedUnwrap:
+    """``Runtime.unwrap``: Accelerate's ``unwrap_model``, remembered per wrapper object.
+
+    ``unwrap_model`` costs about a millisecond on a small VLM (it walks the module tree for compiled regions and looks
+    up the DeepSpeed package each call) and plugins call it several times a step; what it returns for a given
+    wrapper (DDP's ``.module``, a compiled module's original) never changes, so it runs once per object. Entries are
+    weak: a module that is dropped is forgotten.
+    """
+
+    _SELF = object()  # the module is its own bare module (no wrapper): stored without a reference to itself
+
+    def __init__(self, unwrap: Callable[[torch.nn.Module], torch.nn.Module]):
+        self._unwrap = unwrap
+        self._known: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+    def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
+        found = self._known.get(module)
+        if found is None:
+            bare = self._unwrap(module)
+            found = self._SELF if bare is module else bare
+            self._known[module] = found
+        return module if found is self._SELF else found
+
+
 class Trainer:
     """Group-relative RL trainer.
 
@@ -85,7 +111,7 @@ class Trainer:
             process_index=acc.process_index,
             num_processes=acc.num_processes,
             mixed_precision=config.run.mixed_precision,
-            unwrap=lambda module: acc.unwrap_model(module),
+            unwrap=CachedUnwrap(acc.unwrap_model),
             full_state_dict=lambda module: acc.get_state_dict(module),
             autocast=acc.autocast,
             seed=config.run.seed,
