@@ -111,6 +111,17 @@ def _with_old_logp(trainer, *, shift=0.0):
     return trainer
 
 
+def _train_beside_own_old_logp(core, tmp_path, common):
+    """Train ``core`` recording its gradients, then the same run whose plugin returns its own old log-probs:
+    (core's gradients, core's TrainResult, the other run's gradients)."""
+    got = record_gradients(core, core.plugin.model)
+    result = core.train()
+    own = _with_old_logp(Trainer(toy_config(tmp_path / "own", *common)))
+    expected = record_gradients(own, own.plugin.model)
+    own.train()
+    return got, result, expected
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -212,11 +223,7 @@ def test_the_core_computes_old_logp_that_a_rollout_leaves_out(tmp_path, override
         return forward(policy, *args, **kwargs)
 
     core.plugin.forward = recorded
-    got = record_gradients(core, core.plugin.model)
-    result = core.train()
-    own = _with_old_logp(Trainer(toy_config(tmp_path / "own", *common)))
-    expected = record_gradients(own, own.plugin.model)
-    own.train()
+    got, result, expected = _train_beside_own_old_logp(core, tmp_path, common)
     assert modes.count((False, False)) == 2 and (False, True) not in modes  # one eval-mode pass per step
     assert all(mode == (True, True) for mode in modes if mode[0])
     assert len(got) == len(expected) == 4
@@ -245,11 +252,7 @@ def test_the_first_minibatch_is_its_own_old_policy_unless_the_policy_has_dropout
         return forward(policy, rollout, **kwargs)
 
     core.plugin.forward = recorded
-    got = record_gradients(core, core.plugin.model)
-    result = core.train()
-    own = _with_old_logp(Trainer(toy_config(tmp_path / "own", *common)))
-    expected = record_gradients(own, own.plugin.model)
-    own.train()
+    got, result, expected = _train_beside_own_old_logp(core, tmp_path, common)
     assert sizes == ([16, 16] if dropout == 0 else [32, 32])  # one pass per step, the second mini-batch or all
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):
         for name in want:
