@@ -317,10 +317,6 @@ class _RowPixelReward(Reward):
     def score_found(self, row: dict[str, Any], items: list[Component]) -> float:
         raise NotImplementedError
 
-    def score_image(self, row: dict[str, Any], image: np.ndarray) -> float:
-        """The score of one finite ``[H, W, 3]`` uint8 image for its row."""
-        return self.score_found(row, components(image, self.max_color_distance, self.min_area_fraction))
-
     def __call__(self, batch: RewardInput) -> Tensor:
         for index, row in enumerate(batch.rows):
             check_row(row, index, self.name)

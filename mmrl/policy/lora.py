@@ -144,12 +144,17 @@ def lora_layers(module: nn.Module) -> list[nn.Module]:
     return [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
 
 
+def _installed_lora_layers(module: nn.Module) -> list[nn.Module]:
+    """:func:`lora_layers`, or none when peft is not installed (nothing can carry an adapter then)."""
+    try:
+        return lora_layers(module)
+    except ImportError:
+        return []
+
+
 def has_lora(module: nn.Module) -> bool:
     """Whether ``module`` carries a LoRA adapter (:func:`attach_lora`, or peft's own wrappers)."""
-    try:
-        return bool(lora_layers(module))
-    except ImportError:  # no peft installed: nothing can carry an adapter
-        return False
+    return bool(_installed_lora_layers(module))
 
 
 def set_lora_enabled(module: nn.Module, enabled: bool) -> None:
@@ -178,10 +183,7 @@ def reference_policy(module: nn.Module, frozen: nn.Module | None = None) -> Iter
     Raises:
         RuntimeError: Full fine-tuning without a frozen copy (plugins keep one only when ``Runtime.needs_reference``).
     """
-    try:
-        layers = lora_layers(module)  # one walk over the modules for off and on
-    except ImportError:  # no peft installed: nothing can carry an adapter
-        layers = []
+    layers = _installed_lora_layers(module)  # one walk over the modules for off and on
     if layers:
         for layer in layers:
             layer.enable_adapters(False)
