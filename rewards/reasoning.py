@@ -21,6 +21,7 @@ completion scores 0).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Annotated, Any
@@ -256,6 +257,9 @@ _REPLACEMENTS = (
 )
 
 
+# A pure function of a string of at most _MAX_EXPRESSION characters (both callers check), called on the same
+# answers and references sample after sample and step after step: cached.
+@functools.lru_cache(maxsize=4096)
 def _normalise_expression(text: str) -> str:
     text = re.sub(r"\\(?:text|mathrm|textbf|mbox|operatorname)\s*\{([^{}]*)\}", r" \1 ", text)
     for old, new in _REPLACEMENTS:

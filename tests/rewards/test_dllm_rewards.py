@@ -91,6 +91,25 @@ def test_gsm8k_answer_format_details():
         gsm8k_answer(_batch(["1"], solution=["1"]), answer_format="latex")
 
 
+def test_gsm8k_batch_scores_equal_one_row_at_a_time():
+    # The reward reads each distinct reference, prompt and (text, format, reference) once per call; a batch with
+    # repeats of every kind must score exactly as the rows scored alone, where nothing can be shared.
+    rows = [
+        ("18", "#### 18", "How many?"), ("18", "#### 18", "How many?"), ("<answer>18</answer>", "#### 18", "How many?"),
+        ("\\boxed{5} #### 6", "5", "Answer in \\boxed{}."), ("\\boxed{5} #### 6", "5", "End with ####."),
+        ("\\boxed{5} #### 6", "6", "End with ####."), ("7", 7, None), ("7", "7", None), ("7.0", 7.0, None),
+        ("0", -0.0, None), ("-0", 0.0, None), ("nan", math.nan, None), ("1/2", 0.5, None), ("1/2", "0.5", None),
+        ("2", "2", [{"role": "user", "content": "Use ####."}]),
+        ("#### 2", "2", [{"role": "user", "content": "Use ####."}]),
+        ("", "3", None), ("3", "", None), ("10001", "10000", None), ("10001", 10000.0, None),
+    ]
+    texts, solutions, prompts = zip(*rows, strict=True)
+    together = gsm8k_answer(_batch(list(texts), solution=list(solutions), prompt=list(prompts)))
+    alone = [gsm8k_answer(_batch([t], solution=[s], prompt=[p]))[0] for t, s, p in rows]
+    assert together == alone
+    assert together[:6] == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # the prompt picks the format
+
+
 def test_gsm8k_reads_only_the_last_max_chars():
     batch = _batch(["\\boxed{12}" + " words" * 4, "\\boxed{12}"], solution=["12", "12"])
     assert gsm8k_answer(batch) == [1.0, 1.0]
