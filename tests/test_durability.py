@@ -209,6 +209,7 @@ def test_evaluating_a_checkpoint_never_touches_the_training_log(tmp_path):
     trained = _run(tmp_path, "run.max_steps=4", "run.save_every=2", "run.keep_last=2")
     assert trained.returncode == 0, trained.stderr[-2000:]
     history = (tmp_path / "metrics.jsonl").read_text()
+    run_config = (tmp_path / "config.yaml").read_text()
     step_2 = tmp_path / "checkpoints" / "step-00000002"
     for resume in (str(step_2), "latest", "latest"):
         result = subprocess.run([sys.executable, "-m", "mmrl", "eval", "configs/toy.yaml", f"run.output_dir={tmp_path}",
@@ -216,6 +217,10 @@ def test_evaluating_a_checkpoint_never_touches_the_training_log(tmp_path):
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "metrics.jsonl").read_text() == history
+    assert (tmp_path / "config.yaml").read_text() == run_config
+    # Each evaluation's samples come with the config that made them: step 4's is the last call's (resume latest).
+    assert f"resume: {step_2}" in (tmp_path / "evaluations" / "step_000002" / "config.yaml").read_text()
+    assert "resume: latest" in (tmp_path / "evaluations" / "step_000004" / "config.yaml").read_text()
     records = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
     assert [(r["step"], Path(r["checkpoint"]).name) for r in records] == [
         (2, "step-00000002"), (4, "step-00000004"), (4, "step-00000004")]

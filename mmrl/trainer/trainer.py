@@ -340,13 +340,20 @@ class Trainer:
         """``mmrl eval``: evaluate the checkpoint ``run.resume`` names (or the initial policy without it).
 
         The record goes to ``evaluations.jsonl`` (with the checkpoint evaluated) and the samples to
-        ``evaluations/step_N``: the training history in metrics.jsonl and the training evaluations' samples are
-        never touched by a later evaluation.
+        ``evaluations/step_N``, with the config of the evaluation (``config.yaml``: which model, data and settings
+        made those samples, read by reports of the samples): the training history in metrics.jsonl, the run's
+        config.yaml and the training evaluations' samples are never touched by a later evaluation.
         """
         found = self.restore_checkpoint()
         writer = MetricsWriter(self.run_dir / "evaluations.jsonl", enabled=self.accelerator.is_main_process,
                                fields={"checkpoint": str(found) if found else "initial policy"})
-        return self.evaluate(writer=writer, samples_dir=self.run_dir / "evaluations")
+        folder = self.run_dir / "evaluations"
+        metrics = self.evaluate(writer=writer, samples_dir=folder)
+        if self.accelerator.is_main_process:
+            step_folder = folder / f"step_{self.step:06d}"
+            step_folder.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text_atomic(step_folder / "config.yaml", dump_config(self.config))
+        return metrics
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the current step atomically (see :mod:`mmrl.trainer.checkpoint`).

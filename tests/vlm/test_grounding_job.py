@@ -175,11 +175,40 @@ def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path):
         assert (run / name).stat().st_size > 0
 
 
-def test_report_refuses_a_folder_that_is_not_a_training_run_in_one_line(tmp_path, capsys):
-    """`mmrl eval` writes only evaluations.jsonl: the report names what is missing instead of a traceback."""
+def test_report_refuses_a_folder_that_is_not_a_run_in_one_line(tmp_path, capsys):
+    """A folder with neither a training log nor `mmrl eval`'s answers: the report names what is missing instead
+    of a traceback."""
     from mmrl.plugins.vlm.grounding import report
 
     (tmp_path / "evaluations.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit):
         report.main([str(tmp_path)])
-    assert "not a training run folder (no config.yaml or metrics.jsonl)" in capsys.readouterr().err
+    assert "neither a training run folder (no config.yaml or metrics.jsonl)" in capsys.readouterr().err
+    (tmp_path / "evaluations").mkdir()  # `mmrl eval` output without answers
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path)])
+    assert "no evaluation answers under evaluations/step_*/eval.jsonl" in capsys.readouterr().err
+
+
+def test_report_scores_mmrl_eval_output_per_kind(tmp_path, capsys):
+    """`mmrl eval` of the bundled checkpoint on 6 questions: the report scores its saved answers per kind, the
+    same as scoring them directly with the world's reward, and names the policy evaluated."""
+    from mmrl.plugins.vlm.grounding import report
+    from mmrl.trainer import Trainer
+
+    data = _small_dataset(tmp_path / "data")
+    run = tmp_path / "eval"
+    Trainer(_config(CHECKPOINT, data, run, "eval.num_prompts=6")).evaluate_checkpoint()
+    assert not (run / "metrics.jsonl").exists()
+    assert report.main([str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "evaluation at step 0 (initial policy; qwen2_5_vl boxes)" in printed
+    summary = json.loads((run / "evaluations.json").read_text())
+    entry = summary["evaluations"]["0"]
+    assert entry["questions"] == {"locate": 2, "find": 2, "count": 2}
+    answers = (run / "evaluations" / "step_000000" / "eval.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in answers]
+    assert entry["convention"] == "qwen2_5_vl"
+    rows = report.evaluation_rows(run / "evaluations" / "step_000000")[:6]
+    assert entry["held_out"] == report.kind_means(rows, [r["output"] for r in records], "qwen2_5_vl")
+    assert 0.0 <= entry["held_out"]["all"] <= 1.0 and entry["held_out"]["format"] > 0.5

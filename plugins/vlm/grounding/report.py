@@ -14,6 +14,11 @@ convention (so the scores do not depend on how ``eval.rewards`` combined them), 
 
 ``--compare RUN [RUN ...] --labels ... --out FILE`` draws the held-out locate IoU and the training reward of several
 runs in one figure (the GRPO / GSPO / Dr. GRPO comparison of docs/vlm.md).
+
+A folder that only ``mmrl eval`` wrote into (``evaluations.jsonl``, ``evaluations/step_*/`` with ``eval.jsonl``
+and the evaluation's ``config.yaml``; no training log) gets the per-kind scores of each of its evaluations, printed
+and written to ``evaluations.json`` (:func:`evaluation_report`): how a checkpoint, or another model given as
+``plugin.model=…``, scores per kind.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def _run_config(run: Path) -> dict[str, Any]:
 
 
 def convention_of(run: Path) -> str:
-    """The box convention of the run's model family (the VLM plugin's adapter for ``plugin.family``/``model``)."""
+    """The box convention of the run's model family (the VLM plugin's adapter for ``plugin.family``/``model``);
+    ``run`` is a folder with the ``config.yaml`` of a training run or of one ``mmrl eval`` evaluation."""
     from mmrl.plugins.vlm.adapters import adapter_for
 
     plugin = _run_config(run)["plugin"]
@@ -48,7 +54,8 @@ def convention_of(run: Path) -> str:
 
 
 def evaluation_rows(run: Path) -> list[dict[str, Any]]:
-    """The run's evaluation rows, loaded by the VLM plugin's own loader (with ``resized_size``)."""
+    """The run's evaluation rows, loaded by the VLM plugin's own loader (with ``resized_size``); ``run`` as in
+    :func:`convention_of`."""
     from mmrl.plugins.vlm.adapters import adapter_for
     from mmrl.plugins.vlm.data import attach_sizes, load_jsonl
 
@@ -62,15 +69,18 @@ def evaluation_rows(run: Path) -> list[dict[str, Any]]:
     return attach_sizes(rows, adapter.resized_size)
 
 
-def evaluations(run: Path) -> dict[int, list[dict[str, Any]]]:
-    """step → the saved evaluation answers of that step (``samples/step_N/eval.jsonl``)."""
+def evaluations(run: Path, folder: str = "samples") -> dict[int, list[dict[str, Any]]]:
+    """step → the saved evaluation answers of that step (``samples/step_N/eval.jsonl``; ``folder="evaluations"``:
+    those of ``mmrl eval``)."""
     found = {}
-    for folder in sorted((run / "samples").glob("step_*")):
-        path = folder / "eval.jsonl"
+    for step_folder in sorted((run / folder).glob("step_*")):
+        path = step_folder / "eval.jsonl"
         if path.is_file():
-            found[int(folder.name.split("_")[-1])] = [json.loads(line) for line in path.read_text().splitlines()]
-    if len(found) < 2:
+            found[int(step_folder.name.split("_")[-1])] = [json.loads(line) for line in path.read_text().splitlines()]
+    if folder == "samples" and len(found) < 2:
         raise FileNotFoundError(f"{run}: expected evaluations at the start and the end under samples/step_*/")
+    if not found:
+        raise FileNotFoundError(f"{run}: no evaluation answers under {folder}/step_*/eval.jsonl")
     return found
 
 
@@ -107,6 +117,11 @@ def kind_means(rows: Sequence[dict[str, Any]], texts: Sequence[str], convention:
     result["all"] = float(np.mean(scores))
     result["format"] = float(np.mean(format_reward(RewardInput(rows=list(rows), payload={"completions": list(texts)}))))
     return result
+
+
+def question_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many of ``rows`` ask each kind of question."""
+    return {kind: sum(1 for row in rows if row["kind"] == kind) for kind in world.KINDS}
 
 
 # ---------------------------------------------------------------------------------------------------------- pictures
@@ -248,7 +263,7 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
         "run": str(run),
         "convention": convention,
         "steps": last,
-        "questions": {kind: sum(1 for row in aligned if row["kind"] == kind) for kind in world.KINDS},
+        "questions": question_counts(aligned),
         "held_out_before": held_out[first],
         "held_out_after": held_out[last],
         "held_out": {str(step): scores for step, scores in sorted(held_out.items())},
@@ -261,6 +276,37 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
         export.mkdir(parents=True, exist_ok=True)
         for name in ("grid.png", "reward_curve.png"):
             _small_copy(run / name, export / name)
+    return summary
+
+
+def evaluation_report(run: str | Path) -> dict[str, Any]:
+    """Per-kind scores of the evaluations ``mmrl eval`` wrote into ``run``; writes ``evaluations.json``.
+
+    Each ``evaluations/step_N/eval.jsonl`` (the answers of the last evaluation of a checkpoint of step N, or of the
+    initial policy at step 0) is scored again with the world's reward, on the rows and in the convention of the
+    ``config.yaml`` beside it (the evaluation's own config); the checkpoint it came from is the one the last
+    ``evaluations.jsonl`` record of that step names.
+    """
+    run = Path(run)
+    checkpoints: dict[int, str] = {}
+    log = run / "evaluations.jsonl"
+    if log.is_file():
+        for record in read_metrics(log):
+            if "step" in record:
+                checkpoints[int(record["step"])] = str(record.get("checkpoint", ""))
+    scored = {}
+    for step, records in evaluations(run, "evaluations").items():
+        folder = run / "evaluations" / f"step_{step:06d}"
+        if not (folder / "config.yaml").is_file():
+            raise FileNotFoundError(f"{folder}: no config.yaml beside eval.jsonl (written by `mmrl eval` since "
+                                    "this report could read it); evaluate the checkpoint again")
+        convention = convention_of(folder)
+        aligned = align(evaluation_rows(folder), records, folder)
+        scored[str(step)] = {"checkpoint": checkpoints.get(step, ""), "convention": convention,
+                             "questions": question_counts(aligned),
+                             "held_out": kind_means(aligned, [r["output"] for r in records], convention)}
+    summary = {"run": str(run), "evaluations": scored}
+    (run / "evaluations.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
@@ -329,10 +375,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.run is None:
         parser.error("give a run folder, or --compare")
     missing = [name for name in ("config.yaml", "metrics.jsonl") if not (args.run / name).is_file()]
+    if missing and (args.run / "evaluations").is_dir():  # only what `mmrl eval` writes
+        try:
+            summary = evaluation_report(args.run)
+        except (FileNotFoundError, ValueError) as error:  # no answers, no config beside them, rewritten data
+            parser.error(str(error))
+        for step, entry in sorted(summary["evaluations"].items(), key=lambda item: int(item[0])):
+            scores = entry["held_out"]
+            kinds = ", ".join(f"{kind} {scores[kind]:.3f}" for kind in (*world.KINDS, "format") if kind in scores)
+            print(f"evaluation at step {step} ({entry['checkpoint'] or 'checkpoint not recorded'}; "
+                  f"{entry['convention']} boxes): all {scores['all']:.3f}; {kinds}")
+        print(f"wrote {args.run / 'evaluations.json'}")
+        return 0
     if missing:
-        parser.error(f"{args.run} is not a training run folder (no {' or '.join(missing)}): the report reads what "
-                     "`mmrl train` writes, with evaluations at the start and the end")
-    summary = report(args.run, args.export)
+        parser.error(f"{args.run} is neither a training run folder (no {' or '.join(missing)}) nor an `mmrl eval` "
+                     "folder (evaluations/): the report reads what `mmrl train` or `mmrl eval` writes")
+    try:
+        summary = report(args.run, args.export)
+    except (FileNotFoundError, ValueError) as error:  # evaluations missing, no eval dataset, rewritten data
+        parser.error(str(error))
     before, after = summary["held_out_before"], summary["held_out_after"]
     print(f"held-out grounding world ({summary['convention']} boxes): {before['all']:.3f} before -> "
           f"{after['all']:.3f} after {summary['steps']} steps ({after['all'] - before['all']:+.3f})")
