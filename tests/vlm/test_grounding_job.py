@@ -93,6 +93,25 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
     assert all(row["kind"] == "locate" and len(row["objects"]) == 1 for row in rows)
     with pytest.raises(ValueError, match=r"max_objects must be in \[1, 4\], got 0"):
         pretrain.training_batch(np.random.default_rng(0), 1, 0, ("locate",), max_objects=0)
+    # --every-object: a locate scene asks about each object alone of its kind, the same image in consecutive rows.
+    rows = pretrain.training_batch(np.random.default_rng(0), 40, 0, ("locate", "count"), every_object=True)
+    assert len(rows) == 40 and {row["kind"] for row in rows} == {"locate", "count"}
+    scenes: dict[int, list[dict]] = {}
+    for row in rows:
+        if row["kind"] == "locate":
+            scenes.setdefault(row["background_seed"], []).append(row)
+    assert any(len(asked) > 1 for asked in scenes.values())
+    for asked in scenes.values():
+        things = world.things_of(asked[0])
+        unique = [t for t in things if [u.kind for u in things].count(t.kind) == 1]
+        assert len(asked) <= len(unique)  # the batch's last scene may be cut short
+        for row in asked:
+            assert world.things_of(row) == things  # the same image
+            target = [t for t in things if list(t.box) == row["solution"]]
+            assert len(target) == 1 and target[0] in unique
+            assert row["problem"] == f"Locate the {target[0].color} {target[0].shape}."
+            assert row["subject"] == {"color": target[0].color, "shape": target[0].shape}
+        assert len({tuple(row["solution"]) for row in asked}) == len(asked)
     for argv, message in ((["--kinds", "locate,where"], "--kinds: unknown kind"),
                           (["--init", str(out), "--dims", "{}"], "--dims applies to a fresh model"),
                           (["--max-objects", "0"], "--max-objects: got 0; allowed: 1 to 4")):

@@ -139,19 +139,26 @@ def evaluate(learner: Learner, rows: Sequence[dict[str, Any]], batch_size: int =
 
 
 def training_batch(rng: np.random.Generator, size: int, step: int, kinds: Sequence[str] = world.KINDS,
-                   max_objects: int = world.MAX_OBJECTS) -> list[dict[str, Any]]:
+                   max_objects: int = world.MAX_OBJECTS, every_object: bool = False) -> list[dict[str, Any]]:
     """``size`` fresh training records, the kinds in turn (shifted by the step, so each kind gets every slot); scenes
-    with more than ``max_objects`` objects are drawn again (a curriculum's easy stage)."""
+    with more than ``max_objects`` objects are drawn again (a curriculum's easy stage). With ``every_object`` a
+    locate scene asks about each object that is alone of its kind (:func:`world.scene_rows_every_object`), filling
+    as many slots: the batch holds the same image with different questions and answers."""
     if not 1 <= max_objects <= world.MAX_OBJECTS:
         # Every scene holds at least one object: a smaller bound would redraw forever.
         raise ValueError(f"max_objects must be in [1, {world.MAX_OBJECTS}], got {max_objects}")
-    rows = []
-    for i in range(size):
+    rows: list[dict[str, Any]] = []
+    i = 0
+    while len(rows) < size:
         while True:
             scene = world.make_scene(kinds[(step + i) % len(kinds)], "train", rng)
             if len(scene["things"]) <= max_objects:
                 break
-        rows.append(world.scene_row(scene))
+        if every_object and scene["kind"] == "locate":
+            rows.extend(world.scene_rows_every_object(scene)[:size - len(rows)])
+        else:
+            rows.append(world.scene_row(scene))
+        i += 1
     return rows
 
 
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                              "gets twice the questions (default: all three)")
     parser.add_argument("--max-objects", type=int, default=world.MAX_OBJECTS,
                         help="train on scenes with at most this many objects (validation keeps the world's scenes)")
+    parser.add_argument("--every-object", action="store_true",
+                        help="locate scenes ask about each object alone of its kind (the same image, several answers)")
     parser.add_argument("--dims", type=json.loads, default=None,
                         help="JSON object overriding model.DIMS for a fresh model, e.g. '{\"rope_theta\": 100}'")
     parser.add_argument("--steps", type=int, default=3000)
@@ -228,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
     learner.model.train()
     for step in range(1, args.steps + 1):
-        rows = learner.rows(training_batch(rng, args.batch_size, step, kinds, args.max_objects))
+        rows = learner.rows(training_batch(rng, args.batch_size, step, kinds, args.max_objects, args.every_object))
         loss = learner.loss(rows, [world.record_image(row) for row in rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -303,6 +303,19 @@ def scene_row(scene: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def scene_rows_every_object(scene: dict[str, Any]) -> list[dict[str, Any]]:
+    """A locate scene's questions about each of its objects that is the only one of its kind (colour and shape) in
+    the scene, the scene's own question first: the same image with as many answers as objects, which the image
+    alone cannot tell apart (only the question does)."""
+    if scene["kind"] != "locate":
+        raise ValueError(f"only locate scenes ask about each object, not {scene['kind']!r}")
+    things: list[Thing] = scene["things"]
+    kinds = [t.kind for t in things]
+    order = [scene["asked"][0], *(i for i in range(len(things)) if i != scene["asked"][0])]
+    return [scene_row({**scene, "subject": list(things[i].kind), "asked": [i]})
+            for i in order if kinds.count(things[i].kind) == 1]
+
+
 def things_of(record: dict[str, Any]) -> list[Thing]:
     """The objects of a dataset record."""
     return [Thing(o["color"], o["shape"], tuple(int(v) for v in o["box"])) for o in record["objects"]]
