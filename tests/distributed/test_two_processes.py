@@ -35,7 +35,9 @@ def _run(out: Path, processes: int, *overrides: str, timeout: int = 240, config_
     if processes == 1:
         command = [sys.executable, str(SCRIPT), str(out), *overrides]
     else:
-        launcher = [str(Path(sys.executable).with_name("accelerate")), "launch"]
+        # This interpreter runs the launcher (not the `accelerate` script beside it, whose shebang may name another
+        # environment's Python, e.g. in a copied venv), so that every process imports this checkout's mmrl.
+        launcher = [sys.executable, "-m", "accelerate.commands.launch"]
         if config_file:  # a recipe from configs/accelerate, as users launch it
             launcher += ["--config_file", config_file, "--mixed_precision", "no"]
         else:
