@@ -6,19 +6,27 @@ depends only on its global index) and the per-step losses; the main process also
 to ``params.pt`` and the gradient of every optimizer step (as the optimizer saw it: reduced over processes, clipped)
 to ``gradients.pt``.
 
-    python tests/distributed/record_toy.py OUT_DIR [--plugin-old-logp] [--config PATH] [key=value overrides...]
+    python tests/distributed/record_toy.py OUT_DIR [--plugin-old-logp] [--rollout-per-sample] [--config PATH]
+        [key=value overrides...]
 
 ``--config PATH`` starts from a shipped recipe (e.g. configs/toy.yaml) instead of the tests' small toy config.
 
 ``--plugin-old-logp`` makes the plugin return training rollouts with their own ``old_logp`` (the sampling weights'
 log-probs through the forward's computation); the toy plugin leaves them out, and the learner then substitutes the
 detached training log-probs (one optimizer step per rollout) or computes them (several).
+
+``--rollout-per-sample`` decodes each training batch one sample at a time (:func:`per_sample_rollout`) and joins
+the rollouts: for plugins whose samples depend on the batch composition by design (the vlm plugin seeds one RNG
+stream per decode call from all the batch's sample seeds, docs/vlm.md), so that a sample depends on its own seed
+only and one and two processes sample the same tokens. Evaluation batches are decoded as they come.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,8 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mmrl.config import load_config  # noqa: E402
+from mmrl.plugin import PromptBatch  # noqa: E402
 from mmrl.reward import reward_functions  # noqa: E402
 from mmrl.rewards.text_match import token_accuracy  # noqa: E402
+from mmrl.rollout import Rollout  # noqa: E402
 from mmrl.trainer import Trainer  # noqa: E402
 from tests.helpers import toy_config  # noqa: E402
 
@@ -43,11 +53,37 @@ def constant_on_rank_1(batch):
     return token_accuracy(batch)
 
 
+@reward_functions.register("test_completion_length")
+def completion_length(batch):
+    """The completion's length in characters over 100: a random tiny VLM never writes a box or the R1 format, so the
+    recipe's rewards are all 0 (zero advantages, zero gradients); lengths spread within every group."""
+    return [len(text) / 100 for text in batch.output("completions")]
+
+
+def per_sample_rollout(rollout: Callable[..., Rollout]) -> Callable[..., Rollout]:
+    """Wrap a plugin's ``rollout`` so that a training batch is decoded as one-sample batches (each row with its own
+    group id and seed), joined with :meth:`Rollout.concat` in the batch's order. ``metrics`` (concat keeps the first
+    rollout's) are averaged over the samples: the vlm plugin's are per-sample means, so they stay the batch's."""
+
+    def decode_one_at_a_time(policy, batch: PromptBatch) -> Rollout:
+        if not batch.training:
+            return rollout(policy, batch)
+        parts = [rollout(policy, replace(batch, rows=[row], group_ids=batch.group_ids[i:i + 1],
+                                         seeds=batch.seeds[i:i + 1]))
+                 for i, row in enumerate(batch.rows)]
+        joined = Rollout.concat(parts)
+        joined.metrics = {key: sum(part.metrics[key] for part in parts) / len(parts) for key in parts[0].metrics}
+        return joined
+
+    return decode_one_at_a_time
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     arguments = sys.argv[2:]
     plugin_old_logp = "--plugin-old-logp" in arguments
-    arguments = [arg for arg in arguments if arg != "--plugin-old-logp"]
+    rollout_per_sample = "--rollout-per-sample" in arguments
+    arguments = [arg for arg in arguments if arg not in ("--plugin-old-logp", "--rollout-per-sample")]
     if "--config" in arguments:
         at = arguments.index("--config")
         recipe = arguments[at + 1]
@@ -59,6 +95,8 @@ def main() -> None:
     advantages: dict[str, float] = {}
     current_seeds: list[torch.Tensor] = []
     original_rollout, original_credit = trainer.plugin.rollout, trainer.collector.credit
+    if rollout_per_sample:
+        original_rollout = per_sample_rollout(original_rollout)
 
     def recording_rollout(policy, batch):
         current_seeds.append(batch.seeds.clone())

@@ -132,6 +132,12 @@ def test_the_shipped_recipe_applies_the_same_gradients_on_one_and_two_processes(
 MODALITY_RECIPES = {
     "dllm": ("configs/dllm/toy.yaml", ["plugin.eval_size=8"], 2, 16 * 8),  # μ = 2: one optimizer step per epoch
     "flow": ("configs/flow/shapes.yaml", [], 2, 8 * 8),  # two mini-batches
+    # Two mini-batches (the core's old-policy pass runs too); each training sample decoded alone, so that it depends
+    # on its own seed only; a random tiny model never earns the recipe's format and iou rewards (all 0: no
+    # gradient), so the completion length (record_toy.py) is added to give every group spread.
+    "vlm": ("configs/vlm/toy_grounding.yaml",
+            ["--rollout-per-sample", "algorithm.minibatches=2",
+             "rewards.functions=[{name: format}, {name: iou}, {name: test_completion_length}]"], 2, 4 * 4),
 }
 
 
@@ -139,13 +145,24 @@ MODALITY_RECIPES = {
 @pytest.mark.parametrize("plugin", sorted(MODALITY_RECIPES))
 def test_each_modality_recipe_applies_the_same_gradients_on_one_and_two_processes(tmp_path, plugin):
     """The diffusion-LLM recipe (μ = 2 inner epochs, each with its own mask plan drawn from per-sample streams, a KL
-    reference pass, the core's old-policy pass) and the shapes-world flow recipe (SDE noise per sample, 3 trained
-    denoising steps, two mini-batches), 2 steps each on 1 and 2 processes in the spread layout, where each process
-    holds other samples of every group: the same advantages and the same gradient at every optimizer step (to float
-    reduction order; see the shipped-recipe test above for the tolerance). A mask plan or a noise stream tied to a
-    sample's local index instead of its global seed would differ by order 1. (The vlm plugin's samples depend on the
-    batch composition by design: docs/vlm.md, Seeding.)"""
+    reference pass, the core's old-policy pass), the shapes-world flow recipe (SDE noise per sample, 3 trained
+    denoising steps, two mini-batches) and the vlm grounding recipe (a tiny Qwen2.5-VL with LoRA, the KL reference
+    as the adapter-disabled model, two mini-batches), 2 steps each on 1 and 2 processes in the spread layout, where
+    each process holds other samples of every group: the same advantages and the same gradient at every optimizer
+    step (to float reduction order; see the shipped-recipe test above for the tolerance). A mask plan or a noise
+    stream tied to a sample's local index instead of its global seed would differ by order 1.
+
+    The vlm plugin's samples depend on the batch composition by design (docs/vlm.md, Seeding: one RNG stream per
+    decode call), so its training batches are decoded one sample at a time here (``--rollout-per-sample``); the
+    rest of its path is the plugin's own: on 2 processes the policy is wrapped by DistributedDataParallel, so the
+    training and old-policy passes take the plain teacher-forced pass through the wrapper instead of the shared
+    prompt forward that 1 process runs, the reference toggles the adapter of the unwrapped model, and the decode
+    loop runs the unwrapped model. Without the per-sample decode the gradients differ by more than their norm."""
     config, overrides, steps_per_step, samples = MODALITY_RECIPES[plugin]
+    if plugin == "vlm":  # the recipe's tiny Qwen2.5-VL, built once here for both runs
+        from mmrl.plugins.vlm.testing import build_tiny_model
+
+        overrides = [*overrides, f"plugin.model={build_tiny_model('qwen2_5_vl', tmp_path / 'tiny-qwen2_5_vl')}"]
     recipe = ["--config", config, "run.max_steps=2", "eval.at_start=false", "eval.every=0", "rollout.layout=spread",
               *overrides]
     single = _run(tmp_path / "one", 1, *recipe, timeout=400)
