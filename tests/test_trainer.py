@@ -440,6 +440,29 @@ def test_dynamic_sampling_keeps_only_groups_with_spread(tmp_path):
         assert batch.advantages[trained][groups == group].abs().sum() > 0
 
 
+def test_dynamic_sampling_logs_the_rollout_metrics_of_every_round(tmp_path):
+    # The rounds' rollouts are pooled; the logged rollout metrics are their mean over all generated samples, not
+    # the first round's (Rollout.concat keeps the first rollout's metrics).
+    config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
+                        "rollout.dynamic_sampling.max_rounds=6", "run.max_steps=1")
+    trainer = Trainer(config)
+    rounds: list[tuple[int, float]] = []
+    original = trainer.plugin.rollout
+
+    def numbered_rollout(policy, batch):
+        rollout = original(policy, batch)
+        if batch.training:
+            rollout.metrics["round"] = float(len(rounds))
+            rounds.append((len(rollout), float(len(rounds))))
+        return rollout
+
+    trainer.plugin.rollout = numbered_rollout
+    batch = trainer.collector.collect(trainer.policy, trainer.step, {})
+    assert batch.metrics["samples/rounds"] == len(rounds) > 1
+    expected = sum(n * value for n, value in rounds) / sum(n for n, _ in rounds)
+    assert batch.metrics["rollout/round"] == pytest.approx(expected)
+
+
 def test_dynamic_sampling_pads_when_rounds_run_out(tmp_path):
     config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
                         "rollout.dynamic_sampling.max_rounds=1", "run.max_steps=1")

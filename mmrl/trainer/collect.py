@@ -136,7 +136,8 @@ class Collector:
         out["samples/rounds"] = float(used_rounds)
         out["samples/padded"] = float(acc.reduce(selection.padded.sum().to(acc.device).float(), "sum"))
         rollout_means = WeightedMeans()
-        rollout_means.add_all(rollout.metrics, prefix="rollout/")
+        for part in pooled:  # every round's (the concatenation keeps only the first round's metrics)
+            rollout_means.add_all(part.metrics, weight=len(part), prefix="rollout/")
         out.update(reduce_means(rollout_means, acc.num_processes))
         return TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
 
