@@ -25,6 +25,7 @@ token ids and attention masks alike come out consistent, and padded actions carr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -139,14 +140,16 @@ class Rollout:
     def concat(rollouts: Sequence[Rollout]) -> Rollout:
         """Concatenate rollouts along N. Action axes of different widths are right-padded (mask 0).
 
-        ``shared`` and ``metrics`` are taken from the first rollout.
+        ``shared`` is taken from the first rollout; each of the ``metrics`` is the mean over the rollouts that
+        report it, weighted by their samples (a non-finite value is left out), as one rollout of all the samples
+        would report it.
         """
         if not rollouts:
             raise RolloutError("cannot concatenate an empty list of rollouts")
         width = max(r.num_actions for r in rollouts)
         padded = [r._pad_actions(width) for r in rollouts]
         first = padded[0]
-        updates = {}
+        updates: dict[str, Any] = {"metrics": _pooled_metrics(rollouts)}
         for f in fields(first):
             if f.name in _UNSPLIT:
                 continue
@@ -173,6 +176,19 @@ class Rollout:
 
 
 _UNSPLIT = frozenset({"shared", "metrics"})
+
+
+def _pooled_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Each metric's mean over the rollouts reporting it, weighted by their sample counts (finite values only)."""
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for rollout in rollouts:
+        for name, value in rollout.metrics.items():
+            value = float(value)
+            if math.isfinite(value) and len(rollout) > 0:
+                totals[name] = totals.get(name, 0.0) + value * len(rollout)
+                weights[name] = weights.get(name, 0.0) + len(rollout)
+    return {name: totals[name] / weights[name] for name in totals}
 
 
 def _check_per_sample(value: Any, n: int, where: str) -> None:

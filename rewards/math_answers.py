@@ -164,47 +164,32 @@ def gsm8k_answer(
     check_max_chars(max_chars)
     texts = completion_texts(batch, output)
     references = batch.column(field)
-    # The G samples of a group share their row, and often their text: each distinct reference, prompt and (text,
-    # format, reference) is read once per call (the extraction and comparison are pure functions of them).
-    targets: dict[Any, Any] = {}
-    formats: dict[Any, str | None] = {}
+    # The G samples of a group share their row, and often their text: each distinct (text, format, reference) is
+    # scored once per call (extraction and comparison are pure functions of them).
+    def score(text: Any, wanted: str | None, reference: Any) -> float:
+        target = extract_final_answer(reference, max_chars=None) if isinstance(reference, str) else reference
+        prediction = extract_final_answer(text, wanted, max_chars=max_chars)
+        return float(answers_equal(prediction, reference if target is None else target, rel_tol=rel_tol,
+                                   abs_tol=abs_tol))
+
     scored: dict[tuple[Any, ...], float] = {}
     scores = []
     for row, text, reference in zip(batch.rows, texts, references, strict=True):
+        wanted = requested_format(row.get("prompt")) if answer_format == "auto" else answer_format
         reference_key = _memo_key(reference)
-        if reference_key is None or reference_key not in targets:
-            target = extract_final_answer(reference, max_chars=None) if isinstance(reference, str) else reference
-            target = reference if target is None else target
-            if reference_key is not None:
-                targets[reference_key] = target
-        else:
-            target = targets[reference_key]
-        if answer_format != "auto":
-            wanted = answer_format
-        else:
-            prompt = row.get("prompt")
-            prompt_key = _memo_key(prompt)
-            if prompt_key is None or prompt_key not in formats:
-                wanted = requested_format(prompt)
-                if prompt_key is not None:
-                    formats[prompt_key] = wanted
-            else:
-                wanted = formats[prompt_key]
-        key = None if reference_key is None or not isinstance(text, str) else (text, wanted, reference_key)
-        if key is None or key not in scored:
-            prediction = extract_final_answer(text, wanted, max_chars=max_chars)
-            score = float(answers_equal(prediction, target, rel_tol=rel_tol, abs_tol=abs_tol))
-            if key is not None:
-                scored[key] = score
-        else:
-            score = scored[key]
-        scores.append(score)
+        if reference_key is None or not isinstance(text, str):
+            scores.append(score(text, wanted, reference))
+            continue
+        key = (text, wanted, reference_key)
+        if key not in scored:
+            scored[key] = score(text, wanted, reference)
+        scores.append(scored[key])
     return scores
 
 
 def _memo_key(value: Any) -> tuple[type, Any] | None:
-    """A dictionary key for a reference or prompt (its type kept, so ``1`` and ``"1"`` and ``1.0`` stay apart), or
-    None for a value that cannot be one (a conversation list, a dict)."""
+    """A dictionary key for a reference (its type kept, so ``1`` and ``"1"`` and ``1.0`` stay apart), or None for a
+    value that cannot be one (a list, a dict)."""
     if isinstance(value, float):
         return float, repr(value)  # -0.0 and 0.0 are read differently (repr), and nan != nan
     if isinstance(value, (str, int, bool)) or value is None:

@@ -37,6 +37,16 @@ def test_concat_pads_action_axes_with_zero_mask():
     assert joined.payload["completions"][2] == "text 10"
 
 
+def test_concat_pools_metrics_weighted_by_samples():
+    first, second, third = _rollout(2, 3), _rollout(6, 3, offset=10), _rollout(4, 3, offset=20)
+    first.metrics = {"length": 1.0, "only_first": 7.0}
+    second.metrics = {"length": 3.0, "broken": float("nan")}
+    third.metrics = {"length": 5.0, "broken": 2.0}
+    assert Rollout.concat([first, second, third]).metrics == {
+        "length": (2 * 1.0 + 6 * 3.0 + 4 * 5.0) / 12, "only_first": 7.0, "broken": 2.0}
+    assert Rollout.concat([first]).metrics == first.metrics
+
+
 def test_validate_names_the_offending_field():
     rollout = _rollout()
     rollout.payload["completions"] = ["only one"]

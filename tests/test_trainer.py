@@ -442,7 +442,7 @@ def test_dynamic_sampling_keeps_only_groups_with_spread(tmp_path):
 
 def test_dynamic_sampling_logs_the_rollout_metrics_of_every_round(tmp_path):
     # The rounds' rollouts are pooled; the logged rollout metrics are their mean over all generated samples, not
-    # the first round's (Rollout.concat keeps the first rollout's metrics).
+    # the first round's.
     config = toy_config(tmp_path, "rewards.functions=[{name: exact_match}]", "rollout.dynamic_sampling.enabled=true",
                         "rollout.dynamic_sampling.max_rounds=6", "run.max_steps=1")
     trainer = Trainer(config)

@@ -136,8 +136,7 @@ class Collector:
         out["samples/rounds"] = float(used_rounds)
         out["samples/padded"] = float(acc.reduce(selection.padded.sum().to(acc.device).float(), "sum"))
         rollout_means = WeightedMeans()
-        for part in pooled:  # every round's (the concatenation keeps only the first round's metrics)
-            rollout_means.add_all(part.metrics, weight=len(part), prefix="rollout/")
+        rollout_means.add_all(rollout.metrics, prefix="rollout/")  # every round's (Rollout.concat pools them)
         out.update(reduce_means(rollout_means, acc.num_processes))
         return TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
 
@@ -168,14 +167,7 @@ class Collector:
                 futures.append(scorer.submit(RewardInput(part.rows, part.payload, part.group_ids)))
         timings["rollout"] = timings.get("rollout", 0.0) + time.perf_counter() - tick
         tick = time.perf_counter()
-        if len(parts) == 1:
-            rollout = parts[0]
-        else:
-            rollout = Rollout.concat(parts)
-            means = WeightedMeans()
-            for part in parts:
-                means.add_all(part.metrics, weight=len(part))
-            rollout.metrics = means.means()
+        rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts)
         if overlap:
             scored = ScoredBatch.concat([future.result() for future in futures])
         else:

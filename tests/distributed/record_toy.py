@@ -62,8 +62,8 @@ def completion_length(batch):
 
 def per_sample_rollout(rollout: Callable[..., Rollout]) -> Callable[..., Rollout]:
     """Wrap a plugin's ``rollout`` so that a training batch is decoded as one-sample batches (each row with its own
-    group id and seed), joined with :meth:`Rollout.concat` in the batch's order. ``metrics`` (concat keeps the first
-    rollout's) are averaged over the samples: the vlm plugin's are per-sample means, so they stay the batch's."""
+    group id and seed), joined with :meth:`Rollout.concat` in the batch's order (which averages their ``metrics``
+    over the samples: the vlm plugin's are per-sample means, so they stay the batch's)."""
 
     def decode_one_at_a_time(policy, batch: PromptBatch) -> Rollout:
         if not batch.training:
@@ -71,9 +71,7 @@ def per_sample_rollout(rollout: Callable[..., Rollout]) -> Callable[..., Rollout
         parts = [rollout(policy, replace(batch, rows=[row], group_ids=batch.group_ids[i:i + 1],
                                          seeds=batch.seeds[i:i + 1]))
                  for i, row in enumerate(batch.rows)]
-        joined = Rollout.concat(parts)
-        joined.metrics = {key: sum(part.metrics[key] for part in parts) / len(parts) for key in parts[0].metrics}
-        return joined
+        return Rollout.concat(parts)
 
     return decode_one_at_a_time
 

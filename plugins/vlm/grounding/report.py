@@ -77,8 +77,6 @@ def evaluations(run: Path, folder: str = "samples") -> dict[int, list[dict[str, 
         path = step_folder / "eval.jsonl"
         if path.is_file():
             found[int(step_folder.name.split("_")[-1])] = [json.loads(line) for line in path.read_text().splitlines()]
-    if folder == "samples" and len(found) < 2:
-        raise FileNotFoundError(f"{run}: expected evaluations at the start and the end under samples/step_*/")
     if not found:
         raise FileNotFoundError(f"{run}: no evaluation answers under {folder}/step_*/eval.jsonl")
     return found
@@ -249,6 +247,8 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
     rows = evaluation_rows(run)
     convention = convention_of(run)
     found = evaluations(run)
+    if len(found) < 2:
+        raise FileNotFoundError(f"{run}: expected evaluations at the start and the end under samples/step_*/")
     held_out = {}
     for step, records in found.items():
         held_out[step] = kind_means(align(rows, records, run), [r["output"] for r in records], convention)
