@@ -154,6 +154,12 @@ class VLMPluginConfig:
                                 "distribution, as in TRL.", ref="PR1 (vLLM): 0.9")
     top_k: int = config_field(0, minimum=0, help="Top-k sampling (0 disables).", ref="PR1 (vLLM): 50")
     system_prompt: str | None = config_field(None, help="Optional system message before every prompt.")
+    image_position: Literal["before", "after"] = config_field(
+        "before", help="Where the images sit in the user turn: 'before' the question (Qwen's documented order) or "
+        "'after' it. Under causal attention only 'after' lets the image tokens attend to the question (a "
+        "question-aware reading of the image); a checkpoint answers best in the order it was trained with.",
+        ref="Qwen2.5-VL model card, R1-V, VLM-R1: images first",
+    )
     prompt_template: str = config_field(
         "{question}", help="The user text; {question} is the row's prompt. R1 format: '{question} Output the thinking "
         "process in <think> </think> and final answer in <answer> </answer> tags.'", ref="R1-V, VLM-R1",
@@ -403,7 +409,8 @@ class VLMPlugin(Plugin):
         unique = [rows[i] for i in first.values()]
         images = [self.adapter.load_images(row_images(row)) for row in unique]
         texts = [self.adapter.chat_text(self.adapter.messages(self.question(row), len(group),
-                                                              self.config.system_prompt))
+                                                              self.config.system_prompt,
+                                                              image_position=self.config.image_position))
                  for row, group in zip(unique, images, strict=True)]
         encoded = self.adapter.encode(texts, images)
         for row, prompt in zip(unique, encoded, strict=True):

@@ -82,8 +82,17 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
     out = tmp_path / "locate"
     assert pretrain.main(["--out", str(out), "--kinds", "locate", "--max-objects", "1", "--steps", "1",
                           "--batch-size", "2", "--eval-every", "1", "--eval-questions", "2", "--threads", "1",
-                          "--dims", '{"rope_theta": 50.0, "mrope": [8, 4, 4]}']) == 0
+                          "--dims", '{"rope_theta": 50.0, "mrope": [8, 4, 4]}', "--image-position", "after"]) == 0
     record = json.loads((out / "pretrain.json").read_text())
+    assert record["args"]["image_position"] == "after"
+    # --image-position after: the prompts the model learns from hold the question, then the image.
+    for position in ("before", "after"):
+        learner = pretrain.Learner(out, "qwen2_5_vl", image_position=position)
+        row = learner.rows(world.make_records(1, "train", seed=0))[0]
+        ids = learner.prompts([row], [world.record_image(row)])[0]["input_ids"].flatten().tolist()
+        text = learner.adapter.tokenizer.decode(ids, skip_special_tokens=False)
+        vision, question = text.index("<|vision_start|>"), text.index(row["problem"])
+        assert (vision < question) == (position == "before")
     assert {key for key in record["log"][0] if key.startswith("validation/")} == {
         "validation/locate", "validation/all", "validation/format"}
     assert record["model"]["rope_theta"] == 50.0

@@ -124,6 +124,46 @@ def test_sampling_follows_the_tempered_softmax(lora_plugins, family):
     torch.testing.assert_close(logp[mask], sampled[mask], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_image_position_orders_the_user_turn_and_the_log_probs_follow(tiny_models, family, position):
+    """plugin.image_position puts the image before or after the question; the rollout's log-probs are those of a
+    plain transformers forward of the chat written by hand in that order (the processor called directly)."""
+    from mmrl.plugins.vlm.plugin import row_images
+
+    plugin = make_plugin(tiny_models[family], image_position=position)
+    rows = plugin.dataset("train")[:2]
+    rollout = _rollout(plugin, seed=4, rows=rows)
+    image_part = "<|vision_start|><|image_pad|><|vision_end|>"
+    model = plugin.policy()
+    for i in range(len(rollout.group_ids)):
+        row = rows[i // GROUP]
+        question = plugin.question(row)
+        user = image_part + question if position == "before" else question + image_part
+        text = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        inputs = plugin.adapter.processor(text=[text], images=plugin.adapter.load_images(row_images(row)),
+                                          return_tensors="pt")
+        prompt_ids = inputs["input_ids"][0]
+        assert torch.equal(rollout.replay["input_ids"][i].flatten(), prompt_ids)
+        completion = rollout.replay["completion_ids"][i]
+        inputs["input_ids"] = torch.cat([prompt_ids, completion]).unsqueeze(0)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in inputs:
+            inputs["mm_token_type_ids"] = torch.cat(
+                [inputs["mm_token_type_ids"][0], torch.zeros_like(completion)]).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, len(prompt_ids) - 1:-1].float()  # [C, V]
+        logits[:, plugin.adapter.suppressed_token_ids()] = -torch.inf  # never sampled: outside the distribution
+        expected = (logits / plugin.config.temperature).log_softmax(-1).gather(-1, completion.unsqueeze(-1))[:, 0]
+        torch.testing.assert_close(rollout.old_logp[i, :len(completion)], expected, rtol=0, atol=1e-5)
+
+
+def test_image_position_is_validated(tiny_models):
+    with pytest.raises(ConfigError, match="image_position"):
+        from_dict(VLMPluginConfig, plugin_options(tiny_models["qwen2_5_vl"], image_position="middle"), "plugin")
+    with pytest.raises(ValueError, match="image_position must be one of before, after, got 'middle'"):
+        make_plugin(tiny_models["qwen2_5_vl"]).adapter.messages("q", 1, image_position="middle")
+
+
 def test_checkpoint_generation_config_does_not_leak_into_sampling(tiny_models):
     """Qwen checkpoints ship top_k=1 / repetition_penalty in generation_config.json; sampling must ignore them
     (else the G samples of a prompt would all be the same)."""

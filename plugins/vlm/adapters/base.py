@@ -40,6 +40,8 @@ PromptInputs = dict[str, Tensor]
 [images, 3]`` and either ``pixel_values [rows, D]`` (the patch rows of its images, in order) or ``image_embeds
 [image tokens, hidden]`` (the frozen vision tower's output for them, see :meth:`VLMAdapter.image_features`)."""
 
+IMAGE_POSITIONS = ("before", "after")
+"""Where a prompt's images sit in its user turn, relative to the question (:meth:`VLMAdapter.messages`)."""
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -165,10 +167,23 @@ class VLMAdapter:
         return rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
 
     # ------------------------------------------------------------------ prompts
-    def messages(self, question: str, num_images: int, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        """The chat of one prompt: an optional system message, then the user turn with its images first."""
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
-        content.append({"type": "text", "text": question})
+    def messages(self, question: str, num_images: int, system_prompt: str | None = None, *,
+                 image_position: str = "before") -> list[dict[str, Any]]:
+        """The chat of one prompt: an optional system message, then the user turn.
+
+        Args:
+            question: The user text.
+            num_images: How many image parts the user turn holds.
+            system_prompt: An optional system message.
+            image_position: ``"before"`` (the images, then the question: Qwen's documented order, R1-V, VLM-R1) or
+                ``"after"`` (the question, then the images). Under causal attention only the second lets the image
+                tokens attend to the question.
+        """
+        if image_position not in IMAGE_POSITIONS:
+            raise ValueError(f"image_position must be one of {', '.join(IMAGE_POSITIONS)}, got {image_position!r}")
+        images: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        text = [{"type": "text", "text": question}]
+        content = images + text if image_position == "before" else text + images
         chat: list[dict[str, Any]] = []
         if system_prompt:
             chat.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})

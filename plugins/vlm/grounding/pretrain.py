@@ -45,7 +45,7 @@ VALIDATION_SEED = 1_000
 class Learner:
     """The model, its adapter (the VLM plugin's prompt and batching code) and the family's box convention."""
 
-    def __init__(self, checkpoint: str | Path, family: str, device: str = "cpu"):
+    def __init__(self, checkpoint: str | Path, family: str, device: str = "cpu", image_position: str = "before"):
         from mmrl.plugins.vlm.adapters import vlm_adapters
 
         adapter_class = vlm_adapters.get(family)
@@ -54,6 +54,7 @@ class Learner:
         self.model = self.adapter.load_model(dtype=torch.float32, attn_implementation="sdpa").to(device)
         self.convention = adapter_class.box_convention
         self.device = device
+        self.image_position = image_position
         tokenizer = self.adapter.tokenizer
         self.eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
@@ -67,7 +68,8 @@ class Learner:
         from PIL import Image
 
         texts = [self.adapter.chat_text(self.adapter.messages(
-            world_model.PROMPT_TEMPLATE.format(question=row["problem"]), 1)) for row in rows]
+            world_model.PROMPT_TEMPLATE.format(question=row["problem"]), 1, image_position=self.image_position))
+            for row in rows]
         loaded = [self.adapter.load_images([Image.fromarray(image)]) for image in images]
         return self.adapter.encode(texts, loaded)
 
@@ -190,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on scenes with at most this many objects (validation keeps the world's scenes)")
     parser.add_argument("--every-object", action="store_true",
                         help="locate scenes ask about each object alone of its kind (the same image, several answers)")
+    parser.add_argument("--image-position", choices=("before", "after"), default="before",
+                        help="the image before the question (Qwen's order) or after it (the image tokens can attend "
+                             "to the question); the RL recipe's plugin.image_position must match")
     parser.add_argument("--dims", type=json.loads, default=None,
                         help="JSON object overriding model.DIMS for a fresh model, e.g. '{\"rope_theta\": 100}'")
     parser.add_argument("--steps", type=int, default=3000)
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if init is None:
             model, processor = world_model.build_model(args.family, seed=args.seed, dims=args.dims)
             init = world_model.save(model, processor, Path(scratch) / "init")
-        learner = Learner(init, args.family)
+        learner = Learner(init, args.family, image_position=args.image_position)
     optimizer = torch.optim.AdamW(learner.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(args.warmup, 1)))
     rng = np.random.default_rng([args.seed, 7])
