@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,16 +76,17 @@ def test_pretraining_script_teaches_the_family_convention_and_writes_a_loadable_
 def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, capsys):
     """--kinds, --max-objects and --dims: the validation has only the chosen kind, the checkpoint's config has the
     chosen rotary base and sections, and a bad kind or --dims with --init stop in one line."""
-    import numpy as np
 
     from mmrl.plugins.vlm.grounding import pretrain
 
     out = tmp_path / "locate"
     assert pretrain.main(["--out", str(out), "--kinds", "locate", "--max-objects", "1", "--steps", "1",
                           "--batch-size", "2", "--eval-every", "1", "--eval-questions", "2", "--threads", "1",
-                          "--dims", '{"rope_theta": 50.0, "mrope": [8, 4, 4]}', "--image-position", "after"]) == 0
+                          "--dims", '{"rope_theta": 50.0, "mrope": [8, 4, 4]}', "--image-position", "after",
+                          "--subject-loss", "0.5", "--log-every", "1"]) == 0
     record = json.loads((out / "pretrain.json").read_text())
     assert record["args"]["image_position"] == "after"
+    assert record["log"][0]["subject_loss"] > 0 and "subject loss" in capsys.readouterr().out
     # --image-position after: the prompts the model learns from hold the question, then the image.
     for position in ("before", "after"):
         learner = pretrain.Learner(out, "qwen2_5_vl", image_position=position)
@@ -123,10 +125,33 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
         assert len({tuple(row["solution"]) for row in asked}) == len(asked)
     for argv, message in ((["--kinds", "locate,where"], "--kinds: unknown kind"),
                           (["--init", str(out), "--dims", "{}"], "--dims applies to a fresh model"),
-                          (["--max-objects", "0"], "--max-objects: got 0; allowed: 1 to 4")):
+                          (["--max-objects", "0"], "--max-objects: got 0; allowed: 1 to 4"),
+                          (["--subject-loss", "1"], "--subject-loss: the subject loss needs image_position 'after'"),
+                          (["--subject-loss", "1", "--image-position", "after", "--subject-layer", "9"],
+                           "--subject-loss: subject layer must be in [0, 3], got 9")):
         with pytest.raises(SystemExit):
             pretrain.main(["--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_subject_coverage_is_the_share_of_each_token_patch_inside_the_asked_objects():
+    """By hand: a 28x28 box at (10, 20) on a 2x2 grid of merged tokens covers 144, 80, 360 and 200 of each token's
+    784 pixels; the question's kind selects which objects count (locate: colour and shape, find: shape, count:
+    colour), and overlapping boxes saturate at 1."""
+    from mmrl.plugins.vlm.grounding.pretrain import subject_coverage
+
+    red_circle = {"color": "red", "shape": "circle", "box": [10, 20, 38, 48]}
+    blue_circle = {"color": "blue", "shape": "circle", "box": [28, 28, 56, 56]}
+    red_square = {"color": "red", "shape": "square", "box": [0, 0, 56, 56]}
+    row = {"kind": "locate", "subject": {"color": "red", "shape": "circle"}, "objects": [red_circle, blue_circle]}
+    grid = (1, 4, 4)  # 4x4 patches of 14 pixels: 2x2 merged tokens of 28
+    np.testing.assert_allclose(subject_coverage(row, grid), np.array([144, 80, 360, 200]) / 784)
+    find = {**row, "kind": "find"}  # every circle: the blue one adds the whole bottom-right token
+    np.testing.assert_allclose(subject_coverage(find, grid), [144 / 784, 80 / 784, 360 / 784, 1.0])
+    count = {"kind": "count", "subject": {"color": "red", "shape": "circle"},
+             "objects": [red_circle, blue_circle, red_square]}  # the red ones: the square covers everything
+    np.testing.assert_allclose(subject_coverage(count, grid), np.ones(4))
+    assert subject_coverage({**row, "objects": [blue_circle]}, grid).sum() == 0
 
 
 def test_model_rotary_positions_tell_image_rows_and_columns_apart():

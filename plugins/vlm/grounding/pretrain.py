@@ -73,14 +73,62 @@ class Learner:
         loaded = [self.adapter.load_images([Image.fromarray(image)]) for image in images]
         return self.adapter.encode(texts, loaded)
 
+    def add_subject_head(self, layer: int) -> torch.nn.Module:
+        """Attach the auxiliary head of :meth:`loss`'s ``subject`` term (a linear read-out of the language model's
+        hidden state after block ``layer`` at each image token); returns it for the optimizer. Pretraining only:
+        the head is not part of the checkpoint."""
+        blocks = self.model.model.language_model.layers
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"subject layer must be in [0, {len(blocks) - 1}], got {layer}")
+        if self.image_position != "after":
+            # With the image first, causal attention keeps the question out of the image tokens' states.
+            raise ValueError("the subject loss needs image_position 'after' (the image tokens must see the question)")
+        self.subject_head = torch.nn.Linear(self.model.config.text_config.hidden_size, 1).to(self.device)
+        self._subject_layer = blocks[layer]
+        return self.subject_head
+
     def loss(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]) -> torch.Tensor:
         """Mean cross-entropy of the answer tokens (EOS included), teacher-forced."""
+        return self.losses(rows, images)[0]
+
+    def losses(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The answer loss (:meth:`loss`) and, with a subject head attached (:meth:`add_subject_head`), the subject
+        loss: the binary cross-entropy of the head's logit at each image token against how much of the token's
+        28x28 patch the boxes of the objects the question is about cover (:func:`subject_coverage`), averaged over
+        each image's tokens, then over the rows."""
+        captured: list[torch.Tensor] = []
+        hook = None
+        if getattr(self, "subject_head", None) is not None:
+            def keep(_module: Any, _args: Any, output: Any) -> None:
+                captured.append(output[0] if isinstance(output, tuple) else output)
+            hook = self._subject_layer.register_forward_hook(keep)
+        try:
+            answer = self._answer_loss(rows, images)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if not captured:
+            return answer, None
+        hidden, input_ids, grids = captured[0], self._last_inputs["input_ids"], self._last_grids  # [n, S, D]
+        image_token = int(self.model.config.image_token_id)
+        terms = []
+        for i, row in enumerate(rows):
+            positions = (input_ids[i] == image_token).nonzero()[:, 0]
+            logits = self.subject_head(hidden[i, positions].float())[:, 0]  # [h * w]
+            target = torch.as_tensor(subject_coverage(row, grids[i]), dtype=logits.dtype, device=logits.device)
+            terms.append(torch.nn.functional.binary_cross_entropy_with_logits(logits, target))
+        return answer, torch.stack(terms).mean()
+
+    def _answer_loss(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]) -> torch.Tensor:
         prompts = self.prompts(rows, images)
+        self._last_grids = [prompt["image_grid_thw"].reshape(-1, 3)[0].tolist() for prompt in prompts]
         answers = [world.answer_text(row, self.convention, row["resized_size"]) for row in rows]
         tokenizer = self.adapter.tokenizer
         completions = [torch.tensor(tokenizer(answer, add_special_tokens=False)["input_ids"] + [self.eos_id])
                        for answer in answers]
         inputs, width = self.adapter.collate(prompts, completions, device=self.device)
+        self._last_inputs = inputs
         targets = inputs["input_ids"][:, width:]  # [n, C]
         logits = self.adapter.completion_logits(self.model, inputs, targets.shape[1])  # [n, C, V]
         mask = inputs["attention_mask"][:, width:].bool()  # [n, C]
@@ -111,6 +159,28 @@ class Learner:
             texts.append(self.adapter.tokenizer.decode(tokens[:ended[0]] if ended else tokens,
                                                        skip_special_tokens=False))
         return texts
+
+
+def subject_coverage(row: dict[str, Any], grid_thw: Sequence[int], merge: int = 2, patch: int = 14) -> np.ndarray:
+    """For each merged image token (raster order), the share of its ``merge * patch`` pixel square inside the box of
+    an object the row's question is about (locate: the one asked for; find: every object of the shape; count:
+    every object of the colour); ``[h * w]`` in [0, 1]. Boxes are in pixels of the resized image, which the world's
+    images keep (their sides are multiples of 28 within the recipe's pixel bounds)."""
+    _, grid_h, grid_w = (int(v) for v in grid_thw)
+    h, w, side = grid_h // merge, grid_w // merge, merge * patch
+    color, shape = row["subject"]["color"], row["subject"]["shape"]
+    about = {"locate": lambda o: o["color"] == color and o["shape"] == shape,
+             "find": lambda o: o["shape"] == shape, "count": lambda o: o["color"] == color}[row["kind"]]
+    edges_x, edges_y = np.arange(w + 1) * side, np.arange(h + 1) * side
+    covered = np.zeros((h, w))
+    for thing in row["objects"]:
+        if not about(thing):
+            continue
+        x1, y1, x2, y2 = thing["box"]
+        across = np.clip(np.minimum(edges_x[1:], x2) - np.maximum(edges_x[:-1], x1), 0, None)  # [w]
+        down = np.clip(np.minimum(edges_y[1:], y2) - np.maximum(edges_y[:-1], y1), 0, None)  # [h]
+        covered += np.outer(down, across) / side ** 2
+    return np.clip(covered, 0.0, 1.0).reshape(-1)
 
 
 def score(rows: Sequence[dict[str, Any]], texts: Sequence[str], convention: str) -> dict[str, float]:
@@ -195,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-position", choices=("before", "after"), default="before",
                         help="the image before the question (Qwen's order) or after it (the image tokens can attend "
                              "to the question); the RL recipe's plugin.image_position must match")
+    parser.add_argument("--subject-loss", type=float, default=0.0,
+                        help="weight of an auxiliary loss (needs --image-position after): a linear head on the "
+                             "language model's hidden state at each image token predicts how much of the token's "
+                             "patch the question's objects cover; the head is not saved")
+    parser.add_argument("--subject-layer", type=int, default=1,
+                        help="the language model block whose output the subject head reads (0-based)")
     parser.add_argument("--dims", type=json.loads, default=None,
                         help="JSON object overriding model.DIMS for a fresh model, e.g. '{\"rope_theta\": 100}'")
     parser.add_argument("--steps", type=int, default=3000)
@@ -227,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             model, processor = world_model.build_model(args.family, seed=args.seed, dims=args.dims)
             init = world_model.save(model, processor, Path(scratch) / "init")
         learner = Learner(init, args.family, image_position=args.image_position)
-    optimizer = torch.optim.AdamW(learner.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    parameters = list(learner.model.parameters())
+    if args.subject_loss > 0:
+        try:
+            parameters += list(learner.add_subject_head(args.subject_layer).parameters())
+        except ValueError as error:
+            parser.error(f"--subject-loss: {error}")
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(args.warmup, 1)))
     rng = np.random.default_rng([args.seed, 7])
     validation = learner.rows(world.make_records(args.eval_questions, "test", VALIDATION_SEED, kinds))
@@ -240,24 +322,29 @@ def main(argv: list[str] | None = None) -> int:
         # A continued run records the stage it started from, so the checkpoint's whole history stays in one file.
         record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
     losses: list[float] = []
+    subject_losses: list[float] = []
     learner.model.train()
     for step in range(1, args.steps + 1):
         rows = learner.rows(training_batch(rng, args.batch_size, step, kinds, args.max_objects, args.every_object))
-        loss = learner.loss(rows, [world.record_image(row) for row in rows])
+        loss, subject = learner.losses(rows, [world.record_image(row) for row in rows])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(learner.model.parameters(), 1.0)
+        (loss if subject is None else loss + args.subject_loss * subject).backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
+        if subject is not None:
+            subject_losses.append(float(subject.detach()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"pretraining loss became {losses[-1]} at step {step}")
         if step % args.log_every == 0:
-            print(f"step {step}: loss {np.mean(losses[-args.log_every:]):.4f} "
+            subject_text = f", subject loss {np.mean(subject_losses[-args.log_every:]):.4f}" if subject_losses else ""
+            print(f"step {step}: loss {np.mean(losses[-args.log_every:]):.4f}{subject_text} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             scores = evaluate(learner, validation)
             entry = {"step": step, "loss": float(np.mean(losses[-args.eval_every:])),
+                     **({"subject_loss": float(np.mean(subject_losses[-args.eval_every:]))} if subject_losses else {}),
                      "seconds": round(time.perf_counter() - started, 1),
                      **{f"validation/{key}": round(value, 4) for key, value in scores.items()}}
             record["log"].append(entry)
