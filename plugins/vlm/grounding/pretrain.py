@@ -15,6 +15,14 @@ and by ``format``; the checkpoint folder is rewritten then (atomically), with ``
 the options, the timings and every evaluation::
 
     python -m mmrl.plugins.vlm.grounding.pretrain --out /tmp/grounding-model --steps 3000 --threads 1
+
+``--image-position after`` puts the question before the image (the RL recipe's ``plugin.image_position`` must
+match), so that under causal attention the image tokens can attend to it. ``--subject-loss W`` then adds W times an
+auxiliary loss that supervises exactly that: a linear head (not saved with the checkpoint) reads the language
+model's hidden state after block ``--subject-layer`` at each image token and predicts how much of the token's patch
+the objects the question is about cover (:func:`subject_coverage`). It is deep supervision of the step the answer
+needs (which image tokens the question names) for a model too small to find it from the answer tokens alone
+(docs/vlm.md, section 13).
 """
 
 from __future__ import annotations
