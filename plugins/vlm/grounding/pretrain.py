@@ -63,6 +63,8 @@ class Learner:
         self.convention = adapter_class.box_convention
         self.device = device
         self.image_position = image_position
+        self.subject_head: torch.nn.Linear | None = None  # add_subject_head
+        self._subject_layer: torch.nn.Module | None = None
         tokenizer = self.adapter.tokenizer
         self.eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
@@ -107,40 +109,46 @@ class Learner:
         each image's tokens, then over the rows."""
         captured: list[torch.Tensor] = []
         hook = None
-        if getattr(self, "subject_head", None) is not None:
+        if self.subject_head is not None and self._subject_layer is not None:
             def keep(_module: Any, _args: Any, output: Any) -> None:
                 captured.append(output[0] if isinstance(output, tuple) else output)
             hook = self._subject_layer.register_forward_hook(keep)
         try:
-            answer = self._answer_loss(rows, images)
+            answer, input_ids, grids = self._answer_loss(rows, images)
         finally:
             if hook is not None:
                 hook.remove()
-        if not captured:
+        if self.subject_head is None:
             return answer, None
-        hidden, input_ids, grids = captured[0], self._last_inputs["input_ids"], self._last_grids  # [n, S, D]
+        if len(captured) != 1:
+            raise RuntimeError(f"the subject layer ran {len(captured)} times in one forward; expected once")
+        hidden = captured[0]  # [n, S, D]
         image_token = int(self.model.config.image_token_id)
         terms = []
         for i, row in enumerate(rows):
             positions = (input_ids[i] == image_token).nonzero()[:, 0]
             logits = self.subject_head(hidden[i, positions].float())[:, 0]  # [h * w]
             target = torch.as_tensor(subject_coverage(row, grids[i]), dtype=logits.dtype, device=logits.device)
+            if target.shape != logits.shape:
+                raise ValueError(f"row {i}: {logits.shape[0]} image tokens in the prompt, {target.shape[0]} in its "
+                                 f"image grid {grids[i]}; the subject loss needs one image per prompt")
             terms.append(torch.nn.functional.binary_cross_entropy_with_logits(logits, target))
         return answer, torch.stack(terms).mean()
 
-    def _answer_loss(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]) -> torch.Tensor:
+    def _answer_loss(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray]
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """The answer loss, the batch's ``input_ids`` ``[n, S]`` and each prompt's image grid ``(t, h, w)``."""
         prompts = self.prompts(rows, images)
-        self._last_grids = [prompt["image_grid_thw"].reshape(-1, 3)[0].tolist() for prompt in prompts]
+        grids = [prompt["image_grid_thw"].reshape(-1, 3)[0].tolist() for prompt in prompts]
         answers = [world.answer_text(row, self.convention, row["resized_size"]) for row in rows]
         tokenizer = self.adapter.tokenizer
         completions = [torch.tensor(tokenizer(answer, add_special_tokens=False)["input_ids"] + [self.eos_id])
                        for answer in answers]
         inputs, width = self.adapter.collate(prompts, completions, device=self.device)
-        self._last_inputs = inputs
         targets = inputs["input_ids"][:, width:]  # [n, C]
         logits = self.adapter.completion_logits(self.model, inputs, targets.shape[1])  # [n, C, V]
         mask = inputs["attention_mask"][:, width:].bool()  # [n, C]
-        return torch.nn.functional.cross_entropy(logits[mask].float(), targets[mask])
+        return torch.nn.functional.cross_entropy(logits[mask].float(), targets[mask]), inputs["input_ids"], grids
 
     @torch.no_grad()
     def answer(self, rows: Sequence[dict[str, Any]], images: Sequence[np.ndarray], max_new_tokens: int = 96
