@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.plugins.vlm.adapters.base import IMAGE_POSITIONS
 from mmrl.plugins.vlm.grounding import model as world_model
 from mmrl.plugins.vlm.grounding import world
 
@@ -64,7 +65,7 @@ class Learner:
         self.device = device
         self.image_position = image_position
         self.subject_head: torch.nn.Linear | None = None  # add_subject_head
-        self._subject_layer: torch.nn.Module | None = None
+        self._subject_layer: torch.nn.Module | None = None  # set with subject_head
         tokenizer = self.adapter.tokenizer
         self.eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
@@ -109,7 +110,7 @@ class Learner:
         each image's tokens, then over the rows."""
         captured: list[torch.Tensor] = []
         hook = None
-        if self.subject_head is not None and self._subject_layer is not None:
+        if self.subject_head is not None:
             def keep(_module: Any, _args: Any, output: Any) -> None:
                 captured.append(output[0] if isinstance(output, tuple) else output)
             hook = self._subject_layer.register_forward_hook(keep)
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on scenes with at most this many objects (validation keeps the world's scenes)")
     parser.add_argument("--every-object", action="store_true",
                         help="locate scenes ask about each object alone of its kind (the same image, several answers)")
-    parser.add_argument("--image-position", choices=("before", "after"), default="before",
+    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default="before",
                         help="the image before the question (Qwen's order) or after it (the image tokens can attend "
                              "to the question); the RL recipe's plugin.image_position must match")
     parser.add_argument("--subject-loss", type=float, default=0.0,
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             subject_losses.append(float(subject.detach()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"pretraining loss became {losses[-1]} at step {step}")
+        if subject_losses and not math.isfinite(subject_losses[-1]):
+            raise FloatingPointError(f"subject loss became {subject_losses[-1]} at step {step}")
         if step % args.log_every == 0:
             subject_text = f", subject loss {np.mean(subject_losses[-args.log_every:]):.4f}" if subject_losses else ""
             print(f"step {step}: loss {np.mean(losses[-args.log_every:]):.4f}{subject_text} "
