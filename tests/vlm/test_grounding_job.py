@@ -47,6 +47,12 @@ def test_bundled_checkpoint_is_small_and_records_how_it_was_made():
     assert config["mrope_section"] == world_model.DIMS["mrope"]
     assert config["rope_theta"] == world_model.DIMS["rope_theta"]
     assert set(record["args"]["kinds"].split(",")) == set(world.KINDS)  # repeats weight a kind
+    # Every stage put the question where the recipe puts it: RL continues from the prompts the model learnt on.
+    import yaml
+
+    recipe = yaml.safe_load(RECIPE.read_text())["plugin"]
+    assert {stage["args"]["image_position"] for stage in stages} == {recipe["image_position"]} == {"after"}
+    assert record["model"]["rope_theta"] == config["rope_theta"]  # the record names the model --init held
     last = record["log"][-1]
     # It answers in the format; its held-out grounding is weak (docs/vlm.md gives the numbers).
     assert last["validation/format"] > 0.9 and {"validation/locate", "validation/find", "validation/count"} <= set(last)
@@ -100,6 +106,12 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
     assert record["model"]["rope_theta"] == 50.0
     config = json.loads((out / "config.json").read_text())["text_config"]["rope_parameters"]
     assert config["rope_theta"] == 50.0 and config["mrope_section"] == [8, 4, 4]
+    # A continued stage records the sizes of the model it continued (--init's), not model.DIMS.
+    assert pretrain.main(["--out", str(tmp_path / "continued"), "--init", str(out), "--kinds", "locate", "--steps",
+                          "1", "--batch-size", "2", "--eval-every", "1", "--eval-questions", "1", "--threads", "1",
+                          "--image-position", "after"]) == 0
+    continued = json.loads((tmp_path / "continued" / "pretrain.json").read_text())
+    assert continued["model"] == record["model"] and continued["previous_stage"]["args"] == record["args"]
     rows = pretrain.training_batch(np.random.default_rng(0), 12, 0, ("locate",), max_objects=1)
     assert all(row["kind"] == "locate" and len(row["objects"]) == 1 for row in rows)
     with pytest.raises(ValueError, match=r"max_objects must be in \[1, 4\], got 0"):
@@ -154,20 +166,23 @@ def test_subject_coverage_is_the_share_of_each_token_patch_inside_the_asked_obje
     assert subject_coverage({**row, "objects": [blue_circle]}, grid).sum() == 0
 
 
-def test_model_rotary_positions_tell_image_rows_and_columns_apart():
-    """The world's language model sees where an image token is: over a 12-token image side, every M-RoPE height and
-    width frequency turns by at least half a radian. With Qwen2.5-VL's base of 1e6 at this head size (32) the width
-    frequencies would turn by at most 4e-4 rad across the image (sections 8/4/4), blind to columns."""
-
+def test_model_rotary_base_matches_content_at_any_distance_and_the_ramp_gives_position():
+    """The world's language model has Qwen2.5-VL's rotary base (1e6): half of its 16 frequencies turn by at most
+    1e-3 radians per position, so a match between a word of the question and an image token hardly depends on the
+    20-120 positions between them (at the base of 20 the earlier checkpoints had, every frequency turned by at least
+    0.06 radians per position, and the question did not bind to the image; docs/vlm.md). Where an image token lies
+    is carried by the coordinate ramp instead: across one 28-pixel token of the largest image, red rises by more than
+    5 levels left to right and blue top to bottom, the same in every image."""
     from mmrl.plugins.vlm.grounding import model
 
     half = model.DIMS["hidden"] // model.DIMS["heads"] // 2
-    inverse = model.DIMS["rope_theta"] ** (-torch.arange(half, dtype=torch.float64) / half)  # [half]
-    temporal, height, width = model.DIMS["mrope"]
-    spatial = inverse[temporal:temporal + height + width]  # the height then width frequencies
-    assert float(spatial.min()) * 12 >= 0.5
-    blind = 1e6 ** (-torch.arange(half, dtype=torch.float64) / half)[8 + 4:]  # the old width section
-    assert float(blind.max()) * 12 < 1e-3
+    inverse = model.DIMS["rope_theta"] ** (-torch.arange(half, dtype=torch.float64) / half)  # [half] rad/position
+    assert int((inverse <= 1.0001e-3).sum()) >= half // 2
+    shift = world.ramp(224, 224)  # [H, W, 3]
+    red_by_column = shift[0, 14::28, 0]  # [8] at each token's centre
+    blue_by_row = shift[14::28, 0, 2]  # [8]
+    assert np.all(np.diff(red_by_column) > 5) and np.all(np.diff(blue_by_row) > 5)
+    assert np.allclose(shift[..., 1], 0) and np.allclose(shift[5, :, 2], shift[5, 0, 2])
 
 
 def test_qwen2_vl_build_runs_the_world_in_its_own_convention(tmp_path):

@@ -32,9 +32,12 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 """Qwen2's pre-tokenisation pattern (letters with one leading symbol, single digits, symbol runs, spaces)."""
 
 DIMS: dict[str, Any] = dict(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, mrope=[4, 6, 6],
-                            rope_theta=20.0, vision=96, vision_intermediate=256, depth=4, vision_heads=4)
+                            rope_theta=1_000_000.0, vision=96, vision_intermediate=256, depth=4, vision_heads=4)
 """Model sizes. M-RoPE sections sum to head_dim / 2 = 16 (temporal 4, height 6, width 6: Qwen2.5-VL's 16/24/24 of
-64 scaled down); ``rope_theta`` sets the language model's rotary base (see :func:`model_config`)."""
+64 scaled down); ``rope_theta`` is the language model's rotary base, Qwen2.5-VL's 10⁶: half of the 16 frequencies
+then turn by at most 10⁻³ radians per position, so attention can match a colour word of the question against an
+image token whatever their distance. Where an image token lies comes from the image itself (the world's coordinate
+ramp, :func:`mmrl.plugins.vlm.grounding.world.ramp`), not from the rotary phase (docs/vlm.md, "The model")."""
 
 
 def corpus(seed: int = 0, answers: int = 600) -> list[str]:

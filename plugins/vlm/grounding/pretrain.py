@@ -336,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                               "machine": platform.machine(),
                               "log": []}
     if args.init is not None and (args.init / "pretrain.json").is_file():
-        # A continued run records the stage it started from, so the checkpoint's whole history stays in one file.
+        # A continued run records the stage it started from, so the checkpoint's whole history stays in one file,
+        # and keeps that stage's sizes: the model is the one --init holds, not model.DIMS.
         record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
+        record["model"] = record["previous_stage"].get("model", record["model"])
     losses: list[float] = []
     subject_losses: list[float] = []
     learner.model.train()
