@@ -48,10 +48,10 @@ def test_bundled_checkpoint_is_small_and_records_how_it_was_made():
     assert config["rope_theta"] == world_model.DIMS["rope_theta"]
     assert set(record["args"]["kinds"].split(",")) == set(world.KINDS)  # repeats weight a kind
     # Every stage put the question where the recipe puts it: RL continues from the prompts the model learnt on.
-    import yaml
+    from mmrl.config import load_config
 
-    recipe = yaml.safe_load(RECIPE.read_text())["plugin"]
-    assert {stage["args"]["image_position"] for stage in stages} == {recipe["image_position"]} == {"after"}
+    recipe = load_config(RECIPE, []).plugin.config
+    assert {stage["args"]["image_position"] for stage in stages} == {recipe.image_position} == {"after"}
     assert record["model"]["rope_theta"] == config["rope_theta"]  # the record names the model --init held
     last = record["log"][-1]
     # It answers in the format; its held-out grounding is weak (docs/vlm.md gives the numbers).
@@ -144,6 +144,28 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
         with pytest.raises(SystemExit):
             pretrain.main(["--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["answer", "subject"])
+def test_pretraining_stops_in_one_line_when_a_loss_is_not_finite(tmp_path, monkeypatch, which):
+    """A NaN answer or subject loss stops the run at that step, naming the loss, before any checkpoint is written."""
+    from mmrl.plugins.vlm.grounding import pretrain
+
+    real = pretrain.Learner.losses
+
+    def poisoned(self, rows, images):
+        loss, subject = real(self, rows, images)
+        if which == "answer":
+            return loss * float("nan"), subject
+        return loss, subject * float("nan")
+
+    monkeypatch.setattr(pretrain.Learner, "losses", poisoned)
+    name = "pretraining loss" if which == "answer" else "subject loss"
+    with pytest.raises(FloatingPointError, match=rf"^{name} became nan at step 1$"):
+        pretrain.main(["--out", str(tmp_path / "nan"), "--kinds", "locate", "--steps", "2", "--batch-size", "2",
+                       "--eval-every", "2", "--eval-questions", "1", "--threads", "1", "--image-position", "after",
+                       "--subject-loss", "1"])
+    assert not (tmp_path / "nan").exists()
 
 
 def test_subject_coverage_is_the_share_of_each_token_patch_inside_the_asked_objects():

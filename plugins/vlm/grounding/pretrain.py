@@ -339,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         # A continued run records the stage it started from, so the checkpoint's whole history stays in one file,
         # and keeps that stage's sizes: the model is the one --init holds, not model.DIMS.
         record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
-        record["model"] = record["previous_stage"].get("model", record["model"])
+    if args.init is not None:
+        # The sizes are those of the model --init holds (its config.json), which model.DIMS need not be: the
+        # previous stage's record names them; without one they are not known here.
+        record["model"] = record.get("previous_stage", {}).get("model")
     losses: list[float] = []
     subject_losses: list[float] = []
     learner.model.train()
@@ -352,12 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
-        if subject is not None:
-            subject_losses.append(float(subject.detach()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"pretraining loss became {losses[-1]} at step {step}")
-        if subject_losses and not math.isfinite(subject_losses[-1]):
-            raise FloatingPointError(f"subject loss became {subject_losses[-1]} at step {step}")
+        if subject is not None:
+            subject_losses.append(float(subject.detach()))
+            if not math.isfinite(subject_losses[-1]):
+                raise FloatingPointError(f"subject loss became {subject_losses[-1]} at step {step}")
         if step % args.log_every == 0:
             subject_text = f", subject loss {np.mean(subject_losses[-args.log_every:]):.4f}" if subject_losses else ""
             print(f"step {step}: loss {np.mean(losses[-args.log_every:]):.4f}{subject_text} "
