@@ -229,15 +229,14 @@ def draw_grid(rows: Sequence[dict[str, Any]], before: Sequence[str], after: Sequ
 
 
 # ---------------------------------------------------------------------------------------------------------- report
-def held_out_scores(run: Path) -> dict[int, dict[str, float]]:
-    """step → per-kind held-out scores of every evaluation of the run."""
+def held_out_scores(run: Path, found: dict[int, list[dict[str, Any]]] | None = None) -> dict[int, dict[str, float]]:
+    """step → per-kind held-out scores of every evaluation of the run (``found``: its :func:`evaluations`, when
+    already read)."""
     rows = evaluation_rows(run)
     convention = convention_of(run)
-    result = {}
-    for step, records in evaluations(run).items():
-        aligned = align(rows, records, run)
-        result[step] = kind_means(aligned, [r["output"] for r in records], convention)
-    return result
+    found = evaluations(run) if found is None else found
+    return {step: kind_means(align(rows, records, run), [r["output"] for r in records], convention)
+            for step, records in found.items()}
 
 
 def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
@@ -249,9 +248,7 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
     found = evaluations(run)
     if len(found) < 2:
         raise FileNotFoundError(f"{run}: expected evaluations at the start and the end under samples/step_*/")
-    held_out = {}
-    for step, records in found.items():
-        held_out[step] = kind_means(align(rows, records, run), [r["output"] for r in records], convention)
+    held_out = held_out_scores(run, found)
     first, last = min(found), max(found)
     aligned = align(rows, found[first], run)
     draw_grid(aligned, [r["output"] for r in found[first]], [r["output"] for r in found[last]], convention,
