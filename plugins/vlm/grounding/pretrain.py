@@ -335,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
                               "model": {**world_model.DIMS, **(args.dims or {})}, "torch": torch.__version__,
                               "machine": platform.machine(),
                               "log": []}
-    if args.init is not None and (args.init / "pretrain.json").is_file():
-        # A continued run records the stage it started from, so the checkpoint's whole history stays in one file,
-        # and keeps that stage's sizes: the model is the one --init holds, not model.DIMS.
-        record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
     if args.init is not None:
-        # The sizes are those of the model --init holds (its config.json), which model.DIMS need not be: the
-        # previous stage's record names them; without one they are not known here.
-        record["model"] = record.get("previous_stage", {}).get("model")
+        # The model is the one --init holds, which model.DIMS need not be: a continued run records the stage it
+        # started from (the checkpoint's whole history in one file) and that stage's sizes; without a record they
+        # are not known here.
+        record["model"] = None
+        if (args.init / "pretrain.json").is_file():
+            record["previous_stage"] = json.loads((args.init / "pretrain.json").read_text())
+            record["model"] = record["previous_stage"].get("model")
     losses: list[float] = []
     subject_losses: list[float] = []
     learner.model.train()
