@@ -112,6 +112,13 @@ def test_pretraining_options_select_kinds_scene_sizes_and_model_dims(tmp_path, c
                           "--image-position", "after"]) == 0
     continued = json.loads((tmp_path / "continued" / "pretrain.json").read_text())
     assert continued["model"] == record["model"] and continued["previous_stage"]["args"] == record["args"]
+    # Without a record beside --init the sizes are unknown: none are written (model.DIMS could be wrong).
+    (tmp_path / "continued" / "pretrain.json").unlink()
+    assert pretrain.main(["--out", str(tmp_path / "unrecorded"), "--init", str(tmp_path / "continued"), "--kinds",
+                          "locate", "--steps", "1", "--batch-size", "2", "--eval-every", "1", "--eval-questions", "1",
+                          "--threads", "1", "--image-position", "after"]) == 0
+    unrecorded = json.loads((tmp_path / "unrecorded" / "pretrain.json").read_text())
+    assert unrecorded["model"] is None and "previous_stage" not in unrecorded
     rows = pretrain.training_batch(np.random.default_rng(0), 12, 0, ("locate",), max_objects=1)
     assert all(row["kind"] == "locate" and len(row["objects"]) == 1 for row in rows)
     with pytest.raises(ValueError, match=r"max_objects must be in \[1, 4\], got 0"):
