@@ -5,12 +5,15 @@ import math
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
 from mmrl.config import ConfigError, TrainConfig, dump_config, from_dict, load_config, parse_override
 from mmrl.config.loader import yaml_load
 from tests.helpers import BASE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _error(*overrides):
@@ -213,3 +216,46 @@ def test_dllm_estimator_options_refuse_non_finite_numbers():
     assert info.value.allowed == "a finite number in [0, 1]"  # with the option's declared range
     data["plugin"]["estimator_options"] = {"p_mask_prompt": 0.15}
     assert load_config(data).plugin.config.estimator_options == {"p_mask_prompt": 0.15}
+
+
+def test_evaluation_only_keys_are_named_per_plugin_and_only_they_may_differ_from_a_checkpoint(tmp_path):
+    """The fields declared `eval_only` change an evaluation and nothing of training: `eval_only_keys` names them in
+    the flat layout of a saved config, `mmrl explain` marks them, and the checkpoint check lets exactly those (and
+    the core's resumable keys) differ; a key that only starts like one (`plugin.data.evaluation`) is not covered."""
+    from mmrl.config import eval_only_keys, to_dict
+    from mmrl.config.schema import describe_fields
+    from mmrl.plugins.dllm.plugin import DLLMPluginConfig
+    from mmrl.trainer.checkpoint import CheckpointError, check_compatible, config_differences
+
+    expected = {
+        "configs/toy.yaml": ["ema.use_for_eval"],
+        "configs/dllm/toy.yaml": ["plugin.eval_dataset", "plugin.eval_temperature", "plugin.eval_remasking",
+                                  "ema.use_for_eval"],
+        "configs/flow/shapes.yaml": ["plugin.eval_num_steps", "plugin.eval_guidance_scale", "plugin.eval_dataset",
+                                     "plugin.eval_prompts", "ema.use_for_eval"],
+        "configs/vlm/grounding.yaml": ["plugin.data.eval", "ema.use_for_eval"],
+    }
+    for path, keys in expected.items():
+        config = load_config(str(ROOT / path))
+        assert eval_only_keys(config) == keys, path
+        flat = _flat(to_dict(config))
+        assert all(key in flat for key in keys), path  # the saved config's own spelling of each key
+    rows = {name: kind for name, kind, *_ in describe_fields(DLLMPluginConfig)}
+    assert rows["eval_temperature"] == "float, >= 0.0, evaluation only" and rows["temperature"] == "float, >= 0.0"
+
+    saved = {"plugin": {"name": "vlm", "data": {"eval": "a.jsonl", "evaluation": 1, "train": "t.jsonl"}},
+             "eval": {"every": 5}, "optim": {"lr": 1e-4}}
+    current = {"plugin": {"name": "vlm", "data": {"eval": "b.jsonl", "evaluation": 2, "train": "t.jsonl"}},
+               "eval": {"every": 7}, "optim": {"lr": 1e-4}}
+    assert config_differences(saved, current) == ["plugin.data.eval", "plugin.data.evaluation"]
+    assert config_differences(saved, current, ["plugin.data.eval"]) == ["plugin.data.evaluation"]
+    current["plugin"]["data"]["evaluation"] = 1
+    check_compatible(saved, current, tmp_path, ["plugin.data.eval"])
+    with pytest.raises(CheckpointError, match=r"plugin.data.eval: checkpoint 'a.jsonl', now 'b.jsonl'"):
+        check_compatible(saved, current, tmp_path)
+
+
+def _flat(data, prefix=""):
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}

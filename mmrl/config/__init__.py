@@ -14,7 +14,15 @@ from mmrl.config.core import (
     TrainConfig,
 )
 from mmrl.config.loader import apply_overrides, dump_config, load_config, parse_override, read_yaml
-from mmrl.config.schema import ConfigError, RegistryChoice, config_field, describe_fields, from_dict, to_dict
+from mmrl.config.schema import (
+    ConfigError,
+    RegistryChoice,
+    config_field,
+    describe_fields,
+    eval_only_keys,
+    from_dict,
+    to_dict,
+)
 
 __all__ = [
     "AlgorithmConfig",
@@ -34,6 +42,7 @@ __all__ = [
     "config_field",
     "describe_fields",
     "dump_config",
+    "eval_only_keys",
     "from_dict",
     "load_config",
     "parse_override",

@@ -203,7 +203,7 @@ class EMAConfig:
     decay: float = config_field(0.9, minimum=0.0, maximum=1.0, help="EMA decay.", ref="Flow-GRPO: 0.9")
     update_every: int = config_field(8, minimum=1, help="Update the EMA every this many optimizer steps.",
                                      ref="Flow-GRPO: 8")
-    use_for_eval: bool = config_field(True, help="Evaluate with the EMA weights swapped in.")
+    use_for_eval: bool = config_field(True, eval_only=True, help="Evaluate with the EMA weights swapped in.")
 
 
 @dataclass
@@ -298,6 +298,12 @@ class PluginSpec:
         from mmrl.config.schema import to_dict
 
         return {"name": self.name, **to_dict(self.config)}
+
+    def eval_only_keys(self, prefix: str) -> list[str]:
+        """The plugin's evaluation-only keys, under this section's flat layout (``plugin.eval_dataset``)."""
+        from mmrl.config.schema import eval_only_keys
+
+        return eval_only_keys(self.config, prefix)
 
 
 @dataclass

@@ -41,6 +41,7 @@ def config_field(
     maximum: float | None = None,
     exclusive_minimum: bool = False,
     default_factory: Any = dataclasses.MISSING,
+    eval_only: bool = False,
 ) -> Any:
     """A dataclass field carrying its help text, paper reference and value constraints.
 
@@ -53,6 +54,9 @@ def config_field(
         maximum: Largest allowed value (inclusive).
         exclusive_minimum: Make ``minimum`` exclusive (``> minimum``).
         default_factory: For mutable defaults.
+        eval_only: The field changes what an evaluation does and nothing of training (the held-out data, the
+            decoding of an evaluation): ``mmrl eval`` may evaluate a checkpoint with another value than the run
+            was trained with (:func:`eval_only_keys`).
     """
     metadata = {
         "help": help,
@@ -61,6 +65,7 @@ def config_field(
         "minimum": minimum,
         "maximum": maximum,
         "exclusive_minimum": exclusive_minimum,
+        "eval_only": eval_only,
     }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
@@ -135,6 +140,28 @@ def to_dict(config: Any) -> Any:
     return config
 
 
+def eval_only_keys(config: Any, prefix: str = "") -> list[str]:
+    """The dotted keys (as :func:`to_dict` writes them, e.g. ``plugin.eval_dataset``) of the fields that a config and
+    its nested sections declare ``eval_only`` (:func:`config_field`): the keys a checkpoint may be evaluated with at
+    another value than it was trained with. A section written by its own ``to_dict`` (the plugin section) names its
+    keys through its ``eval_only_keys(prefix)``."""
+    if isinstance(config, type):
+        return []
+    if hasattr(config, "to_dict"):
+        own = getattr(config, "eval_only_keys", None)
+        return own(prefix) if own is not None else []
+    if not dataclasses.is_dataclass(config):
+        return []
+    keys = []
+    for field in dataclasses.fields(config):
+        key = f"{prefix}{field.name}"
+        if field.metadata.get("eval_only"):
+            keys.append(key)
+        else:
+            keys.extend(eval_only_keys(getattr(config, field.name), f"{key}."))
+    return keys
+
+
 class _Required:
     """What :func:`describe_fields` gives as the default of a field that has none (the config must set it)."""
 
@@ -178,7 +205,9 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str, str | None]]:
         else:
             default = to_dict(field.default)
         bounds = _range_text(field.metadata)
-        rows.append((field.name, _type_name(annotation) + (f", {bounds}" if bounds else ""), default, help_text, ref))
+        kind = _type_name(annotation) + (f", {bounds}" if bounds else "")
+        rows.append((field.name, kind + (", evaluation only" if field.metadata.get("eval_only") else ""), default,
+                     help_text, ref))
         section, suffix = _section_in(annotation)
         if section is not None:
             rows.extend((f"{field.name}{suffix}.{name}", *rest) for name, *rest in describe_fields(section))

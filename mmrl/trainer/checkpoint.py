@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -248,12 +249,14 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two config dicts, ignoring :data:`RESUMABLE_KEYS`."""
+def config_differences(saved: dict[str, Any], current: dict[str, Any], allowed: Collection[str] = ()) -> list[str]:
+    """Dotted keys whose values differ between two config dicts, ignoring :data:`RESUMABLE_KEYS` and ``allowed``
+    (dotted keys, or prefixes ending in ``.``; a key also covers what is nested under it)."""
     flat_saved, flat_current = _flatten(saved), _flatten(current)
+    ignored = (*RESUMABLE_KEYS, *allowed)
     differing = []
     for key in sorted(set(flat_saved) | set(flat_current)):
-        if any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUMABLE_KEYS):
+        if any(key == name or key.startswith(name if name.endswith(".") else f"{name}.") for name in ignored):
             continue
         if flat_saved.get(key, "<absent>") != flat_current.get(key, "<absent>"):
             differing.append(key)
@@ -274,11 +277,13 @@ def with_current_defaults(saved: dict[str, Any]) -> dict[str, Any]:
         return saved
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path,
+                     allowed: Collection[str] = ()) -> None:
     """Refuse to resume from a checkpoint whose config differs in anything that changes the run (a key added since
-    the checkpoint was written counts as its default, :func:`with_current_defaults`)."""
+    the checkpoint was written counts as its default, :func:`with_current_defaults`). ``allowed``: more keys that may
+    differ, the config's evaluation-only ones (:func:`mmrl.config.eval_only_keys`) where the trainer calls it."""
     saved = with_current_defaults(saved)
-    differing = config_differences(saved, current)
+    differing = config_differences(saved, current, allowed)
     if differing:
         flat_saved, flat_current = _flatten(saved), _flatten(current)
         details = "; ".join(

@@ -31,7 +31,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from mmrl import __version__
-from mmrl.config import ConfigError, TrainConfig, dump_config, to_dict
+from mmrl.config import ConfigError, TrainConfig, dump_config, eval_only_keys, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
 from mmrl.reward import RewardScorer
 from mmrl.rollout import Rollout
@@ -420,7 +420,7 @@ class Trainer:
                       flush=True)
             return None
         state = ckpt.read_state(found)
-        ckpt.check_compatible(state["config"], to_dict(self.config), found)
+        ckpt.check_compatible(state["config"], to_dict(self.config), found, eval_only_keys(self.config))
         if state.get("num_processes", 1) != self.accelerator.num_processes and self.accelerator.is_main_process:
             print(f"resuming a run of {state['num_processes']} process(es) on {self.accelerator.num_processes}",
                   flush=True)

@@ -116,7 +116,8 @@ class DLLMPluginConfig:
         "toy_addition", help="'toy_addition' (the synthetic task of mmrl.plugins.dllm.toy), or a JSONL file of rows "
         "with a 'prompt' (and the fields rewards read, e.g. 'solution'), or a folder with train.jsonl and test.jsonl.",
     )
-    eval_dataset: str | None = config_field(None, help="JSONL of held-out rows (default: the folder's test.jsonl).")
+    eval_dataset: str | None = config_field(
+        None, eval_only=True, help="JSONL of held-out rows (default: the folder's test.jsonl).")
     train_size: int | None = config_field(None, minimum=1, help="toy_addition: training problems (null: all but "
                                           "the held-out ones); files: keep the first this many rows.")
     eval_size: int = config_field(500, minimum=1, help="toy_addition: held-out problems; files: at most this many.")
@@ -143,9 +144,10 @@ class DLLMPluginConfig:
                                       ref="d1 / wd1 / SPG: 0.9")
     remasking: Literal["low_confidence", "random"] = config_field(
         "low_confidence", help="Which masked positions of the block are committed each step.", ref="LLaDA")
-    eval_temperature: float = config_field(0.0, minimum=0.0, help="Temperature of evaluation (0: greedy).")
-    eval_remasking: Literal["low_confidence", "random"] = config_field("low_confidence", help="Remasking of "
-                                                                         "evaluation.")
+    eval_temperature: float = config_field(0.0, minimum=0.0, eval_only=True,
+                                           help="Temperature of evaluation (0: greedy).")
+    eval_remasking: Literal["low_confidence", "random"] = config_field(
+        "low_confidence", eval_only=True, help="Remasking of evaluation.")
     cfg_scale: float = config_field(
         0.0, minimum=0.0, help="Classifier-free guidance scale s (0: off) of decoding and of every scoring pass "
         "(policy, old and reference: the scored policy is the sampled one), logits = un + (s+1)(cond - un) with the "

@@ -63,14 +63,15 @@ class FlowPluginConfig:
     )
     num_steps: int = config_field(10, minimum=1, help="Denoising steps of a training rollout.",
                                   ref="Flow-GRPO denoising reduction: 10 (SD3.5), 6 (FLUX)")
-    eval_num_steps: int = config_field(40, minimum=1, help="Denoising steps of an evaluation (plain ODE).",
+    eval_num_steps: int = config_field(40, minimum=1, eval_only=True,
+                                       help="Denoising steps of an evaluation (plain ODE).",
                                        ref="Flow-GRPO eval: 40 (SD3.5), 28 (FLUX)")
     guidance_scale: float | None = config_field(
         None, minimum=0.0, help="Guidance of training rollouts (true CFG scale, or FLUX's guidance embedding). "
         "Null: the adapter's default (SD3 4.5, or 1.0 with cfg false; FLUX 3.5).", ref="Flow-GRPO: 4.5 (SD3.5)",
     )
-    eval_guidance_scale: float | None = config_field(None, minimum=0.0, help="Guidance at evaluation (null: "
-                                                     "guidance_scale).")
+    eval_guidance_scale: float | None = config_field(None, minimum=0.0, eval_only=True,
+                                                     help="Guidance at evaluation (null: guidance_scale).")
     cfg: bool | None = config_field(
         None, help="True classifier-free guidance (an unconditional pass with negative_prompt) in rollouts and in "
         "the training forward. Null: on for SD3, off for FLUX (guidance-distilled, no CFG pass).",
@@ -122,10 +123,10 @@ class FlowPluginConfig:
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
         "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...).",
     )
-    eval_dataset: str | None = config_field(None, help="Evaluation prompts file (default: the test file of a "
-                                            "dataset folder).")
+    eval_dataset: str | None = config_field(None, eval_only=True, help="Evaluation prompts file (default: the test "
+                                            "file of a dataset folder).")
     prompts: list[str] | None = config_field(None, help="Training prompts given inline (instead of dataset).")
-    eval_prompts: list[str] | None = config_field(None, help="Evaluation prompts given inline.")
+    eval_prompts: list[str] | None = config_field(None, eval_only=True, help="Evaluation prompts given inline.")
     max_sequence_length: int | None = config_field(
         None, minimum=1, help="T5 tokens per prompt (null: the pipeline's default, SD3 256, FLUX 512)."
     )

@@ -94,7 +94,7 @@ class VLMDataConfig:
     """Where the prompts come from: JSONL files (docs/vlm.md) or the synthetic shapes generator."""
 
     train: str | None = config_field(None, help="Training JSONL (image, problem, solution, task per line).")
-    eval: str | None = config_field(None, help="Evaluation JSONL; null: no held-out rows.")
+    eval: str | None = config_field(None, eval_only=True, help="Evaluation JSONL; null: no held-out rows.")
     image_root: str | None = config_field(
         None, help="Folder that relative image paths are resolved against (default: each JSONL file's folder).",
     )

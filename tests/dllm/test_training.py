@@ -256,3 +256,25 @@ def test_the_first_minibatch_reuses_its_training_forward_as_the_old_policy(tmp_p
     # Later mini-batches of epoch 0 and all of epoch 1 train against the pass's old log-probs (finite, not NaN rows).
     later = [old for epoch, _, old, _ in used if epoch == 0][micro:] + [old for epoch, _, old, _ in used if epoch == 1]
     assert len(later) == len(used) - micro and all(bool(torch.isfinite(old).all()) for old in later)
+
+
+def test_a_checkpoint_is_evaluated_with_other_evaluation_settings_but_not_other_training_ones(tmp_path):
+    """`mmrl eval RUN run.resume=latest plugin.eval_temperature=...` evaluates the trained checkpoint with another
+    decoding than the run's evaluations used (an evaluation-only key, `eval_only_keys`), while a key that changes
+    training (the rollout temperature) is still refused in one line naming it."""
+    from mmrl.trainer.checkpoint import CheckpointError
+
+    _train(tmp_path, "run.max_steps=1", "run.save_every=1")
+    resume = [f"run.output_dir={tmp_path}", "run.max_steps=1", "run.save_every=1", "run.resume=latest"]
+    trainer = Trainer(load_config(BASE, [*resume, "plugin.eval_temperature=0.7", "plugin.eval_remasking=random"]))
+    try:
+        metrics = trainer.evaluate_checkpoint()
+    finally:
+        trainer.close()
+    assert trainer.step == 1 and "eval/reward_mean" in metrics
+    record = json.loads((tmp_path / "evaluations.jsonl").read_text().splitlines()[-1])
+    assert record["checkpoint"].endswith("step-00000001")
+    saved = (tmp_path / "evaluations" / "step_000001" / "config.yaml").read_text()
+    assert "eval_temperature: 0.7" in saved and "eval_remasking: random" in saved
+    with pytest.raises(CheckpointError, match=r"differs in 1 key\(s\): plugin.temperature: checkpoint 1.0, now 0.5"):
+        Trainer(load_config(BASE, [*resume, "plugin.temperature=0.5"])).evaluate_checkpoint()
