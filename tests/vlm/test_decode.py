@@ -12,6 +12,7 @@ uniform draw or a top-2 gap falls within ~1e-6 — far from it on these models a
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -340,3 +341,30 @@ def test_sharded_parameters_are_detected():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.slow
+def test_a_model_sharded_over_two_processes_decodes_the_unsharded_tokens(tiny_models, tmp_path):
+    """FSDP2 (torch's ``fully_shard`` on each decoder layer and the whole model, as Accelerate's FSDP2 recipes
+    shard it) over two gloo processes: the plugin's decode loop on the sharded tiny Qwen2.5-VL with LoRA gives, on
+    both processes, the tokens it gave unsharded, greedy and sampled (mixed image sizes, interleaved groups, shared
+    prefill). Accelerate does not shard on a CPU, so the processes shard the model themselves
+    (tests/vlm/sharded_decode.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("sharded_decode.py")
+    store, outs = tmp_path / "store", [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    processes = [subprocess.Popen([sys.executable, str(script), str(rank), "2", str(store),
+                                   str(tiny_models["qwen2_5_vl"]), str(out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank, out in enumerate(outs)]
+    logs = [process.communicate(timeout=300)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    for out in outs:
+        record = json.loads(out.read_text())
+        assert record["sharded"] and record["layers"] >= 2
+        for mode in ("greedy", "sampled"):
+            assert record[mode]["equal"], (out.name, mode)
+            assert record[mode]["shape"] == [len(GROUPS), 12] and record[mode]["distinct_tokens"] > 3
