@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from mmrl.plugins.vlm.decode import has_sharded_parameters  # noqa: E402
 from tests.vlm.conftest import make_plugin  # noqa: E402
-from tests.vlm.test_decode import _config, _generate, _prompts  # noqa: E402
+from tests.vlm.test_decode import _config, _generate, _prompts, fill_lora_b  # noqa: E402
 
 
 def main() -> None:
@@ -37,11 +37,7 @@ def main() -> None:
 
         torch.manual_seed(0)  # the LoRA A initialisation, the same on every process
         plugin = make_plugin(model_dir, max_new_tokens=12)
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, parameter in plugin.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        fill_lora_b(plugin.model, seed=3)
         prompts = _prompts(plugin)
         modes = {"greedy": False, "sampled": True}
         plain = {mode: _generate(plugin, prompts, _config(plugin, sampled), "mmrl", True, seed=5)

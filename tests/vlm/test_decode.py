@@ -41,13 +41,19 @@ def decode_plugins(tiny_models, tmp_path_factory):
         path = tiny_models.get(family) or build_tiny_model(family, tmp_path_factory.mktemp("qwen3") / family)
         torch.manual_seed(0)  # the LoRA A initialisation
         plugin = make_plugin(path, max_new_tokens=12)
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, parameter in plugin.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator))  # varied greedy tokens
+        fill_lora_b(plugin.model, seed=3)
         plugins[family] = plugin
     return plugins
+
+
+def fill_lora_b(model, seed):
+    """Fill every LoRA B with normal draws from a generator seeded ``seed`` (peft starts B at zero, where the adapter
+    changes nothing): the tokens then vary and depend on the adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
 def _plugin(decode_plugins, family):
@@ -219,11 +225,7 @@ def test_decoder_option_is_validated():
 def test_sdpa_attention_gives_generate_tokens_too(tiny_models):
     """The prebuilt 4D step mask in sdpa's boolean form (the tests above run eager attention, the additive form)."""
     plugin = make_plugin(tiny_models["qwen2_5_vl"], max_new_tokens=12, attn_implementation="sdpa")
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, parameter in plugin.model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    fill_lora_b(plugin.model, seed=4)
     prompts = _prompts(plugin)
     assert len({len(p["input_ids"]) for p in prompts}) > 1  # left padding: the mask matters
     for sampled in (False, True):
