@@ -292,7 +292,7 @@ def test_old_policy_pass_leaves_out_the_skipped_samples(tmp_path):
     assert results["forwards"] == 0 and bool(results["none"].isnan().all())
 
 
-def test_same_in_train_and_eval_reads_dropout_batch_norm_and_model_configs():
+def test_same_in_train_and_eval_reads_dropout_drop_path_batch_norm_and_model_configs():
     from types import SimpleNamespace
 
     from mmrl.trainer.learn import same_in_train_and_eval
@@ -305,6 +305,27 @@ def test_same_in_train_and_eval_reads_dropout_batch_norm_and_model_configs():
     assert same_in_train_and_eval(model)
     model.config = SimpleNamespace(to_dict=lambda: {"attention_dropout": 0.1})
     assert not same_in_train_and_eval(model)
+    # stochastic depth and LayerDrop, in a config (nested sub-configs too) or as a module, read by class name
+    model.config = SimpleNamespace(to_dict=lambda: {"vision_config": {"drop_path_rate": 0.1}, "id2label": {0: "a"}})
+    assert not same_in_train_and_eval(model)
+    model.config = SimpleNamespace(to_dict=lambda: {"vision_config": {"drop_path_rate": 0.0}, "layerdrop": 0.0})
+    assert same_in_train_and_eval(model)
+    model.config = SimpleNamespace(to_dict=lambda: {"layerdrop": 0.05})
+    assert not same_in_train_and_eval(model)
+
+    class DropPath(torch.nn.Module):
+        def __init__(self, drop_prob):
+            super().__init__()
+            self.drop_prob = drop_prob
+
+    class StochasticDepthBlock(torch.nn.Module):  # a probability under a name the check does not know
+        def __init__(self):
+            super().__init__()
+            self.survival = 0.9
+
+    assert same_in_train_and_eval(torch.nn.Sequential(torch.nn.Linear(2, 2), DropPath(0.0)))
+    assert not same_in_train_and_eval(torch.nn.Sequential(torch.nn.Linear(2, 2), DropPath(0.1)))
+    assert not same_in_train_and_eval(torch.nn.Sequential(StochasticDepthBlock()))
 
 
 def _epoch_noise(trainer, *, declare: bool) -> list[tuple[str, object]]:

@@ -311,25 +311,49 @@ class Learner:
         return (passes if redraws else passes * epochs), bool(skip)
 
 
+# Config entries that switch a stochastic layer on in training mode: dropout of every kind (hidden, attention,
+# classifier), stochastic depth (drop_path_rate, stochastic_depth_prob) and LayerDrop (layerdrop).
+TRAIN_MODE_CONFIG_KEYS = ("dropout", "drop_path", "drop_rate", "stochastic_depth", "layerdrop")
+# Module classes (by name: timm's DropPath, torchvision's StochasticDepth, ...) that drop in training mode, and the
+# attributes that hold their probability.
+TRAIN_MODE_MODULE_NAMES = ("droppath", "stochasticdepth", "layerdrop")
+TRAIN_MODE_PROBABILITIES = ("p", "drop_prob", "drop_rate", "prob")
+
+
 def same_in_train_and_eval(module: torch.nn.Module) -> bool:
     """Whether ``module`` computes the same in training mode as in eval mode, as far as its modules show: no dropout
-    module with ``p > 0``, no batch norm, and no model config (``module.config`` of any submodule, as transformers
-    and remote-code models keep theirs) with a positive ``*dropout*`` entry (the functional dropout of attention
-    kernels). False keeps the learner's eval-mode old-policy pass for every sample."""
+    module with ``p > 0``, no stochastic-depth or LayerDrop module (by class name) with a positive probability (or
+    one whose probability it cannot read), no batch norm, and no model config (``module.config`` of any submodule,
+    as transformers and remote-code models keep theirs; nested sub-configs included) with a positive dropout,
+    drop-path, stochastic-depth or LayerDrop entry (:data:`TRAIN_MODE_CONFIG_KEYS`: the functional dropout of
+    attention kernels, a vision tower's drop path). False keeps the learner's eval-mode old-policy pass for every
+    sample; a module that branches on ``self.training`` in other ways cannot be seen from outside."""
     configs: dict[int, Any] = {}  # submodules share their model's config: read each once (to_dict is not cheap)
     for sub in module.modules():
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
             return False
         if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
             return False
+        if any(name in type(sub).__name__.lower() for name in TRAIN_MODE_MODULE_NAMES):
+            probabilities = [getattr(sub, name) for name in TRAIN_MODE_PROBABILITIES if hasattr(sub, name)]
+            if not probabilities or any(not isinstance(p, (int, float)) or p > 0 for p in probabilities):
+                return False
         config = getattr(sub, "config", None)
         if hasattr(config, "to_dict"):
             configs[id(config)] = config
-    for config in configs.values():
-        if any("dropout" in key and isinstance(value, (int, float)) and value > 0
-               for key, value in config.to_dict().items()):
-            return False
-    return True
+    return not any(_positive_train_mode_entry(config.to_dict()) for config in configs.values())
+
+
+def _positive_train_mode_entry(entries: dict[str, Any]) -> bool:
+    """Whether a config dict (or one nested in it: ``vision_config``, ``text_config``) has a positive
+    :data:`TRAIN_MODE_CONFIG_KEYS` entry."""
+    for key, value in entries.items():
+        if isinstance(value, dict) and _positive_train_mode_entry(value):
+            return True
+        if (any(name in str(key).lower() for name in TRAIN_MODE_CONFIG_KEYS) and isinstance(value, (int, float))
+                and value > 0):
+            return True
+    return False
 
 
 @torch.no_grad()
