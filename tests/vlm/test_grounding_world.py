@@ -197,6 +197,46 @@ def test_training_kinds_weight_the_training_split_only(tmp_path):
     assert manifest["train_kinds"] == ["locate", "locate", "find", "count"] and manifest["kinds"] == list(world.KINDS)
 
 
+def test_every_object_asks_each_lone_object_of_a_training_locate_image(tmp_path):
+    """--every-object: a training locate scene gives one question per object alone of its kind, on the same image
+    (the scene's own question first, then the others); find and count scenes one each, the held-out split and a
+    run without the option unchanged, the option in the manifest."""
+    from mmrl.plugins.vlm.data import load_jsonl
+
+    plain = world.make_records(40, "train", seed=3)
+    records = world.make_records(40, "train", seed=3, every_object=True)
+    assert len(records) == 40 and records[0] == plain[0]  # the first scene's own question comes first
+    groups: list[list[dict]] = []
+    for record in records:
+        if groups and record["kind"] == "locate" and groups[-1][0]["kind"] == "locate" and \
+                record["objects"] == groups[-1][0]["objects"] and record["image_size"] == groups[-1][0]["image_size"]:
+            groups[-1].append(record)
+        else:
+            groups.append([record])
+    assert [g[0]["kind"] for g in groups][:6] == ["locate", "find", "count"] * 2
+    asked_more = 0
+    for group in groups:
+        if group[0]["kind"] != "locate":
+            assert len(group) == 1
+            continue
+        kinds = [(o["color"], o["shape"]) for o in group[0]["objects"]]
+        lone = [kind for kind in kinds if kinds.count(kind) == 1]
+        asked = [(r["subject"]["color"], r["subject"]["shape"]) for r in group]
+        assert len(set(asked)) == len(asked) and set(asked) <= set(lone)
+        if group is not groups[-1]:  # the last scene may be cut at the count
+            assert sorted(asked) == sorted(lone)
+        for record in group:
+            box = next(o["box"] for o in record["objects"] if (o["color"], o["shape"]) == asked[group.index(record)])
+            assert record["solution"] == box
+        asked_more += len(group) > 1
+    assert asked_more > 0
+    assert world.main([str(tmp_path), "--train", "9", "--test", "3", "--every-object"]) == 0
+    assert [row["kind"] for row in load_jsonl(tmp_path / "test.jsonl")] == ["locate", "find", "count"]
+    assert json.loads((tmp_path / "manifest.json").read_text())["every_object"] is True
+    world.write_dataset(tmp_path / "plain", train=3, test=3)
+    assert "every_object" not in json.loads((tmp_path / "plain" / "manifest.json").read_text())
+
+
 # ------------------------------------------------------------------------------------------------ answers and reward
 def _rows(records, resized):
     return [{**record, "resized_size": list(resized(record["image_size"]))} for record in records]

@@ -327,14 +327,25 @@ def record_image(record: dict[str, Any]) -> np.ndarray:
     return render(things_of(record), int(width), int(height), record["background"], int(record["background_seed"]))
 
 
-def make_records(count: int, split: str, seed: int, kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
-    """``count`` dataset records of ``split``, the kinds in turn; deterministic in ``seed`` and ``split``. A kind
-    listed twice gets twice the questions (``("locate", "locate", "find", "count")``: half of them locate)."""
+def make_records(count: int, split: str, seed: int, kinds: Sequence[str] = KINDS, every_object: bool = False
+                 ) -> list[dict[str, Any]]:
+    """``count`` dataset records of ``split``, the scenes' kinds in turn; deterministic in ``seed`` and ``split``. A
+    kind listed twice gets twice the scenes (``("locate", "locate", "find", "count")``: half of them locate). With
+    ``every_object`` a locate scene gives a question about each of its objects alone of its kind
+    (:func:`scene_rows_every_object`, one to four records of one image), so locate questions are about half of the
+    records with the three kinds."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"question kinds must be a non-empty list of {', '.join(KINDS)}, got {list(kinds)}")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
-    return [scene_row(make_scene(kinds[i % len(kinds)], split, rng)) for i in range(count)]
+    records: list[dict[str, Any]] = []
+    scenes = 0
+    while len(records) < count:
+        scene = make_scene(kinds[scenes % len(kinds)], split, rng)
+        records.extend(scene_rows_every_object(scene) if every_object and scene["kind"] == "locate"
+                       else [scene_row(scene)])
+        scenes += 1
+    return records[:count]
 
 
 # ---------------------------------------------------------------------------------------------------------- answers
@@ -389,7 +400,8 @@ def answer_text(record: dict[str, Any], convention: str, resized_size: Sequence[
 
 
 # ---------------------------------------------------------------------------------------------------------- files
-def write_split(directory: str | Path, split: str, count: int, seed: int, kinds: Sequence[str] = KINDS) -> Path:
+def write_split(directory: str | Path, split: str, count: int, seed: int, kinds: Sequence[str] = KINDS,
+                every_object: bool = False) -> Path:
     """Write ``count`` records of ``split`` as ``{split}.jsonl`` and ``{split}/NNNNNN.png`` under ``directory``.
 
     Returns:
@@ -399,7 +411,7 @@ def write_split(directory: str | Path, split: str, count: int, seed: int, kinds:
 
     directory = Path(directory)
     (directory / split).mkdir(parents=True, exist_ok=True)
-    records = make_records(count, split, seed, kinds)
+    records = make_records(count, split, seed, kinds, every_object)
     path = directory / f"{split}.jsonl"
     with path.open("w") as handle:
         for index, record in enumerate(records):
@@ -410,7 +422,8 @@ def write_split(directory: str | Path, split: str, count: int, seed: int, kinds:
 
 
 def write_dataset(directory: str | Path, *, train: int, test: int, seed: int = 0,
-                  kinds: Sequence[str] = KINDS, train_kinds: Sequence[str] | None = None) -> dict[str, Path]:
+                  kinds: Sequence[str] = KINDS, train_kinds: Sequence[str] | None = None,
+                  every_object: bool = False) -> dict[str, Path]:
     """Both splits under ``directory`` (see :func:`write_split`), with ``manifest.json`` recording the options;
     a folder whose manifest matches is kept as it is (a second call costs nothing).
 
@@ -418,16 +431,20 @@ def write_dataset(directory: str | Path, *, train: int, test: int, seed: int = 0
         kinds: The question kinds of both splits, in turn.
         train_kinds: The training split's kinds instead, repeats weighting them (the held-out split keeps
             ``kinds``, so that its scores stay comparable across training mixes).
+        every_object: The training split's locate scenes ask about each of their objects alone of its kind
+            (:func:`make_records`); the held-out split keeps one question per image.
     """
     directory = Path(directory)
     train_kinds = list(kinds if train_kinds is None else train_kinds)
     manifest = {"train": train, "test": test, "seed": seed, "kinds": list(kinds), "train_kinds": train_kinds}
+    if every_object:  # only when set, so that a folder written before the option still matches its manifest
+        manifest["every_object"] = True
     marker = directory / "manifest.json"
     paths = {split: directory / f"{split}.jsonl" for split in SPLITS}
     if marker.is_file() and json.loads(marker.read_text()) == manifest and all(p.is_file() for p in paths.values()):
         return paths
     marker.unlink(missing_ok=True)
-    write_split(directory, "train", train, seed, train_kinds)
+    write_split(directory, "train", train, seed, train_kinds, every_object)
     write_split(directory, "test", test, seed, kinds)
     marker.write_text(json.dumps(manifest) + "\n")
     return paths
@@ -445,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-kinds", nargs="+", default=None, choices=KINDS,
                         help="the training split's kinds instead; a kind listed twice gets twice the questions "
                              "(default: --kinds)")
+    parser.add_argument("--every-object", action="store_true",
+                        help="training locate scenes ask about each of their objects alone of its kind (the same "
+                             "image with several questions)")
     args = parser.parse_args(argv)
     paths = write_dataset(args.directory, train=args.train, test=args.test, seed=args.seed, kinds=args.kinds,
-                          train_kinds=args.train_kinds)
+                          train_kinds=args.train_kinds, every_object=args.every_object)
     print(f"wrote {paths['train']} and {paths['test']}")
     return 0
 
