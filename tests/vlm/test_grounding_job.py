@@ -243,10 +243,11 @@ def test_qwen2_vl_build_runs_the_world_in_its_own_convention(tmp_path):
 
 
 @pytest.mark.slow  # about a minute on 2 shared cores: 3 GRPO steps of 16 samples, two evaluations of 6 questions
-def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path):
+def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path, capsys):
     """The recipe, short: three steps from the bundled checkpoint on 12 training questions. The first mini-batch of
     every step is on policy (ratio 1), the weights move, the evaluations run before and after, and the report
-    writes the per-kind scores, the grid and the reward curve."""
+    writes the per-kind scores, the grid and the reward curve; `mmrl eval` of the trained checkpoint on other
+    held-out questions is reported beside them."""
     from mmrl.plugins.vlm.grounding import report
     from mmrl.trainer import Trainer
 
@@ -270,6 +271,19 @@ def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path):
     assert summary["held_out_before"]["format"] > 0.5
     for name in ("grid.png", "reward_curve.png", "summary.json"):
         assert (run / name).stat().st_size > 0
+
+    # `mmrl eval` of the trained checkpoint on other held-out questions (plugin.data.eval is evaluation only, so the
+    # checkpoint resumes): the report then also scores that evaluation per kind, on the other questions' rows.
+    other = world.write_dataset(tmp_path / "other", train=3, test=9, seed=5)
+    Trainer(_config(CHECKPOINT, {**data, "test": other["test"]}, run, "run.max_steps=3", "rollout.prompts_per_step=2",
+                    "rollout.group_size=8", "eval.every=0", "eval.num_prompts=9", "run.resume=latest")
+            ).evaluate_checkpoint()
+    assert report.main([str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out grounding world (qwen2_5_vl boxes)" in printed
+    assert "evaluation at step 3 (" in printed and "step-00000003" in printed
+    entry = json.loads((run / "evaluations.json").read_text())["evaluations"]["3"]
+    assert entry["questions"] == {"locate": 3, "find": 3, "count": 3}
 
 
 def test_report_refuses_a_folder_that_is_not_a_run_in_one_line(tmp_path, capsys):

@@ -353,6 +353,20 @@ def _small_copy(source: Path, target: Path) -> None:
         image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(target, optimize=True)
 
 
+def _print_evaluations(parser: argparse.ArgumentParser, run: Path) -> None:
+    """Print and write (:func:`evaluation_report`) the per-kind scores of what `mmrl eval` wrote into ``run``."""
+    try:
+        summary = evaluation_report(run)
+    except (FileNotFoundError, ValueError) as error:  # no answers, no config beside them, rewritten data
+        parser.error(str(error))
+    for step, entry in sorted(summary["evaluations"].items(), key=lambda item: int(item[0])):
+        scores = entry["held_out"]
+        kinds = ", ".join(f"{kind} {scores[kind]:.3f}" for kind in (*world.KINDS, "format") if kind in scores)
+        print(f"evaluation at step {step} ({entry['checkpoint'] or 'checkpoint not recorded'}; "
+              f"{entry['convention']} boxes): all {scores['all']:.3f}; {kinds}")
+    print(f"wrote {run / 'evaluations.json'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmrl.plugins.vlm.grounding.report",
                                      description="Held-out scores per kind, box grid and reward curve of a "
@@ -373,16 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a run folder, or --compare")
     missing = [name for name in ("config.yaml", "metrics.jsonl") if not (args.run / name).is_file()]
     if missing and (args.run / "evaluations").is_dir():  # only what `mmrl eval` writes
-        try:
-            summary = evaluation_report(args.run)
-        except (FileNotFoundError, ValueError) as error:  # no answers, no config beside them, rewritten data
-            parser.error(str(error))
-        for step, entry in sorted(summary["evaluations"].items(), key=lambda item: int(item[0])):
-            scores = entry["held_out"]
-            kinds = ", ".join(f"{kind} {scores[kind]:.3f}" for kind in (*world.KINDS, "format") if kind in scores)
-            print(f"evaluation at step {step} ({entry['checkpoint'] or 'checkpoint not recorded'}; "
-                  f"{entry['convention']} boxes): all {scores['all']:.3f}; {kinds}")
-        print(f"wrote {args.run / 'evaluations.json'}")
+        _print_evaluations(parser, args.run)
         return 0
     if missing:
         parser.error(f"{args.run} is neither a training run folder (no {' or '.join(missing)}) nor an `mmrl eval` "
@@ -398,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind in before:
             print(f"  {kind:7s} {before[kind]:.3f} -> {after[kind]:.3f} ({after[kind] - before[kind]:+.3f})")
     print(f"wrote {args.run / 'grid.png'}, {args.run / 'reward_curve.png'}, {args.run / 'summary.json'}")
+    if (args.run / "evaluations").is_dir():  # `mmrl eval` of the run's checkpoints, on its own data and settings
+        _print_evaluations(parser, args.run)
     return 0
 
 
