@@ -243,10 +243,7 @@ def training_batch(rng: np.random.Generator, size: int, step: int, kinds: Sequen
             scene = world.make_scene(kinds[(step + i) % len(kinds)], "train", rng)
             if len(scene["things"]) <= max_objects:
                 break
-        if every_object and scene["kind"] == "locate":
-            rows.extend(world.scene_rows_every_object(scene)[:size - len(rows)])
-        else:
-            rows.append(world.scene_row(scene))
+        rows.extend(world.scene_rows(scene, every_object)[:size - len(rows)])
         i += 1
     return rows
 

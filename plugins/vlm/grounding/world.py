@@ -316,6 +316,14 @@ def scene_rows_every_object(scene: dict[str, Any]) -> list[dict[str, Any]]:
             for i in order if kinds.count(things[i].kind) == 1]
 
 
+def scene_rows(scene: dict[str, Any], every_object: bool = False) -> list[dict[str, Any]]:
+    """A scene's records: its question, or with ``every_object`` a locate scene's question about each of its lone
+    objects (:func:`scene_rows_every_object`)."""
+    if every_object and scene["kind"] == "locate":
+        return scene_rows_every_object(scene)
+    return [scene_row(scene)]
+
+
 def things_of(record: dict[str, Any]) -> list[Thing]:
     """The objects of a dataset record."""
     return [Thing(o["color"], o["shape"], tuple(int(v) for v in o["box"])) for o in record["objects"]]
@@ -342,8 +350,7 @@ def make_records(count: int, split: str, seed: int, kinds: Sequence[str] = KINDS
     scenes = 0
     while len(records) < count:
         scene = make_scene(kinds[scenes % len(kinds)], split, rng)
-        records.extend(scene_rows_every_object(scene) if every_object and scene["kind"] == "locate"
-                       else [scene_row(scene)])
+        records.extend(scene_rows(scene, every_object))
         scenes += 1
     return records[:count]
 
