@@ -98,11 +98,14 @@ class DLLMAdapter:
 
     def load_model(self, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
         """The model through ``from_pretrained`` (weights in ``dtype``; transformers' default attention when
-        ``attn_implementation`` is None)."""
+        ``attn_implementation`` is None), without transformers' hub kernels: transformers picks those by the
+        model's train/eval mode, and the plugin decodes in eval mode and trains in train mode, so they would give
+        the rollout and the training forward different kernels (``plugins/vlm/adapters/base.py``'s ``load_model``
+        says more)."""
         from transformers import AutoModel
 
         return AutoModel.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code, dtype=dtype,
-                                         **_attention(attn_implementation))
+                                         use_kernels=False, **_attention(attn_implementation))
 
     # ------------------------------------------------------------------ special ids
     def _resolve_mask_id(self, override: int | None) -> int:
@@ -213,7 +216,7 @@ class MaskedLMAdapter(DLLMAdapter):
         from transformers import AutoModelForMaskedLM
 
         return AutoModelForMaskedLM.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code,
-                                                    dtype=dtype, **_attention(attn_implementation))
+                                                    dtype=dtype, use_kernels=False, **_attention(attn_implementation))
 
     def model_logits(self, model: nn.Module, input_ids: Tensor) -> Tensor:
         attention, positions = padding_inputs(input_ids, self.pad_id)

@@ -67,6 +67,16 @@ def test_masked_lm_logits_do_not_depend_on_left_padding():
     assert attention[0].tolist() == [0, 0, 0] + [1] * 9 and positions[0, 3:].tolist() == list(range(9))
 
 
+def test_model_loads_without_hub_kernels_so_decoding_and_training_run_one_path():
+    # transformers' default picks hub kernels by the train/eval mode and re-kernelizes on every switch; the plugin
+    # decodes in eval mode and trains in train mode
+    model = MaskedLMAdapter(str(toy.ASSETS)).load_model()
+    assert not model.use_kernels
+    model.train()
+    model.eval()
+    assert model.kernels_mode is None
+
+
 def test_llada_adapter_passes_no_attention_mask_and_pads_with_eos(tmp_path):
     path = _fake_checkpoint(tmp_path, "llada", mask_token_id=22)
     with pytest.raises(ValueError, match="trust_remote_code"):

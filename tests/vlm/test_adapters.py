@@ -151,3 +151,14 @@ def test_real_models_expose_their_vision_tower(adapters):
         assert tower is model.model.visual
         assert adapter.generation_eos_ids(model) == sorted({adapter.tokenizer.convert_tokens_to_ids(t)
                                                             for t in ("<|im_end|>", "<|endoftext|>")})
+
+
+def test_models_load_without_hub_kernels_so_sampling_and_training_run_one_path(adapters):
+    # transformers' default (use_kernels=True) picks hub kernels by the train/eval mode, some only in eval mode, and
+    # re-kernelizes on every switch; the plugin samples in eval mode and trains in train mode
+    for adapter in adapters.values():
+        model = adapter.load_model(dtype=torch.float32, attn_implementation="eager")
+        assert not model.use_kernels
+        model.train()
+        model.eval()
+        assert model.kernels_mode is None
