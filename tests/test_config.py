@@ -234,6 +234,8 @@ def test_evaluation_only_keys_are_named_per_plugin_and_only_they_may_differ_from
         "configs/flow/shapes.yaml": ["plugin.eval_num_steps", "plugin.eval_guidance_scale", "plugin.eval_dataset",
                                      "plugin.eval_prompts", "ema.use_for_eval"],
         "configs/vlm/grounding.yaml": ["plugin.data.eval", "ema.use_for_eval"],
+        "configs/vlm/toy_grounding.yaml": ["plugin.data.eval", "plugin.data.synthetic.eval_size",
+                                           "ema.use_for_eval"],
     }
     for path, keys in expected.items():
         config = load_config(str(ROOT / path))

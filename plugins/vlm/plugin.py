@@ -67,7 +67,9 @@ class ShapesDataConfig:
     """The synthetic coloured-shapes dataset (:func:`mmrl.plugins.vlm.data.make_shapes`)."""
 
     train_size: int = config_field(256, minimum=1, help="Training rows.")
-    eval_size: int = config_field(32, minimum=0, help="Evaluation rows (drawn after the training rows).")
+    eval_size: int = config_field(32, minimum=0, eval_only=True,
+                                  help="Evaluation rows (drawn after the training rows, which stay the same "
+                                       "whatever this is).")
     seed: int = config_field(0, help="Seed of the images and questions (independent of the run seed).")
     tasks: list[Literal["grounding", "counting"]] = config_field(
         default_factory=lambda: ["grounding"],

@@ -127,6 +127,11 @@ def test_shapes_are_deterministic_and_mix_image_sizes():
     assert len({tuple(r["image_size"]) for r in first}) > 1
     assert make_shapes(8, seed=6)[0]["prompt"] != first[0]["prompt"] or \
         make_shapes(8, seed=6)[0]["image"].tobytes() != first[0]["image"].tobytes()
+    # the training rows come first and do not depend on how many evaluation rows follow them (which is why
+    # data.synthetic.eval_size is an evaluation-only key)
+    longer = make_shapes(12, seed=5, tasks=["grounding", "counting"])
+    assert [r["solution"] for r in longer[:8]] == [r["solution"] for r in first]
+    assert all(a["image"].tobytes() == b["image"].tobytes() for a, b in zip(longer[:8], first, strict=True))
 
 
 def test_shapes_answers_match_the_drawn_pixels():
