@@ -228,7 +228,7 @@ def test_evaluation_only_keys_are_named_per_plugin_and_only_they_may_differ_from
     from mmrl.trainer.checkpoint import CheckpointError, check_compatible, config_differences
 
     expected = {
-        "configs/toy.yaml": ["ema.use_for_eval"],
+        "configs/toy.yaml": ["plugin.eval_size", "ema.use_for_eval"],
         "configs/dllm/toy.yaml": ["plugin.eval_dataset", "plugin.eval_temperature", "plugin.eval_remasking",
                                   "ema.use_for_eval"],
         "configs/flow/shapes.yaml": ["plugin.eval_num_steps", "plugin.eval_guidance_scale", "plugin.eval_dataset",
@@ -255,6 +255,20 @@ def test_evaluation_only_keys_are_named_per_plugin_and_only_they_may_differ_from
     check_compatible(saved, current, tmp_path, ["plugin.data.eval"])
     with pytest.raises(CheckpointError, match=r"plugin.data.eval: checkpoint 'a.jsonl', now 'b.jsonl'"):
         check_compatible(saved, current, tmp_path)
+
+
+def test_training_prompts_do_not_depend_on_the_number_of_held_out_prompts():
+    # why plugin.eval_size is an evaluation-only key: a checkpoint evaluated on more held-out prompts trained on the
+    # same prompts, and none of those it is evaluated on
+    from mmrl.plugins.toy.task import make_splits
+
+    def splits(eval_size):
+        return make_splits("reverse", num_digits=4, min_length=2, max_length=4, train_size=40, eval_size=eval_size,
+                           seed=3)
+
+    small, large = splits(10), splits(30)
+    assert small["train"] == large["train"] and large["eval"][:10] == small["eval"]
+    assert not {r["prompt"] for r in large["train"]} & {r["prompt"] for r in large["eval"]}
 
 
 def _flat(data, prefix=""):

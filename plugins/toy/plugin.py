@@ -42,7 +42,9 @@ class ToyPluginConfig:
     min_length: int = config_field(3, minimum=1, help="Shortest prompt.")
     max_length: int = config_field(5, minimum=1, help="Longest prompt.")
     train_size: int = config_field(1024, minimum=1, help="Distinct training prompts.")
-    eval_size: int = config_field(128, minimum=1, help="Distinct held-out prompts.")
+    eval_size: int = config_field(128, minimum=1, eval_only=True,
+                                  help="Distinct held-out prompts (drawn after the training prompts, which stay "
+                                       "the same whatever this is).")
     data_seed: int = config_field(1234, help="Seed of the prompt draw (independent of the run seed).")
     model_path: str | None = config_field(
         None, help="Folder with config.json and model.safetensors to start from; null builds a random policy."
