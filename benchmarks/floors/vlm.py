@@ -27,13 +27,12 @@ computation; the step does, in ``other``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mmrl.plugins.vlm.adapters.base import _base_model, identity_head
+from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, identity_head
 from mmrl.plugins.vlm.plugin import replay_prompts
 from mmrl.plugins.vlm.prefix import distinct_prompts
 from mmrl.trainer.learn import needs_old_logp
@@ -52,8 +51,7 @@ class VLMFloor(Floor):
                              "cached (plugin.freeze_vision and plugin.cache_image_features)")
         self.adapter = plugin.adapter
         self.hf = _base_model(self.policy)
-        self.cache_name = "cache" if "cache" in inspect.signature(type(self.hf).forward).parameters \
-            else "past_key_values"
+        self.cache_name = cache_argument(self.hf)
         # The step's teacher-forced passes share each distinct prompt's forward when the plugin does (see
         # VLMPlugin.token_logp); the policy is in train mode with gradients on here, as in the training forward.
         self.shares_prompts = plugin.config.fused_lm_head and plugin._can_share_prompts(self.policy)

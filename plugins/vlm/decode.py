@@ -28,7 +28,6 @@ over every row, finished rows included, per step), so with the same logits and s
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument
 
 DECODERS = ("mmrl", "hf")
 """``plugin.decoder`` values: this module's loop, or transformers' ``generate``."""
@@ -266,7 +267,7 @@ def _single_token_step(model: nn.Module, attention: Tensor, *, whole_model: bool
     language_model = getattr(backbone, "language_model", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not whole_model and isinstance(language_model, nn.Module) and isinstance(head, nn.Module):
-        name = _cache_argument(language_model)
+        name = cache_argument(language_model)
         kind = getattr(getattr(language_model, "config", None), "_attn_implementation", None)
         mask = decode_step_mask(attention, kind, language_model.get_input_embeddings().weight.dtype)
 
@@ -276,7 +277,7 @@ def _single_token_step(model: nn.Module, attention: Tensor, *, whole_model: bool
             return head(hidden[:, -1:])[:, -1]  # [n, V]
 
         return step
-    name = _cache_argument(base)
+    name = cache_argument(base)
 
     def whole_model_step(tokens: Tensor, length: int, positions: Tensor, cache: Any) -> Tensor:
         output = model(input_ids=tokens, attention_mask=attention[:, :length], position_ids=positions,
@@ -359,17 +360,6 @@ def _plain_lora_forward(layer: Any) -> Callable[[Tensor], Tensor] | None:
     return forward
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP and peft wrappers."""
-    inner = getattr(model, "module", model)
-    get_base = getattr(inner, "get_base_model", None)
-    return get_base() if callable(get_base) else inner
-
-
-def _cache_argument(module: nn.Module) -> str:
-    """The name under which a transformers module's forward takes the KV cache (``cache`` in transformers >= 5.x,
-    else ``past_key_values``)."""
-    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
 
 def check_decoder(name: str) -> str:

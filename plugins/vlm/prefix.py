@@ -21,14 +21,20 @@ gradients against the plain pass.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, check_head, identity_head
+from mmrl.plugins.vlm.adapters.base import (
+    PromptInputs,
+    VLMAdapter,
+    _base_model,
+    cache_argument,
+    check_head,
+    identity_head,
+)
 
 _PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "pixel_values")
 
@@ -135,7 +141,7 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
     prefix, index, positions = split.prefix, split.index, split.positions
     device = inputs["input_ids"].device
     hf_model = _base_model(model)
-    cache_name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+    cache_name = cache_argument(hf_model)
     with identity_head(model) as head:
         output = model(**prefix, position_ids=positions, use_cache=True, logits_to_keep=1)
         last = output.logits[:, -1:]  # [u, 1, H]: the identity head returned the hidden states

@@ -26,6 +26,7 @@ A family adapter (one file) sets the class attributes and overrides what its mod
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -360,7 +361,7 @@ class VLMAdapter:
         backbone = getattr(hf_model, "model", None)
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas[index]
-        name = "cache" if "cache" in inspect.signature(type(hf_model).forward).parameters else "past_key_values"
+        name = cache_argument(hf_model)
         rest = {key: value for key, value in inputs.items() if key not in ("pixel_values", "mm_encoder_outputs")}
         return model.generate(**rest, **{name: cache}, generation_config=generation_config), width
 
@@ -534,6 +535,18 @@ def _base_model(model: nn.Module) -> nn.Module:
     model = getattr(model, "module", model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def cache_argument(module: nn.Module) -> str:
+    """The name under which a transformers module's forward takes the KV cache: ``cache`` where its signature has
+    it (newer transformers), else ``past_key_values``. Read once per class (``inspect.signature`` cost ~50 µs a call,
+    and every decode and shared-prompt pass asks)."""
+    return _cache_argument_of(type(module))
+
+
+@functools.cache
+def _cache_argument_of(module_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_class.forward).parameters else "past_key_values"
 
 
 _QWEN_VL_UTILS: list[Any] = []
