@@ -108,13 +108,13 @@ class VLMAdapter:
     def load_model(self, *, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
         """The model through ``from_pretrained`` (weights in ``dtype``), without transformers' hub kernels.
 
-        transformers (5.x, with the ``kernels`` package it requires) swaps layers such as RMSNorm, the rotary
-        embedding and the activations for kernels fetched from the Hub by default, and picks them by the model's
-        mode: some (SiLU, GELU on CUDA) only in eval mode. mmrl samples in eval mode and trains in train mode, so the
-        rollout and the training forward would run different kernels (a ratio off 1 on-policy by their rounding)
-        and every train/eval switch would re-kernelize the model. ``use_kernels=False`` keeps the plain torch
-        layers in sampling, scoring and training alike, the path the plugin's tests check. (transformers 5.24.0:
-        ``integrations/hub_kernels.py`` maps the activations for ``Mode.INFERENCE`` only, and
+        transformers 5.24 (with the ``kernels`` package it requires; 5.18 did not by default) swaps layers such as
+        RMSNorm, the rotary embedding and the activations for kernels fetched from the Hub, and picks them by the
+        model's mode: some (SiLU, GELU on CUDA) only in eval mode. mmrl samples in eval mode and trains in train
+        mode, so the rollout and the training forward would run different kernels (a ratio off 1 on-policy by their
+        rounding) and every train/eval switch would re-kernelize the model. ``use_kernels=False`` keeps the plain
+        torch layers in sampling, scoring and training alike, the path the plugin's tests check. (transformers
+        5.24.0: ``integrations/hub_kernels.py`` maps the activations for ``Mode.INFERENCE`` only, and
         ``PreTrainedModel.train`` sets a new ``kernels_mode`` on every switch.)"""
         return self.transformers_class().from_pretrained(
             self.model_path, dtype=dtype, attn_implementation=attn_implementation, use_kernels=False
