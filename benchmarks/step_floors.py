@@ -23,7 +23,9 @@ for the ~5M-parameter one), ``dllm`` configs/dllm/toy.yaml. ``--override`` chang
 runs), ``seconds`` and ``cpu_seconds`` (per item, one value per round), ``median_seconds``, ``floor_parts``
 (``generation``, ``forward_backward``, ``optimizer`` medians), ``step_phases`` (the step's own ``rollout``,
 ``reward``, ``advantage``, ``train`` timers, medians), ``step_over_floor`` (ratio of the medians),
-``step_over_floor_rounds``, ``cpu_step_over_floor``, ``breakdown`` (seconds: ``floor``, each extra,
+``step_over_floor_rounds``, ``cpu_step_over_floor``, ``step_over_floor_and_extras`` (the step over the floor plus
+every measured extra: what the step spends beyond the compute its recipe requires, the KL reference and μ > 1's
+old-policy passes included), ``breakdown`` (seconds: ``floor``, each extra,
 ``rewards_and_advantages``, ``other``), ``identical_steps`` (every timed step sampled the same batch) and, with
 ``--profile``, ``profile`` (the functions with the most own time in one step under cProfile). Examples::
 
@@ -263,6 +265,8 @@ def summarise(args: argparse.Namespace, trainer: Any, floor: Any, records: dict[
         "step_over_floor_rounds": [s["wall"] / f["wall"] for s, f in zip(records["step"], records["floor"],
                                                                          strict=True)],
         "cpu_step_over_floor": cpu_median["step"] / cpu_median["floor"],
+        "step_over_floor_and_extras": median["step"] / (median["floor"] + sum(median[name] for name in EXTRAS
+                                                                            if name in median)),
         "breakdown": breakdown,
         "identical_steps": identical,
     }
@@ -303,7 +307,7 @@ def table(results: dict[str, Any]) -> str:
         f"{settings['rounds']} rounds; {settings['cpu']}; torch {settings['torch']}",
         f"step {results['median_seconds']['step'] * 1e3:.1f} ms, floor {results['median_seconds']['floor'] * 1e3:.1f}"
         f" ms: step / floor {results['step_over_floor']:.3f} (rounds {rounds}; CPU time "
-        f"{results['cpu_step_over_floor']:.3f})",
+        f"{results['cpu_step_over_floor']:.3f}); step / (floor + extras) {results['step_over_floor_and_extras']:.3f}",
         f"floor: generation {parts['generation'] * 1e3:.1f} ms, forward+backward "
         f"{parts['forward_backward'] * 1e3:.1f} ms, optimizer {parts['optimizer'] * 1e3:.1f} ms",
         f"rest: {extras}, rewards and advantages {breakdown['rewards_and_advantages'] * 1e3:.1f} ms, "

@@ -243,8 +243,8 @@ def test_vlm_grpo_step_against_trl(tmp_path):
 # ---------------------------------------------------------------------------------------------------- step floors
 
 STEP_FLOORS_KEYS = {"settings", "parameters", "floor", "seconds", "cpu_seconds", "median_seconds", "floor_parts",
-                    "step_phases", "step_over_floor", "step_over_floor_rounds", "cpu_step_over_floor", "breakdown",
-                    "identical_steps"}
+                    "step_phases", "step_over_floor", "step_over_floor_rounds", "cpu_step_over_floor",
+                    "step_over_floor_and_extras", "breakdown", "identical_steps"}
 
 
 @pytest.mark.parametrize("plugin", ["toy", "flow", "vlm", "dllm"])
@@ -268,6 +268,8 @@ def test_step_floors(tmp_path, plugin):
     median = result["median_seconds"]
     assert result["step_over_floor"] == pytest.approx(median["step"] / median["floor"])
     assert result["step_over_floor_rounds"] == pytest.approx([result["step_over_floor"]])
+    extras = sum(median[name] for name in timed - {"step", "floor"})
+    assert result["step_over_floor_and_extras"] == pytest.approx(median["step"] / (median["floor"] + extras))
     assert set(result["floor_parts"]) == {"generation", "forward_backward", "optimizer"}
     assert sum(result["floor_parts"].values()) <= median["floor"]
     assert {"rollout", "reward", "advantage", "train"} <= set(result["step_phases"])
