@@ -360,8 +360,6 @@ def _plain_lora_forward(layer: Any) -> Callable[[Tensor], Tensor] | None:
     return forward
 
 
-
-
 def check_decoder(name: str) -> str:
     """``name`` if it is a known decoder; a one-line error otherwise."""
     if name not in DECODERS:
