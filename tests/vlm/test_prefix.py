@@ -147,6 +147,27 @@ def test_checkpointing_in_train_mode_runs_the_plain_pass(tiny_models):
     assert plugin._can_share_prompts(plugin.policy())
 
 
+
+def test_checkpointing_flag_is_read_from_the_instance_and_then_its_class(tiny_models):
+    """The check reads the flag as getattr would: an instance's own value first (what gradient_checkpointing_enable
+    sets), then a class-level declaration."""
+    plugin = make_plugin(tiny_models["qwen2_5_vl"])
+    policy = plugin.policy()
+
+    class Declared(torch.nn.Module):
+        gradient_checkpointing = True
+
+    policy.train()
+    try:
+        assert plugin._can_share_prompts(policy)
+        policy.add_module("declared", Declared())
+        assert not plugin._can_share_prompts(policy)  # the class says True
+        policy.declared.gradient_checkpointing = False
+        assert plugin._can_share_prompts(policy)  # the instance overrides it
+    finally:
+        del policy.declared
+        policy.eval()
+
 def test_shared_prefill_applies_the_lm_head_to_no_prompt_position(tiny_models):
     """Generation's shared prefill keeps only its KV cache, so the LM head sees one position per distinct prompt
     there (not [u, P, V] logits, gigabytes with a 152k vocabulary and long image prompts)."""
