@@ -306,6 +306,21 @@ def test_world_reward_scores_each_kind_with_its_reward():
                         convention="absolute")
 
 
+def test_world_reward_scores_locate_by_giou_when_asked():
+    size = {"image_size": [100, 100], "resized_size": [100, 100]}
+    rows = [{"kind": "locate", "solution": [0, 0, 20, 20], **size}] * 3 + [{"kind": "count", "solution": 2, **size}]
+    texts = [
+        '<answer>{"bbox_2d": [10, 0, 30, 20]}</answer>',  # IoU 1/3, hull 30 × 20 = union: GIoU 1/3
+        '<answer>{"bbox_2d": [40, 0, 60, 20]}</answer>',  # disjoint: hull 60 × 20, union 800, GIoU -1/3
+        '<answer>{"bbox_2d": [80, 80, 100, 100]}</answer>',  # farther: hull 100², GIoU -(10000 - 800) / 10000
+        "<answer>2</answer>",
+    ]
+    batch = RewardInput(rows=rows, payload={"completions": texts})
+    scores = grounding_world(batch, convention="absolute", locate_metric="giou")  # (GIoU + 1) / 2
+    assert scores == pytest.approx([2 / 3, 1 / 3, (1 - 0.92) / 2, 1.0])
+    assert grounding_world(batch, convention="absolute") == pytest.approx([1 / 3, 0.0, 0.0, 1.0])
+
+
 def test_world_reward_is_registered_and_takes_the_family_convention():
     from mmrl.reward import build_reward
 

@@ -4,7 +4,7 @@ The VLM rewards score every row of a run with the same function; the world mixes
 reward reads the row's ``kind`` and scores the sample with the reward of that kind:
 
 ========  =========================================================================================================
-``locate``  ``iou`` (VLM-R1's REC reward): IoU of the first predicted box with the object's box
+``locate``  ``iou`` (VLM-R1's REC reward): IoU of the first predicted box with the object's box (or ``giou``)
 ``find``    ``detection``: Hungarian matching of the predicted boxes to the objects' boxes, Σ matched IoU /
             max(predicted, true) (``find_metric``), pairs matching at IoU ≥ 0.5
 ``count``   ``count``: the last number of the answer against the true count (``count_mode`` exact or graded)
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from mmrl.reward import RewardError, RewardInput
 from mmrl.rewards.boxes import Convention
-from mmrl.rewards.perception import count, detection, iou, resolve_box_convention
+from mmrl.rewards.perception import count, detection, giou, iou, resolve_box_convention
 
 KINDS = ("locate", "find", "count")
 
@@ -36,6 +36,7 @@ def grounding_world(
     allow_convention_mismatch: bool = False,
     find_metric: Literal["f1", "mean_iou", "map50"] = "mean_iou",
     count_mode: Literal["exact", "graded"] = "exact",
+    locate_metric: Literal["iou", "giou"] = "iou",
 ) -> list[float]:
     """Score each sample by the reward of its question's kind (see the module docstring), in [0, 1].
 
@@ -47,6 +48,8 @@ def grounding_world(
         allow_convention_mismatch: Accept a convention other than the family's (see ``iou``).
         find_metric: ``detection``'s metric for find questions (matching threshold IoU 0.5).
         count_mode: ``count``'s mode for count questions.
+        locate_metric: The reward of locate questions: ``iou``, or ``giou`` ((GIoU + 1) / 2, which also ranks boxes
+            that miss the object by how far they are from it).
 
     Raises:
         RewardError: A row without ``kind_field`` or with a kind outside locate, find, count.
@@ -58,7 +61,7 @@ def grounding_world(
     # The VLM plugin gives every row its resized_size, which the qwen2_5_vl convention reads.
     boxes: dict[str, Any] = dict(field=field, output=output, convention=convention)
     scorers = {
-        "locate": lambda part: iou(part, **boxes),
+        "locate": lambda part: (giou if locate_metric == "giou" else iou)(part, **boxes),
         "find": lambda part: detection(part, **boxes, metric=find_metric),
         "count": lambda part: count(part, field=field, output=output, mode=count_mode),
     }
