@@ -269,6 +269,11 @@ def test_short_job_from_the_bundled_checkpoint_trains_and_reports(tmp_path, caps
     assert summary["questions"] == {"locate": 2, "find": 2, "count": 2}
     assert set(summary["held_out_before"]) == {"locate", "find", "count", "all", "format"}
     assert summary["held_out_before"]["format"] > 0.5
+    for when in ("before", "after"):
+        by_objects = summary[f"locate_by_objects_{when}"]
+        assert sum(questions for questions, _ in by_objects.values()) == 2
+        locate = summary[f"held_out_{when}"]["locate"]
+        assert sum(q * mean for q, mean in by_objects.values()) / 2 == pytest.approx(locate)
     for name in ("grid.png", "reward_curve.png", "summary.json"):
         assert (run / name).stat().st_size > 0
 
@@ -323,3 +328,16 @@ def test_report_scores_mmrl_eval_output_per_kind(tmp_path, capsys):
     rows = report.evaluation_rows(run / "evaluations" / "step_000000")[:6]
     assert entry["held_out"] == report.kind_means(rows, [r["output"] for r in records], "qwen2_5_vl")
     assert 0.0 <= entry["held_out"]["all"] <= 1.0 and entry["held_out"]["format"] > 0.5
+    # The locate questions split by their image's object count: as many questions, and the same mean IoU.
+    by_objects = entry["locate_by_objects"]
+    assert sum(questions for questions, _ in by_objects.values()) == entry["questions"]["locate"]
+    weighted = sum(questions * mean for questions, mean in by_objects.values()) / entry["questions"]["locate"]
+    assert weighted == pytest.approx(entry["held_out"]["locate"])
+    locate = [i for i, row in enumerate(rows) if row["kind"] == "locate"]
+    for count, (questions, mean) in by_objects.items():
+        members = [i for i in locate if len(rows[i]["objects"]) == int(count)]
+        assert questions == len(members)
+        scores = report.sample_scores([rows[i] for i in members], [records[i]["output"] for i in members],
+                                      "qwen2_5_vl")
+        assert mean == pytest.approx(sum(scores) / len(scores))
+    assert "locate by objects in the image: " in printed

@@ -117,6 +117,20 @@ def kind_means(rows: Sequence[dict[str, Any]], texts: Sequence[str], convention:
     return result
 
 
+def locate_by_objects(rows: Sequence[dict[str, Any]], texts: Sequence[str], convention: str) -> dict[str, list]:
+    """Locate questions by the number of objects in their image: ``{"1": [questions, mean IoU], ...}``.
+
+    With one object there is nothing to choose between, so how the locate score splits over these tells boxing
+    precision from choosing the asked object among distractors (docs/vlm.md, "What the 300 steps change").
+    """
+    scores = sample_scores(rows, texts, convention)
+    by_count: dict[int, list[float]] = {}
+    for score, row in zip(scores, rows, strict=True):
+        if row["kind"] == "locate":
+            by_count.setdefault(len(row["objects"]), []).append(score)
+    return {str(count): [len(values), float(np.mean(values))] for count, values in sorted(by_count.items())}
+
+
 def question_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     """How many of ``rows`` ask each kind of question."""
     return {kind: sum(1 for row in rows if row["kind"] == kind) for kind in world.KINDS}
@@ -264,6 +278,8 @@ def report(run: str | Path, export: str | Path | None = None) -> dict[str, Any]:
         "held_out_before": held_out[first],
         "held_out_after": held_out[last],
         "held_out": {str(step): scores for step, scores in sorted(held_out.items())},
+        "locate_by_objects_before": locate_by_objects(aligned, [r["output"] for r in found[first]], convention),
+        "locate_by_objects_after": locate_by_objects(aligned, [r["output"] for r in found[last]], convention),
         "train_seconds": round(sum(step_times), 1),
         "eval_seconds": round(sum(eval_times), 1),
     }
@@ -299,9 +315,11 @@ def evaluation_report(run: str | Path) -> dict[str, Any]:
                                     "this report could read it); evaluate the checkpoint again")
         convention = convention_of(folder)
         aligned = align(evaluation_rows(folder), records, folder)
+        texts = [r["output"] for r in records]
         scored[str(step)] = {"checkpoint": checkpoints.get(step, ""), "convention": convention,
                              "questions": question_counts(aligned),
-                             "held_out": kind_means(aligned, [r["output"] for r in records], convention)}
+                             "held_out": kind_means(aligned, texts, convention),
+                             "locate_by_objects": locate_by_objects(aligned, texts, convention)}
     summary = {"run": str(run), "evaluations": scored}
     (run / "evaluations.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -364,6 +382,10 @@ def _print_evaluations(parser: argparse.ArgumentParser, run: Path) -> None:
         kinds = ", ".join(f"{kind} {scores[kind]:.3f}" for kind in (*world.KINDS, "format") if kind in scores)
         print(f"evaluation at step {step} ({entry['checkpoint'] or 'checkpoint not recorded'}; "
               f"{entry['convention']} boxes): all {scores['all']:.3f}; {kinds}")
+        by_objects = entry["locate_by_objects"]
+        if by_objects:
+            print("  locate by objects in the image: " + ", ".join(
+                f"{count}: {mean:.3f} ({questions})" for count, (questions, mean) in by_objects.items()))
     print(f"wrote {run / 'evaluations.json'}")
 
 
@@ -402,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     for kind in (*world.KINDS, "format"):
         if kind in before:
             print(f"  {kind:7s} {before[kind]:.3f} -> {after[kind]:.3f} ({after[kind] - before[kind]:+.3f})")
+    by_objects = zip(summary["locate_by_objects_before"].items(), summary["locate_by_objects_after"].values(),
+                     strict=True)
+    print("  locate by objects in the image: " + ", ".join(
+        f"{count}: {before_mean:.3f} -> {after_mean:.3f} ({questions})"
+        for (count, (questions, before_mean)), (_, after_mean) in by_objects))
     print(f"wrote {args.run / 'grid.png'}, {args.run / 'reward_curve.png'}, {args.run / 'summary.json'}")
     if (args.run / "evaluations").is_dir():  # `mmrl eval` of the run's checkpoints, on its own data and settings
         _print_evaluations(parser, args.run)
