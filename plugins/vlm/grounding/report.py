@@ -424,11 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     for kind in (*world.KINDS, "format"):
         if kind in before:
             print(f"  {kind:7s} {before[kind]:.3f} -> {after[kind]:.3f} ({after[kind] - before[kind]:+.3f})")
-    by_objects = zip(summary["locate_by_objects_before"].items(), summary["locate_by_objects_after"].values(),
-                     strict=True)
-    print("  locate by objects in the image: " + ", ".join(
-        f"{count}: {before_mean:.3f} -> {after_mean:.3f} ({questions})"
-        for (count, (questions, before_mean)), (_, after_mean) in by_objects))
+    if summary["locate_by_objects_before"]:  # a world written without locate questions has none
+        by_objects = zip(summary["locate_by_objects_before"].items(), summary["locate_by_objects_after"].values(),
+                         strict=True)
+        print("  locate by objects in the image: " + ", ".join(
+            f"{count}: {before_mean:.3f} -> {after_mean:.3f} ({questions})"
+            for (count, (questions, before_mean)), (_, after_mean) in by_objects))
     print(f"wrote {args.run / 'grid.png'}, {args.run / 'reward_curve.png'}, {args.run / 'summary.json'}")
     if (args.run / "evaluations").is_dir():  # `mmrl eval` of the run's checkpoints, on its own data and settings
         _print_evaluations(parser, args.run)
