@@ -57,11 +57,25 @@ def test_sigkill_at_a_random_moment_then_resume_lands_on_the_same_parameters(tmp
     target = random.randint(2, 7)
     process = subprocess.Popen(_command(tmp_path, "run.max_steps=10", "run.save_every=1"), cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = tmp_path / "checkpoints" / f"step-{target:08d}"
-    deadline = time.time() + 120
-    while not marker.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    time.sleep(random.uniform(0.0, 0.05))  # a random moment of the next step: sampling, update or checkpoint write
+
+    def latest_step() -> int:
+        try:  # written atomically (a rename), so it is read whole; older checkpoints get deleted (keep_last)
+            return int((tmp_path / "checkpoints" / "latest").read_text().strip().split("-")[1])
+        except FileNotFoundError:
+            return 0
+
+    def wait_for_checkpoint(step: int) -> float:
+        deadline = time.time() + 120
+        while latest_step() < step and process.poll() is None and time.time() < deadline:
+            time.sleep(0.001)
+        return time.perf_counter()
+
+    # A random moment of the next step (sampling, update or checkpoint write): a uniform delay over one step's
+    # duration as this machine runs it, measured between the two checkpoints before. A fixed window can outlast the
+    # 3-8 steps left on a fast machine (~17 ms a step on an idle 2-core EPYC), and the run would finish unkilled.
+    previous = wait_for_checkpoint(target - 1)
+    step_seconds = wait_for_checkpoint(target) - previous
+    time.sleep(random.uniform(0.0, step_seconds))
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL, f"the run ended (rc {process.returncode}) before it was killed"
