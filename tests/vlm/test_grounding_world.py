@@ -308,17 +308,34 @@ def test_world_reward_scores_each_kind_with_its_reward():
 
 def test_world_reward_scores_locate_by_giou_when_asked():
     size = {"image_size": [100, 100], "resized_size": [100, 100]}
-    rows = [{"kind": "locate", "solution": [0, 0, 20, 20], **size}] * 3 + [{"kind": "count", "solution": 2, **size}]
+    rows = [{"kind": "locate", "solution": [0, 0, 20, 20], **size}] * 4 + [{"kind": "count", "solution": 2, **size}]
     texts = [
         '<answer>{"bbox_2d": [10, 0, 30, 20]}</answer>',  # IoU 1/3, hull 30 × 20 = union: GIoU 1/3
         '<answer>{"bbox_2d": [40, 0, 60, 20]}</answer>',  # disjoint: hull 60 × 20, union 800, GIoU -1/3
         '<answer>{"bbox_2d": [80, 80, 100, 100]}</answer>',  # farther: hull 100², GIoU -(10000 - 800) / 10000
+        "<answer>no box here</answer>",  # malformed: 0, below any box
         "<answer>2</answer>",
     ]
     batch = RewardInput(rows=rows, payload={"completions": texts})
     scores = grounding_world(batch, convention="absolute", locate_metric="giou")  # (GIoU + 1) / 2
-    assert scores == pytest.approx([2 / 3, 1 / 3, (1 - 0.92) / 2, 1.0])
-    assert grounding_world(batch, convention="absolute") == pytest.approx([1 / 3, 0.0, 0.0, 1.0])
+    assert scores == pytest.approx([2 / 3, 1 / 3, (1 - 0.92) / 2, 0.0, 1.0])
+    assert grounding_world(batch, convention="absolute") == pytest.approx([1 / 3, 0.0, 0.0, 0.0, 1.0])
+
+
+def test_locate_by_objects_splits_locate_scores_and_is_empty_without_locate_questions():
+    from mmrl.plugins.vlm.grounding.report import locate_by_objects
+
+    size = {"image_size": [100, 100], "resized_size": [100, 100]}
+    one = {"kind": "locate", "solution": [0, 0, 20, 20], "objects": [{"box": [0, 0, 20, 20]}], **size}
+    two = {**one, "objects": [{"box": [0, 0, 20, 20]}, {"box": [50, 50, 70, 70]}]}
+    count = {"kind": "count", "solution": 2, "objects": two["objects"], **size}
+    texts = ['<answer>{"bbox_2d": [0, 0, 20, 20]}</answer>', '<answer>{"bbox_2d": [10, 0, 30, 20]}</answer>',
+             '<answer>{"bbox_2d": [50, 50, 70, 70]}</answer>', "<answer>2</answer>"]
+    split = locate_by_objects([one, two, two, count], texts, "absolute")  # the count row is left out
+    assert list(split) == ["1", "2"] and split["1"][0] == 1 and split["2"][0] == 2
+    # The second two-object answer boxes the distractor: IoU 0 with the asked object.
+    assert split["1"][1] == pytest.approx(1.0) and split["2"][1] == pytest.approx((1 / 3 + 0.0) / 2)
+    assert locate_by_objects([count], ["<answer>2</answer>"], "absolute") == {}
 
 
 def test_world_reward_is_registered_and_takes_the_family_convention():

@@ -147,7 +147,6 @@ def test_checkpointing_in_train_mode_runs_the_plain_pass(tiny_models):
     assert plugin._can_share_prompts(plugin.policy())
 
 
-
 def test_checkpointing_flag_is_read_from_the_instance_and_then_its_class(tiny_models):
     """The check reads the flag as getattr would: an instance's own value first (what gradient_checkpointing_enable
     sets), then a class-level declaration."""
@@ -167,6 +166,7 @@ def test_checkpointing_flag_is_read_from_the_instance_and_then_its_class(tiny_mo
     finally:
         del policy.declared
         policy.eval()
+
 
 def test_shared_prefill_applies_the_lm_head_to_no_prompt_position(tiny_models):
     """Generation's shared prefill keeps only its KV cache, so the LM head sees one position per distinct prompt
