@@ -13,6 +13,7 @@ The trainer knows nothing about modalities: it hands :class:`~mmrl.plugin.Prompt
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -173,6 +174,7 @@ class Trainer:
         """The Accelerator, with gradient accumulation set from the batch geometry of this many processes."""
         run = self.config.run
         cpu = run.cpu or _launched_without_accelerators()
+        _import_group_default_modules()
         state = PartialState(cpu=cpu)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched != state.num_processes:
@@ -264,10 +266,22 @@ class Trainer:
         """Release what the trainer holds across processes: the reward worker pools and the process group. Call it
         when the trainer is done (``mmrl train`` and ``mmrl eval`` do): a gloo or NCCL group left to the interpreter's
         exit can abort a process in its destructor ("terminate called without an active exception"). No collective
-        works afterwards. Not a collective itself: after an error on one process it does not wait for the others."""
+        works afterwards. Not a collective itself: after an error on one process it does not wait for the others.
+
+        Destroying the group is not enough: a gloo group lives on while anything references it, and its worker threads
+        with it. A worker that lets go of a finished collective's tensors after the interpreter has begun to shut
+        down needs the GIL it can no longer take, and the process aborts ("terminate called without an active
+        exception", seen in the two-process tests under load). So close() also drops the references the trainer and
+        Accelerate hold to the DDP wrapper (its reducer holds the group): the group is freed here, its threads joined
+        while the interpreter is alive, and ``policy`` is the bare module afterwards. The group defaults captured at
+        import time are avoided at start-up (:func:`_import_group_default_modules`)."""
         self.scorer.close(wait=False)
         self.eval_scorer.close(wait=False)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.accelerator.state.destroy_process_group()
+        if distributed:
+            self.policy = self.learner.policy = self.runtime.unwrap(self.policy)
+            self.accelerator.free_memory()  # Accelerate's references to the wrapped model (and a garbage collection)
 
     def training_step(self) -> dict[str, float]:
         """One full step: collect (with dynamic sampling), then update. Returns the step's metrics."""
@@ -460,6 +474,22 @@ class Trainer:
         return bool(self.accelerator.reduce(flag, "max").item() > 0)
 
 # ====================================================================== helpers
+def _import_group_default_modules() -> None:
+    """Import, before the process group forms, the torch modules whose functions take ``group.WORLD`` as a default
+    argument value: Python evaluates it once, at import, so a module first imported while a group exists keeps that
+    group alive after ``destroy_process_group`` for as long as the interpreter runs (with its gloo worker threads:
+    :meth:`Trainer.close`). Imported before, the default is None (torch resolves None to the current group).
+    ``torch.distributed.nn.functional`` (``broadcast(tensor, src, group=group.WORLD)``, torch 2.14) is imported by
+    ``torch._dynamo``, which the first ``torch.optim`` optimizer imports; ``fsdp.sharded_grad_scaler``
+    (``ShardedGradScaler(process_group=dist.group.WORLD)``) by Accelerate when it prepares an FSDP model, so it is
+    imported here only for FSDP launches (it takes a second)."""
+    if not torch.distributed.is_available() or torch.distributed.is_initialized():
+        return
+    importlib.import_module("torch.distributed.nn.functional")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
+
+
 def _launched_without_accelerators() -> bool:
     """True for a multi-process launch on a machine with no GPU: Accelerate then needs ``cpu=True`` to form a gloo
     group, otherwise every process silently runs alone and they all write the same run folder."""

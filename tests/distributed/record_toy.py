@@ -140,6 +140,23 @@ def main() -> None:
         torch.save(torch.stack(gradients), out / "gradients.pt")
     trainer.close()  # the process group is destroyed before the interpreter exits
     assert not torch.distributed.is_initialized()
+    # ...and freed, its worker threads joined: a gloo thread alive at exit can abort the process (Trainer.close)
+    assert not gloo_threads(), f"gloo threads alive after Trainer.close(): {gloo_threads()}"
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's threads that gloo started (``pt_gloo_runloop``, ``gloo_tcp_loop``; Linux, from
+    /proc/self/task; empty elsewhere)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while we read
+            continue
+    return sorted(name for name in names if "gloo" in name)
 
 
 if __name__ == "__main__":
