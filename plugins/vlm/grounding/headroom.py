@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 PREFERRED_REWARD = "grounding_world"
 
@@ -89,8 +90,6 @@ def sample_scores(config: Any, samples: int, prompts_per_call: int, reward: str 
         rows = trainer.train_rows
         found: list[torch.Tensor] = []
         trainer.policy.eval()
-        from tqdm.auto import tqdm
-
         with torch.no_grad():
             for start in tqdm(range(0, len(rows), prompts_per_call), desc="headroom", unit="call"):
                 chosen = rows[start:start + prompts_per_call]
