@@ -10,6 +10,10 @@ References:
     RLOO — Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE", arXiv:2402.14740, eq. (9).
     Batch std — Liu et al. 2025, "Flow-GRPO", arXiv:2505.05470 (``global_std`` in the reference code).
     GDPO — "Group reward-Decoupled normalization Policy Optimization", arXiv:2601.05242 (normalise each reward, sum).
+
+Reference code read for ``grpo`` and ``dr_grpo``: TRL ``trl/trainer/grpo_trainer.py`` L2680-2707 and ``nanstd`` in
+``trl/trainer/utils.py`` (huggingface/trl@f2cd577), verl ``compute_grpo_outcome_advantage`` in
+``verl/trainer/ppo/core_algos.py`` L267-331 (volcengine/verl@b178a3c).
 """
 
 from __future__ import annotations
@@ -50,7 +54,17 @@ def _scaled(centered: Tensor, std: Tensor, eps: float) -> Tensor:
 def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: Annotated[float, EPS] = 1e-6) -> Tensor:
     """GRPO: (r − group mean) / (group std + eps), with the unbiased (Bessel-corrected) std.
 
-    Matches TRL (``scale_rewards="group"``) and verl (``adv_estimator=grpo``). Shao et al. 2024, arXiv:2402.03300.
+    Matches TRL (``scale_rewards="group"``; grpo_trainer.py L2690-2707 at huggingface/trl@f2cd577, Bessel-corrected
+    ``nanstd``) and verl (``adv_estimator=grpo``; core_algos.py L309-325 at volcengine/verl@b178a3c, ``torch.std``)
+    for groups of two or more. Where they differ from each other or from mmrl:
+
+    - A group of one sample: verl sets its mean to 0 and std to 1, so the advantage is the raw reward (L314-316);
+      TRL requires at least two generations. mmrl gives 0: one sample has nothing to be compared with, and a raw
+      reward would enter the loss on another scale than its batch-mates' normalised advantages.
+    - A group with no spread gets exactly 0 here (float64 statistics and an explicit zero); TRL (float32) and verl
+      get 0 up to rounding of the mean.
+
+    Shao et al. 2024, arXiv:2402.03300, eq. (3).
 
     Args:
         eps: Added to the std so that groups with almost no spread do not explode, >= 0 (verl: 1e-6, TRL: 1e-4).

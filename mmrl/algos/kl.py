@@ -8,8 +8,13 @@ http://joschu.net/blog/kl-approx.html):
 - k3 = e^{−x} + x − 1 = (π_ref/π_θ) − log(π_ref/π_θ) − 1: unbiased and always ≥ 0 (GRPO, Shao et al. 2024,
   arXiv:2402.03300, eq. (4)).
 
-x is clamped to ±20 first so that k3's exponential stays finite (verl clamps the same way). A plugin may skip
-these and return its own per-action KL (the flow plugin uses the closed-form KL between Gaussian means).
+x is clamped to ±20 first so that k3's exponential stays finite, as verl clamps it before k3 (``kl_penalty_forward``,
+``verl/trainer/ppo/core_algos.py`` L1890-1896 at volcengine/verl@b178a3c); verl then also clamps k3 itself to
+[−10, 10], which zeroes its gradient wherever k3 > 10 (π_ref/π_θ above ~14, or π_θ/π_ref above e^11). mmrl does
+not: there the KL term is what should pull the policy back. TRL computes k3 without any clamp
+(``trl/trainer/grpo_trainer.py`` L3068-3073 at huggingface/trl@f2cd577); within ±20 mmrl's k3 is TRL's. The clamp
+also applies to k1 and k2 (verl clamps neither), where it only matters beyond |x| = 20. A plugin may skip these and
+return its own per-action KL (the flow plugin uses the closed-form KL between Gaussian means).
 """
 
 from __future__ import annotations

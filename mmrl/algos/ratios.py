@@ -18,7 +18,11 @@ from torch import Tensor
 
 RATIO_LEVELS = ("token", "chunk", "sequence")
 
-# exp(±20) is 5e8: far outside any clip range, and finite in float32 (verl clamps at the same value).
+# exp(±20) is 5e8: far outside any clip range, and finite in float32. verl clamps the token-level log-ratio at the same
+# value (core_algos.py L1212 at volcengine/verl@b178a3c) and GSPO's sequence log-ratio at +10 only (L1298); TRL does
+# not clamp (grpo_trainer.py L3055-3066 at huggingface/trl@f2cd577). The clamp changes a clipped loss only where a
+# ratio leaves [e^-20, e^20] (a negative advantage's unclipped side past e^20 without dual-clip, or a vanishing ratio):
+# numerical failures, not signal.
 LOG_RATIO_CLAMP = 20.0
 
 

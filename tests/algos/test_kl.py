@@ -35,6 +35,16 @@ def test_kl_gradient_flows_to_logp_only():
     assert logp.grad.item() == pytest.approx(1 - math.exp(-0.2))  # d/dx (e^-x + x - 1)
 
 
+def test_k3_is_not_clamped_at_10_as_verl_does_only_its_input_at_20():
+    """Far from the reference k3 keeps its value and gradient (verl clamps k3 to 10, which zeroes the gradient)."""
+    logp = torch.tensor([[-5.0, 15.0, -25.0]], requires_grad=True)  # x = logp - ref: -5, 15, -25 (clamped to -20)
+    kl = kl_estimators["k3"](logp, torch.zeros(1, 3))
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(5) - 6, math.exp(-15) + 14, math.exp(20) - 21]]))
+    kl.sum().backward()
+    expected_grad = [1 - math.exp(5), 1 - math.exp(-15), 0.0]  # d/dx (e^-x + x - 1); 0 past the ±20 clamp
+    torch.testing.assert_close(logp.grad, torch.tensor([expected_grad]))
+
+
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="shape"):
         kl_estimators["k1"](torch.zeros(2, 3), torch.zeros(2, 2))
