@@ -21,6 +21,17 @@ mode                           value                                            
 sequence's summed loss is divided by one constant (the generation budget, e.g. ``max_new_tokens``) instead of its
 own length. ``token_mean`` is DAPO's token-level loss (Yu et al. 2025, arXiv:2503.14476, eq. (8)) taken over the
 optimizer step. ``seq_mean_token_mean`` is the original GRPO form (Shao et al. 2024, arXiv:2402.03300, eq. (3)).
+
+Reference code read: TRL's ``loss_type`` branches (``trl/trainer/grpo_trainer.py`` L3124-3150 at
+huggingface/trl@f2cd577) and verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py`` L1025-1080 at
+volcengine/verl@b178a3c). TRL ``dapo`` is ``token_mean`` (its denominator ``num_items_in_batch`` counts the step's
+tokens on every process); TRL ``grpo`` is ``seq_mean_token_mean`` and ``bnpo`` ``token_mean``, each normalised per
+micro-batch and averaged over the accumulation steps, so they equal these modes when every micro-batch holds as many
+sequences (respectively tokens) as the others; TRL ``dr_grpo`` is ``seq_mean_token_sum_norm`` with A_max =
+``max_completion_length``. verl's ``token-mean``, ``seq-mean-token-sum`` and ``seq-mean-token-mean`` are the modes of
+the same names (with its global batch counts); its ``seq-mean-token-sum-norm`` divides a micro-batch's summed sequence
+losses by A_max alone, with no mean over the sequences (a learning-rate scale that grows with the micro-batch; mmrl
+and TRL keep the mean, as Dr.GRPO's objective averages over the group).
 """
 
 from __future__ import annotations

@@ -119,6 +119,11 @@ def clipped_policy_loss(
     L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)); with ``dual_clip = c`` and A < 0 the loss is further
     capped at −c·A. On-policy (r = 1) the gradient equals the plain policy gradient −A·∇log π.
 
+    The default (no dual clip) is TRL's ``grpo``/``dapo`` loss (``trl/trainer/grpo_trainer.py`` L3083-3090 at
+    huggingface/trl@f2cd577); verl's ``compute_policy_loss_vanilla`` (``verl/trainer/ppo/core_algos.py``
+    L1160-1251 at volcengine/verl@b178a3c) always applies the dual clip, at ``clip_ratio_c`` = 3 unless configured:
+    ``dual_clip=3.0`` reproduces it. Its ``pg_clipfrac`` counts what ``clip_fraction`` counts here.
+
     Args:
         clip_low: ε_low in [0, 1), the ratio's lower bound is 1 − ε_low (PPO/GRPO: 0.2).
         clip_high: ε_high >= 0, the ratio's upper bound is 1 + ε_high (DAPO clip-higher: 0.28).
