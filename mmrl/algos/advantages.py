@@ -81,7 +81,8 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: Annotated[float,
 def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Dr.GRPO: r − group mean, without dividing by the std (removes the question-difficulty bias).
 
-    Liu et al. 2025, arXiv:2503.20783, §3.1. TRL ``scale_rewards="none"``.
+    Liu et al. 2025, arXiv:2503.20783, §3.1; ``compute_monte_carlo_advantages`` in ``train_zero_math.py`` L294-300
+    at sail-sg/understand-r1-zero@dfca49d. TRL ``scale_rewards="none"``.
 
     Shapes:
         rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.

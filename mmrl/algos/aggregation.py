@@ -106,6 +106,10 @@ def seq_mean_token_sum_norm(
 ) -> Tensor:
     """Per-sequence sum divided by a constant A_max, then the mean over sequences (Dr.GRPO, arXiv:2503.20783).
 
+    As Dr.GRPO's released code: ``masked_sum(..., constant_normalizer=generate_max_length)`` per sequence
+    (``train_zero_math.py`` L286-291 at sail-sg/understand-r1-zero@dfca49d), then the mean over the mini-batch's
+    sequences (``oat/algorithms/ppo.py`` L567-568 at sail-sg/oat@c1a074c).
+
     Shapes:
         loss, mask ``[N, A]`` → scalar.
     """
