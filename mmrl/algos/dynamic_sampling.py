@@ -5,6 +5,15 @@ pass and contributes no policy gradient (only KL and entropy terms), and it shri
 policy improves. DAPO (Yu et al. 2025, arXiv:2503.14476, §3.2) over-samples, drops those groups and keeps sampling
 until the batch is full. verl bounds the extra rounds with ``max_num_gen_batches``.
 
+DAPO's released code (its recipe in verl, ``recipe/dapo/dapo_ray_trainer.py`` L244-288 at volcengine/verl@246cac4,
+since moved to verl-recipe) keeps the groups whose reward has a population std > 0 (and any group of one sample),
+concatenates generation batches until ``train_batch_size`` prompts are kept, cuts the batch to that size, and
+raises an error once ``max_num_gen_batches`` batches were drawn without filling it. mmrl differs in three ways:
+the spread test is max − min > ``tolerance`` (the same groups at ``tolerance`` 0); a group of one sample is dropped
+(its advantage is 0 here, see :mod:`mmrl.algos.advantages`, so it carries no policy gradient); and when the rounds
+run out the step goes on padded (below, logged as ``samples/padded``) instead of stopping the run, so that a hard
+stretch of the prompt stream costs one weaker step, not the job.
+
 Process balance. Every process keeps exactly ``target_per_process`` samples, taking its kept samples in sampling
 order. Sampling stops when *every* process has enough (a global min), so all processes run the same number of
 rounds and the same number of backward passes: none waits on another at a collective, and a process whose groups

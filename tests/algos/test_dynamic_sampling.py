@@ -15,6 +15,12 @@ def test_groups_without_spread_are_dropped():
     assert groups_with_spread(rewards, groups, tolerance=1e-3).tolist() == [False] * 3 + [True] * 3 + [False] * 3
 
 
+def test_a_group_of_one_sample_is_dropped_unlike_dapo_code_which_keeps_it():
+    """Its advantage is 0 here (nothing to compare with), so it carries no gradient; DAPO's recipe keeps it."""
+    keep = groups_with_spread(torch.tensor([0.3, 1.0, 0.0]), torch.tensor([5, 7, 7]))
+    assert keep.tolist() == [False, True, True]
+
+
 def test_selection_takes_kept_samples_first_then_pads():
     keep = torch.tensor([False, True, True, False, True, False])
     plan = select_kept(keep, 4)
