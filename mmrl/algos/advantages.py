@@ -96,8 +96,10 @@ def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """RLOO: r minus the mean of the *other* samples of its group (leave-one-out baseline).
 
-    A_i = r_i − (Σ_{j≠i} r_j)/(G−1) = G/(G−1)·(r_i − mean). Ahmadian et al. 2024, arXiv:2402.14740.
-    A group of one sample has no other member and gets 0.
+    A_i = r_i − (Σ_{j≠i} r_j)/(G−1) = G/(G−1)·(r_i − mean). Ahmadian et al. 2024, arXiv:2402.14740; verl's
+    ``compute_rloo_outcome_advantage`` computes the same G/(G−1) form (``verl/trainer/ppo/core_algos.py`` L511-524 at
+    volcengine/verl@b178a3c). A group of one sample has no other member and gets 0 (verl: its raw reward, as for
+    ``grpo``).
 
     Shapes:
         rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
