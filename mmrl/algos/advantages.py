@@ -142,15 +142,19 @@ def multi_reward_advantages(
     estimator: Callable[..., Tensor],
     *,
     order: str = "sum_then_normalize",
-    whiten_eps: float = 1e-6,
+    whiten_eps: float = 1e-4,
     **estimator_options,
 ) -> tuple[Tensor, Tensor]:
     """Advantages from K reward functions, in either order of weighting and normalising.
 
     - ``"sum_then_normalize"``: R = Σ_k w_k·r_k, then ``estimator(R)`` (TRL's default).
     - ``"normalize_then_sum"`` (GDPO, arXiv:2601.05242): A_k = ``estimator(r_k)`` per reward,
-      S = Σ_k w_k·A_k, then whitened over the batch: (S − mean S)/(std S + eps). Normalising each reward first
-      keeps distinct reward combinations from collapsing onto the same advantage.
+      S = Σ_k w_k·A_k, then whitened over the batch: (S − mean S)/(std S + eps), with the Bessel-corrected std and
+      eps = 1e-4 as GDPO's released code (``trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py`` L1222-1246 at
+      NVlabs/GDPO@b080e63) and TRL's ``multi_objective_aggregation="normalize_then_sum"`` (``grpo_trainer.py``
+      L2710-2720 at huggingface/trl@f2cd577) whiten it. Both normalise each reward with GRPO's group statistics
+      (Bessel std + 1e-4): ``advantage: {name: grpo, eps: 1.0e-4}`` reproduces them exactly. Normalising each reward
+      first keeps distinct reward combinations from collapsing onto the same advantage.
 
     Args:
         rewards: ``[N, K]`` one column per reward function.
@@ -177,6 +181,6 @@ def multi_reward_advantages(
         summed = (per_reward.to(torch.float64) @ weights.to(torch.float64))  # [N]
         if summed.numel() < 2:
             return summed.to(rewards.dtype), combined
-        whitened = (summed - summed.mean()) / (summed.std(unbiased=False) + whiten_eps)
+        whitened = (summed - summed.mean()) / (summed.std() + whiten_eps)  # Bessel-corrected, as GDPO and TRL
         return whitened.to(rewards.dtype), combined
     raise ValueError(f"multi-reward order must be one of {MULTI_REWARD_ORDERS}, got {order!r}")

@@ -103,10 +103,10 @@ def test_multi_reward_orders_hand_values():
     torch.testing.assert_close(combined, torch.tensor([2.0, 1.0]))
     torch.testing.assert_close(summed, torch.tensor([0.5, -0.5]) / math.sqrt(0.5))
     # Normalise each then weight (GDPO): A1 = [+a, -a], A2 = [-a, +a] with a = 0.5/sqrt(0.5); 2*A1 + A2 = [a, -a],
-    # whitened over the batch (population std a) -> [1, -1].
+    # whitened over the batch (Bessel std a*sqrt(2), as GDPO's code) -> [1, -1] / sqrt(2).
     gdpo, _ = multi_reward_advantages(rewards, weights, groups, grpo, order="normalize_then_sum", eps=0.0,
                                       whiten_eps=0.0)
-    torch.testing.assert_close(gdpo, torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(gdpo, torch.tensor([1.0, -1.0]) / math.sqrt(2.0))
 
 
 def test_gdpo_keeps_combinations_apart_that_sum_then_normalize_merges():

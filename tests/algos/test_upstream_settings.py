@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mmrl.algos import advantage_estimators, aggregate, kl_estimators, policy_losses
+from mmrl.algos import advantage_estimators, aggregate, kl_estimators, multi_reward_advantages, policy_losses
 
 GROUP_IDS = torch.tensor([0, 0, 0, 1, 1, 1])
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.9])
@@ -125,3 +125,28 @@ def test_the_dual_clip_is_active_in_the_verl_case():
     with_dual = _mmrl(new, old, ref, advantage=("grpo", 1e-6), aggregation="token_mean", dual_clip=3.0)
     torch.testing.assert_close(with_dual, expected, rtol=1e-5, atol=1e-7)
     assert not torch.isclose(without, expected, rtol=1e-4)
+
+
+def test_trl_and_gdpo_normalize_then_sum_is_reproduced():
+    """TRL ``multi_objective_aggregation="normalize_then_sum"`` and GDPO's code (NVlabs/GDPO@b080e63): each reward
+    group-normalised (Bessel std + 1e-4), weighted, summed, then whitened over the batch (Bessel std + 1e-4)."""
+    scores = torch.stack([REWARDS, torch.tensor([0.0, 1.0, 1.0, 0.3, 0.3, 0.8]), torch.tensor([2.0, 0, 1, 5, 4, 4])],
+                         dim=1)  # [6, K = 3], scales apart
+    weights = [1.0, 0.5, 0.25]
+    per_reward = []
+    for k in range(scores.shape[1]):
+        column = scores[:, k].tolist()
+        normalised = []
+        for i, value in enumerate(column):
+            members = [v for v, g in zip(column, GROUP_IDS.tolist(), strict=True) if g == GROUP_IDS[i]]
+            mean = sum(members) / len(members)
+            std = math.sqrt(sum((v - mean) ** 2 for v in members) / (len(members) - 1))
+            normalised.append((value - mean) / (std + 1e-4))
+        per_reward.append(normalised)
+    summed = [sum(w * per_reward[k][i] for k, w in enumerate(weights)) for i in range(len(REWARDS))]
+    mean = sum(summed) / len(summed)
+    std = math.sqrt(sum((v - mean) ** 2 for v in summed) / (len(summed) - 1))
+    expected = torch.tensor([(v - mean) / (std + 1e-4) for v in summed])
+    got, _ = multi_reward_advantages(scores, torch.tensor(weights), GROUP_IDS, advantage_estimators.get("grpo"),
+                                     order="normalize_then_sum", eps=1e-4)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
