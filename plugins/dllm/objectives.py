@@ -18,7 +18,10 @@ current policy (wd1: d1's one-step estimate, prompt masked w.p. 0.15). No ratio,
 group softmax needs the whole group, but the trainer splits groups over micro-batches and processes, so the weights
 are computed where groups are whole — in the advantage step, on the gathered batch: ``advantage: wd1`` returns
 ``w⁺ − w⁻`` per sample and ``policy_loss: wd1`` is ``−w·ℓ``. wd1 sums the loss over the group (its per-device batch is
-one group); mmrl averages over samples, a factor ``1/G`` on the loss (a constant for a fixed group size).
+one group); mmrl averages over samples, a factor ``1/G`` on the loss (a constant for a fixed group size). Read from
+``wd1/trainers/rev_grpo_trainer.py`` at xiaohangt/wd1@0898985: the advantage ``r − mean`` (L628-638), the two
+softmaxes over the device batch and the loss ``−Σ w⁺·ℓ + Σ w⁻·ℓ`` with ℓ the completion's summed per-token
+log-probs (L144-158); ``rev_grpo_trainer_psr.py`` drops the ``w⁻`` term.
 
 **SPG.** ``loss = −A·Ŝ`` with ``Ŝ`` a lower bound of ``log π`` (ELBO) for samples with ``A > 0`` and an upper bound
 (the Rényi EUBO) for ``A ≤ 0``, so that pushing a negative sample down lowers a quantity that bounds its
