@@ -503,9 +503,13 @@ def spg_lower(
     ELBO of the semi-autoregressive factorization ``Π_k π(x_k | c, x_{<k})`` that block decoding samples from.
     Deviation: SPG's code also averages the log-probs of the fully masked later blocks into its per-sequence mean
     (its ``block_mask`` is computed but unused) and divides by a completion-wide mask count; we score only the
-    chosen block, which is what makes the estimate a bound. Blocks are visited without replacement across the N
-    draws (SPG: a random permutation), prompt tokens masked w.p. ``p_mask_prompt`` (SPG runs: 0.15, which changes
-    the target to an average over corrupted prompts).
+    chosen block, which is what makes the estimate a bound. Blocks are visited uniformly without replacement across
+    the N draws (SPG's code takes ``randperm(num_blocks) % K_b``, which favours the first blocks and can repeat one
+    when the completion fills fewer blocks than the generation budget), prompt tokens masked w.p. ``p_mask_prompt``
+    (SPG runs: 0.15, which changes the target to an average over corrupted prompts). SPG's code masks w.p.
+    ``p_mask_prompt`` every position before the chosen block, the clean earlier completion blocks included
+    (``~is_mask`` covers them, ``spg_trainer.py`` L373-376 at facebookresearch/SPG@a1c7120), and scores those that it
+    masks; mmrl keeps earlier blocks clean as the block factorization conditions on them (the paper's description).
 
     Args:
         masking: ``"random"`` (l-sampling over the whole completion) or ``"block"`` (SPG block-wise masking).
