@@ -390,13 +390,18 @@ def coupled(
     is the same construction without the wasted ``m = 0`` pair. No ε, no ``1/t`` tail, weights ≤ L_b. A truncated
     ``t ~ U(0.2, 0.8)`` would bound the weights too, but changes the target (see below).
 
-    Deviations (documented, not reproduced): DiffuCoder's ``coupled_grpo.py`` draws one ``t ~ U(0.2, 0.8)`` per
-    batch, masks ``r < t`` / ``r > t`` with weights ``1/t`` and ``1/(1−t)`` and averages with a third, fully masked
-    forward: a token-level value for a clipped ratio that is unbiased neither for the ELBO (``t`` is truncated to
-    [0.2, 0.8]) nor for a normalized log-likelihood. dLLM-RL's ``coupled`` (as summarized in our research notes; its
-    code was not re-checked here) averages the masked-token log-probs of the two rows: ``E[g(S)/|S|]`` over a uniform
-    ``|S| ∈ {1..L}`` is ``ELBO/L``, but when both rows are kept non-empty the ``l = L`` term never occurs, so that
-    average is biased as well.
+    Deviations (documented, not reproduced): DiffuCoder's ``coupled_grpo.py`` draws one ``t ~ U(0.2, 0.8)`` per batch,
+    masks ``r < t`` / ``r > t`` with weights ``1/t`` and ``1/(1−t)`` and averages with a third, fully masked forward: a
+    token-level value for a clipped ratio that is unbiased neither for the ELBO (``t`` is truncated to [0.2, 0.8]) nor
+    for a normalized log-likelihood. Summed over the tokens its expectation is ``½·h_L + Σ_l w_l·h_l`` with ``w_l =
+    (1/0.6)∫_{0.2}^{0.8} C(L,l)·t^{l−1}(1−t)^{L−l} dt``: half of d1's one-step score plus a t-truncated ELBO
+    (``coupled_grpo.py`` L106-122, L254-279 at apple/ml-diffucoder@f735e01; exact enumeration at L = 5 gives a target
+    about 1.5× the ELBO in magnitude). Its completion tail after the first EOS is masked in the fully masked row only
+    and follows ``r < t`` / ``r > t`` in the pair (visible context in one of the two rows); mmrl masks the tail in every
+    row, as d1 and SPG do (:mod:`~mmrl.plugins.dllm.masking`). dLLM-RL's ``coupled`` (as summarized in our research
+    notes; its code was not re-checked here) averages the masked-token log-probs of the two rows: ``E[g(S)/|S|]`` over a
+    uniform ``|S| ∈ {1..L}`` is ``ELBO/L``, but when both rows are kept non-empty the ``l = L`` term never occurs, so
+    that average is biased as well.
 
     Args:
         stratified: Spread the pair counts ``m`` of each sample evenly over 1..L_b (unbiased, lower variance).
