@@ -17,8 +17,10 @@ node that member m sits on after step t_j is stored on every member below it but
 member only; :meth:`TreeCredit.action_rewards` returns R(node) for every (member, column), and the core's per-(group,
 column) normalisation over the active entries *is* the per-depth normalisation above (use ``algorithm.advantage:
 grpo`` for BranchGRPO's z-score; columns with a single node, i.e. before the first split, carry no comparison and are
-not trained). Steps from the first split to S − 2 are trained with ``sde_steps: all`` (the last, nearly
-deterministic step is left out as in Flow-GRPO), the split steps with ``splits``.
+not trained). Steps from the first split to S − 2 are trained with ``sde_steps: all`` (the last step is left out as
+in Flow-GRPO, where it is nearly deterministic; on BranchGRPO's 20-step grid with DanceGRPO's η = 0.3 it is not, and
+the released code trains it too: ``train_branchgrpo_flux.py:1225`` at Fredreic1849/BranchGRPO@19fbb9f), the split
+steps with ``splits``.
 
 Width pruning (``credit.tree.width_pruning: f``, BranchGRPO's mode 2): of the edges after the last split (one per
 leaf), only those of the best and the worst leaves (max(2, ⌊f·G⌋) leaves, half each, best first) are
