@@ -389,7 +389,9 @@ class ClipScore(_TextImageReward):
     """CLIP image-text similarity: logit_scale · cos(image, prompt) / divisor, with an open_clip model.
 
     With the defaults (OpenAI CLIP ViT-L/14, logit scale 100, divisor 30) this is Flow-GRPO's CLIPScore reward,
-    about 3.3 · cos, typically 0.6–1.2 for matching pairs. Set ``divisor`` to 100 to get the plain cosine, or to 40
+    about 3.3 · cos, typically 0.6–1.2 for matching pairs, up to its input: Flow-GRPO's ``clip_scorer.py`` (read in
+    zhtmike/flow_grpo@19d5169) resizes the float image bilinearly without the 8-bit rounding, mmrl rounds to 8 bits
+    and resizes bicubic (docs/rewards.md, "Image inputs"). Set ``divisor`` to 100 to get the plain cosine, or to 40
     for Hessel et al.'s CLIPScore 2.5 · cos (without its clipping at 0).
     """
 
@@ -454,6 +456,10 @@ class HPSv2(_TextImageReward):
                "hf-hub:ORG/REPO/FILE (it is published as hf-hub:xswu/HPSv2/HPS_v2.1_compressed.pt)")
         self.clip = OpenClip(self.name, model, None, pick_device(self.name, device), checkpoint=checkpoint,
                              option="checkpoint", how=how)
+        # HPSv2 scores with its light-augmentation eval transform: the longer side resized to 224, the rest padded
+        # black (img_score.py, light_augmentation=True -> factory.py L368-375 -> ResizeMaxSize, tgxs002/HPSv2@866735e;
+        # Flow-GRPO's and DanceGRPO's HPS rewards build the same transform), not open_clip's centre crop.
+        self.clip.resize_mode = "longest"
 
     def _text_features(self, texts: list[str]) -> Tensor:
         return self.clip.text_features(texts)

@@ -230,6 +230,9 @@ def _to_uint8(tensor: Tensor, where: str) -> tuple[Tensor, bool]:
 # ------------------------------------------------------------------------------------------------ preprocessing
 
 
+RESIZE_MODES = ("shortest", "longest", "squash")
+
+
 def clip_pixels(
     images: Sequence[Tensor],
     size: int | tuple[int, int],
@@ -242,12 +245,16 @@ def clip_pixels(
     """CLIP preprocessing of uint8 ``[3, H, W]`` images → normalised float32 ``[N, 3, S, S]`` on ``device``.
 
     ``resize_mode="shortest"`` resizes the shorter side to S (antialiased, ``interpolation``), then crops the centre
-    square (open_clip's and CLIP's evaluation transform); ``"squash"`` resizes straight to S × S. Values are clipped
-    to [0, 1] after resizing (bicubic overshoots), then normalised with ``mean`` and ``std``.
+    square (open_clip's and CLIP's evaluation transform); ``"longest"`` resizes the longer side to S and pads the
+    rest with black, left/top getting the smaller half (HPSv2's evaluation transform, ``ResizeMaxSize`` in
+    ``hpsv2/src/open_clip/transform.py`` at tgxs002/HPSv2@866735e, which its ``score`` and the Flow-GRPO and
+    DanceGRPO HPS rewards use); ``"squash"`` resizes straight to S × S. Values are clipped to [0, 1] after resizing
+    (bicubic overshoots), then normalised with ``mean`` and ``std``.
     """
     height, width = (size, size) if isinstance(size, int) else tuple(size)
-    if resize_mode not in ("shortest", "squash"):
-        raise RewardError(f"image resize mode {resize_mode!r} is not supported; allowed: 'shortest', 'squash'")
+    if resize_mode not in RESIZE_MODES:
+        raise RewardError(f"image resize mode {resize_mode!r} is not supported; allowed: "
+                          + ", ".join(repr(mode) for mode in RESIZE_MODES))
     if interpolation not in ("bicubic", "bilinear"):
         raise RewardError(f"image interpolation {interpolation!r} is not supported; allowed: 'bicubic', 'bilinear'")
     mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
@@ -261,11 +268,17 @@ def clip_pixels(
         pixels = torch.stack([images[i] for i in indices]).to(device=device, dtype=torch.float32) / 255.0
         if resize_mode == "squash":
             target = (height, width)
+        elif resize_mode == "longest":
+            scale = min(height / h, width / w)
+            target = (min(height, round(h * scale)), min(width, round(w * scale)))
         else:
             scale = max(height / h, width / w)
             target = (max(height, round(h * scale)), max(width, round(w * scale)))
         if target != (h, w):
             pixels = F.interpolate(pixels, size=target, mode=interpolation, align_corners=False, antialias=True)
+        if resize_mode == "longest":
+            pad_h, pad_w = height - pixels.shape[-2], width - pixels.shape[-1]  # black, as HPSv2's fill=0
+            pixels = F.pad(pixels, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
         top = (pixels.shape[-2] - height) // 2
         left = (pixels.shape[-1] - width) // 2
         pixels = pixels[..., top : top + height, left : left + width].clamp(0.0, 1.0)

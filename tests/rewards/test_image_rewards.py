@@ -130,6 +130,13 @@ def test_hpsv2_is_the_cosine_of_its_checkpoint(tiny_models):
     torch.testing.assert_close(scores, as_clip(batch_of(images)))
     prompts = hps(batch_of(random_images(1, seed=1).expand(3, -1, -1, -1), ["a cat", "a dog", "a red car"]))
     assert varies(prompts)
+    # A non-square image is seen whole, padded black (HPSv2's ResizeMaxSize), not centre-cropped as clip_score does.
+    wide = random_images(2, seed=2, height=TINY_SIZE // 2, size=TINY_SIZE * 2)
+    as_clip.clip.resize_mode = "longest"
+    padded = as_clip(batch_of(wide))
+    torch.testing.assert_close(hps(batch_of(wide)), padded)
+    as_clip.clip.resize_mode = "shortest"
+    assert (as_clip(batch_of(wide)) - padded).abs().max() > 1e-4
 
 
 def test_aesthetic_is_the_mlp_of_the_normalised_embedding(tiny_models):
@@ -331,8 +338,23 @@ def test_clip_pixels_resize_shortest_side_then_center_crop():
     assert squash[0, :, :, 0].max() < 0.05  # the dark edges survive a squash
     normalised = clip_pixels([torch.full((3, 8, 8), 255, dtype=torch.uint8)], 8, mean=(0.5,) * 3, std=(0.25,) * 3)
     torch.testing.assert_close(normalised, torch.full((1, 3, 8, 8), 2.0))
-    with pytest.raises(RewardError, match="resize mode 'longest' is not supported"):
-        clip_pixels([wide], 32, (0, 0, 0), (1, 1, 1), resize_mode="longest")
+    with pytest.raises(RewardError, match="resize mode 'crop' is not supported; allowed: 'shortest', 'longest'"):
+        clip_pixels([wide], 32, (0, 0, 0), (1, 1, 1), resize_mode="crop")
+
+
+def test_clip_pixels_resize_longest_side_then_pad_black_as_hpsv2():
+    """HPSv2's ResizeMaxSize: the longer side to S, the shorter scaled alike, black padding split smaller-half first
+    (top/left), so a non-square image is seen whole, not centre-cropped."""
+    wide = torch.full((3, 20, 40), 255, dtype=torch.uint8)  # 20 x 40 -> 16 x 32, padded 8 above and 8 below
+    out = clip_pixels([wide], 32, mean=(0, 0, 0), std=(1, 1, 1), resize_mode="longest")
+    assert out.shape == (1, 3, 32, 32)
+    assert out[0, :, 8:24].min() > 0.99 and out[0, :, :8].max() == 0 and out[0, :, 24:].max() == 0
+    tall = torch.full((3, 45, 15), 255, dtype=torch.uint8)  # -> 32 x round(10.67) = 11, pad 21: 10 left, 11 right
+    out = clip_pixels([tall], 32, mean=(0, 0, 0), std=(1, 1, 1), resize_mode="longest")
+    assert out[0, :, :, 10:21].min() > 0.99 and out[0, :, :, :10].max() == 0 and out[0, :, :, 21:].max() == 0
+    square = torch.randint(0, 256, (3, 48, 48), dtype=torch.uint8)  # square images: the same as the centre crop
+    torch.testing.assert_close(clip_pixels([square], 32, (0, 0, 0), (1, 1, 1), resize_mode="longest"),
+                               clip_pixels([square], 32, (0, 0, 0), (1, 1, 1)))
 
 
 # ------------------------------------------------------------------------------------------------ missing weights
