@@ -3,7 +3,8 @@
 Registered rewards (all 0/1 floats; they never raise on malformed model output):
 
 - ``format``: the completion is ``<think>…</think>`` followed by ``<answer>…</answer>`` and nothing else, the
-  format reward of R1-V, Visual-RFT (arXiv:2503.01785) and VLM-R1 (arXiv:2504.07615).
+  format reward of R1-V, Visual-RFT (arXiv:2503.01785) and VLM-R1's general tasks (arXiv:2504.07615; its REC
+  ``format_reward_rec`` differs: a search anywhere, with a box required inside the answer, docs/rewards.md).
 - ``choice``: the option letter in the answer equals the ground-truth letter.
 - ``math``: the final answer is numerically equal to the ground truth (fractions, decimals, percents, LaTeX).
 
