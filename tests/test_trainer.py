@@ -9,6 +9,7 @@ from mmrl.reward import RewardError, reward_functions
 from mmrl.rollout import RolloutError
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import CheckpointError, list_checkpoints
+from mmrl.trainer.ema import EMA
 from tests.helpers import record_calls, record_gradients, toy_config
 
 
@@ -557,6 +558,22 @@ def test_a_plugin_that_breaks_the_rollout_contract_is_named(tmp_path, monkeypatc
     monkeypatch.setattr(trainer.plugin, "rollout", shuffled_groups)
     with pytest.raises(RolloutError, match="group_ids"):
         trainer.train()
+
+
+def test_ema_warm_up_follows_the_optimizer_step_as_flow_grpo():
+    """d = min(0.9, (1 + s)/(10 + s)) with s the 0-based optimizer step of the update (Flow-GRPO's EMAModuleWrapper
+    called with the global step): with updates every 8 steps the first uses s = 7, d = 8/17, not (1 + 0)/(10 + 0)."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    ema = EMA([weight], decay=0.9)
+    assert ema.current_decay(7) == pytest.approx(8 / 17) and ema.current_decay(80) == pytest.approx(0.9)
+    expected = 0.0
+    for k, value in enumerate([1.0, 2.0, 3.0], start=1):  # the weight at the k-th update, made after step 8k - 1
+        with torch.no_grad():
+            weight.fill_(value)
+        ema.update(step=8 * k - 1)
+        d = min(0.9, 8 * k / (8 * k + 9))
+        expected = d * expected + (1 - d) * value
+    assert ema.shadow[0].item() == pytest.approx(expected) and ema.updates == 3
 
 
 def test_ema_is_checkpointed_and_used_for_eval(tmp_path):

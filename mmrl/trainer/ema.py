@@ -10,10 +10,16 @@ from torch import nn
 
 
 class EMA:
-    """θ_ema ← d·θ_ema + (1 − d)·θ, with d = min(decay, (1 + n)/(10 + n)) after n updates.
+    """θ_ema ← d·θ_ema + (1 − d)·θ, with d = min(decay, (1 + s)/(10 + s)) at an update made after optimizer step
+    s (0-based; ``s = k·update_every − 1`` for the k-th update).
 
-    The warm-up keeps the average from being dominated by the initial weights early on (Flow-GRPO,
-    arXiv:2505.05470, reference code: decay 0.9, updated every 8 steps).
+    The warm-up keeps the average from being dominated by the initial weights early on. Flow-GRPO (arXiv:2505.05470;
+    ``flow_grpo/ema.py`` ``EMAModuleWrapper`` with decay 0.9 and ``update_step_interval`` 8, called with the global
+    optimizer step in ``scripts/train_sd3.py`` at yifan123/flow_grpo@ac4c86e) indexes the warm-up by the optimizer
+    step, so its first update (s = 7) already uses d = 8/17 ≈ 0.47 and d reaches 0.9 by step 80; indexed by the count
+    of updates instead it would start at 0.1 and reach 0.9 only after 80 updates (640 steps). Flow-GRPO calls its
+    EMA once per training batch with the step counter, so with gradient accumulation the same step's update can be
+    applied more than once; mmrl updates exactly once per ``update_every`` optimizer steps.
 
     Args:
         parameters: The trainable parameters (the list is kept; the tensors are read at each update).
@@ -26,12 +32,14 @@ class EMA:
         self.updates = 0
         self.shadow = [p.detach().clone().float() for p in self.parameters]
 
-    def current_decay(self) -> float:
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+    def current_decay(self, step: int) -> float:
+        """The decay of an update made after optimizer step ``step`` (0-based)."""
+        return min(self.decay, (1 + step) / (10 + step))
 
     @torch.no_grad()
-    def update(self) -> None:
-        decay = self.current_decay()
+    def update(self, step: int) -> None:
+        """Fold the current weights in, after optimizer step ``step`` (0-based: the first step is 0)."""
+        decay = self.current_decay(step)
         for shadow, param in zip(self.shadow, self.parameters, strict=True):
             shadow.mul_(decay).add_(param.detach().float(), alpha=1.0 - decay)
         self.updates += 1

@@ -220,7 +220,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
-            self.ema.update()
+            self.ema.update(step=self.optimizer_steps - 1)  # the warm-up follows the optimizer step, as Flow-GRPO
 
     def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
                     num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
