@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", help="A checkpoint name in RUN/checkpoints (e.g. step-00000040) or a path "
                                              "(default: the latest complete one).")
     export.add_argument("--device", default="cpu", help="Device the model is loaded on to export it (default cpu).")
+    export.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto",
+                        help="raw: the trained weights; ema: their moving average (runs with ema.enabled); auto "
+                             "(default): the EMA when the run evaluated with it, else the trained weights.")
     export.set_defaults(handler=_export)
 
     listing = commands.add_parser("list", help="Show every registry: algorithms, plugins, rewards, and each plugin's "
@@ -204,9 +207,11 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from mmrl.policy import EXPORT_INFO, export_run
 
-    out = export_run(args.run, args.out, checkpoint=args.checkpoint, device=args.device)
+    out = export_run(args.run, args.out, checkpoint=args.checkpoint, device=args.device, weights=args.weights)
     info = json.loads((out / EXPORT_INFO).read_text())
-    print(f"exported {info['checkpoint']} of {args.run} ({info['plugin']} plugin, {info['format']}) to {out}")
+    weights = "EMA weights" if info["weights"] == "ema" else "trained weights"
+    print(f"exported {info['checkpoint']} of {args.run} ({info['plugin']} plugin, {info['format']}, {weights}) "
+          f"to {out}")
     return 0
 
 

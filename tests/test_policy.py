@@ -234,3 +234,33 @@ def test_export_refuses_what_is_in_the_way_and_writes_atomically(tmp_path, monke
     saved = dict(TinySequencePolicy.from_pretrained(out).named_parameters())
     assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "out", "run"]
+
+
+def test_export_writes_the_ema_weights_when_the_run_evaluated_with_them(tmp_path):
+    """With ema.enabled each checkpoint also holds policy_ema/; `export` writes it by default when the run's
+    evaluations used it (what Flow-GRPO saves), the trained weights with weights='raw', and refuses 'ema' without it."""
+    from mmrl.plugins.toy.model import TinySequencePolicy
+    from mmrl.policy import EXPORT_INFO, ExportError, export_run
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    run = tmp_path / "run"
+    trainer = Trainer(toy_config(run, "run.max_steps=2", "ema.enabled=true", "ema.update_every=1"))
+    trainer.train()
+    names = [name for name, p in trainer.policy.named_parameters() if p.requires_grad]
+    averaged = dict(zip(names, trainer.ema.shadow, strict=True))
+    trained = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    assert any(not torch.equal(averaged[name], trained[name]) for name in names)  # the two differ after 2 steps
+
+    for weights, expected in (("auto", averaged), ("ema", averaged), ("raw", trained)):
+        out = export_run(run, tmp_path / weights, weights=weights)
+        saved = dict(TinySequencePolicy.from_pretrained(out).named_parameters())
+        assert all(torch.equal(saved[name], expected[name].to(saved[name].dtype)) for name in names), weights
+        assert json.loads((out / EXPORT_INFO).read_text())["weights"] == ("raw" if weights == "raw" else "ema")
+
+    plain = tmp_path / "plain"
+    Trainer(toy_config(plain, "run.max_steps=1")).train()
+    assert json.loads((export_run(plain, tmp_path / "plain-out") / EXPORT_INFO).read_text())["weights"] == "raw"
+    with pytest.raises(ExportError, match=r"cannot export the EMA weights of step-00000001: the run did not keep an "
+                                          r"EMA \(ema.enabled is false\); use --weights raw"):
+        export_run(plain, tmp_path / "plain-ema", weights="ema")

@@ -23,8 +23,11 @@ class ExportError(ValueError):
     """An export that cannot be made (no such run or checkpoint, an output folder in the way); one line."""
 
 
+EXPORT_WEIGHTS = ("auto", "ema", "raw")
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None = None,
-               device: str = "cpu") -> Path:
+               device: str = "cpu", weights: str = "auto") -> Path:
     """Export the policy of a run's checkpoint to ``out``.
 
     Args:
@@ -33,6 +36,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
         checkpoint: A checkpoint folder name in ``checkpoints/`` (``step-00000040``) or a path to one; None: the
             newest complete checkpoint (what ``run.resume=latest`` picks).
         device: Where the model is built to load the weights (``cpu`` needs no accelerator).
+        weights: ``"raw"``: the trained weights; ``"ema"``: their exponential moving average (runs with
+            ``ema.enabled``; Flow-GRPO saves only these); ``"auto"``: the EMA when the run evaluated with it
+            (``ema.enabled`` and ``ema.use_for_eval``: the weights its evaluations scored), else the trained weights.
 
     Returns:
         ``out``.
@@ -47,13 +53,22 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"export folder {out} already exists and is not empty; choose another OUT or delete it")
+    if weights not in EXPORT_WEIGHTS:
+        raise ExportError(f"export weights {weights!r} is not one of {', '.join(EXPORT_WEIGHTS)}")
     found = _checkpoint_folder(Path(run_dir), checkpoint)
     state = ckpt.read_state(found)
     config = from_dict(TrainConfig, state["config"])
+    ema_folder = found / ckpt.EMA_POLICY_FOLDER
+    if weights == "auto":
+        weights = "ema" if config.ema.enabled and config.ema.use_for_eval else "raw"
+    if weights == "ema" and not ema_folder.is_dir():
+        why = ("the run did not keep an EMA (ema.enabled is false)" if not config.ema.enabled
+               else f"this checkpoint has no {ckpt.EMA_POLICY_FOLDER}/ (written by an mmrl before EMA exports)")
+        raise ExportError(f"cannot export the EMA weights of {found.name}: {why}; use --weights raw")
     runtime = Runtime(device=torch.device(device), seed=config.run.seed)
     plugin = plugin_registry.get(config.plugin.name)(config.plugin.config, runtime)
     policy = plugin.policy()
-    plugin.load_trainable(policy, found / "policy")
+    plugin.load_trainable(policy, ema_folder if weights == "ema" else found / "policy")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".tmp-{out.name}.{os.getpid()}")
     if staging.exists():
@@ -61,7 +76,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     try:
         fmt = plugin.export(policy, staging)
         info = {"plugin": config.plugin.name, "format": fmt, "run": str(Path(run_dir).resolve()),
-                "checkpoint": found.name, "step": int(state["step"]),
+                "checkpoint": found.name, "step": int(state["step"]), "weights": weights,
                 "base_model": getattr(config.plugin.config, "model", None)}
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
         if out.exists():  # an empty folder: os.replace cannot replace a directory with one on every platform

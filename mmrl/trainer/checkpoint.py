@@ -5,6 +5,8 @@ Layout of a run folder::
     checkpoints/
         step-00000040/
             policy/               the trainable weights as the plugin saves them (LoRA adapter or full weights)
+            policy_ema/           with ema.enabled: the EMA of those weights, in the same format (what `mmrl export`
+                                  writes by default when the run evaluated with the EMA)
             accelerate/           optimizer, per-process RNG states, EMA (Accelerate's save_state)
             trainer_state.json    step, optimizer steps, sampler position, the resolved config
         latest                    the name of the newest complete checkpoint, replaced atomically
@@ -44,6 +46,7 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 # What a complete checkpoint holds: the state file is written last, into the temporary folder, before the rename.
 REQUIRED_FOLDERS = ("accelerate", "policy")
+EMA_POLICY_FOLDER = "policy_ema"  # written beside policy/ when ema.enabled
 
 # Config keys that may change between a checkpoint and its resumption; everything else must match.
 RESUMABLE_KEYS = (

@@ -412,6 +412,9 @@ class Trainer:
     def _save_policy_hook(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         # Every process: gathering the full weights is a collective under FSDP/ZeRO-3; the main process writes.
         self.plugin.save_trainable(self.policy, Path(output_dir).parent / "policy")
+        if self.ema is not None:  # the averaged weights too, in the plugin's format, for `mmrl export`
+            with self.ema.swapped_in():
+                self.plugin.save_trainable(self.policy, Path(output_dir).parent / ckpt.EMA_POLICY_FOLDER)
         weights.clear()  # the plugin saved what is trainable; frozen weights are rebuilt from the config
 
     def _load_policy_hook(self, models: list[Any], input_dir: str) -> None:
