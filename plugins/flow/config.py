@@ -115,9 +115,10 @@ class FlowPluginConfig:
         False, help="All samples of a prompt start from the same noise (drawn from the group id), so they differ "
         "only through SDE noise.", ref="DanceGRPO --init_same_noise",
     )
-    kl_variance: Literal["flow_grpo", "transition"] = config_field(
-        "flow_grpo", help="Denominator of the KL between means: Flow-GRPO's 2·s² (its β values assume it) or the "
-        "exact transition variance 2·s²·Δ.", ref="Flow-GRPO code; flow_grpo#22",
+    kl_variance: Literal["flow_grpo", "transition", "none"] = config_field(
+        "flow_grpo", help="Denominator of the KL between means: Flow-GRPO's 2·s² (its β values assume it), the "
+        "exact transition variance 2·s²·Δ, or none (the mean squared distance of the means, the CPS authors' KL).",
+        ref="Flow-GRPO code; flow_grpo#22; FlowCPS scripts/train_sd3.py",
     )
     dataset: str | None = config_field(
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "

@@ -105,7 +105,7 @@ SDE_KINDS: tuple[str, ...] = ("flow_grpo", "dance_grpo", "cps", "ode")
 CPS_LOG_PROBS: tuple[str, ...] = ("flow_grpo", "gaussian")
 """What :func:`sde_step` reports as the log-prob of a ``"cps"`` step (see the module docstring)."""
 
-KL_VARIANCES: tuple[str, ...] = ("transition", "flow_grpo")
+KL_VARIANCES: tuple[str, ...] = ("transition", "flow_grpo", "none")
 """The denominators :func:`gaussian_kl_between_means` accepts."""
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -545,7 +545,10 @@ def gaussian_kl_between_means(
     ``diffusion_coeff``, see :func:`diffusion_coefficient`), not the transition variance s²·Δ. For the SDE kinds
     that is Δ × the exact KL; Flow-GRPO dropped Δ on purpose to weight late (small-Δ) steps more, and its β values
     (0.04 GenEval/OCR, 0.01 PickScore) are tuned for that form. For ``"cps"`` both forms coincide when
-    ``diffusion_coeff`` comes from :func:`diffusion_coefficient`.
+    ``diffusion_coeff`` comes from :func:`diffusion_coefficient`. ``variance="none"`` divides by nothing:
+    mean((μ_θ − μ_ref)²), the KL term of the CPS authors' trainer (IamCreateAI/FlowCPS@814c359
+    ``scripts/train_sd3.py:900``, β = 0.04 in its OCR config), which no constant β turns into the others (their
+    factor 1/(2·std²) changes from step to step).
 
     The reference is never trained: ``ref_mean`` is detached. Computed in float32 (float64 for float64 inputs).
     The KL is undefined for a deterministic step (std = 0 gives inf or nan): do not regularise those steps.
@@ -554,7 +557,8 @@ def gaussian_kl_between_means(
         mean (`torch.Tensor`): μ_θ from :func:`sde_step` under the trained weights.  # [B, C, H, W]
         ref_mean (`torch.Tensor`): μ_ref under the reference weights (same x, σ, σ_next).  # [B, C, H, W]
         std (`float` or `torch.Tensor`): The transition std from :func:`sde_step`.  # [B, 1, 1, 1], [B] or []
-        variance (`str`): ``"transition"`` (exact KL) or ``"flow_grpo"`` (denominator 2·s²).
+        variance (`str`): ``"transition"`` (exact KL), ``"flow_grpo"`` (denominator 2·s²) or ``"none"`` (no
+            denominator: the mean squared distance of the means).
         diffusion_coeff (`float` or `torch.Tensor`, *optional*): s, required for ``variance="flow_grpo"``.
             # [B] or []
 
@@ -575,5 +579,7 @@ def gaussian_kl_between_means(
     batch = mean.shape[0]
     diff = mean.to(dtype) - ref_mean.detach().to(dtype)  # [B, ...]
     squared = (diff**2).reshape(batch, -1).mean(dim=1)  # [B]
+    if variance == "none":
+        return squared
     scale_t = _per_sample(scale, scale_name, batch, 1, dtype, mean.device)  # [B]
     return squared / (2 * scale_t**2)

@@ -661,6 +661,11 @@ def test_kl_hand_value_and_reference_is_detached():
     assert mean.grad is not None and ref_mean.grad is None
     flow = gaussian_kl_between_means(mean, ref_mean, 0.5, variance="flow_grpo", diffusion_coeff=1.0)
     torch.testing.assert_close(flow, torch.tensor([0.25 / 2.0, 0.5 / 2.0]))
+    # The CPS authors' form: the mean squared distance of the means, no denominator (FlowCPS train_sd3.py:900).
+    plain = gaussian_kl_between_means(mean, ref_mean, 0.5, variance="none")
+    torch.testing.assert_close(plain, torch.tensor([0.25, 0.5]))
+    with pytest.raises(ValueError, match="unknown KL variance 'exact'; expected one of transition, flow_grpo, none"):
+        gaussian_kl_between_means(mean, ref_mean, 0.5, variance="exact")
 
 
 def test_plugin_sde_accepts_a_registered_kind_and_names_the_kinds_otherwise():
