@@ -264,3 +264,25 @@ def test_export_writes_the_ema_weights_when_the_run_evaluated_with_them(tmp_path
     with pytest.raises(ExportError, match=r"cannot export the EMA weights of step-00000001: the run did not keep an "
                                           r"EMA \(ema.enabled is false\); use --weights raw"):
         export_run(plain, tmp_path / "plain-ema", weights="ema")
+
+
+def test_export_command_passes_weights_and_reports_them(tmp_path, capsys):
+    """`mmrl export RUN OUT --weights ...`: the choice reaches export_run and the printed line names the weights; a
+    refused choice is one line on stderr and exit code 1."""
+    from mmrl.cli import main
+    from mmrl.policy import EXPORT_INFO
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    run = tmp_path / "run"
+    Trainer(toy_config(run, "run.max_steps=1", "ema.enabled=true", "ema.update_every=1")).train()
+    assert main(["export", str(run), str(tmp_path / "raw"), "--weights", "raw"]) == 0
+    assert "(toy plugin, pretrained, trained weights)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "raw" / EXPORT_INFO).read_text())["weights"] == "raw"
+    assert main(["export", str(run), str(tmp_path / "auto")]) == 0
+    assert "EMA weights" in capsys.readouterr().out
+    plain = tmp_path / "plain"
+    Trainer(toy_config(plain, "run.max_steps=1")).train()
+    assert main(["export", str(plain), str(tmp_path / "none"), "--weights", "ema"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmrl: ExportError: cannot export the EMA weights") and "\n" not in err
