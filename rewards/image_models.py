@@ -209,10 +209,13 @@ class OpenClip:
             file or ``hf-hub:ORG/REPO/FILE``.
         device: Where the model runs.
         option: The name of the reward option that names the weights (for messages).
+        resize_mode: How images are fitted to the model's input (:func:`~mmrl.rewards.images.clip_pixels`); None:
+            the model's own preprocessing config (open_clip's evaluation transform: the shorter side, centre crop).
     """
 
     def __init__(self, reward: str, model: str, pretrained: str | None, device: torch.device,
-                 checkpoint: str | None = None, option: str = "pretrained", how: str | None = None):
+                 checkpoint: str | None = None, option: str = "pretrained", how: str | None = None,
+                 resize_mode: str | None = None):
         require_extra("image-rewards", f"reward {reward!r}", ["open_clip"])
         import open_clip
 
@@ -257,7 +260,7 @@ class OpenClip:
         self.image_size = (size, size) if isinstance(size, int) else tuple(size)
         self.mean = tuple(cfg.get("mean", (0.48145466, 0.4578275, 0.40821073)))
         self.std = tuple(cfg.get("std", (0.26862954, 0.26130258, 0.27577711)))
-        self.resize_mode = cfg.get("resize_mode", "shortest")
+        self.resize_mode = resize_mode or cfg.get("resize_mode", "shortest")
         self.interpolation = cfg.get("interpolation", "bicubic")
         try:
             self.tokenizer = open_clip.get_tokenizer(name if not schema else model)
@@ -454,12 +457,11 @@ class HPSv2(_TextImageReward):
         self.field, self.output, self.batch_size = field, output, batch_size
         how = ("set this reward's args.checkpoint to a local HPS_v2.1_compressed.pt (or a .safetensors copy) or "
                "hf-hub:ORG/REPO/FILE (it is published as hf-hub:xswu/HPSv2/HPS_v2.1_compressed.pt)")
-        self.clip = OpenClip(self.name, model, None, pick_device(self.name, device), checkpoint=checkpoint,
-                             option="checkpoint", how=how)
         # HPSv2 scores with its light-augmentation eval transform: the longer side resized to 224, the rest padded
         # black (img_score.py, light_augmentation=True -> factory.py L368-375 -> ResizeMaxSize, tgxs002/HPSv2@866735e;
         # Flow-GRPO's and DanceGRPO's HPS rewards build the same transform), not open_clip's centre crop.
-        self.clip.resize_mode = "longest"
+        self.clip = OpenClip(self.name, model, None, pick_device(self.name, device), checkpoint=checkpoint,
+                             option="checkpoint", how=how, resize_mode="longest")
 
     def _text_features(self, texts: list[str]) -> Tensor:
         return self.clip.text_features(texts)
