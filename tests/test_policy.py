@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -261,6 +262,17 @@ def test_export_writes_the_ema_weights_when_the_run_evaluated_with_them(tmp_path
     plain = tmp_path / "plain"
     Trainer(toy_config(plain, "run.max_steps=1")).train()
     assert json.loads((export_run(plain, tmp_path / "plain-out") / EXPORT_INFO).read_text())["weights"] == "raw"
+    # An EMA the evaluations did not use, and a checkpoint written before EMA weights were saved: auto gives the
+    # trained weights (and says so), as export always did for them.
+    unused = tmp_path / "unused"
+    Trainer(toy_config(unused, "run.max_steps=1", "ema.enabled=true", "ema.use_for_eval=false")).train()
+    assert json.loads((export_run(unused, tmp_path / "unused-out") / EXPORT_INFO).read_text())["weights"] == "raw"
+    old = run / "checkpoints" / "step-00000002"
+    shutil.rmtree(old / "policy_ema")
+    assert json.loads((export_run(run, tmp_path / "old-auto") / EXPORT_INFO).read_text())["weights"] == "raw"
+    with pytest.raises(ExportError, match=r"cannot export the EMA weights of step-00000002: this checkpoint has no "
+                                          r"policy_ema/ \(written by an mmrl before EMA exports\); use --weights raw"):
+        export_run(run, tmp_path / "old-ema", weights="ema")
     with pytest.raises(ExportError, match=r"cannot export the EMA weights of step-00000001: the run did not keep an "
                                           r"EMA \(ema.enabled is false\); use --weights raw"):
         export_run(plain, tmp_path / "plain-ema", weights="ema")

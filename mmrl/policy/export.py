@@ -38,7 +38,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
         device: Where the model is built to load the weights (``cpu`` needs no accelerator).
         weights: ``"raw"``: the trained weights; ``"ema"``: their exponential moving average (runs with
             ``ema.enabled``; Flow-GRPO saves only these); ``"auto"``: the EMA when the run evaluated with it
-            (``ema.enabled`` and ``ema.use_for_eval``: the weights its evaluations scored), else the trained weights.
+            (``ema.enabled`` and ``ema.use_for_eval``: the weights its evaluations scored) and the checkpoint holds
+            it, else the trained weights (a checkpoint written before mmrl saved EMA weights holds none).
+            ``mmrl_export.json`` records which (``"weights"``).
 
     Returns:
         ``out``.
@@ -60,7 +62,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     config = from_dict(TrainConfig, state["config"])
     ema_folder = found / ckpt.EMA_POLICY_FOLDER
     if weights == "auto":
-        weights = "ema" if config.ema.enabled and config.ema.use_for_eval else "raw"
+        weights = "ema" if config.ema.enabled and config.ema.use_for_eval and ema_folder.is_dir() else "raw"
     if weights == "ema" and not ema_folder.is_dir():
         why = ("the run did not keep an EMA (ema.enabled is false)" if not config.ema.enabled
                else f"this checkpoint has no {ckpt.EMA_POLICY_FOLDER}/ (written by an mmrl before EMA exports)")
