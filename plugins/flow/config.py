@@ -115,6 +115,13 @@ class FlowPluginConfig:
         False, help="All samples of a prompt start from the same noise (drawn from the group id), so they differ "
         "only through SDE noise.", ref="DanceGRPO --init_same_noise",
     )
+    decode_latent: Literal["sample", "predicted_x0"] = config_field(
+        "sample", help="The latent a training rollout decodes for its rewards: 'sample', the state after the last "
+        "step (with that step's SDE noise), or 'predicted_x0', the last step's prediction of the clean latent, "
+        "x - sigma*v at the last step's input (a deterministic last step ends there anyway; an ODE tail decodes its "
+        "solver's end). Evaluation decodes its ODE's end.",
+        ref="DanceGRPO, BranchGRPO and GCPO trainers: predicted_x0; Flow-GRPO: sample",
+    )
     kl_variance: Literal["flow_grpo", "transition", "none"] = config_field(
         "flow_grpo", help="Denominator of the KL between means: Flow-GRPO's 2·s² (its β values assume it), the "
         "exact transition variance 2·s²·Δ, or none (the mean squared distance of the means, the CPS authors' KL).",

@@ -100,9 +100,12 @@ class FlowSampler:
         after = torch.zeros_like(before)
         means = torch.zeros_like(before) if keep_means else None
         old_logp = latents.new_zeros(n, plan.num_actions)  # [n, A]
+        predicted = None  # the last step's x̂₀ with decode_latent: predicted_x0
         for s in range(last):
             velocity = self.velocity(policy, latents, timesteps[s].expand(n), conditioning, self.guidance_scale,
                                      phase="rollout")
+            if s == config.num_steps - 1 and config.decode_latent == "predicted_x0":
+                predicted = predict_x0(latents, velocity, sigmas[s])
             sde_rows = plan.stochastic[:, s]  # [n] bool, on the CPU
             if bool(sde_rows.all()):  # Flow-GRPO, DanceGRPO: every sample takes an SDE step
                 out = self.step(velocity, latents, sigmas[s], sigmas[s + 1], stochastic=True, generators=generators)
@@ -137,8 +140,9 @@ class FlowSampler:
             latents = ode_tail(tail_velocity, latents, sigmas, tail, solver)
 
         step_index = plan.step_index.to(device)  # [n, A]
+        final = latents if predicted is None else predicted
         return self._training_rollout(
-            batch, prompts, conditioning, latents, before, after, old_logp, means, step_index,
+            batch, prompts, conditioning, final, before, after, old_logp, means, step_index,
             mask=torch.ones_like(old_logp), evaluations=self.model_evaluations["rollout"] - counted,
         )
 
@@ -170,8 +174,12 @@ class FlowSampler:
         def step(v: Tensor, x: Tensor, s: int, stochastic: bool, generators: Any) -> SDEStepOutput:
             return self.step(v, x, sigmas[s], sigmas[s + 1], stochastic=stochastic, generators=generators)
 
+        def final_prediction(x: Tensor, v: Tensor, s: int) -> Tensor:
+            return predict_x0(x, v, sigmas[s])
+
         result = shared_rollout(template, initial, batch.seeds[rows], velocity, step,
-                                keep_means=config.credit.ratio_norm)
+                                keep_means=config.credit.ratio_norm,
+                                predict=final_prediction if config.decode_latent == "predicted_x0" else None)
         order = rows.flatten().to(initial.device)
 
         def to_batch(value: Tensor) -> Tensor:  # [R, G, ...] in group order → [n, ...] in batch order
@@ -396,6 +404,20 @@ class FlowSampler:
                 kls.append(kl)
         logp = torch.stack(logps, dim=1)  # [n, len(columns)]
         return logp, torch.stack(kls, dim=1) if reference is not None else None, means
+
+
+def predict_x0(latents: Tensor, velocity: Tensor, sigma: Tensor) -> Tensor:
+    """The clean latent a flow-matching model predicts from x_σ: x̂₀ = x_σ − σ·v (x_σ = (1 − σ)·x₀ + σ·ε and
+    v = ε − x₀), what DanceGRPO's ``flux_step`` returns as ``pred_original_sample`` and its trainers decode for the
+    reward at the last step (XueZeyue/DanceGRPO@15cc71d ``fastvideo/train_grpo_flux.py:143, 254``).
+
+    Args:
+        latents (`torch.Tensor`): x_σ, the step's input.  # [n, *latent]
+        velocity (`torch.Tensor`): v, the (guided) velocity at x_σ.  # [n, *latent]
+        sigma (`torch.Tensor`): σ of the step, a scalar.
+    """
+    dtype = torch.promote_types(latents.dtype, torch.float32)  # the SDE step's rule: float32, float64 kept
+    return latents.to(dtype) - sigma.to(device=latents.device, dtype=dtype) * velocity.to(dtype)
 
 
 def _rows(value: Tensor, index: Tensor | None) -> Tensor:

@@ -174,6 +174,40 @@ def test_branch_spread_comes_only_from_the_branch_step():
     assert ((ratio - 1).abs() < 5 * math.sqrt(2 / group)).all(), ratio
 
 
+def test_shared_rollout_can_return_the_last_steps_prediction_of_the_clean_latent():
+    # decode_latent: predicted_x0 (DanceGRPO / BranchGRPO / GCPO decode x − σ·v of the last step). Members 0, 1 split
+    # at the last step (SDE), members 2, 3 at step 1 and end with an ODE step: children of one node share the
+    # prediction, and after an ODE last step (x − σ·v to σ = 0) the prediction is the sample itself.
+    from mmrl.plugins.flow.credit.sharing import SharedTemplate
+
+    sigmas = torch.tensor([1.0, 0.7, 0.4, 0.0], dtype=torch.float64)
+    template = SharedTemplate(
+        node=torch.tensor([[0, 0, 0], [0, 0, 1], [0, 1, 2], [0, 2, 3]]),
+        stochastic=torch.tensor([[False, False, True], [False, False, True], [False, True, False],
+                                 [False, True, False]]),
+        step_index=torch.tensor([[2], [2], [1], [1]]), mask=torch.ones(4, 1))
+    velocity, step = gaussian_engine(sigmas)
+    initial = torch.randn(1, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    seeds = torch.arange(4).unsqueeze(0) + 11
+    calls = []
+
+    def predict(x, v, s):
+        calls.append(s)
+        return x - sigmas[s] * v
+
+    sampled = shared_rollout(template, initial, seeds, velocity, step)
+    predicted = shared_rollout(template, initial, seeds, velocity, step, predict=predict)
+    assert calls == [2]
+    for field in ("before", "after", "old_logp"):  # the trajectories do not change
+        assert torch.equal(getattr(sampled, field), getattr(predicted, field))
+    x_last = sampled.before[0, :2, 0]  # [2, 3] the shared input of members 0, 1's last (SDE) step
+    expected = x_last - sigmas[2] * exact_velocity(x_last, float(sigmas[2]))
+    torch.testing.assert_close(predicted.final[0, :2], expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(predicted.final[0, 0], predicted.final[0, 1])  # one node's children: one prediction
+    assert not torch.allclose(sampled.final[0, 0], sampled.final[0, 1])  # their samples differ by the SDE noise
+    torch.testing.assert_close(predicted.final[0, 2:], sampled.final[0, 2:], rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------- tree (BranchGRPO)
 def tempflow_released_rollout(initial, sigmas, velocity, noises, noise_level=0.7):
     """TempFlow-GRPO's sampler for one trunk, following its released code (Shredded-Pork/TempFlow-GRPO e66824e,

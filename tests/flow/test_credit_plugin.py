@@ -72,6 +72,25 @@ def test_strategies_work_with_the_flux_adapter(make_plugin, name):
         assert _deviation(plugin.forward(plugin.policy(), rollout, need_reference=False), rollout) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["branch", "tree", "sliding_window", "chunk"])
+def test_strategies_decode_the_last_prediction_on_the_same_trajectories(make_plugin, name):
+    # decode_latent only changes the decoded latent (docs/flow.md, "What the rewards see"): every strategy's
+    # trajectories, log-probs and masks stay as they are; the images are those of x − σ·v at the last step.
+    rollouts = {}
+    for mode in ("sample", "predicted_x0"):
+        plugin = make_plugin("sd3", credit=STRATEGIES[name], decode_latent=mode)
+        rollouts[mode] = plugin.rollout(plugin.policy(), _batch()).validate()
+    sample, prediction = rollouts["sample"], rollouts["predicted_x0"]
+    for key in ("latents", "next_latents", "step_index"):
+        assert torch.equal(sample.replay[key], prediction.replay[key])
+    assert torch.equal(sample.mask, prediction.mask)
+    torch.testing.assert_close(sample.old_logp, prediction.old_logp)
+    assert prediction.payload["images"].shape == sample.payload["images"].shape
+    assert torch.isfinite(prediction.payload["images"]).all()
+    stochastic_end = name in ("tree", "chunk")  # their last step is an SDE step; branch and windows end on the ODE
+    assert stochastic_end != torch.allclose(sample.payload["images"], prediction.payload["images"], atol=1e-5)
+
+
 def test_branch_shares_the_ode_trunk_and_trains_only_the_branch_step(make_plugin):
     plugin = make_plugin("sd3", credit=STRATEGIES["branch"])
     batch = _batch()

@@ -150,6 +150,39 @@ def test_shared_initial_noise_is_per_group(make_plugin, kind):
     assert not torch.equal(independent[0], independent[1])
 
 
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_decode_latent_predicted_x0_decodes_the_last_steps_prediction(make_plugin, kind):
+    # DanceGRPO's trainers decode x − σ·v of the last step (its pred_original_sample) for the reward, not the noisy
+    # sample after it. Record the sampler's last model call and what the adapter decodes.
+    batch = prompt_batch(["a cat", "a dog"], 2)
+    results = {}
+    for mode in ("sample", "predicted_x0"):
+        plugin = make_plugin(kind, sde="dance_grpo", noise_level=0.3, decode_latent=mode)
+        sampler, calls, decoded = plugin.sampler, [], []
+        velocity, decode = sampler.velocity, plugin.adapter.decode
+
+        def recorded_velocity(module, latents, *args, _velocity=velocity, _calls=calls, **kwargs):
+            out = _velocity(module, latents, *args, **kwargs)
+            _calls.append((latents.clone(), out.clone()))
+            return out
+
+        def recorded_decode(latents, _decode=decode, _decoded=decoded):
+            _decoded.append(latents.clone())
+            return _decode(latents)
+
+        sampler.velocity, plugin.adapter.decode = recorded_velocity, recorded_decode
+        rollout = plugin.rollout(plugin.policy(), batch)
+        assert len(calls) == plugin.config.num_steps and len(decoded) == 1
+        results[mode] = rollout, calls, decoded[0]
+    last_sigma = plugin.adapter.schedule(plugin.config.num_steps)[0][-2]
+    x_last, v_last = results["predicted_x0"][1][-1]
+    torch.testing.assert_close(results["predicted_x0"][2], x_last.float() - last_sigma * v_last.float())
+    assert not torch.allclose(results["sample"][2], results["predicted_x0"][2], atol=1e-3)  # the last step's noise
+    for key in ("latents", "next_latents", "step_index"):  # the trajectories are the same
+        assert torch.equal(results["sample"][0].replay[key], results["predicted_x0"][0].replay[key])
+    torch.testing.assert_close(results["sample"][0].old_logp, results["predicted_x0"][0].old_logp)
+
+
 def test_rollout_does_not_depend_on_how_samples_are_batched(make_plugin):
     plugin = make_plugin("sd3", transformer_batch_size=2, train_steps="random", timestep_fraction=0.5)
     batch = prompt_batch(["a cat", "a dog"], 2)

@@ -141,6 +141,7 @@ def shared_rollout(
     step: StepFn,
     *,
     keep_means: bool = False,
+    predict: Callable[[Tensor, Tensor, int], Tensor] | None = None,
 ) -> SharedResult:
     """Run R groups through ``template``.
 
@@ -151,6 +152,9 @@ def shared_rollout(
         velocity: The model, see :data:`VelocityFn`.
         step: One sampler step, see :data:`StepFn`.
         keep_means: Also return the transition means (GRPO-Guard's RatioNorm needs the old means).
+        predict: ``predict(x, v, s)``, the latent to return as each member's ``final`` instead of its state after the
+            last step, from the input and velocity of its last step (the flow plugin's ``decode_latent:
+            predicted_x0``: x̂₀ = x − σ·v, shared by the children of one node at the last step).
     """
     num_groups = initial.shape[0]
     latent = tuple(initial.shape[1:])
@@ -168,6 +172,9 @@ def shared_rollout(
         evaluations += num_groups * count
         parents = template.parents(s).to(initial.device)
         x_parent, v_parent = state[:, parents], v[:, parents]  # [R, K_s, *latent]
+        if predict is not None and s == template.num_steps - 1:
+            predicted = predict(x_parent.reshape(-1, *latent), v_parent.reshape(-1, *latent), s)
+            predicted = predicted.reshape(x_parent.shape)  # [R, K_S, *latent], one per final node
         children = parents.numel()
         next_state = torch.empty_like(x_parent)
         next_mean = torch.empty_like(x_parent)
@@ -201,5 +208,5 @@ def shared_rollout(
             if means is not None:
                 means[:, members, columns] = next_mean[:, target]
         state = next_state
-    final = state[:, template.node[:, -1].to(initial.device)]
+    final = (state if predict is None else predicted)[:, template.node[:, -1].to(initial.device)]
     return SharedResult(before, after, old_logp, means, final, evaluations)
