@@ -42,7 +42,7 @@ class FlowFloor(Floor):
         self.adapter = plugin.adapter
         self.dtype = plugin.input_dtype
         config = plugin.config
-        self.sigmas, self.timesteps = self.adapter.schedule(config.num_steps)  # [S+1], [S]
+        self.sigmas, self.timesteps = plugin.sampler.training_schedule()  # [S+1], [S]
         self.piece = config.transformer_batch_size
         self.negative = None
         if plugin.cfg:

@@ -115,6 +115,13 @@ class FlowPluginConfig:
         False, help="All samples of a prompt start from the same noise (drawn from the group id), so they differ "
         "only through SDE noise.", ref="DanceGRPO --init_same_noise",
     )
+    static_shift: float | None = config_field(
+        None, minimum=0.0, exclusive_minimum=True,
+        help="Null: training rollouts step on the pipeline's own sigma grid (FLUX: its resolution-dependent dynamic "
+        "shift). A number s: the grid of DanceGRPO's trainers, sigma_i = s*t/(1 + (s-1)*t) on t = 1 - i/S, whatever "
+        "the resolution. Evaluation keeps the pipeline's grid.",
+        ref="DanceGRPO, MixGRPO, BranchGRPO, GCPO FLUX/Wan/Qwen-Image scripts: --shift 3",
+    )
     decode_latent: Literal["sample", "predicted_x0"] = config_field(
         "sample", help="The latent a training rollout decodes for its rewards: 'sample', the state after the last "
         "step (with that step's SDE noise), or 'predicted_x0', the last step's prediction of the clean latent, "

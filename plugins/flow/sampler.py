@@ -71,9 +71,14 @@ class FlowSampler:
         #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
         self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}
 
+    def training_schedule(self) -> tuple[Tensor, Tensor]:
+        """``(sigmas [S+1], timesteps [S])`` of training rollouts and the training forward: the pipeline's grid, or
+        DanceGRPO's statically shifted one with ``plugin.static_shift`` (:meth:`FlowAdapter.schedule`)."""
+        return self.adapter.schedule(self.config.num_steps, static_shift=self.config.static_shift)
+
     def sigma_grid(self) -> Tensor:
         """σ of the training schedule, ``[S+1]`` from about 1 down to 0."""
-        return self.adapter.schedule(self.config.num_steps)[0]
+        return self.training_schedule()[0]
 
     @torch.no_grad()
     def chain_rollout(self, policy: nn.Module, batch: PromptBatch, plan: StepPlan, *, tail: list[int] | None = None,
@@ -86,7 +91,7 @@ class FlowSampler:
         config = self.config
         n = len(batch)
         counted = self.model_evaluations["rollout"]
-        sigmas, timesteps = self.adapter.schedule(config.num_steps)  # [S+1], [S]
+        sigmas, timesteps = self.training_schedule()  # [S+1], [S]
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)  # each [n, ...]
         generators = batch.sample_generators()
@@ -156,7 +161,7 @@ class FlowSampler:
         config = self.config
         n = len(batch)
         counted = self.model_evaluations["rollout"]
-        sigmas, timesteps = self.adapter.schedule(config.num_steps)
+        sigmas, timesteps = self.training_schedule()
         prompts = [str(row["prompt"]) for row in batch.rows]
         conditioning = self.conditioning(prompts)
         groups, rows = grouped_rows(batch.group_ids)  # [R, G] batch rows of each group's members
@@ -201,7 +206,7 @@ class FlowSampler:
                           final: Tensor, before: Tensor, after: Tensor, old_logp: Tensor, means: Tensor | None,
                           step_index: Tensor, *, mask: Tensor, evaluations: int) -> Rollout:
         config = self.config
-        sigmas, timesteps = self.adapter.schedule(config.num_steps)
+        sigmas, timesteps = self.training_schedule()
         replay = {
             "latents": before,  # x before each trained step, float32
             "next_latents": after,  # the sampled x_next: the action, float32

@@ -183,6 +183,45 @@ def test_decode_latent_predicted_x0_decodes_the_last_steps_prediction(make_plugi
     torch.testing.assert_close(results["sample"][0].old_logp, results["predicted_x0"][0].old_logp)
 
 
+def _dance_grpo_grid(shift: float, num_steps: int) -> torch.Tensor:
+    """DanceGRPO's σ grid as its trainers build it (XueZeyue/DanceGRPO@15cc71d fastvideo/train_grpo_flux.py:127-128,
+    311-313), written out: sd3_time_shift(shift, linspace(1, 0, S + 1))."""
+    t = [1 - i / num_steps for i in range(num_steps + 1)]
+    return torch.tensor([shift * x / (1 + (shift - 1) * x) for x in t], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_static_shift_steps_training_rollouts_on_dance_grpos_grid(make_plugin, kind):
+    # DanceGRPO's lineage builds SD3's static shift 3 on linspace(1, 0, S + 1) for every model, where the pipelines
+    # (FLUX: resolution-dependent dynamic shift) build their own. Training rollouts follow plugin.static_shift;
+    # evaluation keeps the pipeline's grid.
+    plugin = make_plugin(kind, static_shift=3.0, num_steps=6, eval_num_steps=3, train_steps="random",
+                         timestep_fraction=0.6)
+    expected = _dance_grpo_grid(3.0, 6)
+    sigmas, timesteps = plugin.sampler.training_schedule()
+    torch.testing.assert_close(sigmas.double(), expected, rtol=1e-6, atol=1e-7)
+    assert sigmas[0] == 1 and sigmas[-1] == 0
+    torch.testing.assert_close(timesteps.double(), expected[:-1] * 1000, rtol=1e-6, atol=1e-4)
+    assert not torch.allclose(sigmas, plugin.adapter.schedule(6)[0])  # not the pipeline's grid
+    plugin.adapter.set_size(64, 32)  # whatever the resolution
+    torch.testing.assert_close(plugin.sampler.training_schedule()[0], sigmas)
+    plugin.adapter.set_size(plugin.config.resolution, plugin.config.resolution)
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat", "a dog"], 2))
+    steps = rollout.replay["step_index"]
+    torch.testing.assert_close(rollout.replay["sigmas"], sigmas[steps])
+    torch.testing.assert_close(rollout.replay["timesteps"], timesteps[steps])
+    seen = []
+    velocity = plugin.sampler.velocity
+
+    def recorded(module, latents, step_timesteps, *args, **kwargs):
+        seen.append(step_timesteps[0].item())
+        return velocity(module, latents, step_timesteps, *args, **kwargs)
+
+    plugin.sampler.velocity = recorded
+    plugin.sampler.evaluation_rollout(plugin.policy(), prompt_batch(["a cat"], 1, training=False))
+    assert seen == plugin.adapter.schedule(3)[1].tolist()  # the pipeline's grid at evaluation
+
+
 def test_rollout_does_not_depend_on_how_samples_are_batched(make_plugin):
     plugin = make_plugin("sd3", transformer_batch_size=2, train_steps="random", timestep_fraction=0.5)
     batch = prompt_batch(["a cat", "a dog"], 2)

@@ -76,7 +76,8 @@ class FlowAdapter(ABC):
         self.device = torch.device(device)
         # A private copy: set_timesteps mutates the scheduler, and the pipeline's own scheduler stays untouched.
         self.scheduler = copy.deepcopy(pipeline.scheduler)
-        self._schedules: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}  # (steps, height, width)
+        # (steps, height, width, static shift or None) → (sigmas, timesteps)
+        self._schedules: dict[tuple[int, int, int, float | None], tuple[Tensor, Tensor]] = {}
         #: Frames per sample: 1 for images; the plugin sets it for video adapters (:meth:`frames_requirement`).
         self.num_frames = 1
         #: Image (frame) size in pixels; the plugin sets both from its config (:meth:`set_size`).
@@ -199,12 +200,26 @@ class FlowAdapter(ABC):
             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )
 
-    def schedule(self, num_steps: int) -> tuple[Tensor, Tensor]:
+    def schedule(self, num_steps: int, static_shift: float | None = None) -> tuple[Tensor, Tensor]:
         """``(sigmas [S+1], timesteps [S])`` float32 on the device: σ from ~1 down to 0 (the last entry) and the
         timestep value the transformer is given at each step, computed by the pipeline's scheduler exactly as its
-        ``__call__`` does (including FLUX's shift, which depends on the image tokens of :attr:`size`)."""
-        key = (num_steps, *self.size)
-        if key not in self._schedules:
+        ``__call__`` does (including FLUX's shift, which depends on the image tokens of :attr:`size`).
+
+        With ``static_shift`` s, instead the grid of DanceGRPO's trainers (and MixGRPO's, BranchGRPO's, GCPO's):
+        σ_i = s·t_i / (1 + (s − 1)·t_i) on t_i = 1 − i/S, i = 0..S (their ``sd3_time_shift`` of
+        ``torch.linspace(1, 0, S + 1)``: XueZeyue/DanceGRPO@15cc71d ``fastvideo/train_grpo_flux.py:127-128, 311-313``),
+        whatever the resolution, and the timesteps σ_i·``num_train_timesteps`` as the scheduler scales them.
+        """
+        key = (num_steps, *self.size, static_shift)
+        if key in self._schedules:
+            return self._schedules[key]
+        if static_shift is not None:
+            t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+            grid = static_shift * t / (1 + (static_shift - 1) * t)  # [S+1], exactly 1 and 0 at the ends
+            scale = float(self.scheduler.config.get("num_train_timesteps", 1000))
+            timesteps = (grid[:-1] * scale).to(torch.float32)
+            self._schedules[key] = (grid.to(torch.float32).to(self.device), timesteps.to(self.device))
+        else:
             config = self.scheduler.config
             kwargs: dict[str, Any] = {}
             if config.get("use_dynamic_shifting", False):
