@@ -282,6 +282,17 @@ class Plugin(ABC):
         """Parameters the optimizer updates (default: those with ``requires_grad``)."""
         return (p for p in policy.parameters() if p.requires_grad)
 
+    def reference_module(self) -> nn.Module | None:
+        """The separate module the KL reference runs on, which ``algorithm.ref_sync_every`` moves toward the policy
+        (:mod:`mmrl.trainer.reference`); None (the default) where there is none, e.g. with LoRA, whose reference is
+        the policy with its adapter switched off: the trainer then refuses ``ref_sync_every`` at start-up.
+
+        Called once at start-up, only when ``ref_sync_every`` is set (``Runtime.needs_reference`` is then true). The
+        module's parameters must carry the names of the policy's (unwrapped) ones; the core updates in place those
+        whose policy counterparts are trainable, so the reference that :meth:`forward` uses must be this module.
+        """
+        return None
+
     def gathered_trainable_state(self, policy: nn.Module) -> dict[str, Tensor] | None:
         """The full weights of every trainable parameter, keyed by :func:`clean_parameter_name`, on the main process
         (None on the others).

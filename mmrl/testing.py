@@ -124,7 +124,9 @@ def check_plugin(
       backward pass reaches the trainable parameters.
     - **reference policy**: ``forward(need_reference=True)`` returns ``ref_logp`` or ``kl`` ``[N, A]`` without
       gradients; with ``reference_is_initial`` (before any update the reference is the policy) ``ref_logp`` equals
-      ``logp`` and ``kl`` is 0.
+      ``logp`` and ``kl`` is 0. Where :meth:`Plugin.reference_module` returns a module (what
+      ``algorithm.ref_sync_every`` moves toward the policy), its parameters pair by name and shape with the policy's
+      trainable ones, and moving them moves the reference that ``forward`` scores with.
     - **micro-batch invariance**: the same log-probs whatever the micro-batch split and the order of the samples.
     - **action chunks** (only with :attr:`Plugin.supports_action_chunks`): a declared action budget, and the
       log-probs of column chunks (``forward(actions=...)`` on the padded rollout, as the learner calls it) equal the
@@ -398,6 +400,32 @@ class _Checker:
         if output.kl is not None and initial:
             largest = _max_abs(output.kl.detach().float(), rollout.mask)
             self.expect(largest <= self.tolerance, f"before any update the KL to the reference is {largest:.3g}, not 0")
+        if plugin.reference_module() is not None:
+            self.synced_reference(plugin, policy, rollout, output)
+
+    def synced_reference(self, plugin: Plugin, policy: torch.nn.Module, rollout: Rollout, before: Any) -> None:
+        """Move the reference_module()'s paired parameters as ``algorithm.ref_sync_every`` would, and expect the
+        reference's log-probs (or KL) to move; the parameters are restored after."""
+        from mmrl.trainer.reference import ReferenceSync
+
+        sync = ReferenceSync.build(plugin, policy, every=1, mix=1.0)  # a ConfigError names what does not pair
+        self.expect(bool(sync.pairs), "reference_module() pairs with none of the policy's trainable parameters")
+        saved = [target.detach().clone() for _, _, target in sync.pairs]
+        generator = torch.Generator().manual_seed(0)
+        try:
+            with torch.no_grad():
+                for _, _, target in sync.pairs:
+                    noise = torch.randn(target.shape, generator=generator).to(target.device, target.dtype)
+                    target.add_(0.1 * noise * (target.detach().float().std().nan_to_num(0.0) + 0.01).to(target.dtype))
+                after = plugin.forward(policy, rollout, need_reference=True)
+        finally:
+            with torch.no_grad():
+                for (_, _, target), value in zip(sync.pairs, saved, strict=True):
+                    target.copy_(value)
+        name = "ref_logp" if before.ref_logp is not None else "kl"
+        moved = _max_abs((getattr(after, name).detach() - getattr(before, name).detach()).float(), rollout.mask)
+        self.expect(moved > self.tolerance, f"moving reference_module()'s parameters left {name} unchanged (by "
+                    f"{moved:.3g}): it is not the module forward scores the reference with")
 
     def micro_batches(self, plugin: Plugin, policy: torch.nn.Module, rollout: Rollout) -> None:
         """Forwards on shuffled micro-batches of sizes 1, 2, 1, 2, ... reassembled against one whole forward."""

@@ -141,6 +141,30 @@ def test_a_load_that_restores_nothing_fails_the_round_trip():
     _fails(ForgetfulLoad, "save/load round trip", r"load_trainable left \d+ of \d+ trainable tensors different")
 
 
+class DetachedReference(ToyPlugin):
+    """Offers a reference model for algorithm.ref_sync_every that forward never scores with."""
+
+    def reference_module(self):
+        if not hasattr(self, "_detached"):
+            import copy
+
+            self._detached = copy.deepcopy(self.reference)
+        return self._detached
+
+
+def test_a_reference_module_that_forward_does_not_use_fails_the_reference_policy():
+    _fails(DetachedReference, "reference policy", "not the module forward scores the reference with")
+
+
+class MisnamedReference(ToyPlugin):
+    def reference_module(self):
+        return torch.nn.Linear(2, 2)
+
+
+def test_a_reference_module_that_does_not_pair_with_the_policy_fails_the_reference_policy():
+    _fails(MisnamedReference, "reference policy", "has no parameter")
+
+
 class EmptyEval(ToyPlugin):
     def dataset(self, split):
         return [] if split == "eval" else super().dataset(split)

@@ -137,6 +137,18 @@ class AlgorithmConfig:
         ref="GRPO: 0.04; Flow-GRPO: 0.04 GenEval, 0.01 PickScore; DAPO: 0",
     )
     kl_estimator: str = config_field("k3", help="KL estimator when the plugin returns log-probs: k1, k2 or k3.")
+    ref_sync_every: int = config_field(
+        0, minimum=0,
+        help="Move the KL reference toward the policy every this many optimizer steps, ref <- mix*policy + "
+        "(1 - mix)*ref (0: the reference stays the initial policy). Needs kl_coef > 0 and a plugin that keeps a "
+        "separate reference model (full fine-tuning; with LoRA the reference is the base weights).",
+        ref="TR-DPO arXiv:2404.09656 (tau); TRL sync_ref_model / ref_model_sync_steps: 512; DiffuCoder: 64",
+    )
+    ref_sync_mix: float = config_field(
+        0.6, minimum=0.0, maximum=1.0, exclusive_minimum=True,
+        help="The policy's share in each reference update (1: the reference becomes a copy of the policy).",
+        ref="TR-DPO alpha; TRL ref_model_mixup_alpha: 0.6",
+    )
     entropy_coef: float = config_field(
         0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
     )
@@ -171,6 +183,10 @@ class AlgorithmConfig:
             value = getattr(self, key)
             if value not in registry:
                 raise ConfigError(f"{path}.{key}", value, f"one of {', '.join(registry.names())}")
+        if self.ref_sync_every and self.kl_coef == 0:
+            raise ConfigError(f"{path}.ref_sync_every", self.ref_sync_every,
+                              f"0 while {path}.kl_coef is 0 (the reference is used by the KL term only; set kl_coef "
+                              "> 0 to sync it)")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.metrics import WeightedMeans
+from mmrl.trainer.reference import ReferenceSync
 from mmrl.trainer.sampler import minibatch_partition
 
 
@@ -87,6 +88,8 @@ class Learner:
         policy: The prepared (wrapped) trainable module.
         optimizer: The prepared optimizer.
         ema: The EMA of the trainable weights, if enabled.
+        reference_sync: The soft update of the KL reference after every ``algorithm.ref_sync_every`` optimizer
+            steps, if enabled.
 
     Attributes:
         optimizer_steps: Optimizer steps taken so far (the learning-rate schedule is a function of it; saved in
@@ -94,7 +97,8 @@ class Learner:
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator, geometry: BatchGeometry, plugin: Plugin,
-                 policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None):
+                 policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None, *,
+                 reference_sync: ReferenceSync | None = None):
         self.config = config
         self.accelerator = accelerator
         self.geometry = geometry
@@ -102,6 +106,7 @@ class Learner:
         self.policy = policy
         self.optimizer = optimizer
         self.ema = ema
+        self.reference_sync = reference_sync
         self.parameters = [p for p in policy.parameters() if p.requires_grad]
         self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
         self.loss_accepts_chunks = "chunk_ids" in inspect.signature(self.policy_loss).parameters
@@ -143,6 +148,7 @@ class Learner:
         means = WeightedMeans()
         deviations: list[float] = []  # max |ratio - 1| of every backward pass before this step's first update
         steps_before = self.optimizer_steps
+        syncs_before = None if self.reference_sync is None else self.reference_sync.syncs
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
             self.plugin.start_inner_epoch(epoch)
@@ -192,6 +198,8 @@ class Learner:
         out["loss/first_step_ratio_deviation"] = float(
             acc.reduce(torch.tensor(max(deviations, default=0.0), device=device), "max"))
         out["optim/lr"] = self.lr(self.optimizer_steps)
+        if self.reference_sync is not None and self.reference_sync.syncs != syncs_before:
+            out["ref/syncs"] = float(self.reference_sync.syncs)  # the reference updates so far, on steps that made one
         return out
 
     def lr(self, optimizer_step: int) -> float:
@@ -221,6 +229,8 @@ class Learner:
         self.optimizer_steps += 1
         if self.ema is not None and self.optimizer_steps % config.ema.update_every == 0:
             self.ema.update(step=self.optimizer_steps - 1)  # the warm-up follows the optimizer step, as Flow-GRPO
+        if self.reference_sync is not None:
+            self.reference_sync.after_optimizer_step(self.optimizer_steps)
 
     def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
                     num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor

@@ -43,6 +43,7 @@ from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.learn import Learner, chunked_geometry, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
+from mmrl.trainer.reference import ReferenceSync
 from mmrl.trainer.sampler import PromptStream
 from mmrl.trainer.signals import stop_requested, stop_signals
 from mmrl.trainer.updates import UpdateMonitor
@@ -159,11 +160,17 @@ class Trainer:
         self.ema = EMA(trainable, config.ema.decay) if config.ema.enabled else None
         if self.ema is not None:
             acc.register_for_checkpointing(self.ema)
+        self.reference_sync = None  # TR-DPO's soft reference update (algorithm.ref_sync_every)
+        if config.algorithm.ref_sync_every:
+            self.reference_sync = ReferenceSync.build(self.plugin, self.policy, config.algorithm.ref_sync_every,
+                                                      config.algorithm.ref_sync_mix)
+            acc.register_for_checkpointing(self.reference_sync)
         acc.register_save_state_pre_hook(self._save_policy_hook)
         acc.register_load_state_pre_hook(self._load_policy_hook)
 
         self.collector = Collector(config, acc, self.geometry, self.plugin, self.scorer, self.stream, self.train_rows)
-        self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema)
+        self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema,
+                               reference_sync=self.reference_sync)
         self.updates = UpdateMonitor(config, self.geometry, self.scorer, acc.is_main_process)
         self.step = 0
         self.saved_step: int | None = None  # the step of the checkpoint this run last wrote or resumed from

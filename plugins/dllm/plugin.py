@@ -621,6 +621,10 @@ class DLLMPlugin(Plugin):
         return scores.index_select(0, torch.argsort(index.to(scores.device)))
 
     # ------------------------------------------------------------------ reference and export
+    def reference_module(self) -> nn.Module | None:
+        """Full fine-tuning's frozen copy of the initial model (None with LoRA)."""
+        return self.reference
+
     def _reference_module(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
         """The reference policy: the model with its LoRA adapter disabled, or the frozen copy."""
         return reference_policy(self.runtime.unwrap(policy), self.reference)

@@ -199,6 +199,10 @@ class FlowPlugin(Plugin):
         return [grid, records]
 
     # ------------------------------------------------------------------ building blocks
+    def reference_module(self) -> nn.Module | None:
+        """Full fine-tuning's frozen copy of the initial transformer (None with LoRA)."""
+        return self.reference
+
     def _reference_module(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
         """The reference policy: the transformer with its LoRA adapter disabled, or the frozen copy."""
         return reference_policy(self.runtime.unwrap(policy), self.reference)

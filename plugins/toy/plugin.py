@@ -29,7 +29,7 @@ from mmrl.config import ConfigError, config_field
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.toy.model import TinyPolicyConfig, TinySequencePolicy
 from mmrl.plugins.toy.task import make_splits
-from mmrl.policy import frozen_copy, reference_policy
+from mmrl.policy import frozen_copy, has_lora, reference_policy
 from mmrl.rollout import Rollout
 
 
@@ -170,6 +170,11 @@ class ToyPlugin(Plugin):
         return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
 
     # ------------------------------------------------------------------ helpers
+    def reference_module(self) -> nn.Module | None:
+        """The frozen copy of the initial weights that :meth:`forward` scores the reference with (None under a LoRA
+        adapter, whose reference is the base weights)."""
+        return None if has_lora(self.model) else self.reference
+
     def _token_logp(self, model: nn.Module, prompt_ids: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Log-prob and entropy of each token, in float32: ``[N, T]`` each."""
         with self.runtime.autocast():

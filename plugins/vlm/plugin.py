@@ -391,6 +391,14 @@ class VLMPlugin(Plugin):
         return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
                 and self.runtime.unwrap(model) is model and not checkpointing)
 
+    def reference_module(self) -> nn.Module | None:
+        """Full fine-tuning's reference, the initial checkpoint loaded again (None with LoRA)."""
+        if self.config.lora is not None:
+            return None
+        if self._reference is None:
+            self._reference = self._load_reference()
+        return self._reference
+
     def reference_model(self, policy: nn.Module) -> AbstractContextManager[nn.Module]:
         """The KL reference (:func:`mmrl.policy.reference_policy`): the policy with its LoRA adapter disabled, or
         (full fine-tuning) a frozen copy of the initial checkpoint, loaded from ``plugin.model`` at construction when

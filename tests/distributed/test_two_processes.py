@@ -85,6 +85,19 @@ def test_two_processes_without_old_logp_match_one_with_it(tmp_path, single):
 
 
 @pytest.mark.slow
+def test_a_synced_reference_trains_alike_on_one_and_two_processes(tmp_path):
+    """algorithm.ref_sync_every: every process moves its own reference copy after each optimizer step; the KL term of
+    steps 2 and 3 (β = 0.1) is taken against the synced reference, so the losses and weights agree only if every
+    process synced alike."""
+    sync = ["algorithm.kl_coef=0.1", "algorithm.ref_sync_every=1", "algorithm.ref_sync_mix=0.6"]
+    one = _run(tmp_path / "one", 1, *COMMON, *sync)
+    two = _run(tmp_path / "two", 2, *COMMON, *sync, "rollout.layout=contiguous")
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-6)
+    for name, tensor in one["params"].items():
+        torch.testing.assert_close(two["params"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_does_not_hang_when_one_process_filters_everything(tmp_path):
     """Process 1's groups never have spread (a constant reward there); process 0 keeps sampling alongside it and
     both pad after the bounded rounds instead of waiting on each other."""

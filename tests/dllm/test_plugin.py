@@ -140,12 +140,20 @@ def test_reference_is_scored_with_the_same_plan():
     out = full.forward(full.policy(), rollout, need_reference=True)
     assert torch.equal(out.ref_logp, rollout.ref_logp)
     assert not torch.equal(out.logp, rollout.old_logp)
+    # reference_module() (algorithm.ref_sync_every) is the copy the reference is scored with: moved onto the
+    # policy, a new rollout's reference log-probs are the policy's
+    with torch.no_grad():
+        for target, p in zip(full.reference_module().parameters(), full.policy().parameters(), strict=True):
+            target.copy_(p)
+    moved = _scored(full, full.rollout(full.policy(), _batch(rows, [5, 6, 7, 8])))
+    torch.testing.assert_close(moved.ref_logp, moved.old_logp, rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="needs_reference"):
         _plugin().forward(full.policy(), rollout, need_reference=True)
 
 
 def test_lora_trains_the_adapter_only_and_its_reference_is_the_adapter_off_model(tmp_path):
     lora = _plugin(runtime=Runtime(needs_reference=True), lora={"rank": 4, "alpha": 8.0})
+    assert lora.reference_module() is None  # nothing to sync: the reference is the adapter-off model
     trainable = [name for name, p in lora.policy().named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     rows = lora.dataset("train")[:4]

@@ -329,6 +329,13 @@ def test_full_fine_tuning_trains_every_transformer_weight_against_a_frozen_copy(
         for p in policy.parameters():
             p.add_(0.01 * torch.randn_like(p))
     assert (plugin.forward(policy, rollout, need_reference=True).kl > 0).all()
+    # reference_module() (algorithm.ref_sync_every) is the copy forward scores with: moved onto the policy, KL 0
+    reference = plugin.reference_module()
+    with torch.no_grad():
+        for target, p in zip(reference.parameters(), policy.parameters(), strict=True):
+            target.copy_(p)
+    assert plugin.forward(policy, rollout, need_reference=True).kl.abs().max() == 0
+    assert make_plugin("sd3", runtime=Runtime(needs_reference=True)).reference_module() is None  # LoRA
     no_copy = make_plugin("sd3", lora=None, cfg=False)  # kl_coef = 0: no copy is kept
     assert no_copy.reference is None
     with pytest.raises(RuntimeError, match="needs_reference"):

@@ -213,6 +213,7 @@ def test_reference_is_the_model_without_its_adapter(tiny_models):
     assert (moved.logp - moved.ref_logp)[active].abs().max() > 1e-3
     torch.testing.assert_close(moved.ref_logp, start.ref_logp, rtol=0, atol=1e-6)
     assert moved.entropy is not None and (moved.entropy[active] > 0).all()
+    assert plugin.reference_module() is None  # nothing for algorithm.ref_sync_every to sync
     assert moved.logp.requires_grad is False and moved.ref_logp.requires_grad is False
 
 
@@ -276,6 +277,13 @@ def test_full_finetuning_freezes_only_the_vision_tower(tiny_models):
     with torch.no_grad():
         output = with_reference.forward(with_reference.policy(), rollout, need_reference=True)
     torch.testing.assert_close(output.ref_logp, output.logp, rtol=0, atol=1e-6)
+    # reference_module() (algorithm.ref_sync_every) is the model the reference is scored with
+    assert with_reference.reference_module() is with_reference._reference
+    with torch.no_grad():
+        for p in with_reference.reference_module().parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        moved = with_reference.forward(with_reference.policy(), rollout, need_reference=True)
+    assert (moved.ref_logp - output.ref_logp).abs().max() > 1e-3
 
 
 def test_reward_context_declares_the_familys_box_convention(lora_plugins, family):
