@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, load_config
 from mmrl.plugins.toy.plugin import ToyPlugin
 from mmrl.trainer import Trainer
 from mmrl.trainer.reference import ReferenceSync
 from tests.helpers import toy_config
 
+ROOT = Path(__file__).resolve().parents[1]
 SYNC = ("algorithm.kl_coef=0.1", "algorithm.ref_sync_every=2", "algorithm.ref_sync_mix=0.6", "run.max_steps=4")
 
 
@@ -89,6 +92,16 @@ def test_the_synced_reference_is_checkpointed_and_restored(tmp_path):
 def test_sync_without_the_kl_term_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm\.ref_sync_every.*kl_coef"):
         toy_config(tmp_path, "algorithm.ref_sync_every=8")
+
+
+@pytest.mark.parametrize("config", ["configs/flow/shapes.yaml", "configs/vlm/toy_grounding.yaml",
+                                    "configs/dllm/llada8b_gsm8k_lora.yaml"])
+def test_lora_recipes_refuse_the_sync_when_the_config_is_loaded(config):
+    # before any model is built: a LoRA run's reference is the base weights under the adapter
+    sync = ["algorithm.kl_coef=0.04", "algorithm.ref_sync_every=4"]
+    with pytest.raises(ConfigError, match=r"algorithm\.ref_sync_every.*plugin\.lora: null"):
+        load_config(str(ROOT / config), sync)
+    assert load_config(str(ROOT / config), [*sync, "plugin.lora=null"]).algorithm.ref_sync_every == 4
 
 
 def test_a_plugin_without_a_separate_reference_is_refused_at_start_up(tmp_path, monkeypatch):

@@ -168,6 +168,21 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).requires_grad_(False).eval()
 
 
+def check_reference_sync(train_config: Any) -> None:
+    """Refuse ``algorithm.ref_sync_every`` with a LoRA policy when the config is loaded (for a plugin's
+    :meth:`~mmrl.plugin.Plugin.check_config`), before any model is built: a LoRA run's reference is the base weights
+    under the adapter, not a module of its own to move (TRL refuses ``sync_ref_model`` with PEFT too).
+
+    Args:
+        train_config: The validated :class:`mmrl.config.TrainConfig`; its plugin section's ``lora`` is read.
+    """
+    every = train_config.algorithm.ref_sync_every
+    if every and getattr(train_config.plugin.config, "lora", None) is not None:
+        raise ConfigError("algorithm.ref_sync_every", every,
+                          "0 with plugin.lora set (the reference is the base weights under the adapter, nothing to "
+                          "sync), or plugin.lora: null (full fine-tuning keeps a reference copy that can be synced)")
+
+
 @contextmanager
 def reference_policy(module: nn.Module, frozen: nn.Module | None = None) -> Iterator[nn.Module]:
     """The reference policy of the KL term, for the duration of the block.

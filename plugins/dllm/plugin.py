@@ -60,7 +60,7 @@ from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_ad
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
 from mmrl.plugins.dllm.masking import SampleStreams
-from mmrl.policy import attach_lora, frozen_copy, lora_config_class, reference_policy
+from mmrl.policy import attach_lora, check_reference_sync, frozen_copy, lora_config_class, reference_policy
 from mmrl.prompts import read_jsonl_prompts
 from mmrl.rollout import Rollout
 
@@ -355,7 +355,8 @@ class DLLMPlugin(Plugin):
 
     @classmethod
     def check_config(cls, train_config: Any) -> None:
-        """Refuse an objective paired with another family's loss or advantage.
+        """Refuse an objective paired with another family's loss or advantage, and ``algorithm.ref_sync_every``
+        with LoRA (:func:`mmrl.policy.check_reference_sync`).
 
         ``objective: spg`` returns ELBO and EUBO columns that only ``policy_loss: spg`` reads, and ``spg`` reads
         nothing else; ``objective: wd1`` returns one sequence estimate for ``policy_loss: wd1``, which weights it
@@ -376,6 +377,7 @@ class DLLMPlugin(Plugin):
             allowed = ("wd1 with policy_loss wd1 (its group-softmax weights)" if loss == "wd1"
                        else f"an estimator other than wd1 with policy_loss {loss} (wd1's weights are not advantages)")
             raise ConfigError("algorithm.advantage.name", advantage, allowed)
+        check_reference_sync(train_config)  # a LoRA run's reference is the adapter-off model: nothing to sync
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""

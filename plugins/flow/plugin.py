@@ -42,7 +42,7 @@ from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.sampler import FlowSampler
-from mmrl.policy import DIFFUSERS_LORA_WEIGHTS, attach_lora, frozen_copy, reference_policy
+from mmrl.policy import DIFFUSERS_LORA_WEIGHTS, attach_lora, check_reference_sync, frozen_copy, reference_policy
 from mmrl.rollout import Rollout, RolloutError
 
 LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
@@ -61,6 +61,11 @@ class FlowPlugin(Plugin):
     lora_format = "diffusers_lora"
     # Each action is its own transformer call: the trainer can back-propagate one denoising step at a time.
     supports_action_chunks = True
+
+    @classmethod
+    def check_config(cls, train_config: Any) -> None:
+        """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`)."""
+        check_reference_sync(train_config)
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback

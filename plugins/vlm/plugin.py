@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from mmrl.config import ConfigError, config_field
 from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
-from mmrl.policy import attach_lora, lora_config_class, reference_policy
+from mmrl.policy import attach_lora, check_reference_sync, lora_config_class, reference_policy
 from mmrl.rollout import Rollout, RolloutError
 
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> "
@@ -223,6 +223,11 @@ class VLMPlugin(Plugin):
 
     name = "vlm"
     config_class = VLMPluginConfig
+
+    @classmethod
+    def check_config(cls, train_config: Any) -> None:
+        """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`)."""
+        check_reference_sync(train_config)
 
     def __init__(self, config: VLMPluginConfig, runtime: Runtime):
         # One line naming mmrl[vlm] instead of an import traceback; qwen_vl_utils (and the torchvision it needs) is
