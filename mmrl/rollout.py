@@ -63,6 +63,10 @@ class Rollout:
             weights); the KL and entropy terms are not weighted.
         chunk_ids: ``[N, A]`` optional chunk index of each action, for the chunk ratio level (Chunk-GRPO).
         ref_logp: ``[N, A]`` optional reference log-probs computed at sampling time.
+        truncated: ``[N]`` bool, optional: True for a sample that ran out of its generation budget before it
+            finished (a completion without its end-of-sequence token). Logged as ``samples/truncated``; with
+            ``algorithm.mask_truncated`` such samples leave the loss (DAPO's overlong filtering). None where the
+            plugin's samples cannot be cut short (images) or it does not say.
         metrics: Scalars the plugin wants logged for this rollout (not split).
     """
 
@@ -76,6 +80,7 @@ class Rollout:
     action_weights: Tensor | None = None
     chunk_ids: Tensor | None = None
     ref_logp: Tensor | None = None
+    truncated: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -106,6 +111,9 @@ class Rollout:
                 raise RolloutError(
                     f"rollout.{name} must be [N, A] = {tuple(self.mask.shape)}, got {tuple(value.shape)}"
                 )
+        if self.truncated is not None and (self.truncated.shape != (n,) or self.truncated.dtype != torch.bool):
+            raise RolloutError(f"rollout.truncated must be a bool [N={n}] tensor, got {self.truncated.dtype} of shape "
+                               f"{tuple(self.truncated.shape)}")
         for section in ("payload", "replay"):
             _check_per_sample(getattr(self, section), n, f"rollout.{section}")
         if self.rows and len(self.rows) != n:

@@ -149,6 +149,11 @@ class AlgorithmConfig:
         help="The policy's share in each reference update (1: the reference becomes a copy of the policy).",
         ref="TR-DPO alpha; TRL ref_model_mixup_alpha: 0.6",
     )
+    mask_truncated: bool = config_field(
+        False, help="Leave the samples that ran out of the generation budget (rollout.truncated: no end-of-sequence "
+        "token) out of the loss; their rewards still enter their group's advantages.",
+        ref="DAPO arXiv:2503.14476 sec. 3.4 overlong filtering; TRL mask_truncated_completions",
+    )
     entropy_coef: float = config_field(
         0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
     )

@@ -129,16 +129,39 @@ class Collector:
         advantages = advantages.index_select(0, selection.indices.to(advantages.device))
         keep_mask = (~selection.padded).to(rollout.mask.dtype).to(rollout.mask.device)
         rollout.mask = rollout.mask * keep_mask.unsqueeze(1)  # padding takes part without contributing
+        truncated = self.truncated(rollout)  # [n] bool, or None when the plugin does not say
+        if truncated is not None and config.algorithm.mask_truncated:
+            # DAPO's overlong filtering (TRL mask_truncated_completions): out of the loss, after their rewards took
+            # part in their groups' advantages.
+            rollout.mask = rollout.mask * (~truncated).to(rollout.mask.dtype).unsqueeze(1)
 
         out = metrics.means()
         out.update({k: v for k, v in first_round.items() if k.startswith("groups/")})
         out["samples/generated"] = float(used_rounds * geometry.samples)
         out["samples/rounds"] = float(used_rounds)
         out["samples/padded"] = float(acc.reduce(selection.padded.sum().to(acc.device).float(), "sum"))
+        if truncated is not None:  # the share of the step's (kept) samples cut short by the generation budget
+            counts = torch.stack([(truncated & ~selection.padded.to(truncated.device)).sum(),
+                                  (~selection.padded).sum().to(truncated.device)]).float().to(acc.device)
+            truncated_count, sample_count = acc.reduce(counts, "sum").tolist()
+            out["samples/truncated"] = truncated_count / max(sample_count, 1.0)
+            if config.algorithm.mask_truncated:
+                out["samples/truncated_masked"] = truncated_count  # left out of the loss (samples/trained)
         rollout_means = WeightedMeans()
         rollout_means.add_all(rollout.metrics, prefix="rollout/")  # every round's (Rollout.concat pools them)
         out.update(reduce_means(rollout_means, acc.num_processes))
         return TrainingBatch(rollout=rollout, advantages=advantages, metrics=out)
+
+    def truncated(self, rollout: Rollout) -> torch.Tensor | None:
+        """``[n]`` bool ``rollout.truncated`` on the rollout's device; refuses ``algorithm.mask_truncated`` for a plugin
+        whose rollouts do not say which samples were cut short."""
+        if rollout.truncated is None:
+            if self.config.algorithm.mask_truncated:
+                raise RolloutError(f"algorithm.mask_truncated needs rollout.truncated, which plugin "
+                                   f"{self.plugin.name!r} does not set (its samples cannot be cut short, or it does "
+                                   "not say): set algorithm.mask_truncated to false")
+            return None
+        return rollout.truncated.to(rollout.mask.device)
 
     def sample_and_score(self, policy: torch.nn.Module, batch: PromptBatch, timings: dict[str, float],
                          scorer: RewardScorer | None = None) -> tuple[Rollout, ScoredBatch]:

@@ -23,8 +23,10 @@ class NoUpdateError(RuntimeError):
 
 
 def trained_samples(metrics: dict[str, float], geometry: BatchGeometry) -> int:
-    """Samples of a step that entered the loss, over all processes: the step's samples less the padding."""
-    return geometry.samples - round(metrics.get("samples/padded", 0.0))
+    """Samples of a step that entered the loss, over all processes: the step's samples less the padding and the
+    truncated samples that ``algorithm.mask_truncated`` left out."""
+    return (geometry.samples - round(metrics.get("samples/padded", 0.0))
+            - round(metrics.get("samples/truncated_masked", 0.0)))
 
 
 #: Empty steps whose warning is always printed; after them only the 2^k-th (so a run whose reward is NaN for 400
@@ -92,6 +94,11 @@ class UpdateMonitor:
 
     def _cause(self, metrics: dict[str, float], nonfinite: list[str]) -> str:
         samples = self.geometry.samples
+        masked = round(metrics.get("samples/truncated_masked", 0.0))
+        if masked and masked >= samples - round(metrics.get("samples/padded", 0.0)):
+            return (f"all {masked} samples that entered the step ran out of the generation budget (rollout.truncated) "
+                    "and algorithm.mask_truncated leaves such samples out of the loss (raise the plugin's "
+                    "generation budget)")
         invalid = round(metrics.get("samples/invalid", 0.0))  # per sampling round, averaged over the rounds
         named = ", ".join(repr(name) for name in nonfinite)
         rewards = f" (reward{'s' if len(nonfinite) > 1 else ''} {named})" if nonfinite else ""

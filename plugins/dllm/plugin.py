@@ -345,6 +345,7 @@ class DLLMPlugin(Plugin):
         return Rollout(
             group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(real), payload={"completions": texts},
             replay=replay, ref_logp=ref_logp, metrics=metrics,
+            truncated=~finished if self.adapter.stop_ids else None,  # no stop token in the generated length
         )
 
     @property

@@ -151,6 +151,7 @@ class ToyPlugin(Plugin):
             mask=mask_t,
             payload={"completions": self._decode(tokens_t, mask_t)},
             replay={"prompt_ids": prompt_ids, "tokens": tokens_t},
+            truncated=~finished,  # no EOS within max_new_tokens
             metrics={"completion_length": float(mask_t.sum(dim=1).mean())},
         )
 

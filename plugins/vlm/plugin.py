@@ -307,15 +307,17 @@ class VLMPlugin(Plugin):
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
         replay["completion_ids"] = completions
         image_tokens = [float(p["image_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2 for p in prompts]
+        clipped = completion_clipped(generated, lengths, self.eos_ids)  # [n] out of budget without an EOS
         return Rollout(
             group_ids=batch.group_ids,
             old_logp=None,  # the core's old-policy pass (forward) computes them when the run needs them
             mask=mask.to(self.runtime.device),
             payload={"completions": texts},
             replay=replay,
+            truncated=clipped.to(self.runtime.device),
             metrics={
                 "completion_length": float(lengths.float().mean()),
-                "completion_clipped": float(completion_clipped(generated, lengths, self.eos_ids).float().mean()),
+                "completion_clipped": float(clipped.float().mean()),
                 "prompt_length": float(sum(len(p["input_ids"]) for p in prompts) / len(prompts)),
                 "image_tokens": sum(image_tokens) / len(image_tokens),
             },

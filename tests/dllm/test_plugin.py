@@ -59,6 +59,9 @@ def test_rollout_contract_and_ratio_one_on_any_micro_batch(plugin, rows):
     # grpo: one action per completion position, trained up to and including the first EOS.
     assert rollout.old_logp.shape == (n, g) and torch.equal(rollout.mask, rollout.replay["completion_mask"].float())
     assert rollout.replay["completion_ids"].shape == (n, g)
+    stops = torch.tensor(plugin.adapter.stop_ids)
+    assert rollout.truncated.tolist() == [not bool(torch.isin(ids, stops).any()) for ids in rollout.replay[
+        "completion_ids"]]  # no stop token in the generated length (algorithm.mask_truncated)
     assert rollout.replay["plan_masked"].shape == (n, 1, 4, g)  # per sample: [N, plans, draws, L], μ = 1
     assert (rollout.replay["step_map"] >= 0).all()
     assert len(rollout.payload["completions"]) == n

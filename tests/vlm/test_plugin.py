@@ -61,6 +61,12 @@ def test_rollout_follows_the_contract(lora_plugins, family):
     assert replay["image_embeds"][0] is replay["image_embeds"][1]
     assert replay["image_embeds"][0].shape != replay["image_embeds"][2].shape
     assert {"completion_length", "completion_clipped", "prompt_length", "image_tokens"} <= set(rollout.metrics)
+    # truncated: a completion that used the whole budget without an EOS (algorithm.mask_truncated)
+    ends_with_eos = [bool(torch.isin(ids[-1], torch.tensor(plugin.eos_ids))) for ids in replay["completion_ids"]]
+    expected = [int(length) == plugin.max_actions() and not eos
+                for length, eos in zip(lengths.tolist(), ends_with_eos, strict=True)]
+    assert rollout.truncated.tolist() == expected
+    assert rollout.metrics["completion_clipped"] == pytest.approx(sum(expected) / n)
 
 
 def test_ratio_is_one_for_micro_batches_of_any_composition(lora_plugins, family):
