@@ -10,6 +10,7 @@ from mmrl.reward import Reward, RewardError, RewardInput, reward_functions
 _BUILTIN = {
     "exact_match": "mmrl.rewards.text_match:exact_match",
     "token_accuracy": "mmrl.rewards.text_match:token_accuracy",
+    "overlong_penalty": "mmrl.rewards.length:overlong_penalty",
     "iou": "mmrl.rewards.perception:iou",
     "giou": "mmrl.rewards.perception:giou",
     "detection": "mmrl.rewards.perception:detection",

@@ -310,6 +310,7 @@ class DLLMPlugin(Plugin):
         # holds never matters.
         real = completion_mask(completion_ids, self.adapter.stop_ids)  # [N, G]
         texts = self.decode_texts(completion_ids, real)
+        payload = {"completions": texts, "completion_tokens": real.sum(dim=1)}  # tokens up to and including the EOS
         n, width = prompt_ids.shape
         stops = torch.tensor(self.adapter.stop_ids, device=completion_ids.device)
         finished = torch.isin(completion_ids, stops).any(dim=1)
@@ -326,7 +327,7 @@ class DLLMPlugin(Plugin):
         if not batch.training:  # evaluation: rewards only, nothing is trained
             zeros = torch.zeros(n, actions, device=device)
             return Rollout(group_ids=batch.group_ids, old_logp=zeros, mask=zeros.clone(),
-                           payload={"completions": texts}, replay=replay, metrics=metrics)
+                           payload=payload, replay=replay, metrics=metrics)
         self._inner_epoch = 0  # the learner selects each epoch's plan (start_inner_epoch) before scoring with it
         num_plans = self.num_plans()
         replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds, num_plans=num_plans))
@@ -343,7 +344,7 @@ class DLLMPlugin(Plugin):
         # old_logp None: when the run needs them, the core scores the sampling policy with forward() on each epoch's
         # plan before the first update (redraws_per_epoch).
         return Rollout(
-            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(real), payload={"completions": texts},
+            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(real), payload=payload,
             replay=replay, ref_logp=ref_logp, metrics=metrics,
             truncated=~finished if self.adapter.stop_ids else None,  # no stop token in the generated length
         )

@@ -149,7 +149,8 @@ class ToyPlugin(Plugin):
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask_t,
-            payload={"completions": self._decode(tokens_t, mask_t)},
+            payload={"completions": self._decode(tokens_t, mask_t),
+                     "completion_tokens": mask_t.sum(dim=1).long()},  # tokens up to and including the EOS
             replay={"prompt_ids": prompt_ids, "tokens": tokens_t},
             truncated=~finished,  # no EOS within max_new_tokens
             metrics={"completion_length": float(mask_t.sum(dim=1).mean())},

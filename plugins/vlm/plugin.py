@@ -301,7 +301,7 @@ class VLMPlugin(Plugin):
         if not batch.training:  # evaluation rollouts are scored, never trained: no log-probs
             empty = torch.zeros(len(batch), 0, device=self.runtime.device)
             return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                           payload={"completions": texts})
+                           payload={"completions": texts, "completion_tokens": lengths})
         num_actions = int(lengths.max())
         mask = (torch.arange(num_actions, device=lengths.device) < lengths.unsqueeze(1)).float()  # [n, A]
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
@@ -312,7 +312,7 @@ class VLMPlugin(Plugin):
             group_ids=batch.group_ids,
             old_logp=None,  # the core's old-policy pass (forward) computes them when the run needs them
             mask=mask.to(self.runtime.device),
-            payload={"completions": texts},
+            payload={"completions": texts, "completion_tokens": lengths},  # tokens up to and including the EOS
             replay=replay,
             truncated=clipped.to(self.runtime.device),
             metrics={
