@@ -89,6 +89,22 @@ def test_the_synced_reference_is_checkpointed_and_restored(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_run_resumed_after_a_sync_trains_as_one_that_was_not_stopped(tmp_path):
+    # Steps 3-4 take their KL against the reference synced at step 2: resuming with the initial reference (what
+    # TRL's callback does) would train differently.
+    sync = ["algorithm.kl_coef=0.5", "algorithm.ref_sync_every=2", "algorithm.ref_sync_mix=0.6"]
+    straight = Trainer(toy_config(tmp_path / "straight", *sync, "run.max_steps=4"))
+    straight.train()
+    Trainer(toy_config(tmp_path / "split", *sync, "run.max_steps=2")).train()
+    resumed = Trainer(toy_config(tmp_path / "split", *sync, "run.max_steps=4", "run.resume=latest"))
+    resumed.train()
+    assert resumed.reference_sync.syncs == straight.reference_sync.syncs == 2
+    for module in ("model", "reference"):
+        expected = dict(getattr(straight.plugin, module).named_parameters())
+        for name, value in getattr(resumed.plugin, module).named_parameters():
+            assert torch.equal(value, expected[name]), (module, name)
+
+
 def test_sync_without_the_kl_term_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm\.ref_sync_every.*kl_coef"):
         toy_config(tmp_path, "algorithm.ref_sync_every=8")
