@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from mmrl.config import ConfigError, load_config
 from mmrl.plugins.toy.plugin import ToyPlugin
 from mmrl.rollout import Rollout, RolloutError
 from mmrl.trainer import Trainer
@@ -85,3 +86,11 @@ def test_a_run_whose_samples_are_all_cut_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(ToyPlugin, "rollout", _all_cut)
     with pytest.raises(NoUpdateError, match="ran out of the generation budget"):
         Trainer(toy_config(tmp_path, "run.max_steps=2", "algorithm.mask_truncated=true")).train()
+
+
+def test_the_flow_plugin_refuses_mask_truncated_when_the_config_is_loaded():
+    from pathlib import Path
+
+    shapes = str(Path(__file__).resolve().parents[1] / "configs" / "flow" / "shapes.yaml")
+    with pytest.raises(ConfigError, match=r"algorithm\.mask_truncated.*plugin flow"):
+        load_config(shapes, ["algorithm.mask_truncated=true"])

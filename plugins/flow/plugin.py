@@ -64,8 +64,12 @@ class FlowPlugin(Plugin):
 
     @classmethod
     def check_config(cls, train_config: Any) -> None:
-        """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`)."""
+        """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
+        ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``)."""
         check_reference_sync(train_config)
+        if train_config.algorithm.mask_truncated:
+            raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
+                              "runs all its steps; nothing is truncated)")
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback
