@@ -154,6 +154,13 @@ class AlgorithmConfig:
         "token) out of the loss; their rewards still enter their group's advantages.",
         ref="DAPO arXiv:2503.14476 sec. 3.4 overlong filtering; TRL mask_truncated_completions",
     )
+    top_entropy_quantile: float = config_field(
+        1.0, minimum=0.0, maximum=1.0,
+        help="rho: the policy term trains only the actions whose entropy is in the top rho of each micro-batch's "
+        "active actions (over all processes); the KL term keeps every action, the entropy bonus the same ones. 1: "
+        "every action. Needs a plugin that reports per-action entropy; not with action_chunk_size.",
+        ref="Beyond the 80/20 Rule arXiv:2506.01939: 0.2; TRL top_entropy_quantile",
+    )
     entropy_coef: float = config_field(
         0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
     )
@@ -188,6 +195,10 @@ class AlgorithmConfig:
             value = getattr(self, key)
             if value not in registry:
                 raise ConfigError(f"{path}.{key}", value, f"one of {', '.join(registry.names())}")
+        if self.top_entropy_quantile < 1 and self.action_chunk_size is not None:
+            raise ConfigError(f"{path}.top_entropy_quantile", self.top_entropy_quantile,
+                              f"1 with {path}.action_chunk_size set (the entropy threshold spans a whole micro-batch; "
+                              "chunks see a few of its actions at a time), or action_chunk_size: null")
         if self.ref_sync_every and self.kl_coef == 0:
             raise ConfigError(f"{path}.ref_sync_every", self.ref_sync_every,
                               f"0 while {path}.kl_coef is 0 (the reference is used by the KL term only; set kl_coef "

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 
 from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, policy_losses
 from mmrl.algos.policy_losses import masked_means
+from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask
 from mmrl.config import ConfigError, TrainConfig
 from mmrl.plugin import Plugin
 from mmrl.rollout import Rollout, RolloutError
@@ -261,6 +262,11 @@ class Learner:
         per_action, metrics = self.policy_loss(logp, old_logp, advantages, part.mask, **options)  # [n, A]
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
         deviation = max_ratio_deviation(logp.detach(), old_logp, part.mask)
+        selected = None  # [n, A] bool, the high-entropy actions the policy term trains (top_entropy_quantile)
+        if algorithm.top_entropy_quantile < 1:
+            selected = self._high_entropy(output.entropy, part.mask)
+            per_action = per_action * selected
+            metrics["policy/high_entropy_fraction"] = selected.sum() / part.mask.sum().clamp(min=1)
         # Action weights scale the policy term only, as TempFlow-GRPO (policy loss × 2.25·std_t, then + β·kl_loss;
         # Shredded-Pork/TempFlow-GRPO e66824e, scripts/train_sd3_pr.py) and verl-omni's grpo_guard loss (÷ Δt before
         # the KL is added): the KL coefficient stays β at every action.
@@ -277,13 +283,30 @@ class Learner:
             diagnostics["policy/kl"] = kl
         if output.entropy is not None:
             diagnostics["policy/entropy"] = output.entropy
-            if algorithm.entropy_coef > 0:
-                total = total - algorithm.entropy_coef * output.entropy
+            if algorithm.entropy_coef > 0:  # on the trained actions only (TRL's effective mask)
+                bonus = output.entropy if selected is None else output.entropy * selected
+                total = total - algorithm.entropy_coef * bonus
         diagnostics["policy/advantage"] = broadcast_advantages(advantages, logp)
         metrics.update(zip(diagnostics, masked_means(list(diagnostics.values()), part.mask).unbind(), strict=True))
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
         return loss, metrics, deviation, part.mask.sum()
+
+    def _high_entropy(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """``[n, A]`` bool: the active actions in the top ``top_entropy_quantile`` by entropy, the threshold taken over
+        this backward pass's active actions on every process (:mod:`mmrl.algos.token_selection`). A collective: the
+        processes run the same number of backward passes."""
+        if entropy is None:
+            raise RolloutError(f"algorithm.top_entropy_quantile needs per-action entropy, which plugin "
+                               f"{self.plugin.name!r} did not return (PolicyOutput.entropy)")
+        acc = self.accelerator
+        values = entropy.detach().float()[mask > 0]  # [k] this process's active entropies
+        if acc.num_processes > 1:
+            # entropies are ≥ 0: a negative pad marks the other processes' padding (TRL's sentinel)
+            values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=-1.0))
+            values = values[values >= 0]
+        threshold = entropy_threshold(values, 1.0 - self.config.algorithm.top_entropy_quantile)
+        return high_entropy_mask(entropy.detach(), mask, threshold)
 
     def old_policy_rollouts(self, rollout: Rollout, first: list[int] | tuple[int, ...] = ()
                             ) -> tuple[list[Rollout], bool]:

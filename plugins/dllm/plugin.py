@@ -357,8 +357,8 @@ class DLLMPlugin(Plugin):
 
     @classmethod
     def check_config(cls, train_config: Any) -> None:
-        """Refuse an objective paired with another family's loss or advantage, and ``algorithm.ref_sync_every``
-        with LoRA (:func:`mmrl.policy.check_reference_sync`).
+        """Refuse an objective paired with another family's loss or advantage, ``algorithm.ref_sync_every`` with
+        LoRA (:func:`mmrl.policy.check_reference_sync`) and ``algorithm.top_entropy_quantile`` (no entropy).
 
         ``objective: spg`` returns ELBO and EUBO columns that only ``policy_loss: spg`` reads, and ``spg`` reads
         nothing else; ``objective: wd1`` returns one sequence estimate for ``policy_loss: wd1``, which weights it
@@ -380,6 +380,9 @@ class DLLMPlugin(Plugin):
                        else f"an estimator other than wd1 with policy_loss {loss} (wd1's weights are not advantages)")
             raise ConfigError("algorithm.advantage.name", advantage, allowed)
         check_reference_sync(train_config)  # a LoRA run's reference is the adapter-off model: nothing to sync
+        if train_config.algorithm.top_entropy_quantile < 1:
+            raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
+                              "1 with plugin dllm (its likelihood estimates come with no per-token entropy)")
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""

@@ -65,11 +65,15 @@ class FlowPlugin(Plugin):
     @classmethod
     def check_config(cls, train_config: Any) -> None:
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
-        ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``)."""
+        ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
+        ``algorithm.top_entropy_quantile`` (no per-step entropy)."""
         check_reference_sync(train_config)
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
                               "runs all its steps; nothing is truncated)")
+        if train_config.algorithm.top_entropy_quantile < 1:
+            raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
+                              "1 with plugin flow (it reports no per-step entropy to select by)")
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback

@@ -98,6 +98,20 @@ def test_a_synced_reference_trains_alike_on_one_and_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_entropy_threshold_is_shared_by_the_processes(tmp_path):
+    """algorithm.top_entropy_quantile gathers each backward pass's active entropies over the processes (TRL's
+    get_high_entropy_mask): with one micro-batch per process and step, two processes select, over their 32 samples
+    together, the actions one process selects over the same 32 in one micro-batch; contiguous layout, so each process
+    holds whole groups."""
+    select = ["algorithm.top_entropy_quantile=0.2", "rollout.layout=contiguous"]
+    one = _run(tmp_path / "one", 1, *COMMON, *select, "algorithm.micro_batch_size=32")
+    two = _run(tmp_path / "two", 2, *COMMON, *select, "algorithm.micro_batch_size=16")
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-6)
+    for name, tensor in one["params"].items():
+        torch.testing.assert_close(two["params"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_does_not_hang_when_one_process_filters_everything(tmp_path):
     """Process 1's groups never have spread (a constant reward there); process 0 keeps sampling alongside it and
     both pad after the bounded rounds instead of waiting on each other."""
