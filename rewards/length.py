@@ -21,6 +21,7 @@ plugins write it: tokens up to and including the end-of-sequence token, all of t
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import torch
@@ -42,8 +43,12 @@ def overlong_penalty(batch: RewardInput, *, max_length: Annotated[int, Range(1)]
         factor: Scale of the penalty (verl's ``overlong_buffer.penalty_factor``).
         output: Payload entry holding each completion's length in tokens.
     """
+    if max_length < 1:
+        raise RewardError(f"overlong_penalty: max_length must be at least 1 token, got {max_length}")
     if not 1 <= buffer <= max_length:
         raise RewardError(f"overlong_penalty: buffer must be in [1, max_length={max_length}], got {buffer}")
+    if not math.isfinite(factor) or factor < 0:
+        raise RewardError(f"overlong_penalty: factor must be a finite number >= 0, got {factor}")
     lengths = batch.output(output)
     lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
     start = max_length - buffer

@@ -207,7 +207,8 @@ def _config(registry: str, name: str, option: str, value: Any) -> tuple[dict, st
         data["algorithm"][field] = {"name": name, option: value}
         return data, f"algorithm.{field}.{option}", lambda c: getattr(c.algorithm, field).options[option]
     if registry == "reward_functions":
-        required = {"reward": "jpeg_compressibility"} if name == "per_frame" else {}  # the image reward it applies
+        required = {"per_frame": {"reward": "jpeg_compressibility"},  # the image reward it applies
+                    "overlong_penalty": {"max_length": 16, "buffer": 4}}.get(name, {})
         data["rewards"] = {"functions": [{"name": name, "args": {**required, option: value}}]}
         return data, f"rewards.functions[0].args.{option}", lambda c: c.rewards.functions[0].args[option]
     if registry == "pairwise_judges":
@@ -465,6 +466,13 @@ def _probes() -> dict[str, Any]:
     probes["reward_functions.clip_temporal_consistency.stride"] = _constructor_probe(
         lambda value: check_stride("clip_temporal_consistency", value))
     probes["reward_functions.clip_temporal_consistency.batch_size"] = _positive_probe("batch_size")
+    from mmrl.rewards.length import overlong_penalty
+
+    lengths = RewardInput(rows=[{}], payload={"completion_tokens": torch.tensor([3])})
+    for option, fixed in (("max_length", {"buffer": 1}), ("buffer", {"max_length": 100}),
+                          ("factor", {"max_length": 10, "buffer": 4})):
+        probes[f"reward_functions.overlong_penalty.{option}"] = _constructor_probe(
+            lambda value, option=option, fixed=fixed: overlong_penalty(lengths, **fixed, **{option: value}))
     probes["pairwise_judges.pointwise.tolerance"] = _constructor_probe(
         lambda value: PointwiseJudge(reward="jpeg_compressibility", tolerance=value))
     return probes
