@@ -10,6 +10,7 @@ import torch
 
 from mmrl.config import ConfigError, load_config
 from mmrl.plugins.toy.plugin import ToyPlugin
+from mmrl.reward import reward_functions
 from mmrl.rollout import Rollout, RolloutError
 from mmrl.trainer import Trainer
 from mmrl.trainer.updates import NoUpdateError
@@ -94,3 +95,25 @@ def test_the_flow_plugin_refuses_mask_truncated_when_the_config_is_loaded():
     shapes = str(Path(__file__).resolve().parents[1] / "configs" / "flow" / "shapes.yaml")
     with pytest.raises(ConfigError, match=r"algorithm\.mask_truncated.*plugin flow"):
         load_config(shapes, ["algorithm.mask_truncated=true"])
+
+
+@reward_functions.register("test_spread_in_even_groups")
+def _spread_in_even_groups(batch):
+    """Groups with an even id get rewards with spread, the others a constant (dropped by dynamic sampling)."""
+    return [float(int(g) % 2 == 0 and i % 2 == 1) for i, g in enumerate(batch.group_ids.tolist())]
+
+
+def test_padded_samples_are_not_counted_as_truncated(tmp_path):
+    # Dynamic sampling that runs out of rounds pads with dropped samples (mask 0): the truncated counts and
+    # samples/trained cover the kept samples only, so a padded sample is never subtracted twice.
+    trainer = Trainer(toy_config(tmp_path, "rewards.functions=[{name: test_spread_in_even_groups}]", "run.max_steps=1",
+                                 "rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.max_rounds=1",
+                                 "algorithm.mask_truncated=true"))
+    batch = trainer.collector.collect(trainer.policy, trainer.step, {})
+    rollout, metrics = batch.rollout, batch.metrics
+    padded = int(metrics["samples/padded"])
+    assert 0 < padded < len(rollout)
+    entered = rollout.mask.sum(dim=1) > 0  # kept and finished
+    kept = len(rollout) - padded
+    assert 0 < metrics["samples/truncated_masked"] == kept - int(entered.sum())
+    assert metrics["samples/truncated"] == pytest.approx(metrics["samples/truncated_masked"] / kept)

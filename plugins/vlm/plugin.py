@@ -416,10 +416,7 @@ class VLMPlugin(Plugin):
         """The KL reference (:func:`mmrl.policy.reference_policy`): the policy with its LoRA adapter disabled, or
         (full fine-tuning) a frozen copy of the initial checkpoint, loaded from ``plugin.model`` at construction when
         ``runtime.needs_reference`` (else on the first forward that asks for it)."""
-        module = self.runtime.unwrap(policy)
-        if self.config.lora is None and self._reference is None:  # needs_reference was False, yet the KL is asked
-            self._reference = self._load_reference()
-        return reference_policy(module, self._reference)
+        return reference_policy(self.runtime.unwrap(policy), self.reference_module())
 
     # ------------------------------------------------------------------ prompts and completions
     def encode_rows(self, rows: Sequence[dict[str, Any]], group_ids: Tensor | None = None, *,
