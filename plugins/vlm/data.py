@@ -8,6 +8,13 @@
 
 - ``image``: a path or a list of paths (relative paths are resolved against ``image_root``, by default the JSONL
   file's folder). Box answers refer to the first image.
+- ``video`` (instead of or beside ``image``): one video as the list of its frame paths, in time order and already
+  sampled, or several videos as a list of such lists (resolved like images); ``video_fps`` (optional): the frames'
+  rate in frames per second of video time, one number or one per video (default: the plugin's ``video_fps``).
+  In the user turn the images come first, then the videos, in order::
+
+    {"video": ["clip7/000.jpg", "clip7/001.jpg", "clip7/002.jpg", "clip7/003.jpg"], "video_fps": 2,
+     "problem": "Which way does the ball roll? (A) left (B) right", "solution": "B", "task": "video-choice"}
 - ``problem``: the question text (the plugin's ``prompt_template`` wraps it).
 - ``solution``: what the rewards compare against: a box ``[x1, y1, x2, y2]`` in pixels of the original image, a list
   of boxes or ``{"bbox_2d": ..., "label": ...}`` objects, a count, an option letter, a number...
@@ -45,6 +52,7 @@ from typing import Any
 from mmrl.prompts import iter_jsonl
 
 REQUIRED_KEYS = ("image", "problem", "solution", "task")
+"""The keys every record needs; ``video`` may stand in for ``image``."""
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220), "yellow": (235, 200, 40),
@@ -95,13 +103,16 @@ def record_to_row(record: Any, *, where: str, image_root: str | Path | None = No
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with keys {', '.join(REQUIRED_KEYS)}, got "
                         f"{type(record).__name__}")
-    missing = [key for key in REQUIRED_KEYS if key not in record]
+    missing = [key for key in REQUIRED_KEYS if key not in record and not (key == "image" and "video" in record)]
     if missing:
-        raise DataError(f"{where}: missing key {missing[0]!r}; each record needs {', '.join(REQUIRED_KEYS)}")
-    images = record["image"]
+        raise DataError(f"{where}: missing key {missing[0]!r}; each record needs {', '.join(REQUIRED_KEYS)} "
+                        "('video' may stand in for 'image')")
+    images = record.get("image", [])
     images = [images] if isinstance(images, str) else images
-    if not isinstance(images, list) or not images or not all(isinstance(i, str) and i.strip() for i in images):
+    if not isinstance(images, list) or ("image" in record and not images) or not all(
+            isinstance(i, str) and i.strip() for i in images):
         raise DataError(f"{where}: 'image' must be a path or a non-empty list of paths, got {record['image']!r}")
+    videos = _videos(record, where)
     problem = record["problem"]
     if not isinstance(problem, str) or not problem.strip():
         raise DataError(f"{where}: 'problem' must be a non-empty string, got {problem!r}")
@@ -112,16 +123,48 @@ def record_to_row(record: Any, *, where: str, image_root: str | Path | None = No
                         f"{record['task']!r}")
     root = Path(image_root) if image_root is not None else None
     resolved = [_resolve(image, root) for image in images]
-    row = {key: value for key, value in record.items() if key not in ("image", "problem")}
+    row = {key: value for key, value in record.items() if key not in ("image", "problem", "video")}
     row.update(prompt=problem, problem=problem, image=resolved)
+    if videos:
+        row["video"] = [[_resolve(frame, root) for frame in clip] for clip in videos]
+        if check_images:
+            for clip in row["video"]:
+                missing_frames = [frame for frame in clip if not Path(frame).is_file()]
+                if missing_frames:
+                    raise DataError(f"{where}: video frame {missing_frames[0]} does not exist")
     if "image_size" in record:
         row["image_size"] = _checked_size(record["image_size"], f"{where}: 'image_size'")
-    elif check_images:
+    elif check_images and resolved:
         first = resolved[0]
         if not Path(first).is_file():
             raise DataError(f"{where}: image {first} does not exist")
         row["image_size"] = list(image_size(first))
     return row
+
+
+def _videos(record: dict[str, Any], where: str) -> list[list[str]]:
+    """A record's ``video`` as a list of videos, each a non-empty list of frame paths; its ``video_fps`` checked."""
+    if "video" not in record:
+        if "video_fps" in record:
+            raise DataError(f"{where}: 'video_fps' without 'video'")
+        return []
+    value = record["video"]
+    if isinstance(value, list) and value and all(isinstance(frame, str) for frame in value):
+        videos = [value]
+    elif isinstance(value, list) and value and all(isinstance(clip, list) for clip in value):
+        videos = value
+    else:
+        raise DataError(f"{where}: 'video' must be a list of frame paths or a list of such lists, got {value!r}")
+    for clip in videos:
+        if not clip or not all(isinstance(frame, str) and frame.strip() for frame in clip):
+            raise DataError(f"{where}: each video must be a non-empty list of frame paths, got {clip!r}")
+    rate = record.get("video_fps")
+    rates = rate if isinstance(rate, list) else [rate] * len(videos)
+    if rate is not None and (len(rates) != len(videos) or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in rates)):
+        raise DataError(f"{where}: 'video_fps' must be a positive number or one per video ({len(videos)}), got "
+                        f"{rate!r}")
+    return videos
 
 
 def attach_sizes(rows: Iterable[dict[str, Any]], resized: Any) -> list[dict[str, Any]]:
@@ -134,7 +177,7 @@ def attach_sizes(rows: Iterable[dict[str, Any]], resized: Any) -> list[dict[str,
     result = []
     for row in rows:
         images = row.get("image")
-        first = images[0] if isinstance(images, (list, tuple)) and images else images
+        first = (images[0] if images else None) if isinstance(images, (list, tuple)) else images
         if row.get("image_size") is None and first is not None:
             row["image_size"] = list(image_size(first))
         if row.get("image_size") is not None:

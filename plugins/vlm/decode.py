@@ -16,10 +16,20 @@ recipe (:class:`SamplingSettings`) over a KV cache. :func:`decode` runs exactly 
    out; otherwise feed the new tokens as one ``[n, 1]`` forward on the cache, with a view of a preallocated attention
    mask and the next M-RoPE position of each row.
 
-The M-RoPE position of the k-th generated token (k = 0, 1, …) of a row is ``m + 1 + k``, where ``m`` is the largest
-position of its prompt: Qwen2-VL, Qwen2.5-VL and Qwen3-VL continue text after the prompt's last position on all three
-(temporal, height, width) components alike, which is what their ``rope_deltas`` encode (``generate`` feeds the text
-position plus ``rope_deltas = m + 1 − prompt length``, the same number).
+The M-RoPE position of the k-th generated token (k = 0, 1, …) of a row is ``l + 1 + k`` on all three (temporal,
+height, width) components, where ``l`` is the position of its prompt's last token (text: its three components are
+equal): the position the model's own ``get_rope_index`` gives that token when the completion is fed back as part of
+the sequence (text continues by one per token), so the teacher-forced log-probs score exactly the distribution
+sampled from. ``generate`` continues from ``m + 1`` instead, ``m`` the prompt's largest position (its
+``rope_deltas = m + 1 − prompt length``). The two agree whenever the prompt's last token holds its largest position,
+which is the case for every image prompt. They differ for Qwen2-VL and Qwen2.5-VL videos in transformers 5.x: text
+after a video restarts at the video's start plus its height or width in merged patches
+(``get_rope_index``: ``current_pos += max(h, w) // merge``), below the video's temporal positions, which reach
+``(t − 1)·interval`` (transformers 5.25.0 ``modeling_qwen2_5_vl.py`` ``get_rope_index``; transformers 4.x and
+Qwen's original code started the text after the largest vision position, huggingface/transformers#35569). A prompt
+whose video outlasts its following text then has ``m > l``, and ``generate``'s tokens would not be sampled from the
+distribution the training pass scores; the plugin's ``decoder: hf`` refuses such prompts
+(:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.generate`).
 
 The sampling consumes the global RNG exactly as ``generate``'s sampling does (one ``torch.multinomial(probs, 1)``
 over every row, finished rows included, per step), so with the same logits and seed both pick the same tokens;
@@ -204,8 +214,9 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     if cache is None:
         raise RuntimeError(f"{type(model).__name__} returned no KV cache from the prefill")
     logits = output.logits[:, -1]  # [u, V]
-    # The next M-RoPE position of each prompt: one past its largest (padding excluded), on all three components.
-    next_position = positions.masked_fill(attention.unsqueeze(0) == 0, -1).amax(dim=(0, 2)) + 1  # [u]
+    # The next M-RoPE position of each prompt: one past its last token's (left padding: the last column is a real
+    # token, text, whose three components are equal), as the teacher-forced sequence continues it (module docstring).
+    next_position = positions[:, :, -1].amax(dim=0) + 1  # [u]
     if select is not None:
         cache.batch_select_indices(select)
         logits, attention, next_position = logits[select], attention[select], next_position[select]

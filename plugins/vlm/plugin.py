@@ -49,7 +49,8 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and f
                "tags.")
 """The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
 
-REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_grid_thw")
+REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_grid_thw",
+                      "pixel_values_videos", "video_embeds", "video_grid_thw", "second_per_grid_ts")
 
 
 VLMLoraConfig = lora_config_class(
@@ -147,6 +148,19 @@ class VLMPluginConfig:
         512 * 28 * 28, minimum=1, help="Upper bound on each image's resized area: the biggest memory lever.",
         ref="R1-V / Visual-RFT: 401,408 (= 512·28²); PR1: 1,000,000; VLM-R1 REC: 12,845,056",
     )
+    video_min_pixels: int = config_field(
+        128 * 28 * 28, minimum=1, help="Lower bound on each video frame's resized area (every frame of a video is "
+        "resized to one size).", ref="qwen-vl-utils 0.0.14: VIDEO_MIN_TOKEN_NUM 128 tokens of 28x28 pixels",
+    )
+    video_max_pixels: int = config_field(
+        768 * 28 * 28, minimum=1, help="Upper bound on each video frame's resized area; a video costs about "
+        "frames/2 times a frame's tokens.", ref="qwen-vl-utils 0.0.14: VIDEO_MAX_TOKEN_NUM 768 tokens of 28x28 pixels",
+    )
+    video_fps: float = config_field(
+        2.0, minimum=0.0, exclusive_minimum=True, help="Frames per second of a row's video frames when the row has "
+        "no 'video_fps': Qwen2.5-VL spaces the temporal positions by it, Qwen3-VL writes each frame's timestamp.",
+        ref="qwen-vl-utils FPS = 2.0",
+    )
     max_new_tokens: int = config_field(256, minimum=1, help="Completion budget; the action axis A is at most this.")
     temperature: float = config_field(1.0, minimum=0.0, exclusive_minimum=True,
                                       help="Sampling temperature; log-probs divide the logits by it too.",
@@ -209,6 +223,9 @@ class VLMPluginConfig:
             raise ConfigError(f"{path}.family", self.family, f"'auto' or one of {', '.join(vlm_adapters.names())}")
         if self.min_pixels > self.max_pixels:
             raise ConfigError(f"{path}.max_pixels", self.max_pixels, f"at least min_pixels ({self.min_pixels})")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ConfigError(f"{path}.video_max_pixels", self.video_max_pixels,
+                              f"at least video_min_pixels ({self.video_min_pixels})")
         try:
             fields = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
         except ValueError:
@@ -247,7 +264,8 @@ class VLMPlugin(Plugin):
 
             build_tiny_model(config.tiny_model, config.model)
         self.adapter = adapter_for(config.family, config.model)(
-            config.model, min_pixels=config.min_pixels, max_pixels=config.max_pixels
+            config.model, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
+            video_min_pixels=config.video_min_pixels, video_max_pixels=config.video_max_pixels,
         )
         self.weight_dtype = self._weight_dtype()
         model = self.adapter.load_model(dtype=self.weight_dtype, attn_implementation=config.attn_implementation)
@@ -313,6 +331,8 @@ class VLMPlugin(Plugin):
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
         replay["completion_ids"] = completions
         image_tokens = [float(p["image_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2 for p in prompts]
+        video_tokens = [float(p["video_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2
+                        for p in prompts if "video_grid_thw" in p]
         clipped = completion_clipped(generated, lengths, self.eos_ids)  # [n] out of budget without an EOS
         return Rollout(
             group_ids=batch.group_ids,
@@ -326,6 +346,7 @@ class VLMPlugin(Plugin):
                 "completion_clipped": float(clipped.float().mean()),
                 "prompt_length": float(sum(len(p["input_ids"]) for p in prompts) / len(prompts)),
                 "image_tokens": sum(image_tokens) / len(image_tokens),
+                **({"video_tokens": sum(video_tokens) / len(prompts)} if video_tokens else {}),
             },
         )
 
@@ -432,11 +453,15 @@ class VLMPlugin(Plugin):
             first.setdefault(key, i)
         unique = [rows[i] for i in first.values()]
         images = [self.adapter.load_images(row_images(row)) for row in unique]
+        videos = [self.adapter.load_videos(row_videos(row)) for row in unique]
+        rates = [row_video_fps(row, len(clips), self.config.video_fps)
+                 for row, clips in zip(unique, videos, strict=True)]
         texts = [self.adapter.chat_text(self.adapter.messages(self.question(row), len(group),
                                                               self.config.system_prompt,
-                                                              image_position=self.config.image_position))
-                 for row, group in zip(unique, images, strict=True)]
-        encoded = self.adapter.encode(texts, images)
+                                                              image_position=self.config.image_position,
+                                                              num_videos=len(clips)))
+                 for row, group, clips in zip(unique, images, videos, strict=True)]
+        encoded = self.adapter.encode(texts, images, videos, rates)
         for row, prompt in zip(unique, encoded, strict=True):
             _check_resized_size(row, prompt, self.adapter.patch_size)
         if model is not None:
@@ -515,6 +540,9 @@ class VLMPlugin(Plugin):
                 record = {"prompt": row.get("prompt"), "image": images, "task": row.get("task"),
                           "solution": row.get("solution"), "output": rollout.payload["completions"][i],
                           "reward": float(rewards[i])}
+                if row.get("video") is not None:
+                    record["video"] = [[frame if isinstance(frame, str) else "<in-memory frame>" for frame in clip]
+                                       for clip in row_videos(row)]
                 handle.write(json.dumps(record, default=str) + "\n")
         return [path]
 
@@ -633,6 +661,34 @@ def row_images(row: dict[str, Any]) -> list[Any]:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
+def row_videos(row: dict[str, Any]) -> list[list[Any]]:
+    """The videos of a row, each as its list of frames. ``video`` may be one video (a list of frames: paths or PIL
+    images) or a list of videos (a list of such lists); no ``video`` means none."""
+    videos = row.get("video")
+    if videos is None:
+        return []
+    if not isinstance(videos, (list, tuple)) or not videos:
+        raise ValueError(f"a row's 'video' must be a list of frames or a list of such lists, got {videos!r}")
+    if all(isinstance(item, (list, tuple)) for item in videos):
+        return [list(item) for item in videos]
+    if any(isinstance(item, (list, tuple)) for item in videos):
+        raise ValueError("a row's 'video' mixes frames and lists of frames; give one video as a list of frames or "
+                         "several as a list of such lists")
+    return [list(videos)]
+
+
+def row_video_fps(row: dict[str, Any], num_videos: int, default: float) -> list[float]:
+    """The frame rate of each of a row's ``num_videos`` videos: the row's ``video_fps`` (one number for all, or one
+    per video), else ``default`` (``plugin.video_fps``)."""
+    rate = row.get("video_fps", default)
+    rates = list(rate) if isinstance(rate, (list, tuple)) else [rate] * num_videos
+    if len(rates) != num_videos or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
+                                           for r in rates):
+        raise ValueError(f"a row's 'video_fps' must be a positive number or one per video ({num_videos}), got "
+                         f"{rate!r}")
+    return [float(r) for r in rates]
+
+
 def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], patch_size: int) -> None:
     """The rows' ``resized_size`` (computed with smart_resize for the qwen2_5_vl box convention) must be what the
     processor produced; otherwise box rewards would rescale with the wrong frame."""
@@ -647,4 +703,4 @@ def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], patch_si
 
 
 __all__ = ["R1_TEMPLATE", "VLMDataConfig", "VLMLoraConfig", "VLMPlugin", "VLMPluginConfig", "ShapesDataConfig",
-           "completion_lengths", "replay_prompts", "row_images"]
+           "completion_lengths", "replay_prompts", "row_images", "row_video_fps", "row_videos"]

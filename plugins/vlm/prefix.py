@@ -36,7 +36,8 @@ from mmrl.plugins.vlm.adapters.base import (
     identity_head,
 )
 
-_PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "pixel_values")
+_PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "pixel_values", "video_grid_thw", "video_embeds",
+                   "pixel_values_videos", "second_per_grid_ts")
 
 
 def distinct_prompts(prompts: Sequence[PromptInputs]) -> tuple[list[PromptInputs], list[int]]:
@@ -104,7 +105,7 @@ def prompt_split(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[Prompt
     prefix, width = adapter.collate(unique, device=device)  # [u, P]
     if width != prompt_width:
         raise RuntimeError(f"distinct prompts collate to {width} positions, the samples to {prompt_width}")
-    if "image_grid_thw" in prefix and "mm_token_type_ids" not in prefix:
+    if ("image_grid_thw" in prefix or "video_grid_thw" in prefix) and "mm_token_type_ids" not in prefix:
         return None  # no token types to compute the M-RoPE positions from (the model infers them in the plain pass)
     if "mm_token_type_ids" in prefix and bool(prefix["mm_token_type_ids"][:, -1].any()):
         return None  # the completions would continue a vision segment: its positions are not the text positions

@@ -36,12 +36,15 @@ CHAT_TEMPLATE = (
     "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """Qwen's chat layout (``<|im_start|>role\\n...<|im_end|>``); each image becomes
-``<|vision_start|><|image_pad|><|vision_end|>``."""
+``<|vision_start|><|image_pad|><|vision_end|>`` and each video ``<|vision_start|><|video_pad|><|vision_end|>`` (as
+in the Qwen2-VL, Qwen2.5-VL and Qwen3-VL templates, without their "Picture k:"/"Video k:" labels)."""
 
 _CORPUS = (
     "Where is the red circle? Where is the green square? Where is the blue triangle? Where is the yellow circle? "

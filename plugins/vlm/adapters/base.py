@@ -1,15 +1,21 @@
 """The adapter interface between the VLM plugin and one family of transformers vision-language models.
 
-The base class implements the Qwen-VL way of feeding images, shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL:
+The base class implements the Qwen-VL way of feeding images and videos, shared by Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL:
 
 ======================  ==========================================================================================
 :meth:`load_images`     paths / PIL images → RGB images resized by smart_resize within [min_pixels, max_pixels]
                         (``qwen_vl_utils.process_vision_info`` when it imports, an equivalent built-in otherwise)
-:meth:`encode`          chat texts + images → one :data:`PromptInputs` per prompt, from one batched processor call
-                        whose ``pixel_values`` rows are split per prompt by ``image_grid_thw`` (:func:`split_images`)
-:meth:`image_features`  a frozen vision tower's output per prompt, computed once and reused by every pass
+:meth:`load_videos`     videos given as their frames → RGB frames, every frame of a video resized to one
+                        smart_resize size within [video_min_pixels, video_max_pixels]
+:meth:`encode`          chat texts + images (+ videos) → one :data:`PromptInputs` per prompt, from one batched
+                        processor call whose ``pixel_values`` (``pixel_values_videos``) rows are split per prompt by
+                        ``image_grid_thw`` (``video_grid_thw``) (:func:`split_images`)
+:meth:`image_features`  a frozen vision tower's output per prompt (images and videos), computed once and reused by
+                        every pass
 :meth:`collate`         prompts (+ completions) of any samples → model inputs: prompts left-padded, completions
-                        right-padded, pixel rows concatenated in sample order, ``image_grid_thw`` stacked
+                        right-padded, pixel rows concatenated in sample order, ``image_grid_thw`` stacked (and the
+                        video counterparts)
 :meth:`generate`        sampling over the collated prompts (the plugin's decode loop or HF generate), each
                         distinct prompt prefilled once for its samples
 :meth:`completion_logits` logits of the positions that predict the completion tokens only (``logits_to_keep``)
@@ -39,7 +45,13 @@ from torch import Tensor, nn
 PromptInputs = dict[str, Tensor]
 """One prompt, unpadded: ``input_ids [P]``, ``mm_token_type_ids [P]`` (transformers 5.x), ``image_grid_thw
 [images, 3]`` and either ``pixel_values [rows, D]`` (the patch rows of its images, in order) or ``image_embeds
-[image tokens, hidden]`` (the frozen vision tower's output for them, see :meth:`VLMAdapter.image_features`)."""
+[image tokens, hidden]`` (the frozen vision tower's output for them, see :meth:`VLMAdapter.image_features`).
+Prompts encoded in a batch that holds a video also carry ``video_grid_thw [videos, 3]`` (``[0, 3]`` without one),
+``pixel_values_videos [rows, D]`` or ``video_embeds [video tokens, hidden]``, and for Qwen2.5-VL
+``second_per_grid_ts [videos]`` (seconds per temporal patch, which spaces the video's temporal M-RoPE positions)."""
+
+VIDEO_GRID_KEYS = ("video_grid_thw", "second_per_grid_ts")
+"""Per-video tensors of a prompt that the model reads beside its pixel rows or features."""
 
 IMAGE_POSITIONS = ("before", "after")
 """Where a prompt's images sit in its user turn, relative to the question (:meth:`VLMAdapter.messages`)."""
@@ -80,11 +92,17 @@ class VLMAdapter:
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                 "<|vision_end|>", "<|vision_pad|>")
 
-    def __init__(self, model: str, *, min_pixels: int, max_pixels: int):
+    def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
+                 video_max_pixels: int | None = None):
         if min_pixels > max_pixels:
             raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
         self.model_path = str(model)
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.video_min_pixels = int(video_min_pixels if video_min_pixels is not None else min_pixels)
+        self.video_max_pixels = int(video_max_pixels if video_max_pixels is not None else max_pixels)
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError(f"video_min_pixels ({self.video_min_pixels}) must not exceed video_max_pixels "
+                             f"({self.video_max_pixels})")
         self.processor = self.load_processor()
         self.tokenizer = self.processor.tokenizer
         image_processor = self.processor.image_processor
@@ -176,22 +194,54 @@ class VLMAdapter:
         width, height = self.resized_size(rgb.size)
         return rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
 
+    def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """Open and resize the frames of each video of one prompt.
+
+        A video is given as its frames (paths or PIL images, in time order, already sampled at the rate the row
+        declares). Every frame of a video is resized to the one size smart_resize gives its first frame within
+        [video_min_pixels, video_max_pixels], a multiple of patch size × merge in each side (qwen-vl-utils resizes
+        a video's frames to one size the same way); the processor then keeps that size.
+
+        Raises:
+            ValueError: a video without frames, or frames of different sizes within one video.
+        """
+        from PIL import Image
+
+        from mmrl.rewards.boxes import qwen_resized_size
+
+        loaded = []
+        for number, frames in enumerate(videos):
+            if not frames:
+                raise ValueError(f"video {number} of the prompt has no frames; give a video as a list of its frames")
+            opened = [_to_rgb(frame if isinstance(frame, Image.Image) else Image.open(_local_path(frame)))
+                      for frame in frames]
+            sizes = {frame.size for frame in opened}
+            if len(sizes) > 1:
+                raise ValueError(f"video {number} of the prompt has frames of different sizes {sorted(sizes)}; "
+                                 "every frame of a video must have one size")
+            width, height = qwen_resized_size(opened[0].size, factor=self.image_factor,
+                                              min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels)
+            loaded.append([frame.resize((width, height), resample=Image.Resampling.BICUBIC) for frame in opened])
+        return loaded
+
     # ------------------------------------------------------------------ prompts
     def messages(self, question: str, num_images: int, system_prompt: str | None = None, *,
-                 image_position: str = "before") -> list[dict[str, Any]]:
+                 image_position: str = "before", num_videos: int = 0) -> list[dict[str, Any]]:
         """The chat of one prompt: an optional system message, then the user turn.
 
         Args:
             question: The user text.
             num_images: How many image parts the user turn holds.
             system_prompt: An optional system message.
-            image_position: ``"before"`` (the images, then the question: Qwen's documented order, R1-V, VLM-R1) or
-                ``"after"`` (the question, then the images). Under causal attention only the second lets the image
-                tokens attend to the question.
+            image_position: ``"before"`` (the images and videos, then the question: Qwen's documented order, R1-V,
+                VLM-R1, Video-R1) or ``"after"`` (the question, then the images and videos). Under causal attention
+                only the second lets the vision tokens attend to the question.
+            num_videos: How many video parts follow the image parts.
         """
         if image_position not in IMAGE_POSITIONS:
             raise ValueError(f"image_position must be one of {', '.join(IMAGE_POSITIONS)}, got {image_position!r}")
         images: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        images += [{"type": "video"} for _ in range(num_videos)]
         text = [{"type": "text", "text": question}]
         content = images + text if image_position == "before" else text + images
         chat: list[dict[str, Any]] = []
@@ -204,28 +254,57 @@ class VLMAdapter:
         """The prompt text: the processor's chat template with the assistant turn opened."""
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]]) -> list[PromptInputs]:
+    def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
+               videos: Sequence[Sequence[Sequence[Any]]] | None = None,
+               video_fps: Sequence[Sequence[float]] | None = None) -> list[PromptInputs]:
         """Run the processor once on a batch of prompts and split its output per prompt.
 
         Args:
             texts: Chat texts (:meth:`chat_text`), one per prompt.
             images: The loaded images of each prompt (:meth:`load_images`), in the order they appear in its text.
+            videos: The loaded videos of each prompt (:meth:`load_videos`: each a list of frames), in the order
+                they appear in its text (after its images), or None.
+            video_fps: Per prompt, the frame rate of each of its videos' frames (frames per second of the video's
+                time): Qwen2.5-VL spaces a video's temporal M-RoPE positions by it (``second_per_grid_ts``) and
+                Qwen3-VL writes each frame's timestamp from it. Required with ``videos``.
 
         Returns:
-            One :data:`PromptInputs` per prompt (unpadded token ids and that prompt's own pixel rows and grid).
+            One :data:`PromptInputs` per prompt (unpadded token ids and that prompt's own pixel rows and grids).
         """
         if len(texts) != len(images):
             raise ValueError(f"encode: {len(texts)} texts but {len(images)} image lists")
+        videos = [[] for _ in texts] if videos is None else videos
+        video_fps = [[] for _ in texts] if video_fps is None else video_fps
+        if len(videos) != len(texts) or len(video_fps) != len(texts):
+            raise ValueError(f"encode: {len(texts)} texts but {len(videos)} video lists and {len(video_fps)} fps lists")
         flat = [image for group in images for image in group]
+        clips = [clip for group in videos for clip in group]
+        rates = [float(rate) for group in video_fps for rate in group]
+        if len(rates) != len(clips):
+            raise ValueError(f"encode: {len(clips)} videos but {len(rates)} frame rates")
+        extra: dict[str, Any] = {}
+        if clips:
+            # The frames are the sampled frames, already resized (load_videos): no resampling, no resizing.
+            extra = dict(videos=clips, do_sample_frames=False, do_resize=False,
+                         video_metadata=[{"fps": rate, "total_num_frames": len(clip),
+                                          "frames_indices": list(range(len(clip)))}
+                                         for clip, rate in zip(clips, rates, strict=True)])
         batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
-                               return_tensors="pt")
+                               return_tensors="pt", **extra)
         attention = batch["attention_mask"].bool()  # [B, P]
         counts = [len(group) for group in images]
         if flat:
             vision = split_images(batch["pixel_values"], batch["image_grid_thw"], counts)
         else:
             vision = [(torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)) for _ in counts]
+        video_counts = [len(group) for group in videos]
+        per_video = (split_images(batch["pixel_values_videos"], batch["video_grid_thw"], video_counts) if clips
+                     else None)
+        seconds = batch.get("second_per_grid_ts") if clips else None
+        if seconds is not None:
+            seconds = torch.as_tensor(seconds, dtype=torch.float32).reshape(-1)  # [videos]
         prompts = []
+        start = 0
         for i, (pixels, grid) in enumerate(vision):
             keep = attention[i]
             prompt: PromptInputs = {"input_ids": batch["input_ids"][i][keep]}
@@ -233,31 +312,41 @@ class VLMAdapter:
                 prompt["mm_token_type_ids"] = batch["mm_token_type_ids"][i][keep]
             prompt["pixel_values"] = pixels
             prompt["image_grid_thw"] = grid
+            if per_video is not None:
+                prompt["pixel_values_videos"], prompt["video_grid_thw"] = per_video[i]
+                if seconds is not None:
+                    prompt["second_per_grid_ts"] = seconds[start:start + video_counts[i]]
+                start += video_counts[i]
             prompts.append(prompt)
         return prompts
 
     def image_features(self, model: nn.Module, prompts: Sequence[PromptInputs]) -> list[PromptInputs]:
-        """The prompts with ``pixel_values`` replaced by ``image_embeds``, the vision tower's output (one batched
-        call; no gradients). Valid for every pass of a step while the tower is frozen: the same features then feed
-        generation, the old and reference log-probs and the training forward, so the tower runs once per prompt
-        rather than once per sample and pass."""
-        with_images = [p for p in prompts if p["image_grid_thw"].numel()]
-        if not with_images:
-            return [{k: v for k, v in p.items() if k != "pixel_values"} for p in prompts]
+        """The prompts with ``pixel_values`` replaced by ``image_embeds`` (and ``pixel_values_videos`` by
+        ``video_embeds``), the vision tower's output (one batched call per modality; no gradients). Valid for every
+        pass of a step while the tower is frozen: the same features then feed generation, the old and reference
+        log-probs and the training forward, so the tower runs once per prompt rather than once per sample and
+        pass."""
+        result = [dict(prompt) for prompt in prompts]
         hf_model = _base_model(model)
         device = next(hf_model.parameters()).device
-        pixels = torch.cat([p["pixel_values"] for p in with_images]).to(device)  # [Σ rows, D]
-        grids = torch.cat([p["image_grid_thw"] for p in with_images]).to(device)  # [Σ images, 3]
-        with torch.no_grad():
-            output = hf_model.get_image_features(pixels, grids, return_dict=True)
-        per_image = list(output.pooler_output)  # one [tokens_k, hidden] per image
-        result = []
-        for prompt in prompts:
-            updated = {k: v for k, v in prompt.items() if k != "pixel_values"}
-            count = int(prompt["image_grid_thw"].shape[0])
-            taken, per_image = per_image[:count], per_image[count:]
-            updated["image_embeds"] = torch.cat(taken) if taken else torch.zeros(0, 0)
-            result.append(updated)
+        for pixels_key, grid_key, embeds_key, method in (
+                ("pixel_values", "image_grid_thw", "image_embeds", "get_image_features"),
+                ("pixel_values_videos", "video_grid_thw", "video_embeds", "get_video_features")):
+            if not any(grid_key in prompt for prompt in prompts):
+                continue
+            holding = [p for p in prompts if p[grid_key].numel()]
+            per_item: list[Tensor] = []
+            if holding:
+                pixels = torch.cat([p[pixels_key] for p in holding]).to(device)  # [Σ rows, D]
+                grids = torch.cat([p[grid_key] for p in holding]).to(device)  # [Σ items, 3]
+                with torch.no_grad():
+                    output = getattr(hf_model, method)(pixels, grids, return_dict=True)
+                per_item = list(output.pooler_output)  # one [tokens_k, hidden] per image / video
+            for prompt, updated in zip(prompts, result, strict=True):
+                updated.pop(pixels_key, None)
+                count = int(prompt[grid_key].shape[0])
+                taken, per_item = per_item[:count], per_item[count:]
+                updated[embeds_key] = torch.cat(taken) if taken else torch.zeros(0, 0)
         return result
 
     # ------------------------------------------------------------------ batching
@@ -272,7 +361,9 @@ class VLMAdapter:
         Returns:
             ``(inputs, P)``: ``inputs`` holds ``input_ids [n, P + C]``, ``attention_mask``, ``mm_token_type_ids``
             (when the prompts carry it; 0 over completions) and, when any sample has an image, ``image_grid_thw``
-            with ``pixel_values`` or, for prompts carrying ``image_embeds``, transformers' ``mm_encoder_outputs``.
+            with ``pixel_values`` or, for prompts carrying ``image_embeds``, transformers' ``mm_encoder_outputs``;
+            when any sample has a video, ``video_grid_thw`` (and ``second_per_grid_ts`` where the prompts carry it)
+            with ``pixel_values_videos`` or the ``"video"`` entry of ``mm_encoder_outputs``.
         """
         if not prompts:
             raise ValueError("collate needs at least one sample")
@@ -302,16 +393,25 @@ class VLMAdapter:
         inputs: dict[str, Tensor] = {"input_ids": input_ids, "attention_mask": attention}
         if token_types is not None:
             inputs["mm_token_type_ids"] = token_types
-        with_images = [p for p in prompts if p["image_grid_thw"].numel()]
-        if with_images:
-            inputs["image_grid_thw"] = torch.cat([p["image_grid_thw"].to(device) for p in with_images])  # [Σ images, 3]
-            if all("image_embeds" in p for p in with_images):
+        encoder_outputs: dict[str, Any] = {}
+        for modality, pixels_key, grid_key, embeds_key in (
+                ("image", "pixel_values", "image_grid_thw", "image_embeds"),
+                ("video", "pixel_values_videos", "video_grid_thw", "video_embeds")):
+            holding = [p for p in prompts if grid_key in p and p[grid_key].numel()]
+            if not holding:
+                continue
+            inputs[grid_key] = torch.cat([p[grid_key].to(device) for p in holding])  # [Σ items, 3]
+            if modality == "video" and all("second_per_grid_ts" in p for p in holding):
+                inputs["second_per_grid_ts"] = torch.cat([p["second_per_grid_ts"].to(device) for p in holding])
+            if all(embeds_key in p for p in holding):
                 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-                embeds = torch.cat([p["image_embeds"].to(device) for p in with_images])  # [Σ image tokens, hidden]
-                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(embeds,))}
+                embeds = torch.cat([p[embeds_key].to(device) for p in holding])  # [Σ vision tokens, hidden]
+                encoder_outputs[modality] = BaseModelOutputWithPooling(pooler_output=(embeds,))
             else:
-                inputs["pixel_values"] = torch.cat([p["pixel_values"].to(device) for p in with_images])  # [Σ rows, D]
+                inputs[pixels_key] = torch.cat([p[pixels_key].to(device) for p in holding])  # [Σ rows, D]
+        if encoder_outputs:
+            inputs["mm_encoder_outputs"] = encoder_outputs
         return inputs, width
 
     def generate(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
@@ -343,6 +443,13 @@ class VLMAdapter:
             return self._decode(model, prompts, generation_config, share_prefill=share_prefill, device=device,
                                 output_scores=output_scores)
         inputs, width = self.collate(prompts, device=device)
+        if "video_grid_thw" in inputs and "mm_token_type_ids" in inputs:
+            rope = self.rope_positions(model, inputs)  # [3, n, P]
+            largest = rope.masked_fill(inputs["attention_mask"].unsqueeze(0) == 0, -1).amax(dim=(0, 2))  # [n]
+            if bool((largest != rope[:, :, -1].amax(dim=0)).any()):
+                raise ValueError("plugin.decoder 'hf': a prompt's video holds M-RoPE positions past its last token, "
+                                 "where transformers' generate continues (rope_deltas) but the teacher-forced pass "
+                                 "does not (mmrl.plugins.vlm.decode); use decoder 'mmrl'")
         positions: dict[int, int] = {}
         for prompt in prompts:
             positions.setdefault(id(prompt), len(positions))
@@ -362,7 +469,8 @@ class VLMAdapter:
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas[index]
         name = cache_argument(hf_model)
-        rest = {key: value for key, value in inputs.items() if key not in ("pixel_values", "mm_encoder_outputs")}
+        rest = {key: value for key, value in inputs.items()
+                if key not in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
         return model.generate(**rest, **{name: cache}, generation_config=generation_config), width
 
     def _decode(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
@@ -379,8 +487,8 @@ class VLMAdapter:
         unique = list({id(p): p for p in prompts}.values())
         shared = share_prefill and self.supports_shared_prefill and len(unique) < len(prompts)
         inputs, width = self.collate(unique if shared else prompts, device=device)
-        if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:
-            raise ValueError("plugin.decoder 'mmrl' needs the processor's mm_token_type_ids to place image tokens "
+        if ("image_grid_thw" in inputs or "video_grid_thw" in inputs) and "mm_token_type_ids" not in inputs:
+            raise ValueError("plugin.decoder 'mmrl' needs the processor's mm_token_type_ids to place vision tokens "
                              "(transformers >= 5); use decoder 'hf'")
         select = torch.tensor(index, device=inputs["input_ids"].device) if shared else None  # [n]
         output = decode(model, inputs, self.rope_positions(model, inputs), settings, select=select,
@@ -426,12 +534,16 @@ class VLMAdapter:
         """The M-RoPE position ids ``[3, n, L]`` the model would compute itself for collated ``inputs`` (prompts
         without completions), so that a caller can pass them explicitly and continue them past the prompt."""
         attention = inputs["attention_mask"]  # [n, L]
-        if "image_grid_thw" not in inputs:  # text only: the three components are the plain text positions
+        if "image_grid_thw" not in inputs and "video_grid_thw" not in inputs:
+            # text only: the three components are the plain text positions
             positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)  # [n, L]
             return positions.unsqueeze(0).expand(3, -1, -1)
         backbone = _base_model(model).model
+        extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}
         positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                                              image_grid_thw=inputs["image_grid_thw"], attention_mask=attention)
+                                              image_grid_thw=inputs.get("image_grid_thw"),
+                                              video_grid_thw=inputs.get("video_grid_thw"), attention_mask=attention,
+                                              **extra)
         return positions
 
     # ------------------------------------------------------------------ modules

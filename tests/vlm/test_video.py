@@ -1,0 +1,299 @@
+"""Video inputs in the VLM plugin (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rows with videos given as their frames, alone
+and beside an image, against a plain transformers forward of the chat written by hand; the decode loop samples the
+distribution the training pass scores (the M-RoPE continuation after a video); ``decoder: hf`` refuses the prompts
+where ``generate`` would not; the feature cache; rows, JSONL records and their errors; GRPO steps through the
+trainer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.plugins.vlm import data as vlm_data
+from mmrl.plugins.vlm.plugin import row_video_fps, row_videos
+from mmrl.trainer import Trainer
+from mmrl.trainer.learn import old_policy_pass
+from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
+
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_BOUNDS = {"video_min_pixels": 4 * 28 * 28, "video_max_pixels": 12 * 28 * 28}
+VIDEO_PART = "<|vision_start|><|video_pad|><|vision_end|>"
+IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def video_models(tiny_models, tmp_path_factory):
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    models = dict(tiny_models)
+    if "qwen3_vl" in vlm_adapters:
+        models["qwen3_vl"] = build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("qwen3") / "qwen3_vl")
+    return models
+
+
+def _model(video_models, family):
+    if family not in video_models:
+        pytest.skip(f"transformers has no {family}")
+    return video_models[family]
+
+
+def frames(count, height, width, seed):
+    """``count`` random RGB frames of one size (PIL)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8")) for _ in range(count)]
+
+
+def video_rows(factor):
+    """Three prompts: an 8-frame video, a 5-frame video of another shape at another rate after an image, and two
+    videos. Frame sides are multiples of the family's factor (patch × merge) within VIDEO_BOUNDS, so the adapter keeps
+    their size and the hand-written forward can feed the same frames."""
+    from PIL import Image
+
+    image = Image.fromarray((np.random.default_rng(9).random((2 * factor, 2 * factor, 3)) * 255).astype("uint8"))
+    return [
+        {"prompt": "Which way does it move?", "video": frames(8, 2 * factor, 3 * factor, 0), "video_fps": 2.0,
+         "solution": "left", "task": "motion"},
+        {"prompt": "What changes?", "image": [image], "video": [frames(5, 3 * factor, 2 * factor, 1)],
+         "video_fps": [4.0], "solution": "up", "task": "motion"},
+        {"prompt": "Compare the clips.", "video": [frames(2, 2 * factor, 2 * factor, 2), frames(4, 2 * factor,
+                                                                                             2 * factor, 3)],
+         "solution": "same", "task": "motion"},
+    ]
+
+
+def _plugin(path, **overrides):
+    return make_plugin(path, **{**VIDEO_BOUNDS, "max_new_tokens": 8, **overrides})
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_video_log_probs_equal_a_plain_transformers_forward(video_models, family, position):
+    """Each sample's old log-probs (feature cache, shared prompt forward, collation of mixed prompts) equal a plain
+    transformers forward of its chat written by hand, through the processor called directly on the same frames."""
+    plugin = _plugin(_model(video_models, family), image_position=position)
+    factor = plugin.adapter.image_factor
+    rows = video_rows(factor)
+    group = 2
+    rollout = old_policy_pass(plugin, plugin.policy(),
+                              plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=3))).validate()
+    replay = rollout.replay
+    assert "video_grid_thw" in replay and ("video_embeds" in replay) == plugin.cache_features
+    if family == "qwen2_5_vl":  # seconds per temporal patch of 2 frames at the row's rate
+        assert [t.tolist() for t in replay["second_per_grid_ts"][::group]] == [[1.0], [0.5], [1.0, 1.0]]
+    assert rollout.metrics["video_tokens"] > 0
+    model = plugin.policy()
+    for i in range(len(rollout.group_ids)):
+        row = rows[i // group]
+        clips = row_videos(row)
+        rates = row_video_fps(row, len(clips), plugin.config.video_fps)
+        vision = IMAGE_PART * len(row.get("image", [])) + VIDEO_PART * len(clips)
+        question = plugin.question(row)
+        user = vision + question if position == "before" else question + vision
+        text = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        metadata = [{"fps": rate, "total_num_frames": len(clip), "frames_indices": list(range(len(clip)))}
+                    for clip, rate in zip(clips, rates, strict=True)]
+        assert [clip[0].size for clip in plugin.adapter.load_videos(clips)] == [clip[0].size for clip in clips]
+        inputs = plugin.adapter.processor(text=[text], images=row.get("image") or None, videos=clips,
+                                          video_metadata=metadata, do_sample_frames=False, do_resize=False,
+                                          return_tensors="pt")
+        prompt_ids = inputs["input_ids"][0]
+        assert torch.equal(replay["input_ids"][i], prompt_ids)
+        completion = replay["completion_ids"][i]
+        inputs["input_ids"] = torch.cat([prompt_ids, completion]).unsqueeze(0)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"][0], torch.zeros_like(completion)])[None]
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, len(prompt_ids) - 1:-1].float()  # [C, V]
+        logits[:, plugin.adapter.suppressed_token_ids()] = -torch.inf
+        expected = (logits / plugin.config.temperature).log_softmax(-1).gather(-1, completion.unsqueeze(-1))[:, 0]
+        torch.testing.assert_close(rollout.old_logp[i, :len(completion)], expected, rtol=0, atol=1e-5)
+    part = rollout.select([5, 0, 3])
+    with torch.no_grad():
+        output = plugin.forward(plugin.policy(), part, need_reference=True)
+    assert float((output.logp - part.old_logp).abs().max()) < 1e-5  # ratio 1 on a reordered subset
+
+
+def _positions(plugin, prompts):
+    inputs, _ = plugin.adapter.collate(prompts)
+    positions = plugin.adapter.rope_positions(plugin.model, inputs)  # [3, n, P]
+    largest = positions.masked_fill(inputs["attention_mask"][None] == 0, -1).amax(dim=(0, 2))
+    return largest, positions[:, :, -1].amax(dim=0)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_decoding_samples_the_distribution_the_training_pass_scores(video_models, family):
+    """Each decode step's scores give the sampled token the log-prob of the teacher-forced pass. For Qwen2.5-VL the
+    8-frame video's temporal positions run past the prompt's last token (transformers 5.x restarts the text after a
+    video below them): decoding from the largest position, as ``generate`` does, would fail this."""
+    plugin = _plugin(_model(video_models, family), image_position="after")
+    rows = video_rows(plugin.adapter.image_factor)
+    groups = torch.tensor([0, 1, 2, 0, 1, 2])
+    model = plugin.model if plugin.cache_features else None
+    prompts = plugin.encode_rows([rows[g] for g in groups.tolist()], groups, model=model)
+    largest, last = _positions(plugin, prompts)
+    if family == "qwen2_5_vl":
+        assert bool((largest > last).any())  # the case the continuation from the last token is for
+    config = plugin.generation_config(True)
+    config.temperature = 0.7
+    torch.manual_seed(5)
+    with torch.no_grad():
+        output, _ = plugin.adapter.generate(plugin.model, prompts, config, output_scores=True)
+    tokens = output.tokens
+    sampled = torch.stack(output.scores, dim=1).log_softmax(-1).gather(-1, tokens.unsqueeze(-1))[..., 0]  # [n, C]
+    saved = plugin.config.temperature
+    plugin.config.temperature = 0.7
+    try:
+        with torch.no_grad():
+            logp, _ = plugin.token_logp(plugin.policy(), prompts, list(tokens), tokens.shape[1], with_entropy=False)
+    finally:
+        plugin.config.temperature = saved
+    torch.testing.assert_close(logp, sampled, rtol=0, atol=1e-4)
+
+
+def test_hf_decoder_refuses_videos_past_the_last_position_and_matches_otherwise(video_models):
+    """``decoder: hf`` continues from the largest position (rope_deltas): refused for the Qwen2.5-VL video prompt
+    where that is past the last token; for Qwen2-VL's prompts (largest = last) it draws the plugin loop's tokens."""
+    plugin = _plugin(video_models["qwen2_5_vl"], image_position="after")
+    rows = video_rows(plugin.adapter.image_factor)
+    prompts = plugin.encode_rows(rows[:1], model=plugin.model)
+    with pytest.raises(ValueError, match="decoder 'hf'.*use decoder 'mmrl'"):
+        plugin.adapter.generate(plugin.model, prompts, plugin.generation_config(True), decoder="hf")
+
+    plugin = _plugin(video_models["qwen2_vl"], image_position="after")
+    rows = video_rows(plugin.adapter.image_factor)
+    groups = torch.tensor([0, 1, 2, 0])
+    prompts = plugin.encode_rows([rows[g] for g in groups.tolist()], groups, model=plugin.model)
+    largest, last = _positions(plugin, prompts)
+    assert torch.equal(largest, last)
+    config = plugin.generation_config(True)
+    sequences = []
+    for decoder in ("mmrl", "hf"):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            tokens, width = plugin.adapter.generate(plugin.model, prompts, config, share_prefill=False,
+                                                    decoder=decoder)
+        sequences.append(tokens[:, width:])
+    torch.testing.assert_close(sequences[0], sequences[1], rtol=0, atol=0)
+
+
+def test_feature_cache_changes_nothing_for_videos(video_models):
+    """With the frozen tower's video features cached, the replay holds ``video_embeds`` instead of pixel rows and
+    the log-probs are those of the pixel path."""
+    path = video_models["qwen2_5_vl"]
+    cached, plain = _plugin(path), _plugin(path, cache_image_features=False)
+    rows = video_rows(cached.adapter.image_factor)
+    batch = prompt_batch(rows, 2, seed=1)
+    rollout = old_policy_pass(cached, cached.policy(), cached.rollout(cached.policy(), batch))
+    assert "video_embeds" in rollout.replay and "pixel_values_videos" not in rollout.replay
+    prompts = plain.encode_rows(batch.rows, batch.group_ids)
+    assert "pixel_values_videos" in prompts[0] and "video_embeds" not in prompts[0]
+    with torch.no_grad():
+        logp, _ = plain.token_logp(plain.policy(), prompts, rollout.replay["completion_ids"], rollout.num_actions,
+                                   with_entropy=False)
+    torch.testing.assert_close(logp * rollout.mask, rollout.old_logp * rollout.mask, rtol=0, atol=1e-5)
+
+
+def test_row_videos_and_frame_rates_are_read_and_checked():
+    a, b = ["f0.png", "f1.png"], ["g0.png"]
+    assert row_videos({}) == [] and row_videos({"video": a}) == [a] and row_videos({"video": [a, b]}) == [a, b]
+    with pytest.raises(ValueError, match="mixes frames and lists of frames"):
+        row_videos({"video": [a, "f2.png"]})
+    with pytest.raises(ValueError, match="list of frames"):
+        row_videos({"video": "clip.mp4"})
+    assert row_video_fps({}, 2, 2.0) == [2.0, 2.0] and row_video_fps({"video_fps": [1, 3]}, 2, 2.0) == [1.0, 3.0]
+    for bad in (0, -1.0, [1.0], "2", True):
+        with pytest.raises(ValueError, match="'video_fps' must be a positive number or one per video"):
+            row_video_fps({"video_fps": bad}, 2, 2.0)
+
+
+def test_frames_of_one_video_must_share_a_size(video_models):
+    plugin = _plugin(video_models["qwen2_5_vl"])
+    with pytest.raises(ValueError, match="video 0 of the prompt has frames of different sizes"):
+        plugin.adapter.load_videos([frames(1, 56, 56, 0) + frames(1, 56, 84, 1)])
+    with pytest.raises(ValueError, match="video 0 of the prompt has no frames"):
+        plugin.adapter.load_videos([[]])
+    resized = plugin.adapter.load_videos([frames(3, 100, 300, 0)])[0]  # 30,000 pixels > 12·28²: scaled down
+    width, height = resized[0].size
+    assert width % 28 == height % 28 == 0 and width * height <= VIDEO_BOUNDS["video_max_pixels"]
+    assert len({frame.size for frame in resized}) == 1
+
+
+def test_jsonl_records_with_videos(tmp_path):
+    for k, frame in enumerate(frames(3, 28, 28, 0)):
+        frame.save(tmp_path / f"f{k}.png")
+    lines = [
+        {"video": ["f0.png", "f1.png", "f2.png"], "video_fps": 1, "problem": "Where?", "solution": "left",
+         "task": "motion"},
+        {"image": "f0.png", "video": [["f1.png"], ["f2.png", "f0.png"]], "problem": "Which?", "solution": "B",
+         "task": "choice"},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = vlm_data.load_jsonl(path)
+    assert rows[0]["image"] == [] and rows[0]["video"] == [[str(tmp_path / f"f{k}.png") for k in range(3)]]
+    assert rows[0]["video_fps"] == 1 and "image_size" not in rows[0]
+    assert rows[1]["image"] == [str(tmp_path / "f0.png")] and rows[1]["image_size"] == [28, 28]
+    assert [len(clip) for clip in rows[1]["video"]] == [1, 2]
+    assert vlm_data.attach_sizes(rows[:1], lambda size: size)[0].get("resized_size") is None
+    bad = {
+        "missing key 'image'": {"problem": "q", "solution": 1, "task": "t"},
+        "'video' must be a list of frame paths or a list of such lists": {"video": "clip.mp4", "problem": "q",
+                                                                           "solution": 1, "task": "t"},
+        "each video must be a non-empty list of frame paths": {"video": [["f0.png"], []], "problem": "q",
+                                                               "solution": 1, "task": "t"},
+        "'video_fps' must be a positive number or one per video": {"video": ["f0.png"], "video_fps": [1, 2],
+                                                                   "problem": "q", "solution": 1, "task": "t"},
+        "video frame .*nope.png does not exist": {"video": ["nope.png"], "problem": "q", "solution": 1, "task": "t"},
+        "'video_fps' without 'video'": {"image": "f0.png", "video_fps": 2, "problem": "q", "solution": 1,
+                                        "task": "t"},
+    }
+    for message, record in bad.items():
+        with pytest.raises(vlm_data.DataError, match=f"line 1: {message}"):
+            path.write_text(json.dumps(record) + "\n")
+            vlm_data.load_jsonl(path)
+
+
+def test_grpo_steps_on_video_rows(tmp_path, tiny_models):
+    """Two GRPO steps of LoRA on video prompts (a JSONL of frame paths, the question after the video) through the
+    trainer: ratio 1 on the first inner step, the LoRA weights move, the base model does not, samples name frames."""
+    from tests.vlm.test_training import _snapshot  # also registers the test_completion_digits reward
+
+    rows = []
+    for k in range(3):
+        names = []
+        for j, frame in enumerate(frames(4, 56, 56 + 28 * (k % 2), k)):
+            names.append(f"clip{k}_{j}.png")
+            frame.save(tmp_path / names[-1])
+        rows.append({"video": names, "video_fps": 2, "problem": f"Which way does clip {k} move?",
+                     "solution": "left", "task": "motion"})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = plugin_options(tiny_models["qwen2_5_vl"], **VIDEO_BOUNDS, image_position="after",
+                             data={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "train.jsonl")})
+    config = load_config({
+        "plugin": {"name": "vlm", **options},
+        "run": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "seed": 0, "progress": False, "cpu": True},
+        "rollout": {"prompts_per_step": 3, "group_size": 2},
+        "algorithm": {"micro_batch_size": 4, "kl_coef": 0.04},
+        "optim": {"lr": 5.0e-2},
+        "rewards": {"functions": [{"name": "test_completion_digits"}, {"name": "format"}]},
+        "eval": {"at_start": False, "num_prompts": 2},
+    })
+    trainer = Trainer(config)
+    model = trainer.plugin.model
+    before = _snapshot(model)
+    result = trainer.train()
+    assert [record["step"] for record in result.history] == [1, 2]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in result.history)
+    assert any(key.endswith("video_tokens") and value > 0 for key, value in result.history[0].items())
+    after = _snapshot(model)
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert changed and all("lora_" in name for name in changed)
+    samples = [json.loads(line) for line in next((tmp_path / "run" / "samples").rglob("eval.jsonl")).open()]
+    assert samples[0]["video"][0][0].endswith(".png") and samples[0]["image"] == []
