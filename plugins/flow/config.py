@@ -72,6 +72,21 @@ class FlowPluginConfig:
     )
     eval_guidance_scale: float | None = config_field(None, minimum=0.0, eval_only=True,
                                                      help="Guidance at evaluation (null: guidance_scale).")
+    guidance_scale_2: float | None = config_field(
+        None, minimum=0.0,
+        help="CFG scale of the steps the low-noise expert (transformer_2) takes in a two-expert Wan 2.2 pipeline "
+        "(boundary_ratio), in rollouts, the training forward and evaluation alike; the high-noise steps take "
+        "guidance_scale (eval_guidance_scale at evaluation). Null: the same scale as the high-noise steps "
+        "(WanPipeline's guidance_scale_2 rule). Refused for other pipelines.",
+        ref="Wan2.2-T2V-A14B: guidance 4.0 high-noise, 3.0 low-noise (Wan-Video/Wan2.2 wan_t2v_A14B.py)",
+    )
+    train_experts: list[Literal["transformer", "transformer_2"]] | None = config_field(
+        None, help="Which experts of a two-expert Wan 2.2 pipeline train (a LoRA on each, or full fine-tuning of "
+        "each): 'transformer' (high-noise: timesteps >= boundary_ratio*1000) and/or 'transformer_2' (low-noise). "
+        "The others stay frozen; their steps are still sampled but give no gradient. Null: every expert (one "
+        "transformer for other pipelines, where only null or [transformer] is allowed).",
+        ref="Flow-Factory Wan2.2 LoRA recipe: target_components [transformer, transformer_2]",
+    )
     cfg: bool | None = config_field(
         None, help="True classifier-free guidance (an unconditional pass with negative_prompt) in rollouts and in "
         "the training forward. Null: on for SD3, off for FLUX (guidance-distilled, no CFG pass).",
@@ -185,6 +200,13 @@ class FlowPluginConfig:
                                       f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
             self._refuse_a_deterministic_last_step(path)
         strategy(self).validate(self, f"{path}.credit")
+        if self.train_experts is not None and (not self.train_experts
+                                               or len(set(self.train_experts)) != len(self.train_experts)):
+            raise ConfigError(f"{path}.train_experts", self.train_experts, "null or a non-empty list of distinct "
+                              "experts among transformer, transformer_2")
+        if self.guidance_scale_2 is not None and self.cfg is False and self.guidance_scale_2 != 1.0:
+            raise ConfigError(f"{path}.guidance_scale_2", self.guidance_scale_2, "null or 1.0 with plugin.cfg false: "
+                              "the experts are guided only through the unconditional pass that cfg: false turns off")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
@@ -267,6 +289,14 @@ class FlowPluginConfig:
             adapter_default = 1.0
         rollout = adapter_default if self.guidance_scale is None else self.guidance_scale
         return rollout, rollout if self.eval_guidance_scale is None else self.eval_guidance_scale
+
+    def resolved_expert_guidance_scales(self, rollout: float, evaluation: float) -> tuple[tuple[float, float],
+                                                                                          tuple[float, float]]:
+        """(rollout, evaluation) ``(high-noise, low-noise)`` pairs of a two-expert pipeline from the resolved
+        single scales: the low-noise scale is ``guidance_scale_2``, or each phase's own scale when it is null
+        (``WanPipeline.__call__``: ``guidance_scale_2 = guidance_scale`` when it is None)."""
+        low = self.guidance_scale_2
+        return (rollout, rollout if low is None else low), (evaluation, evaluation if low is None else low)
 
 
 def adapter_class(config: FlowPluginConfig) -> Any:

@@ -42,7 +42,15 @@ from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.sampler import FlowSampler
-from mmrl.policy import DIFFUSERS_LORA_WEIGHTS, attach_lora, check_reference_sync, frozen_copy, reference_policy
+from mmrl.policy import (
+    DIFFUSERS_LORA_WEIGHTS,
+    attach_lora,
+    check_reference_sync,
+    has_lora,
+    load_policy,
+    reference_policy,
+    save_policy,
+)
 from mmrl.rollout import Rollout, RolloutError
 
 LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
@@ -102,21 +110,38 @@ class FlowPlugin(Plugin):
                               "through the model's guidance embedding, without an unconditional pass")
         self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(
             adapter.default_guidance_scale, guided_by_cfg=adapter.supports_cfg)
+        experts = adapter.experts()
+        if len(experts) > 1:  # Wan 2.2 A14B: each expert its own scale (a (high-noise, low-noise) pair)
+            self.guidance_scale, self.eval_guidance_scale = config.resolved_expert_guidance_scales(
+                self.guidance_scale, self.eval_guidance_scale)
+        elif config.guidance_scale_2 is not None:
+            raise ConfigError("plugin.guidance_scale_2", config.guidance_scale_2, f"null: {config.model} has one "
+                              "transformer (guidance_scale_2 is the low-noise expert's scale of a two-expert Wan 2.2 "
+                              "pipeline with boundary_ratio)")
+        names = list(experts) if config.train_experts is None else list(config.train_experts)
+        if any(name not in experts for name in names):
+            raise ConfigError("plugin.train_experts", config.train_experts, f"null or a non-empty list of "
+                              f"{', '.join(experts)} (the experts of {config.model})")
+        #: The experts that train, by pipeline component name (every one unless plugin.train_experts says otherwise).
+        self.trained_experts = {name: experts[name] for name in names}
 
-        transformer = adapter.transformer
         self.reference: nn.Module | None = None
         if config.lora is None:
-            # Full fine-tuning: float32 master weights (autocast runs the forward in mixed precision).
-            transformer.to(torch.float32).requires_grad_(True)
+            # Full fine-tuning: float32 master weights (autocast runs the forward in mixed precision). A frozen
+            # expert keeps the loading dtype (WanExperts casts each expert's inputs to its own dtype).
+            for expert in self.trained_experts.values():
+                expert.to(torch.float32).requires_grad_(True)
             self.input_dtype = torch.float32
             if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
-                self.reference = frozen_copy(transformer)
+                self.reference = adapter.reference_copy()
         else:
             self.input_dtype = runtime.dtype  # the frozen base weights' dtype
-            attach_lora(transformer, config.lora, default_targets=adapter.lora_target_modules,
-                        what=f"the {adapter.name} transformer", base_model=config.model)
+            for name, expert in self.trained_experts.items():
+                attach_lora(expert, config.lora, default_targets=adapter.lora_target_modules,
+                            what=f"the {adapter.name} {name}", base_model=config.model)
         if config.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+            for expert in self.trained_experts.values():
+                expert.enable_gradient_checkpointing()
         self._rows = {split: load_rows(config, split) for split in ("train", "eval")}
         #: The sampling engine (:mod:`.sampler`), which the credit strategy builds its rollouts with.
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
@@ -210,6 +235,59 @@ class FlowPlugin(Plugin):
             for prompt, reward in zip(prompts, rewards.tolist(), strict=True):
                 handle.write(json.dumps({"prompt": prompt, "reward": float(reward)}) + "\n")
         return [grid, records]
+
+    # ------------------------------------------------------------------ two experts: one folder each
+    def expert_folders(self, directory: str | Path) -> list[tuple[str, nn.Module, Path]]:
+        """Where each trained expert of a two-expert pipeline (Wan 2.2 A14B) is saved in a checkpoint's ``policy/``
+        or an export: ``transformer`` (high-noise) where a one-transformer run writes its policy, ``directory``
+        itself, and ``transformer_2`` (low-noise) in ``directory/transformer_2``; frozen experts are not written.
+        Empty for a one-transformer pipeline."""
+        if len(self.adapter.experts()) < 2:
+            return []
+        directory = Path(directory)
+        return [(name, expert, directory if name == "transformer" else directory / name)
+                for name, expert in self.trained_experts.items()]
+
+    def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """:meth:`Plugin.save_trainable`; for two experts each trained expert in its :meth:`expert_folders` folder,
+        in the format of a one-transformer run (diffusers' LoRA file or ``trainable.safetensors``)."""
+        folders = self.expert_folders(directory)
+        if not folders:
+            return super().save_trainable(policy, directory)
+        state = self.gathered_trainable_state(policy)  # names "transformer.…" / "transformer_2.…"
+        if state is None:
+            return None
+        fmt = self.policy_format(policy, export=False)
+        for name, expert, folder in folders:
+            prefix = f"{name}."
+            save_policy(expert, folder, fmt,
+                        state={key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)})
+        return None
+
+    def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
+        """What :meth:`save_trainable` wrote, each trained expert from its folder (a LoRA of another rank or alpha is
+        refused in one line, as for one transformer)."""
+        folders = self.expert_folders(directory)
+        if not folders:
+            return super().load_trainable(policy, directory)
+        fmt = self.policy_format(policy, export=False)
+        for _, expert, folder in folders:
+            load_policy(expert, folder, fmt, lora=self.config.lora)
+        return None
+
+    def export(self, policy: nn.Module, directory: str | Path) -> str:
+        """:meth:`Plugin.export`; for two experts each trained expert in its :meth:`expert_folders` folder: diffusers'
+        LoRA file (``pipe.load_lora_weights(directory)`` for ``transformer``, ``pipe.load_lora_weights(directory /
+        "transformer_2", load_into_transformer_2=True)`` for the low-noise expert: diffusers'
+        ``WanLoraLoaderMixin``) or, for full fine-tuning, the expert's ``save_pretrained`` folder
+        (``WanTransformer3DModel.from_pretrained``)."""
+        folders = self.expert_folders(directory)
+        if not folders:
+            return super().export(policy, directory)
+        fmt = self.lora_format if has_lora(self.runtime.unwrap(policy)) else "pretrained"
+        for _, expert, folder in folders:
+            save_policy(expert, folder, fmt)
+        return fmt
 
     # ------------------------------------------------------------------ building blocks
     def reference_module(self) -> nn.Module | None:

@@ -34,7 +34,7 @@ from mmrl.rollout import Rollout, RolloutError
 from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from mmrl.plugins.flow.adapters.base import FlowAdapter
+    from mmrl.plugins.flow.adapters.base import FlowAdapter, GuidanceScale
 
 _SHARED_NOISE_TAG = 0x5A4E
 
@@ -47,15 +47,16 @@ class FlowSampler:
         runtime: The run's device, dtype, seed and autocast.
         adapter: The loaded model adapter (pipeline, transformer, schedule, VAE).
         cfg: Whether the velocity includes the unconditional CFG pass.
-        guidance_scale: Guidance of training rollouts and forwards.
-        eval_guidance_scale: Guidance of evaluation rollouts.
+        guidance_scale: Guidance of training rollouts and forwards (a ``(high-noise, low-noise)`` pair for Wan 2.2's
+            two experts).
+        eval_guidance_scale: Guidance of evaluation rollouts (the same).
         input_dtype: The dtype the transformer takes its inputs in (the frozen base weights', float32 for full
             fine-tuning).
         max_sequence_length: Text tokens per prompt.
     """
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime, adapter: FlowAdapter, *, cfg: bool,
-                 guidance_scale: float, eval_guidance_scale: float, input_dtype: torch.dtype,
+                 guidance_scale: GuidanceScale, eval_guidance_scale: GuidanceScale, input_dtype: torch.dtype,
                  max_sequence_length: int):
         self.config = config
         self.runtime = runtime
@@ -299,7 +300,7 @@ class FlowSampler:
         return self.adapter.pack(torch.randn(shape, generator=generator).to(self.runtime.device))
 
     def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: dict[str, Tensor],
-                 guidance_scale: float, *, phase: str) -> Tensor:
+                 guidance_scale: GuidanceScale, *, phase: str) -> Tensor:
         """float32 velocity ``[n, *latent]``: the one function rollouts and training forwards share. ``phase``
         ('rollout', 'forward' or 'evaluation') is the counter of :attr:`model_evaluations` the rows go to."""
         self.model_evaluations[phase] += int(latents.shape[0])

@@ -1,5 +1,5 @@
-"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 and Wan pipelines with random weights and locally built tokenizers, for tests
-and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 and Wan (2.1, 2.2 two-expert and 2.2 TI2V) pipelines with random weights and
+locally built tokenizers, for tests and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -376,15 +376,105 @@ def build_wan_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                        scheduler=scheduler)
 
 
+def _tiny_wan_transformer(latent_channels: int, text_width: int) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=latent_channels,
+        out_channels=latent_channels, text_dim=text_width, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+    )
+
+
+def _tiny_umt5(tokenizer: Any, width: int) -> Any:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=width, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+        use_cache=False, tie_word_embeddings=False,
+    ))
+
+
+WAN22_BOUNDARY_RATIO = 0.875
+"""``boundary_ratio`` of the tiny two-expert Wan 2.2 pipeline, Wan2.2-T2V-A14B's (Wan-Video/Wan2.2@42bf4cf
+``wan/configs/wan_t2v_A14B.py:36``): the high-noise expert takes the steps with t >= 875."""
+
+
+def build_wan22_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A two-expert Wan 2.2 ``WanPipeline`` (the layout of Wan-AI/Wan2.2-T2V-A14B-Diffusers) with random weights: the
+    tiny Wan 2.1 components of :func:`build_wan_pipeline` (UMT5, the Wan 2.1 VAE, 4 latent channels) with two
+    differently initialised two-block transformers, ``transformer`` (high-noise expert) and ``transformer_2``
+    (low-noise expert), ``boundary_ratio`` 0.875 and UniPC with Wan2.2-T2V-A14B's flow shift 12
+    (``wan_t2v_A14B.py:34`` ``sample_shift``): at 4 steps the timesteps are about 1000, 960, 857 and 12, so steps 0-1
+    go to the high-noise expert and 2-3 to the low-noise one."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    if size != "tiny":
+        raise ValueError(f"unknown Wan 2.2 pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_t5_tokenizer()
+        width, latent_channels = 32, 4
+        text_encoder = _tiny_umt5(tokenizer, width)
+        transformer = _tiny_wan_transformer(latent_channels, width)
+        transformer_2 = _tiny_wan_transformer(latent_channels, width)
+        vae = AutoencoderKLWan(
+            base_dim=8, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+            scale_factor_temporal=2, scale_factor_spatial=2,
+        )
+        scheduler = UniPCMultistepScheduler(
+            num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=12.0,
+        )
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                       transformer_2=transformer_2, boundary_ratio=WAN22_BOUNDARY_RATIO, vae=vae, scheduler=scheduler)
+
+
+def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A Wan 2.2 TI2V ``WanPipeline`` (the layout of Wan-AI/Wan2.2-TI2V-5B-Diffusers) with random weights:
+    ``expand_timesteps`` (the transformer gets one timestep per token), one two-block transformer on 6 latent
+    channels and a tiny Wan 2.2 VAE: ``AutoencoderKLWan`` with ``is_residual`` (residual down/up blocks), a 2×2 pixel
+    patchify (``patch_size`` 2, 12 input channels) and one downsampling in space and time, so ``scale_factor_spatial``
+    is 4 (16 px frames have 4×4 latents; the released VAE: 16) and 5 frames have 3 latent frames; UniPC with
+    TI2V-5B's flow shift 5 (Wan-Video/Wan2.2@42bf4cf ``wan/configs/wan_ti2v_5B.py:33`` ``sample_shift``)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    if size != "tiny":
+        raise ValueError(f"unknown Wan 2.2 TI2V pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_t5_tokenizer()
+        width, latent_channels = 32, 6
+        text_encoder = _tiny_umt5(tokenizer, width)
+        transformer = _tiny_wan_transformer(latent_channels, width)
+        # dim_mult must end with a repeated multiplier: the last residual down block does not downsample, and its
+        # shortcut (AvgDown3D) needs in_dim divisible by out_dim (the released VAE: [1, 2, 4, 4]).
+        vae = AutoencoderKLWan(
+            base_dim=8, z_dim=latent_channels, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[True],
+            # arbitrary per-channel statistics (the released VAE has 48 channels), so that the decode's
+            # un-normalisation matters
+            latents_mean=[-0.2, 0.0, -0.1, -0.2, -0.3, 0.1], latents_std=[0.5, 1.0, 0.45, 1.2, 0.5, 0.8],
+            is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_temporal=2,
+            scale_factor_spatial=4,
+        )
+        scheduler = UniPCMultistepScheduler(
+            num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,
+        )
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler, expand_timesteps=True)
+
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
-            "flux2": build_flux2_pipeline, "wan": build_wan_pipeline}
+            "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
+            "wan22_ti2v": build_wan22_ti2v_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
-    ``"wan"``) and ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the
-    2.2B-parameter SD3.5-Medium transformer on disk)."""
+    ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps)) and ``save_pretrained`` it to
+    ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on
+    disk)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown pipeline kind {kind!r}; choose one of {', '.join(BUILDERS)}")
     directory = Path(directory)
@@ -396,8 +486,8 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan} FOLDER``: write a tiny pipeline for CPU
-    smoke runs."""
+    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan,wan22,wan22_ti2v} FOLDER``: write a tiny
+    pipeline for CPU smoke runs."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Write a tiny random flow pipeline folder (SD3, FLUX, ..., Wan).")

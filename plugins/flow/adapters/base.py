@@ -40,6 +40,10 @@ from torch import Tensor, nn
 Conditioning = dict[str, Tensor]
 """Per-sample text conditioning: each tensor has the sample axis first (``[n, ...]``)."""
 
+GuidanceScale = float | tuple[float, float]
+"""A guidance scale, or a ``(high-noise, low-noise)`` pair for a pipeline whose experts each have their own (Wan 2.2
+A14B: ``guidance_scale`` and ``guidance_scale_2``); :meth:`FlowAdapter.guidance_for` resolves it per row."""
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
@@ -106,6 +110,24 @@ class FlowAdapter(ABC):
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def experts(self) -> dict[str, nn.Module]:
+        """The trainable denoisers by pipeline component name (``plugin.train_experts`` picks among them): the one
+        ``{"transformer": ...}``, or Wan 2.2's ``transformer`` and ``transformer_2``, which :attr:`transformer` (the
+        policy) then holds together."""
+        return {"transformer": self.pipeline.transformer}
+
+    def reference_copy(self) -> nn.Module:
+        """Full fine-tuning's frozen reference policy: a frozen copy of :attr:`transformer`."""
+        from mmrl.policy import frozen_copy
+
+        return frozen_copy(self.transformer)
+
+    def guidance_for(self, timesteps: Tensor, guidance_scale: GuidanceScale) -> float | Tensor:
+        """The CFG scale that :meth:`velocity` combines each row with (a float, or a tensor broadcasting against the
+        velocity ``[n, ...]``): ``guidance_scale`` itself; an adapter with per-expert scales maps a ``(high, low)``
+        pair to rows by their ``timesteps [n]``."""
+        return guidance_scale[0] if isinstance(guidance_scale, tuple) else guidance_scale
 
     def text_encoders(self) -> list[nn.Module]:
         """The pipeline's text encoders (frozen by the plugin)."""
@@ -248,27 +270,31 @@ class FlowAdapter(ABC):
         :meth:`velocity`."""
 
     def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning, *,
-                 guidance_scale: float, negative: Conditioning | None = None) -> Tensor:
+                 guidance_scale: GuidanceScale, negative: Conditioning | None = None) -> Tensor:
         """The velocity the sampler steps with, float32 ``[n, ...]``.
 
         With ``negative`` (one row, the negative prompt) this is true classifier-free guidance as in the diffusers
         pipelines and Flow-GRPO: one transformer call on ``[uncond; cond]`` and v = v_u + w·(v_c − v_u), the
-        combination done in float32. Rollout and training both come through here.
+        combination done in float32, w from :meth:`guidance_for` (per row for Wan 2.2's experts). Rollout and
+        training both come through here.
         """
+        scale = self.guidance_for(timesteps, guidance_scale)
+        # call_transformer's scale is a guidance-distilled model's embedding (FLUX); per-expert pairs are CFG scales
+        embedded = guidance_scale[0] if isinstance(guidance_scale, tuple) else guidance_scale
         if negative is None:
-            return self.call_transformer(module, latents, timesteps, conditioning, guidance_scale).float()
+            return self.call_transformer(module, latents, timesteps, conditioning, embedded).float()
         n = latents.shape[0]
         both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]), value])
                 for key, value in conditioning.items()}
         output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
-                                       both, guidance_scale)
+                                       both, embedded)
         uncond, cond = output.float().chunk(2)  # [n, ...] each
-        return self.combine_guidance(uncond, cond, guidance_scale)
+        return self.combine_guidance(uncond, cond, scale)
 
-    def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float) -> Tensor:
+    def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float | Tensor) -> Tensor:
         """The guided velocity from the float32 unconditional and conditional ones (``[n, ...]`` each): the standard
-        v_u + w·(v_c − v_u). A model whose pipeline post-processes the combination (Qwen-Image's norm rescale)
-        overrides this, not :meth:`velocity`."""
+        v_u + w·(v_c − v_u), w a float or per row (``[n, 1, ...]``). A model whose pipeline post-processes the
+        combination (Qwen-Image's norm rescale) overrides this, not :meth:`velocity`."""
         return uncond + guidance_scale * (cond - uncond)
 
     @torch.no_grad()
