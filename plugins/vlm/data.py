@@ -35,6 +35,7 @@ seed and needs nothing but Pillow.
 Command line::
 
     python -m mmrl.plugins.vlm.data shapes data/shapes --train 512 --eval 64 --seed 0
+    python -m mmrl.plugins.vlm.data frames videos.jsonl data/videos/train.jsonl --frames-dir data/videos/frames
     python -m mmrl.plugins.vlm.data refcoco refcoco_train.json data/refcoco/train.jsonl --image-root coco/train2014
     python -m mmrl.plugins.vlm.data counting clevr_counts.jsonl data/counting/train.jsonl
 """
@@ -503,6 +504,64 @@ def _draw(draw: Any, shape: str, box: Sequence[float], color: tuple[int, int, in
         draw.polygon([((x1 + x2) / 2, y1), (x1, y2 - 1), (x2 - 1, y2 - 1)], fill=color)
 
 
+# ---------------------------------------------------------------------------------------------------- video frames
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, *, fps: float = 2.0, min_frames: int = 4,
+                         max_frames: int = 16) -> list[int]:
+    """Which frames of a video to keep, as qwen-vl-utils' ``smart_nframes`` and its readers choose them: about
+    ``fps`` frames per second of the video, between ``min_frames`` and ``max_frames`` (rounded to even counts: Qwen-VL
+    pairs frames into temporal patches) and at most all of them, spread evenly (``linspace(0, total − 1, n)``,
+    rounded). qwen-vl-utils 0.0.14 ``vision_process.py`` (``smart_nframes``, ``_read_video_torchvision``); its
+    defaults are FPS 2, 4 to 768 frames; Video-R1's vendored copy caps at 16 (tulerfeng/Video-R1@59d65c3,
+    ``src/qwen-vl-utils/src/qwen_vl_utils/vision_process.py``).
+
+    Raises:
+        ValueError: fewer than 2 frames to keep.
+    """
+    if total_frames < 2 or video_fps <= 0 or fps <= 0:
+        raise ValueError(f"cannot sample frames from a video of {total_frames} frames at {video_fps} fps (fps {fps})")
+    low = 2 * math.ceil(min_frames / 2)
+    high = 2 * math.floor(min(max_frames, total_frames) / 2)
+    wanted = min(min(max(total_frames / video_fps * fps, low), high), total_frames)
+    count = 2 * math.floor(wanted / 2)
+    if not 2 <= count <= total_frames:
+        raise ValueError(f"cannot keep {count} of {total_frames} frames; keep between 2 and all of them")
+    step = (total_frames - 1) / (count - 1)
+    return [int(math.floor(k * step + 0.5)) for k in range(count)]
+
+
+def extract_frames(video: str | Path, directory: str | Path, *, fps: float = 2.0, min_frames: int = 4,
+                   max_frames: int = 16) -> tuple[list[str], float]:
+    """Decode a video file (PyAV, which qwen-vl-utils installs), keep the frames :func:`sample_frame_indices` picks
+    and write them as PNGs into ``directory``.
+
+    Returns:
+        ``(frame paths, sampled fps)``: the frames in time order and the rate they stand for, ``kept / total ×
+        the video's fps`` (what qwen-vl-utils passes to the processor as ``fps``): the row's ``video_fps``.
+    """
+    try:
+        import av
+    except ImportError as error:
+        raise ImportError("extracting video frames needs PyAV (pip install av; qwen-vl-utils installs it)") from error
+    video = Path(video)
+    if not video.is_file():
+        raise DataError(f"video {video} does not exist")
+    with av.open(str(video)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
+        decoded = [frame.to_image() for frame in container.decode(stream)]
+    indices = sample_frame_indices(len(decoded), rate, fps=fps, min_frames=min_frames, max_frames=max_frames)
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in indices:
+        path = folder / f"{video.stem}_{index:05d}.png"
+        decoded[index].convert("RGB").save(path)
+        paths.append(str(path))
+    return paths, len(indices) / len(decoded) * rate
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmrl.plugins.vlm.data",
                                      description="Write VLM datasets in the plugin's JSONL format.")
@@ -523,7 +582,27 @@ def main(argv: list[str] | None = None) -> int:
     counting.add_argument("source")
     counting.add_argument("output")
     counting.add_argument("--image-root", default=None, help="prefix for the records' image names")
+    frames = commands.add_parser("frames", help="records whose 'video' is a video file → rows with its frames as PNGs")
+    frames.add_argument("source")
+    frames.add_argument("output")
+    frames.add_argument("--frames-dir", required=True, help="folder the frames are written into (one per video)")
+    frames.add_argument("--video-root", default=None, help="prefix for the records' video paths")
+    frames.add_argument("--fps", type=float, default=2.0, help="frames kept per second of video (qwen-vl-utils: 2)")
+    frames.add_argument("--min-frames", type=int, default=4)
+    frames.add_argument("--max-frames", type=int, default=16, help="Video-R1: 16; qwen-vl-utils: 768")
     args = parser.parse_args(argv)
+    if args.command == "frames":
+        rows = []
+        for where, record in iter_jsonl(Path(args.source), error=DataError):
+            if not isinstance(record, dict) or not isinstance(record.get("video"), str):
+                raise DataError(f"{where}: expected a record whose 'video' is the path of a video file")
+            source = Path(args.video_root) / record["video"] if args.video_root else Path(record["video"])
+            folder = Path(args.frames_dir) / f"{len(rows):06d}"
+            paths, rate = extract_frames(source, folder, fps=args.fps, min_frames=args.min_frames,
+                                         max_frames=args.max_frames)
+            rows.append({**record, "video": paths, "video_fps": rate})
+        print(f"wrote {len(rows)} rows to {write_jsonl(rows, args.output)}")
+        return 0
     if args.command == "shapes":
         paths = write_shapes_dataset(args.directory, train_size=args.train, eval_size=args.eval, seed=args.seed,
                                      tasks=args.tasks)

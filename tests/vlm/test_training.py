@@ -135,7 +135,8 @@ def test_box_rewards_take_the_model_familys_convention(tmp_path, tiny_models, fa
 
 def test_every_vlm_recipe_validates_offline():
     recipes = sorted(CONFIGS.glob("*.yaml"))
-    assert {p.name for p in recipes} >= {"qwen25vl_3b_grounding.yaml", "qwen25vl_counting.yaml", "toy_grounding.yaml"}
+    assert {p.name for p in recipes} >= {"qwen25vl_3b_grounding.yaml", "qwen25vl_counting.yaml", "toy_grounding.yaml",
+                                         "qwen25vl_7b_video.yaml"}
     for recipe in recipes:
         config = load_config(recipe)
         assert config.plugin.name == "vlm"
@@ -148,6 +149,8 @@ def test_every_vlm_recipe_validates_offline():
     lora = load_config(counting, ["plugin.lora.rank=64", "plugin.lora.alpha=128", "plugin.dtype=bfloat16",
                                   "optim.lr=1e-5", "rollout.prompts_per_step=4"]).plugin.config
     assert lora.lora is not None and lora.lora.rank == 64 and lora.dtype == "bfloat16"
+    video = load_config(CONFIGS / "qwen25vl_7b_video.yaml").plugin.config  # Video-R1's 128·28² frames
+    assert video.video_min_pixels == video.video_max_pixels == 128 * 28 * 28 and video.max_new_tokens == 768
     synthetic = load_config(counting, ["plugin.data={synthetic: {tasks: [counting], train_size: 20000}}"])
     assert synthetic.plugin.config.data.train is None
     assert synthetic.plugin.config.data.synthetic.tasks == ["counting"]

@@ -297,3 +297,47 @@ def test_grpo_steps_on_video_rows(tmp_path, tiny_models):
     assert changed and all("lora_" in name for name in changed)
     samples = [json.loads(line) for line in next((tmp_path / "run" / "samples").rglob("eval.jsonl")).open()]
     assert samples[0]["video"][0][0].endswith(".png") and samples[0]["image"] == []
+
+
+def test_frame_sampling_follows_qwen_vl_utils():
+    """The kept frames are qwen-vl-utils' (``smart_nframes`` and the readers' rounded linspace), for its defaults
+    and Video-R1's 16-frame cap."""
+    qwen_vl_utils = pytest.importorskip("qwen_vl_utils.vision_process")
+    for total in (8, 9, 30, 61, 240, 1000):
+        for video_fps in (24.0, 29.97, 5.0):
+            for fps, low, high in ((2.0, 4, 16), (1.0, 4, 768), (4.0, 2, 8)):
+                ele = {"fps": fps, "min_frames": low, "max_frames": high}
+                count = qwen_vl_utils.smart_nframes(ele, total_frames=total, video_fps=video_fps)
+                expected = torch.linspace(0, total - 1, count).round().long().tolist()
+                assert vlm_data.sample_frame_indices(total, video_fps, fps=fps, min_frames=low,
+                                                     max_frames=high) == expected, (total, video_fps, fps)
+    with pytest.raises(ValueError, match="cannot sample frames from a video of 1 frames"):
+        vlm_data.sample_frame_indices(1, 24.0)
+
+
+def test_frames_command_extracts_a_video_files_frames(tmp_path):
+    """``python -m mmrl.plugins.vlm.data frames``: a 3-second 10 fps video of a grey level rising per frame becomes
+    6 frames (2 per second) at the levels of the frames qwen-vl-utils' indices pick, with video_fps 2."""
+    av = pytest.importorskip("av")
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for k in range(30):
+            level = np.full((48, 64, 3), 8 * k, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(level, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    (tmp_path / "videos.jsonl").write_text(json.dumps({"video": "clip.mp4", "problem": "Brighter or darker?",
+                                                       "solution": "brighter", "task": "video"}) + "\n")
+    assert vlm_data.main(["frames", str(tmp_path / "videos.jsonl"), str(tmp_path / "rows.jsonl"),
+                          "--frames-dir", str(tmp_path / "frames"), "--video-root", str(tmp_path)]) == 0
+    (row,) = vlm_data.load_jsonl(tmp_path / "rows.jsonl")
+    (clip,) = row["video"]
+    assert row["video_fps"] == pytest.approx(2.0) and len(clip) == 6
+    from PIL import Image
+
+    levels = [float(np.asarray(Image.open(frame)).mean()) for frame in clip]
+    expected = [8 * k for k in vlm_data.sample_frame_indices(30, 10.0)]
+    assert np.allclose(levels, expected, atol=4.0), (levels, expected)
