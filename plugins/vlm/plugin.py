@@ -293,6 +293,9 @@ class VLMPlugin(Plugin):
         if config.lora is None and runtime.needs_reference:
             self._reference = self._load_reference()
         self._rows = self._load_rows()
+        # A dataset with any video row gives every prompt the video entries, so that every rollout's replay has the
+        # same keys whichever rows it drew (rollouts of several chunks or rounds are concatenated).
+        self.video_rows = any(row.get("video") is not None for rows in self._rows.values() for row in rows)
 
     # ------------------------------------------------------------------ contract
     def policy(self) -> nn.Module:
@@ -461,7 +464,7 @@ class VLMPlugin(Plugin):
                                                               image_position=self.config.image_position,
                                                               num_videos=len(clips)))
                  for row, group, clips in zip(unique, images, videos, strict=True)]
-        encoded = self.adapter.encode(texts, images, videos, rates)
+        encoded = self.adapter.encode(texts, images, videos, rates, video_entries=self.video_rows)
         for row, prompt in zip(unique, encoded, strict=True):
             _check_resized_size(row, prompt, self.adapter.patch_size)
         if model is not None:

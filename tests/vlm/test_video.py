@@ -265,17 +265,9 @@ def test_grpo_steps_on_video_rows(tmp_path, tiny_models):
     trainer: ratio 1 on the first inner step, the LoRA weights move, the base model does not, samples name frames."""
     from tests.vlm.test_training import _snapshot  # also registers the test_completion_digits reward
 
-    rows = []
-    for k in range(3):
-        names = []
-        for j, frame in enumerate(frames(4, 56, 56 + 28 * (k % 2), k)):
-            names.append(f"clip{k}_{j}.png")
-            frame.save(tmp_path / names[-1])
-        rows.append({"video": names, "video_fps": 2, "problem": f"Which way does clip {k} move?",
-                     "solution": "left", "task": "motion"})
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = _write_clip_rows(tmp_path, 3)
     options = plugin_options(tiny_models["qwen2_5_vl"], **VIDEO_BOUNDS, image_position="after",
-                             data={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "train.jsonl")})
+                             data={"train": str(path), "eval": str(path)})
     config = load_config({
         "plugin": {"name": "vlm", **options},
         "run": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "seed": 0, "progress": False, "cpu": True},
@@ -341,3 +333,45 @@ def test_frames_command_extracts_a_video_files_frames(tmp_path):
     levels = [float(np.asarray(Image.open(frame)).mean()) for frame in clip]
     expected = [8 * k for k in vlm_data.sample_frame_indices(30, 10.0)]
     assert np.allclose(levels, expected, atol=4.0), (levels, expected)
+
+
+def _write_clip_rows(directory, count, *, with_image_rows=0):
+    """JSONL rows of 4-frame clips (frame files) and, optionally, image-only rows."""
+    rows = []
+    for k in range(count):
+        names = []
+        for j, frame in enumerate(frames(4, 56, 56 + 28 * (k % 2), k)):
+            names.append(f"clip{k}_{j}.png")
+            frame.save(directory / names[-1])
+        rows.append({"video": names, "video_fps": 2, "problem": f"Which way does clip {k} move?",
+                     "solution": "left", "task": "motion"})
+    for k in range(with_image_rows):
+        frames(1, 84, 56, 100 + k)[0].save(directory / f"image{k}.png")
+        rows.append({"image": f"image{k}.png", "problem": f"What is in image {k}?", "solution": "a square",
+                     "task": "motion"})
+    (directory / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return directory / "train.jsonl"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_rollouts_of_image_rows_and_of_video_rows_concatenate(tmp_path, tiny_models, family):
+    """In a dataset mixing video and image rows every prompt carries the video entries (empty without a video), so
+    a rollout that drew only image rows concatenates with one that drew videos, and a micro-batch mixing them
+    recomputes the old log-probs (ratio 1)."""
+    from mmrl.rollout import Rollout
+
+    path = _write_clip_rows(tmp_path, 2, with_image_rows=2)
+    plugin = _plugin(tiny_models[family], data={"train": str(path), "eval": str(path)})
+    rows = plugin.dataset("train")
+    assert plugin.video_rows and [bool(row.get("video")) for row in rows] == [True, True, False, False]
+    images_only = plugin.rollout(plugin.policy(), prompt_batch(rows[2:], 2, seed=0))
+    videos = plugin.rollout(plugin.policy(), prompt_batch(rows[:2], 2, seed=1))
+    assert set(images_only.replay) == set(videos.replay)
+    assert all(grid.shape == (0, 3) for grid in images_only.replay["video_grid_thw"])
+    assert ("second_per_grid_ts" in videos.replay) == (family == "qwen2_5_vl")
+    pooled = old_policy_pass(plugin, plugin.policy(), Rollout.concat([images_only, videos]))
+    part = pooled.select([6, 1, 4, 3])
+    with torch.no_grad():
+        output = plugin.forward(plugin.policy(), part, need_reference=False)
+    assert float((output.logp - part.old_logp).abs().max()) < 1e-5
+    assert pooled.metrics["video_tokens"] == pytest.approx(videos.metrics["video_tokens"] / 2)

@@ -111,6 +111,12 @@ class VLMAdapter:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
+    @property
+    def uses_video_seconds(self) -> bool:
+        """Whether the family's processor writes ``second_per_grid_ts`` for videos (Qwen2.5-VL), read from its
+        ``model_input_names`` (see :meth:`encode`'s ``video_entries``)."""
+        return "second_per_grid_ts" in getattr(self.processor, "model_input_names", ())
+
     # ------------------------------------------------------------------ loading
     @classmethod
     def transformers_class(cls) -> type[nn.Module]:
@@ -256,7 +262,8 @@ class VLMAdapter:
 
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
                videos: Sequence[Sequence[Sequence[Any]]] | None = None,
-               video_fps: Sequence[Sequence[float]] | None = None) -> list[PromptInputs]:
+               video_fps: Sequence[Sequence[float]] | None = None, *, video_entries: bool = False
+               ) -> list[PromptInputs]:
         """Run the processor once on a batch of prompts and split its output per prompt.
 
         Args:
@@ -267,6 +274,9 @@ class VLMAdapter:
             video_fps: Per prompt, the frame rate of each of its videos' frames (frames per second of the video's
                 time): Qwen2.5-VL spaces a video's temporal M-RoPE positions by it (``second_per_grid_ts``) and
                 Qwen3-VL writes each frame's timestamp from it. Required with ``videos``.
+            video_entries: Give every prompt the video entries even when none of the batch has a video (empty
+                tensors): in a dataset that mixes video and image rows, every rollout's replay then has the same
+                keys, whichever rows it drew.
 
         Returns:
             One :data:`PromptInputs` per prompt (unpadded token ids and that prompt's own pixel rows and grids).
@@ -303,6 +313,10 @@ class VLMAdapter:
         seconds = batch.get("second_per_grid_ts") if clips else None
         if seconds is not None:
             seconds = torch.as_tensor(seconds, dtype=torch.float32).reshape(-1)  # [videos]
+        if per_video is None and video_entries:
+            per_video = [(torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)) for _ in video_counts]
+            if self.uses_video_seconds:
+                seconds = torch.zeros(0)
         prompts = []
         start = 0
         for i, (pixels, grid) in enumerate(vision):
