@@ -53,14 +53,15 @@ def test_height_and_width_default_to_resolution_one_by_one():
 
 
 def test_recipes_resolve_their_sizes():
-    """wan_t2v trains at Wan2.1's native 480p (832 wide, 480 high); every other flow recipe keeps its square side."""
+    """wan_t2v and wan22_t2v train at Wan's 480p (832 wide, 480 high); every other flow recipe keeps its square
+    side."""
     import yaml
 
     from mmrl.config import load_config
 
     for recipe in sorted((ROOT / "configs" / "flow").glob("*.yaml")):
         config = load_config(recipe).plugin.config
-        if recipe.name == "wan_t2v.yaml":
+        if recipe.name in ("wan_t2v.yaml", "wan22_t2v.yaml"):
             assert config.resolved_size() == (480, 832)
             continue
         side = yaml.safe_load(recipe.read_text())["plugin"].get("resolution", 512)
