@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, identity_head
+from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, identity_head, select_cache_rows
 from mmrl.plugins.vlm.plugin import replay_prompts
 from mmrl.plugins.vlm.prefix import distinct_prompts
 from mmrl.trainer.learn import needs_old_logp
@@ -94,7 +94,7 @@ class VLMFloor(Floor):
             self.hf.get_image_features(call["pixels"], call["grids"], return_dict=True)
             output = self.hf(**call["prefix"], use_cache=True, logits_to_keep=1)
             cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
-            cache.batch_select_indices(call["select"])
+            select_cache_rows(cache, call["select"])
             width = call["width"]
             for t in range(call["steps"] - 1):  # the prefill's logits sampled the first token
                 position = width + t
@@ -116,7 +116,7 @@ class VLMFloor(Floor):
             if completion == 1:
                 return head(last)
             cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
-            cache.batch_select_indices(shared["index"])  # [u, heads, P, d] -> [n, heads, P, d]
+            select_cache_rows(cache, shared["index"])  # [u, heads, P, d] -> [n, heads, P, d]
             output = hf(**shared["rest"], use_cache=True, **{self.cache_name: cache})
             hidden = torch.cat([last, output.logits], dim=1)  # [n, C, H]
         return head(hidden)  # [n, C, V]

@@ -8,7 +8,7 @@ recipe (:class:`SamplingSettings`) over a KV cache. :func:`decode` runs exactly 
 
 1. **prefill**: the collated prompts (or, with ``share_prefill``, each distinct prompt once) through the model with
    a KV cache and their M-RoPE position ids (:meth:`VLMAdapter.rope_positions`), keeping only the last position's
-   logits; a shared prefill's cache (and last logits) are then indexed out to the samples (``batch_select_indices``),
+   logits; a shared prefill's cache (and last logits) are then indexed out to the samples (``select_cache_rows``),
    so the G samples of a prompt start from one prompt computation, the last prompt token included;
 2. **decode**: per step, sample every row's next token from the last logits (float32: suppressed tokens at −∞, then
    temperature, top-k, top-p — transformers' order — then ``softmax`` and ``torch.multinomial(probs, 1)``, or
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument
+from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, select_cache_rows
 
 DECODERS = ("mmrl", "hf")
 """``plugin.decoder`` values: this module's loop, or transformers' ``generate``."""
@@ -218,7 +218,7 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     # token, text, whose three components are equal), as the teacher-forced sequence continues it (module docstring).
     next_position = positions[:, :, -1].amax(dim=0) + 1  # [u]
     if select is not None:
-        cache.batch_select_indices(select)
+        select_cache_rows(cache, select)
         logits, attention, next_position = logits[select], attention[select], next_position[select]
     n, width = attention.shape
     steps = settings.max_new_tokens

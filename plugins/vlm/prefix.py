@@ -34,6 +34,7 @@ from mmrl.plugins.vlm.adapters.base import (
     cache_argument,
     check_head,
     identity_head,
+    select_cache_rows,
 )
 
 _PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "pixel_values", "video_grid_thw", "video_embeds",
@@ -152,7 +153,7 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         if cache is None:
             raise RuntimeError(f"{type(hf_model).__name__} returned no KV cache for the shared prompt pass")
-        cache.batch_select_indices(index)  # every layer's [u, heads, P, d] -> [n, heads, P, d]
+        select_cache_rows(cache, index)  # every layer's [u, heads, P, d] (and linear states) -> [n, ...]
         steps = torch.arange(1, num_completion, device=device)  # [C - 1]
         # [3, n, C - 1]: the last prompt token is text, so its three components are equal; text continues by one.
         completion_positions = positions[:, :, -1:].index_select(1, index) + steps

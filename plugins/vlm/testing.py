@@ -1,4 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL) checkpoints built offline, for tests, benchmarks and the toy run.
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5) checkpoints built offline, for tests, benchmarks and the
+toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
 words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
@@ -9,7 +10,8 @@ written with ``save_pretrained`` so that the plugin loads it the way users load 
 
 Sizes (about 105k parameters): text hidden 32, intermediate 64, 2 layers, 4 heads, 2 KV heads, M-RoPE sections
 [2, 1, 1] (their sum is head_dim / 2); vision depth 2, width 32, 4 heads, 14-pixel patches merged 2×2 (16-pixel
-patches for Qwen3-VL), merger output = text hidden size. A 100×80 image becomes a 6×8 patch grid, 12 image tokens.
+patches for Qwen3-VL and Qwen3.5), merger output = text hidden size; Qwen3.5 alternates Gated DeltaNet and
+full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image tokens.
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -77,10 +79,10 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
 
-    patch_size = 16 if family == "qwen3_vl" else 14
+    patch_size = 16 if family in ("qwen3_vl", "qwen3_5") else 14
     image_processor = transformers.Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
                                                          patch_size=patch_size, merge_size=2)
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 ships Qwen3-VL's processor (transformers' processing_auto)
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
         return transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
@@ -139,6 +141,19 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
                       out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=64, deepstack_visual_indexes=fullatt, in_channels=3)
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+    if family == "qwen3_5":
+        # Gated DeltaNet (linear attention) and full attention alternate, as Qwen3.5's full_attention_interval does.
+        layers = max(2, dims["layers"])
+        text.update(head_dim=hidden // heads, num_hidden_layers=layers, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
+                    linear_num_key_heads=dims["kv_heads"], linear_num_value_heads=heads,
+                    layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": dims["mrope"],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 1.0})
+        vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=4,
+                      out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=64, in_channels=3)
+        return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **special)
     raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
@@ -167,7 +182,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
                    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}.get(family)
     if model_class is None:
-        model_class = transformers.Qwen3VLForConditionalGeneration
+        model_class = getattr(transformers, "Qwen3_5ForConditionalGeneration" if family == "qwen3_5"
+                              else "Qwen3VLForConditionalGeneration")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)

@@ -41,18 +41,19 @@ def _pass(plugin, prompts, completions, width, share):
     return logp.detach(), entropy.detach(), grads
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
     """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
     sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
-    features) too when transformers has it."""
-    if family == "qwen3_vl":
+    features) and Qwen3.5 (the completions continue the prompt's Gated DeltaNet conv and recurrent states, which
+    the gradients flow back through) too when transformers has them."""
+    if family in ("qwen3_vl", "qwen3_5"):
         from mmrl.plugins.vlm.adapters import vlm_adapters
         from mmrl.plugins.vlm.testing import build_tiny_model
 
-        if "qwen3_vl" not in vlm_adapters:
-            pytest.skip("transformers has no Qwen3-VL")
-        plugin = make_plugin(build_tiny_model("qwen3_vl", tmp_path / "qwen3"))
+        if family not in vlm_adapters:
+            pytest.skip(f"transformers has no {family}")
+        plugin = make_plugin(build_tiny_model(family, tmp_path / family))
     else:
         plugin = make_plugin(tiny_models[family])
     _perturb_lora(plugin, seed=5)
@@ -70,6 +71,18 @@ def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path
         torch.testing.assert_close(shared[2][name], plain[2][name], rtol=1e-4, atol=1e-6)
     mask = torch.arange(rollout.num_actions) < torch.tensor(cut).unsqueeze(1)
     assert (shared[0][~mask] == 0).all() and (shared[0][mask] < 0).all()
+    # Without gradients (the reference and old-policy passes) every family splits; with them, a family whose cache
+    # updates states in place (Qwen3.5) runs the plain pass, so the values above were the plain pass's twice there.
+    assert plugin._can_share_prompts(plugin.model) == plugin.adapter.cache_keeps_gradients
+    values = []
+    with torch.no_grad():
+        assert plugin._can_share_prompts(plugin.model)
+        for share in (True, False):
+            plugin.config.share_prompt_forward = share
+            values.append(plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions,
+                                            with_entropy=True))
+    plugin.config.share_prompt_forward = True
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=1e-5)
 
 
 def test_each_distinct_prompt_runs_once(tiny_models):

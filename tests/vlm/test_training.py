@@ -241,3 +241,30 @@ def test_one_optimizer_step_per_rollout_skips_the_old_logp_pass(tmp_path, tiny_m
     # each with the reference and the training forward (8 passes); none inside rollout().
     assert epochs_counts == {"rollout": 0, "other": 20}
     assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in epochs_result.history)
+
+
+def test_qwen3_5_trains_its_linear_attention_with_lora(tmp_path):
+    """Qwen3.5 (Gated DeltaNet and full-attention layers), when transformers has it: LoRA reaches the linear-attention
+    projections as well as the attention and MLP ones; two GRPO steps with the KL term run at ratio 1 (the training
+    pass per sample, the reference pass shared), every adapted module's LoRA moves and nothing else does."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    if "qwen3_5" not in vlm_adapters:
+        pytest.skip("transformers has no Qwen3.5")
+    model = build_tiny_model("qwen3_5", tmp_path / "qwen3_5")
+    trainer = Trainer(_config(tmp_path, model, "qwen3_5"))
+    plugin = trainer.plugin
+    assert plugin.adapter.name == "qwen3_5" and plugin.cache_features
+    adapted = {name.rsplit(".lora_", 1)[0] for name, _ in plugin.model.named_parameters() if ".lora_A." in name}
+    kinds = {name.rsplit(".", 1)[-1] for name in adapted}
+    assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"} <= kinds
+    assert not any(".visual." in name for name in adapted)
+    before = _snapshot(plugin.model)
+    result = trainer.train()
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
+    assert abs(result.history[0]["policy/kl"]) < 1e-6 and result.history[1]["policy/kl"] > 0
+    after = _snapshot(plugin.model)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all("lora_" in name for name in changed)
+    assert any("linear_attn.in_proj_qkv.lora_B" in name for name in changed)

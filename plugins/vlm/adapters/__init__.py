@@ -9,8 +9,8 @@ here, or, from another package, an entry point in the group ``mmrl.vlm_adapters`
     [project.entry-points."mmrl.vlm_adapters"]
     my_family = "my_package.adapter:MyFamilyAdapter"
 
-Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL is registered
-only when the installed transformers ships it (``transformers.models.qwen3_vl``).
+Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL and Qwen3.5 are
+registered only when the installed transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_5``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def _transformers_has_model(name: str) -> bool:
 
 if _transformers_has_model("qwen3_vl"):
     vlm_adapters.register_lazy("qwen3_vl", "mmrl.plugins.vlm.adapters.qwen3_vl:Qwen3VLAdapter")
+if _transformers_has_model("qwen3_5"):
+    vlm_adapters.register_lazy("qwen3_5", "mmrl.plugins.vlm.adapters.qwen3_5:Qwen35Adapter")
 
 
 def model_type_of(model: str) -> str:

@@ -88,6 +88,11 @@ class VLMAdapter:
     #: Whether :meth:`generate` may prefill each distinct prompt once and copy its KV cache (and M-RoPE offsets,
     #: ``model.model.rope_deltas``) to the prompt's samples.
     supports_shared_prefill: ClassVar[bool] = True
+    #: Whether a KV cache built with gradients carries them into a pass that continues it (the shared prompt forward,
+    #: :mod:`mmrl.plugins.vlm.prefix`): true for attention caches, which the continuation only reads; false where the
+    #: continuation updates cached states in place (Qwen3.5's Gated DeltaNet conv and recurrent states), which
+    #: autograd refuses: the training pass then runs the plain per-sample pass (its no-grad passes still share).
+    cache_keeps_gradients: ClassVar[bool] = True
     #: Vision placeholder and delimiter tokens (see :meth:`suppressed_token_ids`).
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                 "<|vision_end|>", "<|vision_pad|>")
@@ -478,7 +483,7 @@ class VLMAdapter:
         output = model(**prefix, use_cache=True, logits_to_keep=1)  # only the cache is used: no [u, P, V] logits
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         index = torch.tensor([positions[id(p)] for p in prompts], device=inputs["input_ids"].device)  # [n]
-        cache.batch_select_indices(index)
+        select_cache_rows(cache, index)
         backbone = getattr(hf_model, "model", None)
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas[index]
@@ -663,6 +668,26 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def select_cache_rows(cache: Any, index: Tensor) -> None:
+    """Index a KV cache's batch rows in place: row i becomes row ``index[i]`` (``index`` may repeat rows and be
+    longer than the batch: a distinct prompt's cache copied to its G samples). Differentiable.
+
+    transformers' ``Cache.batch_select_indices`` does this for attention layers; the conv and recurrent states of
+    linear-attention layers (Qwen3.5's Gated DeltaNet: ``LinearAttentionLayer``, transformers 5.25) have no
+    ``batch_select_indices`` but a ``reorder_cache`` that applies ``index_select`` to every state along the batch,
+    the same operation, so each layer uses the one it has."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        cache.batch_select_indices(index)
+        return
+    for layer in layers:
+        select = getattr(layer, "batch_select_indices", None)
+        if select is not None:
+            select(index)
+        else:
+            layer.reorder_cache(index)
+
+
 def cache_argument(module: nn.Module) -> str:
     """The name under which a transformers module's forward takes the KV cache: ``cache`` where its signature has
     it (newer transformers), else ``past_key_values``. Read once per class (``inspect.signature`` cost ~50 µs a call,
@@ -711,4 +736,5 @@ def _to_rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "split_images"]
+__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "select_cache_rows",
+           "split_images"]
