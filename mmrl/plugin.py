@@ -147,6 +147,12 @@ class PolicyOutput:
             the log-probs, e.g. the flow plugin's transition means for GRPO-Guard's RatioNorm. The learner's old-policy
             pass (the ``no_grad`` forward that computes ``old_logp``, see :meth:`Plugin.forward`) stores them in the
             rollout of that inner epoch together with the log-probs; training forwards' are ignored.
+        aux_loss: A 0-dim regulariser of the plugin's model from this forward, with gradients and already weighted
+            by the plugin's own coefficient (the VLM plugin's MoE router load-balancing loss, TRL's
+            ``router_aux_loss_coef``). The learner adds it to the loss of the backward pass it came from, divided by
+            the backward passes of an optimizer step on all processes, so each optimizer step's gradient carries its
+            mean over the step's forwards (TRL: ``coef · aux / gradient_accumulation_steps`` per micro-batch, then
+            DDP's mean over processes). Logged as ``loss/aux``. None: no such term.
     """
 
     logp: Tensor
@@ -154,6 +160,7 @@ class PolicyOutput:
     kl: Tensor | None = None
     entropy: Tensor | None = None
     replay: dict[str, Tensor] | None = None
+    aux_loss: Tensor | None = None
 
 
 class Plugin(ABC):

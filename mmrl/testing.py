@@ -545,6 +545,10 @@ class _Checker:
                     f"forward returned logp {_describe(logp)} for a rollout whose mask is {tuple(mask.shape)}")
         self.expect(bool(torch.isfinite(logp.detach()[mask > 0]).all()), "forward's logp holds NaN or infinite "
                     "values on unmasked actions")
+        aux = output.aux_loss
+        self.expect(aux is None or (isinstance(aux, Tensor) and aux.numel() == 1
+                                    and bool(torch.isfinite(aux.detach()).all())),
+                    f"forward returned aux_loss {_describe(aux)}; expected None or one finite value (a 0-dim tensor)")
         return logp
 
     def close(self, actual: Tensor, expected: Tensor, mask: Tensor, what: str) -> None:

@@ -233,3 +233,16 @@ def test_a_plugin_without_export_is_skipped_with_the_reason(tmp_path):
     assert checked == [p for p in PROPERTIES if p != "export"]
     assert checked.skipped == {"export": "NoExport.export raised NotImplementedError: the policy lives on an "
                                          "inference server"}
+
+
+class VectorAuxLoss(ToyPlugin):
+    """Returns a per-sample regulariser instead of one value."""
+
+    def forward(self, policy, rollout, *, need_reference, actions=None):
+        output = super().forward(policy, rollout, need_reference=need_reference, actions=actions)
+        return dataclasses.replace(output, aux_loss=output.logp.sum(dim=1))
+
+
+def test_an_aux_loss_of_several_values_fails():
+    _fails(VectorAuxLoss, "ratio == 1 on the first forward",
+           r"aux_loss shape \(4,\); expected None or one finite value")

@@ -290,6 +290,12 @@ class Learner:
         metrics.update(zip(diagnostics, masked_means(list(diagnostics.values()), part.mask).unbind(), strict=True))
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
                          num_sequences=num_sequences, max_actions=max_actions, sequence_lengths=lengths)
+        if output.aux_loss is not None:
+            # The plugin's model regulariser (PolicyOutput.aux_loss): the mean over the optimizer step's backward
+            # passes on every process, once the learner's `scale` has undone Accelerate's and DDP's averaging.
+            aux = output.aux_loss.float().reshape(())
+            loss = loss + aux / (self.geometry.backward_passes * self.accelerator.num_processes)
+            metrics["loss/aux"] = aux.detach()
         return loss, metrics, deviation, part.mask.sum()
 
     def _high_entropy(self, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
