@@ -215,6 +215,14 @@ class VLMPluginConfig:
         256, minimum=1, help="Sequence positions per float32 chunk of the selective log-softmax (null: all at once).",
     )
     entropy: bool = config_field(True, help="Compute per-token entropy (logged; trains with algorithm.entropy_coef).")
+    router_aux_loss_coef: float = config_field(
+        0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe): weight of the routers' "
+        "load-balancing loss (transformers' load_balancing_loss_func over the training pass's real tokens) added to "
+        "the loss, its mean over an optimizer step's forwards; 0 disables. Ignored for dense models. The training "
+        "pass then runs per sample (no shared prompt: the loss is over whole sequences).",
+        ref="TRL GRPOConfig.router_aux_loss_coef = 0.001 (grpo_trainer.py:1506-1509, 3218-3221 at f2cd577); "
+        "Switch Transformer eqs. 4-6",
+    )
 
     def validate(self, path: str) -> None:
         from mmrl.plugins.vlm.adapters import vlm_adapters
@@ -368,13 +376,22 @@ class VLMPlugin(Plugin):
             with torch.no_grad(), self.reference_model(policy) as reference:
                 ref_logp, _ = self.token_logp(reference, prompts, completions, width, with_entropy=False,
                                               inputs=inputs)
-        logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy,
-                                        inputs=inputs)
-        return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy)
+        aux_loss = None
+        if self.adapter.moe and self.config.router_aux_loss_coef > 0 and torch.is_grad_enabled():
+            from mmrl.plugins.vlm.adapters.base import RouterAuxLoss
+
+            with RouterAuxLoss(policy) as router:
+                logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy,
+                                                inputs=inputs, router_logits=True)
+            aux_loss = self.config.router_aux_loss_coef * torch.stack(router.values).float().mean()
+        else:
+            logp, entropy = self.token_logp(policy, prompts, completions, width, with_entropy=self.config.entropy,
+                                            inputs=inputs)
+        return PolicyOutput(logp=logp, ref_logp=ref_logp, entropy=entropy, aux_loss=aux_loss)
 
     # ------------------------------------------------------------------ log-probs
     def token_logp(self, model: nn.Module, prompts: Sequence[dict[str, Tensor]], completions: Sequence[Tensor],
-                   width: int, *, with_entropy: bool, inputs: PassInputs | None = None
+                   width: int, *, with_entropy: bool, inputs: PassInputs | None = None, router_logits: bool = False
                    ) -> tuple[Tensor, Tensor | None]:
         """Log-prob (and entropy) of every completion token, teacher-forced: ``[n, width]`` float32 each.
 
@@ -385,6 +402,8 @@ class VLMPlugin(Plugin):
         log-softmax (``fused_lm_head``; otherwise the model's logits go through
         :func:`~mmrl.plugins.vlm.logprobs.selective_log_softmax`). Columns past a sample's completion (and past C)
         are 0 (masked out). ``inputs``: the samples' :class:`PassInputs` when the caller scores them more than once.
+        ``router_logits``: an MoE model's forward also computes its routers' load-balancing loss
+        (``output_router_logits``), over the whole sequences of the plain pass.
         """
         from mmrl.plugins.vlm.logprobs import fused_head_log_softmax, selective_log_softmax
         from mmrl.plugins.vlm.prefix import shared_prompt_hidden
@@ -399,9 +418,11 @@ class VLMPlugin(Plugin):
         suppress = torch.tensor(self.suppressed_ids, dtype=torch.long, device=tokens.device)
         options = dict(temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size,
                        with_entropy=with_entropy, suppress=suppress)
+        if router_logits:
+            inputs = {**inputs, "output_router_logits": True}
         if self.config.fused_lm_head:
             with self.runtime.autocast():
-                split = prepared.split(model) if self._can_share_prompts(model) else None
+                split = prepared.split(model) if self._can_share_prompts(model) and not router_logits else None
                 shared = (shared_prompt_hidden(self.adapter, model, prompts, inputs, prompt_width, num_completion,
                                                split=split) if split is not None else None)
                 hidden, head = shared or self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -79,10 +79,11 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
 
-    patch_size = 16 if family in ("qwen3_vl", "qwen3_5") else 14
+    qwen3 = family.startswith("qwen3")
+    patch_size = 16 if qwen3 else 14
     image_processor = transformers.Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
                                                          patch_size=patch_size, merge_size=2)
-    if family in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 ships Qwen3-VL's processor (transformers' processing_auto)
+    if qwen3:  # Qwen3.5 and the MoE models ship Qwen3-VL's processor (transformers' processing_auto)
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
         return transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
@@ -133,15 +134,21 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                       fullatt_block_indexes=fullatt, in_channels=3)
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
-    if family == "qwen3_vl":
+    # MoE layers: 4 experts of width intermediate / 2, 2 per token (Qwen3-VL-30B-A3B: 128 and 8; Qwen3.5-MoE: 256
+    # and 8, with a shared expert).
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=dims["intermediate"] // 2)
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
         text.update(head_dim=hidden // heads, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                "mrope_section": dims["mrope"],
                                                                "mrope_interleaved": True})
         vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=4,
                       out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=64, deepstack_visual_indexes=fullatt, in_channels=3)
+        if family == "qwen3_vl_moe":
+            text.update(moe, decoder_sparse_step=1)
+            return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **special)
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **special)
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         # Gated DeltaNet (linear attention) and full attention alternate, as Qwen3.5's full_attention_interval does.
         layers = max(2, dims["layers"])
         text.update(head_dim=hidden // heads, num_hidden_layers=layers, linear_conv_kernel_dim=4,
@@ -153,6 +160,10 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         vision = dict(depth=depth, hidden_size=width, intermediate_size=2 * width, num_heads=4,
                       out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=64, in_channels=3)
+        if family == "qwen3_5_moe":
+            text.pop("intermediate_size")
+            text.update(moe, shared_expert_intermediate_size=dims["intermediate"] // 2)
+            return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **special)
         return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **special)
     raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
@@ -182,8 +193,10 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
                    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}.get(family)
     if model_class is None:
-        model_class = getattr(transformers, "Qwen3_5ForConditionalGeneration" if family == "qwen3_5"
-                              else "Qwen3VLForConditionalGeneration")
+        model_class = getattr(transformers, {"qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                             "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                             "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                                             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)

@@ -24,7 +24,7 @@ from mmrl.plugins.vlm.decode import SamplingSettings, next_token_scores
 from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
-ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 

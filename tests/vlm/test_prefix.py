@@ -41,13 +41,13 @@ def _pass(plugin, prompts, completions, width, share):
     return logp.detach(), entropy.detach(), grads
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
     """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
     sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
     features) and Qwen3.5 (the completions continue the prompt's Gated DeltaNet conv and recurrent states, which
     the gradients flow back through) too when transformers has them."""
-    if family in ("qwen3_vl", "qwen3_5"):
+    if family.startswith("qwen3"):
         from mmrl.plugins.vlm.adapters import vlm_adapters
         from mmrl.plugins.vlm.testing import build_tiny_model
 

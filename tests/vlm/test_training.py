@@ -15,7 +15,7 @@ from mmrl.reward import RewardError, RewardInput, reward_functions
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import list_checkpoints
 from tests.helpers import record_gradients
-from tests.vlm.conftest import plugin_options
+from tests.vlm.conftest import plugin_options, prompt_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
@@ -243,23 +243,32 @@ def test_one_optimizer_step_per_rollout_skips_the_old_logp_pass(tmp_path, tiny_m
     assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in epochs_result.history)
 
 
-def test_qwen3_5_trains_its_linear_attention_with_lora(tmp_path):
-    """Qwen3.5 (Gated DeltaNet and full-attention layers), when transformers has it: LoRA reaches the linear-attention
-    projections as well as the attention and MLP ones; two GRPO steps with the KL term run at ratio 1 (the training
-    pass per sample, the reference pass shared), every adapted module's LoRA moves and nothing else does."""
+ATTENTION_AND_MLP = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+LORA_KINDS = {
+    "qwen3_5": ATTENTION_AND_MLP | {"in_proj_qkv", "in_proj_z", "out_proj"},
+    "qwen3_vl_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # the experts are fused parameters, not modules
+    "qwen3_5_moe": ATTENTION_AND_MLP | {"in_proj_qkv", "in_proj_z", "out_proj"},  # MLP: the shared expert's
+}
+
+
+@pytest.mark.parametrize("family", sorted(LORA_KINDS))
+def test_newer_qwen_families_train_with_lora(tmp_path, family):
+    """Qwen3.5 (Gated DeltaNet and full-attention layers) and the MoE models, when transformers has them: LoRA
+    reaches the modules each family has (the linear-attention projections; the MoE models' fused experts cannot be
+    LoRA targets, Qwen3.5-MoE's shared expert can); two GRPO steps with the KL term run at ratio 1, the LoRA moves
+    and nothing else does."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    if "qwen3_5" not in vlm_adapters:
-        pytest.skip("transformers has no Qwen3.5")
-    model = build_tiny_model("qwen3_5", tmp_path / "qwen3_5")
-    trainer = Trainer(_config(tmp_path, model, "qwen3_5"))
+    if family not in vlm_adapters:
+        pytest.skip(f"transformers has no {family}")
+    model = build_tiny_model(family, tmp_path / family)
+    trainer = Trainer(_config(tmp_path, model, family))
     plugin = trainer.plugin
-    assert plugin.adapter.name == "qwen3_5" and plugin.cache_features
+    assert plugin.adapter.name == family
     adapted = {name.rsplit(".lora_", 1)[0] for name, _ in plugin.model.named_parameters() if ".lora_A." in name}
-    kinds = {name.rsplit(".", 1)[-1] for name in adapted}
-    assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"} <= kinds
-    assert not any(".visual." in name for name in adapted)
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == LORA_KINDS[family]
+    assert not any(".visual." in name or ".experts." in name for name in adapted)
     before = _snapshot(plugin.model)
     result = trainer.train()
     assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
@@ -267,4 +276,78 @@ def test_qwen3_5_trains_its_linear_attention_with_lora(tmp_path):
     after = _snapshot(plugin.model)
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all("lora_" in name for name in changed)
-    assert any("linear_attn.in_proj_qkv.lora_B" in name for name in changed)
+    assert any(".q_proj.lora_B" in name for name in changed)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
+    """lora: null on the MoE models: the fused expert tensors and the routers train with the rest of the language
+    model, the vision tower stays frozen, ratio 1."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    if family not in vlm_adapters:
+        pytest.skip(f"transformers has no {family}")
+    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, lora=None))
+    plugin = trainer.plugin
+    before = _snapshot(plugin.model)
+    result = trainer.train()
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
+    after = _snapshot(plugin.model)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in changed)
+    assert any(name.endswith("mlp.gate.weight") for name in changed)
+    assert not any(name.startswith("model.visual.") for name in changed)
+
+
+def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k):
+    """transformers' load_balancing_loss_func written out: over every layer's real tokens together, the fraction
+    of top-k assignments f_e and the mean router probability P_e of each expert; num_experts · Σ_e f_e · P_e (Switch
+    Transformer eqs. 4-6, with the layers pooled)."""
+    real = attention_mask.reshape(-1).bool()
+    assignments = torch.zeros(num_experts)
+    probabilities = torch.zeros(num_experts)
+    rows = 0
+    for logits in router_logits:
+        probs = logits.float().softmax(-1)[real]  # [tokens, E]
+        chosen = probs.topk(top_k, dim=-1).indices  # [tokens, k]
+        assignments += torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        probabilities += probs.sum(0)
+        rows += probs.shape[0]
+    return num_experts * float(((assignments / rows) * (probabilities / rows)).sum())
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, family):
+    """The training forward of an MoE model returns aux_loss = router_aux_loss_coef × the routers' load-balancing
+    loss over the micro-batch's real tokens (prompt and completion), computed by hand from the router logits; the
+    log-probs are the same as without it; no-grad passes and router_aux_loss_coef 0 return none; a run logs
+    loss/aux."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.plugin import PassInputs
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    if family not in vlm_adapters:
+        pytest.skip(f"transformers has no {family}")
+    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family,
+                              router_aux_loss_coef=0.5))
+    plugin = trainer.plugin
+    batch = prompt_batch(plugin.dataset("train")[:2], 2, seed=3)
+    rollout = plugin.rollout(plugin.policy(), batch)
+    output = plugin.forward(plugin.policy(), rollout, need_reference=False)
+    prepared = PassInputs(plugin, replay_prompts(rollout.replay), rollout.replay["completion_ids"])
+    with torch.no_grad():
+        routed = plugin.model(**prepared.inputs, output_router_logits=True, use_cache=False)
+        text = plugin.model.config.text_config
+        expected = _switch_load_balancing(routed.router_logits, prepared.inputs["attention_mask"], text.num_experts,
+                                          text.num_experts_per_tok)
+        plain = plugin.forward(plugin.policy(), rollout, need_reference=False)
+    assert output.aux_loss.requires_grad and plain.aux_loss is None
+    assert float(output.aux_loss) == pytest.approx(0.5 * expected, rel=1e-5)
+    torch.testing.assert_close(output.logp.detach(), plain.logp, rtol=0, atol=1e-5)
+    plugin.config.router_aux_loss_coef = 0.0
+    assert plugin.forward(plugin.policy(), rollout, need_reference=False).aux_loss is None
+    plugin.config.router_aux_loss_coef = 0.5
+    history = trainer.train().history
+    assert all(record["loss/aux"] > 0 for record in history)
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)

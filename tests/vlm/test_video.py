@@ -19,7 +19,7 @@ from mmrl.trainer import Trainer
 from mmrl.trainer.learn import old_policy_pass
 from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
 
-ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 VIDEO_BOUNDS = {"video_min_pixels": 4 * 28 * 28, "video_max_pixels": 12 * 28 * 28}
 VIDEO_PART = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -31,7 +31,7 @@ def video_models(tiny_models, tmp_path_factory):
     from mmrl.plugins.vlm.testing import build_tiny_model
 
     models = dict(tiny_models)
-    for family in ("qwen3_vl", "qwen3_5"):
+    for family in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"):
         if family in vlm_adapters:
             models[family] = build_tiny_model(family, tmp_path_factory.mktemp(family) / family)
     return models

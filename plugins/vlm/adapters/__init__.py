@@ -9,8 +9,9 @@ here, or, from another package, an entry point in the group ``mmrl.vlm_adapters`
     [project.entry-points."mmrl.vlm_adapters"]
     my_family = "my_package.adapter:MyFamilyAdapter"
 
-Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL and Qwen3.5 are
-registered only when the installed transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_5``).
+Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL, Qwen3-VL MoE,
+Qwen3.5 and Qwen3.5 MoE are registered only when the installed transformers ships them
+(``transformers.models.qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def _transformers_has_model(name: str) -> bool:
 
 if _transformers_has_model("qwen3_vl"):
     vlm_adapters.register_lazy("qwen3_vl", "mmrl.plugins.vlm.adapters.qwen3_vl:Qwen3VLAdapter")
-if _transformers_has_model("qwen3_5"):
-    vlm_adapters.register_lazy("qwen3_5", "mmrl.plugins.vlm.adapters.qwen3_5:Qwen35Adapter")
+for _family, _target in (("qwen3_vl_moe", "qwen3_vl_moe:Qwen3VLMoeAdapter"), ("qwen3_5", "qwen3_5:Qwen35Adapter"),
+                         ("qwen3_5_moe", "qwen3_5_moe:Qwen35MoeAdapter")):
+    if _transformers_has_model(_family):
+        vlm_adapters.register_lazy(_family, f"mmrl.plugins.vlm.adapters.{_target}")
 
 
 def model_type_of(model: str) -> str:

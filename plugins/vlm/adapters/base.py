@@ -93,6 +93,9 @@ class VLMAdapter:
     #: continuation updates cached states in place (Qwen3.5's Gated DeltaNet conv and recurrent states), which
     #: autograd refuses: the training pass then runs the plain per-sample pass (its no-grad passes still share).
     cache_keeps_gradients: ClassVar[bool] = True
+    #: Whether the language model has routed mixture-of-experts layers whose forward can return the router
+    #: load-balancing loss (``output_router_logits=True`` → ``output.aux_loss``; plugin.router_aux_loss_coef).
+    moe: ClassVar[bool] = False
     #: Vision placeholder and delimiter tokens (see :meth:`suppressed_token_ids`).
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                 "<|vision_end|>", "<|vision_pad|>")
@@ -651,6 +654,34 @@ def identity_head(model: nn.Module) -> Iterator[nn.Module]:
         yield head
     finally:
         setattr(hf_model, name, head)
+
+
+class RouterAuxLoss:
+    """Context manager that records the router load-balancing loss (``output.aux_loss``) of every forward of a
+    transformers MoE model made inside it (a forward hook on the transformers model inside DDP and peft wrappers).
+
+    Attributes:
+        values: The recorded losses, one 0-dim tensor per forward, with gradients.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = _base_model(model)
+        self.values: list[Tensor] = []
+        self._handle: Any = None
+
+    def __enter__(self) -> RouterAuxLoss:
+        def record(_module: nn.Module, _args: Any, output: Any) -> None:
+            value = getattr(output, "aux_loss", None)
+            if value is None:
+                raise RuntimeError(f"{type(self.model).__name__} returned no aux_loss with output_router_logits=True; "
+                                   "set plugin.router_aux_loss_coef: 0")
+            self.values.append(value)
+
+        self._handle = self.model.register_forward_hook(record)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._handle.remove()
 
 
 def check_head(head: nn.Module, hidden_size: int) -> None:
