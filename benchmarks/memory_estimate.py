@@ -294,6 +294,18 @@ def recipes() -> list[Recipe]:
                       heads=heads, checkpointing=True, extras=build_wan_extras,
                       notes=["micro-batch 1 x 2 (CFG), one denoising step per backward (action_chunk_size 1)"])
 
+    def wan22_a14b() -> Recipe:
+        # Wan2.2-T2V-A14B: two experts of Wan2.1-14B's shape (Wan-Video/Wan2.2@42bf4cf wan/configs/wan_t2v_A14B.py:
+        # dim 5120, ffn 13824, 40 heads, 40 layers), both resident with a LoRA each; one denoising step per backward
+        # runs one expert, so the activations are one expert's; the Wan 2.1 VAE and UMT5-XXL as for Wan 2.1.
+        tokens = wan_tokens[33]
+        return Recipe("Wan2.2-A14B LoRA r64 (2 experts) 33f", "configs/flow/wan22_t2v.yaml",
+                      lambda: nn.ModuleList([build_wan("14b"), build_wan("14b")]), 5120, 5120, 13824,
+                      [Blocks("wan", 40, tokens, context_tokens=512)], sequences=1 * 2,
+                      lora_targets=FLOW_WAN_TARGETS, lora_rank=64, weight_bytes=2, heads=40, checkpointing=True,
+                      ema=True, extras=build_wan_extras,
+                      notes=["both experts resident, one expert's activations per backward (action_chunk_size 1)"])
+
     def qwen_image(resolution: int) -> Recipe:
         tokens = (resolution // 16) ** 2 + 128  # packed latents (VAE /8, 2x2 patches) + 128 text tokens
         config = "configs/flow/qwen_image_pickscore.yaml" + ("" if resolution == 512 else f" (resolution {resolution})")
@@ -345,6 +357,7 @@ def recipes() -> list[Recipe]:
         wan("1.3b", 33, lora=False),
         wan("14b", 33, lora=True),
         wan("14b", 81, lora=True),
+        wan22_a14b(),
         qwen_image(512),
         qwen_image(1024),
     ]

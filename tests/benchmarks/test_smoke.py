@@ -291,11 +291,12 @@ def test_memory_estimate(tmp_path):
     """LLaDA-8B, the Wan2.1-1.3B video recipe and the Qwen-Image recipe (built on the meta device), FSDP over 2, with
     the tiny-model check."""
     out = tmp_path / "memory.json"
-    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f",
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f", "A14B",
                   "Qwen-Image LoRA r64 512px", "--check", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
-    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f", "Qwen-Image LoRA r64 512px"]
+    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
+                                       "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px"]
     recipe = result["recipes"]["LLaDA-8B LoRA r128"]
     assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
     one = recipe["without_checkpointing"]["one_gpu"]
@@ -327,6 +328,12 @@ def test_memory_estimate(tmp_path):
     block = 14040 * (15 * h + 2 * f + 8 * r + 2 * 12 + 9) + 226 * (3 * h + 2 * r + 1) + 8 * h
     assert gib["activations"] == pytest.approx((30 * 14040 * h + block) * 2 * 2 / 2**30)
     assert wan["without_checkpointing"]["one_gpu"]["gib"]["activations"] == pytest.approx(30 * block * 2 * 2 / 2**30)
+    # Wan2.2-T2V-A14B, configs/flow/wan22_t2v.yaml: two experts of the 14B shape (5120, ffn 13824, 40 blocks), both
+    # resident with a rank-64 LoRA each (same targets), EMA; activations of one expert (one step per backward).
+    a14b = result["recipes"]["Wan2.2-A14B LoRA r64 (2 experts) 33f"]["with_checkpointing"]["one_gpu"]
+    assert a14b["trainable"] == 2 * 40 * 64 * (8 * (5120 + 5120) + 2 * (5120 + 13824))
+    assert a14b["gib"]["weights"] == pytest.approx(a14b["parameters"] * 2 / 2**30) and a14b["parameters"] > 28e9
+    assert a14b["gib"]["trainable_state"] == pytest.approx(a14b["trainable"] * (16 + 4) / 2**30)
     # Qwen-Image, configs/flow/qwen_image_pickscore.yaml: rank-64 LoRA on 8 attention projections (3072 -> 3072) and
     # both streams' MLPs (3072 -> 12288 -> 3072) of 60 blocks; the EMA copy adds 4 bytes per trainable parameter;
     # FSDP over 2 halves the transformer's weights and LoRA state, not the frozen text encoder and VAE.
