@@ -11,6 +11,7 @@ _BUILTIN = {
     "exact_match": "mmrl.rewards.text_match:exact_match",
     "token_accuracy": "mmrl.rewards.text_match:token_accuracy",
     "overlong_penalty": "mmrl.rewards.length:overlong_penalty",
+    "correct_length_bonus": "mmrl.rewards.length:CorrectLengthBonus",
     "iou": "mmrl.rewards.perception:iou",
     "giou": "mmrl.rewards.perception:giou",
     "detection": "mmrl.rewards.perception:detection",
@@ -34,6 +35,7 @@ _BUILTIN = {
     "per_frame": "mmrl.rewards.videos:PerFrameReward",
     "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
     "clip_temporal_consistency": "mmrl.rewards.videos:ClipTemporalConsistency",
+    "temporal_contrast": "mmrl.rewards.temporal_contrast:TemporalContrastReward",
 }
 
 for _name, _target in _BUILTIN.items():

@@ -15,19 +15,29 @@ included), and its DAPO recipe sets L_max 20480, L_cache 4096, factor 1.0 (verl@
 ``recipe/dapo/run_dapo_early_qwen2.5_32b.sh:18-21``). With the budget enforced by generation |y| never exceeds
 L_max, where both give −factor; beyond it DAPO's formula stays at −1 (verl's would keep falling).
 
-The reward reads the completion length in tokens from ``payload["completion_tokens"]`` (the vlm, dllm and toy
-plugins write it: tokens up to and including the end-of-sequence token, all of them without one).
+``correct_length_bonus`` is Video-R1's length control (arXiv:2503.21776; tulerfeng/Video-R1@59d65c3
+``src/r1-v/src/open_r1/trainer/vllm_grpo_trainer_modified.py:795-813``, ``--len_control true`` in its GRPO scripts):
+within a group that has more than one correct answer (accuracy above 0.1), each correct answer whose length is
+within [320, 512] tokens gets + 0.2, rewarding reasoning of moderate length without rewarding length in wrong
+answers. It returns the bonus alone (a column summed with the accuracy, as Video-R1 adds it to the summed reward);
+the accuracy is the wrapped reward's, before any other bonus (Video-R1 reads its first reward column, not the
+temporal bonus).
+
+Both read the completion length in tokens from ``payload["completion_tokens"]`` (the vlm, dllm and toy plugins write
+it: tokens up to and including the end-of-sequence token, all of them without one; Video-R1's ``completion_mask``
+counts the same).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
+from torch import Tensor
 
-from mmrl.registry import Range
-from mmrl.reward import RewardError, RewardInput
+from mmrl.registry import ANY_FINITE, Range
+from mmrl.reward import Reward, RewardError, RewardInput, build_reward, reward_functions
 
 
 def overlong_penalty(batch: RewardInput, *, max_length: Annotated[int, Range(1)],
@@ -59,3 +69,95 @@ def overlong_penalty(batch: RewardInput, *, max_length: Annotated[int, Range(1)]
         else:
             scores.append(factor * min(start - float(length), 0.0) / buffer)
     return scores
+
+
+class CorrectLengthBonus(Reward):
+    """Video-R1's length control (module docstring): ``bonus`` for each correct answer of ``min_tokens`` to
+    ``max_tokens`` tokens, in a group with at least ``min_correct`` correct answers; 0 otherwise."""
+
+    groupwise = True
+
+    def __init__(self, *, reward: str, options: dict[str, Any] | None = None,
+                 bonus: Annotated[float, Range(0.0)] = 0.2, min_tokens: Annotated[int, Range(0)] = 320,
+                 max_tokens: Annotated[int, Range(1)] = 512,
+                 threshold: Annotated[float, ANY_FINITE] = 0.1,
+                 min_correct: Annotated[int, Range(1)] = 2, output: str = "completion_tokens"):
+        """Options (the config's ``args``).
+
+        Args:
+            reward: The registered per-sample accuracy reward that decides which answers are correct.
+            options: That reward's options (its ``args``).
+            bonus: Added to a correct answer of the right length (Video-R1: 0.2).
+            min_tokens: Shortest rewarded length, inclusive (Video-R1: 320).
+            max_tokens: Longest rewarded length, inclusive (Video-R1: 512).
+            threshold: Accuracy above which an answer is correct (Video-R1: 0.1).
+            min_correct: Correct answers a group needs for any bonus (Video-R1: more than one, 2).
+            output: Payload entry holding the completion lengths in tokens.
+        """
+        for name, value, low in (("bonus", bonus, 0.0), ("min_tokens", min_tokens, 0), ("max_tokens", max_tokens, 1),
+                                 ("min_correct", min_correct, 1)):
+            integer = name != "bonus"
+            if (isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+                    or not math.isfinite(value) or value < low):
+                kind = "an integer" if integer else "a number"
+                raise RewardError(f"reward 'correct_length_bonus': {name} must be {kind} >= {low}, got {value!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+            raise RewardError(f"reward 'correct_length_bonus': threshold must be a finite number, got {threshold!r}")
+        if min_tokens > max_tokens:
+            raise RewardError(f"reward 'correct_length_bonus': min_tokens ({min_tokens}) exceeds max_tokens "
+                              f"({max_tokens})")
+        if reward not in reward_functions or reward == "correct_length_bonus":
+            raise RewardError(f"reward 'correct_length_bonus': reward must name a per-sample accuracy reward, got "
+                              f"{reward!r}")
+        self.name = reward
+        self.inner = build_reward(reward, dict(options or {}), resolve=False)
+        if getattr(self.inner, "groupwise", False):
+            raise RewardError(f"reward 'correct_length_bonus': {reward!r} is group-wise; name a per-sample accuracy "
+                              "reward")
+        self.bonus, self.min_tokens, self.max_tokens = float(bonus), int(min_tokens), int(max_tokens)
+        self.threshold, self.min_correct, self.output = float(threshold), int(min_correct), output
+
+    @staticmethod
+    def resolve_args(args: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+        """Resolve the accuracy reward's options with the run's reward context, as if configured on its own."""
+        from mmrl.reward import resolve_reward_args
+
+        reward = args.get("reward")
+        if reward == "correct_length_bonus" or reward not in reward_functions:
+            return args  # the constructor refuses it in one line
+        return {**args, "options": resolve_reward_args(reward, dict(args.get("options") or {}), context)}
+
+    @classmethod
+    def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
+        """Check the accuracy reward's name and options when the config loads (called by ``bind_options``)."""
+        from mmrl.config.schema import ConfigError, bind_options
+
+        reward = options.get("reward")
+        if reward == "correct_length_bonus" or reward not in reward_functions:
+            names = [name for name in reward_functions.names() if name != "correct_length_bonus"]
+            raise ConfigError(f"{key}.reward", reward, f"a per-sample accuracy reward, one of {', '.join(names)}")
+        inner = bind_options(reward_functions.get(reward), dict(options.get("options") or {}), f"{key}.options",
+                             f"reward {reward!r}")
+        return options if options.get("options") is None else {**options, "options": inner}
+
+    def __call__(self, batch: RewardInput) -> Tensor:
+        """One group: the bonus of each sample."""
+        n = len(batch)
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float64)
+        accuracy = torch.as_tensor(self.inner(batch), dtype=torch.float64).reshape(-1).cpu()
+        if accuracy.shape[0] != n:
+            raise RewardError(f"reward 'correct_length_bonus': {self.name!r} returned {accuracy.shape[0]} scores for "
+                              f"{n} samples")
+        lengths = batch.output(self.output)
+        lengths = torch.as_tensor(lengths.tolist() if isinstance(lengths, Tensor) else list(lengths),
+                                  dtype=torch.float64).reshape(-1)
+        if lengths.shape[0] != n:
+            raise RewardError(f"reward 'correct_length_bonus': payload[{self.output!r}] holds {lengths.shape[0]} "
+                              f"lengths for {n} samples")
+        correct = accuracy > self.threshold  # NaN: not correct
+        if int(correct.sum()) < self.min_correct:
+            return torch.zeros(n, dtype=torch.float64)
+        window = (lengths >= self.min_tokens) & (lengths <= self.max_tokens)
+        return torch.where(correct & window, torch.full((n,), self.bonus, dtype=torch.float64),
+                           torch.zeros(n, dtype=torch.float64))

@@ -208,6 +208,8 @@ def _config(registry: str, name: str, option: str, value: Any) -> tuple[dict, st
         return data, f"algorithm.{field}.{option}", lambda c: getattr(c.algorithm, field).options[option]
     if registry == "reward_functions":
         required = {"per_frame": {"reward": "jpeg_compressibility"},  # the image reward it applies
+                    "temporal_contrast": {"reward": "exact_match"},  # the accuracy reward it wraps
+                    "correct_length_bonus": {"reward": "exact_match"},
                     "overlong_penalty": {"max_length": 16, "buffer": 4}}.get(name, {})
         data["rewards"] = {"functions": [{"name": name, "args": {**required, option: value}}]}
         return data, f"rewards.functions[0].args.{option}", lambda c: c.rewards.functions[0].args[option]
@@ -473,6 +475,18 @@ def _probes() -> dict[str, Any]:
                           ("factor", {"max_length": 10, "buffer": 4})):
         probes[f"reward_functions.overlong_penalty.{option}"] = _constructor_probe(
             lambda value, option=option, fixed=fixed: overlong_penalty(lengths, **fixed, **{option: value}))
+    from mmrl.rewards.temporal_contrast import TemporalContrastReward
+
+    for option in ("bonus", "ratio"):
+        probes[f"reward_functions.temporal_contrast.{option}"] = _constructor_probe(
+            lambda value, option=option: TemporalContrastReward(reward="exact_match", **{option: value}))
+    from mmrl.rewards.length import CorrectLengthBonus
+
+    for option in ("bonus", "min_tokens", "max_tokens", "min_correct"):
+        fixed = {"min_tokens": 0} if option == "max_tokens" else {}
+        probes[f"reward_functions.correct_length_bonus.{option}"] = _constructor_probe(
+            lambda value, option=option, fixed=fixed: CorrectLengthBonus(reward="exact_match", **fixed,
+                                                                         **{option: value}))
     probes["pairwise_judges.pointwise.tolerance"] = _constructor_probe(
         lambda value: PointwiseJudge(reward="jpeg_compressibility", tolerance=value))
     return probes

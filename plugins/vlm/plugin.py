@@ -215,6 +215,13 @@ class VLMPluginConfig:
         256, minimum=1, help="Sequence positions per float32 chunk of the selective log-softmax (null: all at once).",
     )
     entropy: bool = config_field(True, help="Compute per-token entropy (logged; trains with algorithm.entropy_coef).")
+    temporal_contrast: int = config_field(
+        0, minimum=0, help="T-GRPO (Video-R1): in a training rollout, also sample this many completions of every "
+        "prompt with a video on its frames in a random order, handed to the rewards as payload['shuffled_completions'] "
+        "(each sample: its group's texts) for the temporal_contrast reward; never trained on. Video-R1: "
+        "group_size // 2. 0: off.",
+        ref="Video-R1 (arXiv:2503.21776) T-GRPO; tulerfeng/Video-R1@59d65c3 vllm_grpo_trainer_modified.py:500-520",
+    )
     router_aux_loss_coef: float = config_field(
         0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe): weight of the routers' "
         "load-balancing loss (transformers' load_balancing_loss_func over the training pass's real tokens) added to "
@@ -333,10 +340,13 @@ class VLMPlugin(Plugin):
         lengths = completion_lengths(generated, self.eos_ids)  # [n]
         completions = [generated[i, : int(length)] for i, length in enumerate(lengths.tolist())]
         texts = self.decode(completions)
+        payload: dict[str, Any] = {"completions": texts, "completion_tokens": lengths}  # tokens up to the EOS
+        if self.config.temporal_contrast:  # evaluation: no contrast group (the reward then scores accuracy alone)
+            payload["shuffled_completions"] = (self.shuffled_frame_completions(model, batch) if batch.training
+                                               else [[] for _ in range(len(batch))])
         if not batch.training:  # evaluation rollouts are scored, never trained: no log-probs
             empty = torch.zeros(len(batch), 0, device=self.runtime.device)
-            return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                           payload={"completions": texts, "completion_tokens": lengths})
+            return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(), payload=payload)
         num_actions = int(lengths.max())
         mask = (torch.arange(num_actions, device=lengths.device) < lengths.unsqueeze(1)).float()  # [n, A]
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
@@ -349,7 +359,7 @@ class VLMPlugin(Plugin):
             group_ids=batch.group_ids,
             old_logp=None,  # the core's old-policy pass (forward) computes them when the run needs them
             mask=mask.to(self.runtime.device),
-            payload={"completions": texts, "completion_tokens": lengths},  # tokens up to and including the EOS
+            payload=payload,
             replay=replay,
             truncated=clipped.to(self.runtime.device),
             metrics={
@@ -496,6 +506,50 @@ class VLMPlugin(Plugin):
                 encoded = self.adapter.image_features(model, encoded)
         index = {key: position for position, key in enumerate(first)}
         return [encoded[index[key]] for key in keys]
+
+    def shuffled_frame_completions(self, model: nn.Module, batch: PromptBatch) -> list[list[str]]:
+        """T-GRPO's contrast group (``plugin.temporal_contrast``): for each group of ``batch`` whose prompt has a
+        video, ``temporal_contrast`` completions of the prompt with every video's frames in a random order; per
+        sample, its group's texts (empty for a prompt without a video).
+
+        Video-R1 shuffles the sampled frames of the prompt's video (``video_inputs[0][torch.randperm(T)]``,
+        tulerfeng/Video-R1@59d65c3 ``vllm_grpo_trainer_modified.py:500-503``) and samples ``num_generations // 2``
+        completions of it (``:572-590``) with the same sampling settings. Here each video of a prompt gets its own
+        permutation, drawn from a generator seeded by the group's first sample seed (the same for any layout of the
+        samples over processes), and the sampling is seeded from the batch's seeds, as the main rollout is.
+        """
+        from mmrl.seeding import derive_seed
+
+        count = self.config.temporal_contrast
+        first: dict[int, int] = {}
+        for i, group in enumerate(batch.group_ids.tolist()):
+            first.setdefault(int(group), i)
+        shuffled_rows, owners = [], []
+        for group, index in first.items():
+            clips = row_videos(batch.rows[index])
+            if not clips:
+                continue
+            generator = torch.Generator().manual_seed(derive_seed(int(batch.seeds[index]), 0x7E3F))
+            permuted = [[clip[int(j)] for j in torch.randperm(len(clip), generator=generator)] for clip in clips]
+            shuffled_rows.append({**batch.rows[index], "video": permuted})
+            owners.append(group)
+        texts_of: dict[int, list[str]] = {}
+        if shuffled_rows:
+            rows = [row for row in shuffled_rows for _ in range(count)]
+            group_ids = torch.arange(len(shuffled_rows)).repeat_interleave(count)
+            seeds = torch.tensor([derive_seed(int(batch.seeds[first[g]]), 0x7E3F, k) for g in owners
+                                  for k in range(count)], dtype=torch.long)
+            contrast = PromptBatch(rows=rows, group_ids=group_ids, group_size=count, seeds=seeds,
+                                   generator=batch.generator, training=True, step=batch.step,
+                                   max_steps=batch.max_steps)
+            prompts = self.encode_rows(rows, group_ids, model=model if self.cache_features else None)
+            sequences, width = self._generate(model, prompts, contrast)
+            generated = sequences[:, width:]
+            lengths = completion_lengths(generated, self.eos_ids)
+            texts = self.decode([generated[i, : int(n)] for i, n in enumerate(lengths.tolist())])
+            for position, group in enumerate(owners):
+                texts_of[group] = texts[position * count:(position + 1) * count]
+        return [list(texts_of.get(int(group), [])) for group in batch.group_ids.tolist()]
 
     def question(self, row: dict[str, Any]) -> str:
         if "prompt" not in row:

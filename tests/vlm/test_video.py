@@ -376,3 +376,67 @@ def test_rollouts_of_image_rows_and_of_video_rows_concatenate(tmp_path, tiny_mod
         output = plugin.forward(plugin.policy(), part, need_reference=False)
     assert float((output.logp - part.old_logp).abs().max()) < 1e-5
     assert pooled.metrics["video_tokens"] == pytest.approx(videos.metrics["video_tokens"] / 2)
+
+
+def test_temporal_contrast_samples_each_video_prompt_on_shuffled_frames(video_models, monkeypatch):
+    """plugin.temporal_contrast = 2 (T-GRPO's contrast group): every sample of a video prompt's group carries its
+    group's two completions of the prompt with the frames permuted (a permutation of the same frames, one per
+    video); a prompt without a video carries none; the same seeds give the same permutations and texts; an
+    evaluation rollout carries empty lists; the main rollout is unchanged."""
+    from PIL import Image
+
+    path = video_models["qwen2_5_vl"]
+    plugin = _plugin(path, temporal_contrast=2)
+    rows = video_rows(plugin.adapter.image_factor)
+    image_row = {"prompt": "What is it?", "image": [Image.new("RGB", (56, 56), (200, 10, 10))], "solution": "red",
+                 "task": "motion"}
+    rows = [rows[0], image_row, rows[2]]
+    encoded = []
+    encode_rows = plugin.encode_rows
+
+    def recorded(batch_rows, group_ids=None, **kwargs):
+        encoded.append(list(batch_rows))
+        return encode_rows(batch_rows, group_ids, **kwargs)
+
+    monkeypatch.setattr(plugin, "encode_rows", recorded)
+    batch = prompt_batch(rows, 2, seed=5)
+    rollout = plugin.rollout(plugin.policy(), batch)
+    lists = rollout.payload["shuffled_completions"]
+    assert [len(texts) for texts in lists] == [2, 2, 0, 0, 2, 2]
+    assert lists[0] == lists[1] and lists[4] == lists[5] and all(isinstance(t, str) for t in lists[0])
+    main, contrast = encoded  # the rollout's prompts, then the contrast group's: the two video rows, twice each
+    assert [len(batch_rows) for batch_rows in encoded] == [6, 4]
+    for shuffled, original in ((contrast[0], rows[0]), (contrast[2], rows[2])):
+        for permuted, clip in zip(row_videos(shuffled), row_videos(original), strict=True):
+            assert sorted(map(id, permuted)) == sorted(map(id, clip))  # the same frames
+        assert shuffled["prompt"] == original["prompt"]
+    assert [id(f) for f in row_videos(contrast[0])[0]] != [id(f) for f in row_videos(rows[0])[0]]  # 8 frames: moved
+    again = plugin.rollout(plugin.policy(), prompt_batch(rows, 2, seed=5))
+    assert again.payload["shuffled_completions"] == lists
+    assert [[id(f) for f in clip] for clip in row_videos(encoded[-1][0])] == \
+        [[id(f) for f in clip] for clip in row_videos(contrast[0])]
+    plain = _plugin(path)
+    unchanged = plain.rollout(plain.policy(), prompt_batch(rows, 2, seed=5))
+    assert unchanged.payload["completions"] == rollout.payload["completions"]
+    evaluation = plugin.rollout(plugin.policy(), prompt_batch(rows, 2, seed=5, training=False))
+    assert evaluation.payload["shuffled_completions"] == [[]] * 6
+
+
+def test_t_grpo_runs_through_the_trainer(tmp_path, tiny_models):
+    """Two GRPO steps with plugin.temporal_contrast and the temporal_contrast reward over exact_match: the rewards
+    score both groups, the step trains at ratio 1."""
+    path = _write_clip_rows(tmp_path, 3)
+    options = plugin_options(tiny_models["qwen2_5_vl"], **VIDEO_BOUNDS, temporal_contrast=2,
+                             data={"train": str(path), "eval": str(path)})
+    config = load_config({
+        "plugin": {"name": "vlm", **options},
+        "run": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "seed": 0, "progress": False, "cpu": True},
+        "rollout": {"prompts_per_step": 3, "group_size": 4},
+        "algorithm": {"micro_batch_size": 6},
+        "rewards": {"functions": [{"name": "temporal_contrast", "args": {"reward": "exact_match"}}]},
+        "eval": {"at_start": False, "num_prompts": 2},
+    })
+    result = Trainer(config).train()
+    assert [record["step"] for record in result.history] == [1, 2]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in result.history)
+    assert all("reward/temporal_contrast_mean" in record for record in result.history)
