@@ -59,7 +59,12 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220), "yellow": (235, 200, 40),
 }
 SHAPES = ("circle", "square", "triangle")
-TASKS = ("grounding", "counting")
+TASKS = ("grounding", "counting", "motion")
+IMAGE_TASKS = ("grounding", "counting")
+"""The tasks drawn by default (``motion`` rows are videos)."""
+DIRECTIONS = ("left", "right", "up", "down")
+MOTION_FRAMES = 4
+"""Frames of a ``motion`` clip (two temporal patches), shown at 2 frames per second."""
 
 REFCOCO_TEMPLATE = "Please provide the bounding box coordinate of the region this sentence describes: {expression}."
 COUNTING_TEMPLATE = "How many {object} are there in the image?"
@@ -293,7 +298,7 @@ def convert_counting(records: Iterable[dict[str, Any]], *, template: str = COUNT
 # ---------------------------------------------------------------------------------------------------- shapes
 
 
-def make_shapes(count: int, *, seed: int, tasks: Sequence[str] = TASKS, min_side: int = 56, max_side: int = 160,
+def make_shapes(count: int, *, seed: int, tasks: Sequence[str] = IMAGE_TASKS, min_side: int = 56, max_side: int = 160,
                 max_objects: int = 4) -> list[dict[str, Any]]:
     """``count`` synthetic rows with in-memory PIL images of coloured shapes on a grey background.
 
@@ -304,8 +309,14 @@ def make_shapes(count: int, *, seed: int, tasks: Sequence[str] = TASKS, min_side
       its box ``[x1, y1, x2, y2]`` in image pixels (floats), ``label`` its name.
     - ``counting``: "How many {shape}s are there?"; 0..max_objects of that shape among other shapes; the solution
       is the count.
+    - ``motion`` (a video): "Which way does the {color} {shape} move?" with the options A. left, B. right, C. up,
+      D. down; a clip of :data:`MOTION_FRAMES` frames (``video``, at ``video_fps`` 2) in which that shape moves a
+      fixed step per frame in one direction while up to max_objects − 1 other shapes stand still; the solution is
+      the option letter (the ``choice`` reward). Only the order of the frames tells the direction (T-GRPO's
+      ``temporal_contrast``: shuffled frames do not).
 
-    Rows also carry ``image_size`` and ``objects`` (every drawn object with its box). Deterministic in ``seed``.
+    Image rows also carry ``image_size`` and ``objects`` (every drawn object with its box). Deterministic in
+    ``seed``.
     """
     from PIL import Image, ImageDraw
 
@@ -321,6 +332,9 @@ def make_shapes(count: int, *, seed: int, tasks: Sequence[str] = TASKS, min_side
     for index in range(count):
         task = tasks[index % len(tasks)]
         width, height = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
+        if task == "motion":
+            rows.append(_motion_row(rng, width, height, max_objects))
+            continue
         image = Image.new("RGB", (width, height), (128, 128, 128))
         draw = ImageDraw.Draw(image)
         if task == "grounding":
@@ -351,7 +365,7 @@ def make_shapes(count: int, *, seed: int, tasks: Sequence[str] = TASKS, min_side
 
 
 def write_shapes_dataset(directory: str | Path, *, train_size: int, eval_size: int, seed: int = 0,
-                         tasks: Sequence[str] = TASKS, min_side: int = 56, max_side: int = 160,
+                         tasks: Sequence[str] = IMAGE_TASKS, min_side: int = 56, max_side: int = 160,
                          max_objects: int = 4) -> dict[str, Path]:
     """Write the shapes dataset as PNGs and ``train.jsonl`` / ``eval.jsonl`` in the JSONL format.
 
@@ -368,6 +382,14 @@ def write_shapes_dataset(directory: str | Path, *, train_size: int, eval_size: i
     for split, part in (("train", rows[:train_size]), ("eval", rows[train_size:])):
         records = []
         for offset, row in enumerate(part):
+            if row["task"] == "motion":
+                names = [f"images/{split}_{offset:06d}_{k}.png" for k in range(len(row["video"]))]
+                for frame, name in zip(row["video"], names, strict=True):
+                    frame.save(directory / name)
+                records.append({"video": names, "video_fps": row["video_fps"], "problem": row["problem"],
+                                "solution": row["solution"], "task": "motion", "direction": row["direction"],
+                                "label": row["label"]})
+                continue
             name = f"images/{split}_{offset:06d}.png"
             row["image"].save(directory / name)
             record = {"image": name, "problem": row["problem"], "solution": row["solution"], "task": row["task"],
@@ -489,6 +511,42 @@ def _place(rng: random.Random, kinds: list[tuple[str, str]], width: int, height:
     return placed
 
 
+def _motion_row(rng: random.Random, width: int, height: int, max_objects: int) -> dict[str, Any]:
+    """One ``motion`` row (see :func:`make_shapes`): the moving shape's box slides by ``step`` pixels per frame."""
+    from PIL import Image, ImageDraw
+
+    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    direction = rng.choice(DIRECTIONS)
+    side = max(8, min(width, height) // 5)
+    horizontal = direction in ("left", "right")
+    span = (width if horizontal else height) - side  # room along the motion
+    step = max(2, span // (2 * (MOTION_FRAMES - 1)))
+    travel = step * (MOTION_FRAMES - 1)
+    start = rng.randint(0, span - travel)
+    across = rng.randint(0, (height if horizontal else width) - side)
+    positions = [start + k * step for k in range(MOTION_FRAMES)]
+    if direction in ("left", "up"):
+        positions.reverse()
+    boxes = [[float(p), float(across), float(p + side), float(across + side)] if horizontal else
+             [float(across), float(p), float(across + side), float(p + side)] for p in positions]
+    sweep = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
+    others = [(c, s) for c in COLORS for s in SHAPES if (c, s) != (color, shape)]
+    still = [obj for obj in _place(rng, [(color, shape)] + [rng.choice(others) for _ in range(max_objects - 1)],
+                                   width, height)[1:] if not _overlap(obj["box"], sweep)]
+    frames = []
+    for box in boxes:
+        frame = Image.new("RGB", (width, height), (128, 128, 128))
+        draw = ImageDraw.Draw(frame)
+        for obj in still:
+            _draw(draw, obj["shape"], obj["box"], COLORS[obj["color"]])
+        _draw(draw, shape, box, COLORS[color])
+        frames.append(frame)
+    options = "\n".join(f"{letter}. {name}" for letter, name in zip("ABCD", DIRECTIONS, strict=True))
+    prompt = f"Which way does the {color} {shape} move? Options:\n{options}"
+    return {"video": frames, "video_fps": 2.0, "task": "motion", "prompt": prompt, "problem": prompt,
+            "solution": "ABCD"[DIRECTIONS.index(direction)], "direction": direction, "label": f"{color} {shape}"}
+
+
 def _overlap(a: Sequence[float], b: Sequence[float], margin: float = 2.0) -> bool:
     return not (a[2] + margin <= b[0] or b[2] + margin <= a[0] or a[3] + margin <= b[1] or b[3] + margin <= a[1])
 
@@ -571,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes.add_argument("--train", type=int, default=512)
     shapes.add_argument("--eval", type=int, default=64)
     shapes.add_argument("--seed", type=int, default=0)
-    shapes.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    shapes.add_argument("--tasks", nargs="+", default=list(IMAGE_TASKS), choices=TASKS)
     refcoco = commands.add_parser("refcoco", help="RefCOCO-style referring expressions → grounding rows")
     refcoco.add_argument("source")
     refcoco.add_argument("output")

@@ -72,10 +72,11 @@ class ShapesDataConfig:
                                   help="Evaluation rows (drawn after the training rows, which stay the same "
                                        "whatever this is).")
     seed: int = config_field(0, help="Seed of the images and questions (independent of the run seed).")
-    tasks: list[Literal["grounding", "counting"]] = config_field(
+    tasks: list[Literal["grounding", "counting", "motion"]] = config_field(
         default_factory=lambda: ["grounding"],
-        help="Questions to ask, alternating: 'grounding' (where is the red circle? one box) and/or 'counting' (how "
-        "many squares?). Rewards do not dispatch on the task, so pick the ones your rewards score.",
+        help="Questions to ask, alternating: 'grounding' (where is the red circle? one box), 'counting' (how "
+        "many squares?) and/or 'motion' (a 4-frame video: which way does the red circle move? an option letter). "
+        "Rewards do not dispatch on the task, so pick the ones your rewards score.",
     )
     min_side: int = config_field(56, minimum=28, help="Smallest image width or height in pixels.")
     max_side: int = config_field(160, minimum=28, help="Largest image width or height in pixels.")
@@ -89,7 +90,7 @@ class ShapesDataConfig:
         if self.max_side < self.min_side:
             raise ConfigError(f"{path}.max_side", self.max_side, f"an integer >= min_side ({self.min_side})")
         if not self.tasks:
-            raise ConfigError(f"{path}.tasks", self.tasks, "a non-empty list of 'grounding' and 'counting'")
+            raise ConfigError(f"{path}.tasks", self.tasks, "a non-empty list of 'grounding', 'counting' and 'motion'")
 
 
 @dataclass
