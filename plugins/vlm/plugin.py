@@ -29,6 +29,7 @@ How it maps onto the rollout contract (docs/vlm.md has the long version):
 from __future__ import annotations
 
 import json
+import math
 import string
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -516,8 +517,10 @@ class VLMPlugin(Plugin):
         Video-R1 shuffles the sampled frames of the prompt's video (``video_inputs[0][torch.randperm(T)]``,
         tulerfeng/Video-R1@59d65c3 ``vllm_grpo_trainer_modified.py:500-503``) and samples ``num_generations // 2``
         completions of it (``:572-590``) with the same sampling settings. Here each video of a prompt gets its own
-        permutation, drawn from a generator seeded by the group's first sample seed (the same for any layout of the
-        samples over processes), and the sampling is seeded from the batch's seeds, as the main rollout is.
+        permutation, drawn from a generator seeded by the seed of the group's first sample on this process (under
+        ``rollout.layout: contiguous``, which the group-wise ``temporal_contrast`` reward needs on several
+        processes, the group's first sample whatever the number of processes), and the sampling is seeded from the
+        batch's seeds, as the main rollout is.
         """
         from mmrl.seeding import derive_seed
 
@@ -764,8 +767,8 @@ def row_video_fps(row: dict[str, Any], num_videos: int, default: float) -> list[
     per video), else ``default`` (``plugin.video_fps``)."""
     rate = row.get("video_fps", default)
     rates = list(rate) if isinstance(rate, (list, tuple)) else [rate] * num_videos
-    if len(rates) != num_videos or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
-                                           for r in rates):
+    if len(rates) != num_videos or not all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                                           and math.isfinite(r) and r > 0 for r in rates):
         raise ValueError(f"a row's 'video_fps' must be a positive number or one per video ({num_videos}), got "
                          f"{rate!r}")
     return [float(r) for r in rates]

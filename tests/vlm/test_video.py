@@ -210,7 +210,7 @@ def test_row_videos_and_frame_rates_are_read_and_checked():
     with pytest.raises(ValueError, match="list of frames"):
         row_videos({"video": "clip.mp4"})
     assert row_video_fps({}, 2, 2.0) == [2.0, 2.0] and row_video_fps({"video_fps": [1, 3]}, 2, 2.0) == [1.0, 3.0]
-    for bad in (0, -1.0, [1.0], "2", True):
+    for bad in (0, -1.0, [1.0], "2", True, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="'video_fps' must be a positive number or one per video"):
             row_video_fps({"video_fps": bad}, 2, 2.0)
 
