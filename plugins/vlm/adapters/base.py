@@ -50,9 +50,6 @@ Prompts encoded in a batch that holds a video also carry ``video_grid_thw [video
 ``pixel_values_videos [rows, D]`` or ``video_embeds [video tokens, hidden]``, and for Qwen2.5-VL
 ``second_per_grid_ts [videos]`` (seconds per temporal patch, which spaces the video's temporal M-RoPE positions)."""
 
-VIDEO_GRID_KEYS = ("video_grid_thw", "second_per_grid_ts")
-"""Per-video tensors of a prompt that the model reads beside its pixel rows or features."""
-
 IMAGE_POSITIONS = ("before", "after")
 """Where a prompt's images sit in its user turn, relative to the question (:meth:`VLMAdapter.messages`)."""
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
