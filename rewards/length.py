@@ -37,7 +37,13 @@ import torch
 from torch import Tensor
 
 from mmrl.registry import ANY_FINITE, Range
-from mmrl.reward import Reward, RewardError, RewardInput, build_reward, reward_functions
+from mmrl.reward import Reward, RewardError, RewardInput
+from mmrl.rewards.wrapped import (
+    bind_wrapped_options,
+    build_accuracy_reward,
+    inner_scores,
+    resolve_wrapped_args,
+)
 
 
 def overlong_penalty(batch: RewardInput, *, max_length: Annotated[int, Range(1)],
@@ -106,49 +112,28 @@ class CorrectLengthBonus(Reward):
         if min_tokens > max_tokens:
             raise RewardError(f"reward 'correct_length_bonus': min_tokens ({min_tokens}) exceeds max_tokens "
                               f"({max_tokens})")
-        if reward not in reward_functions or reward == "correct_length_bonus":
-            raise RewardError(f"reward 'correct_length_bonus': reward must name a per-sample accuracy reward, got "
-                              f"{reward!r}")
         self.name = reward
-        self.inner = build_reward(reward, dict(options or {}), resolve=False)
-        if getattr(self.inner, "groupwise", False):
-            raise RewardError(f"reward 'correct_length_bonus': {reward!r} is group-wise; name a per-sample accuracy "
-                              "reward")
+        self.inner = build_accuracy_reward("correct_length_bonus", reward, options)
         self.bonus, self.min_tokens, self.max_tokens = float(bonus), int(min_tokens), int(max_tokens)
         self.threshold, self.min_correct, self.output = float(threshold), int(min_correct), output
 
     @staticmethod
     def resolve_args(args: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-        """Resolve the accuracy reward's options with the run's reward context, as if configured on its own."""
-        from mmrl.reward import resolve_reward_args
-
-        reward = args.get("reward")
-        if reward == "correct_length_bonus" or reward not in reward_functions:
-            return args  # the constructor refuses it in one line
-        return {**args, "options": resolve_reward_args(reward, dict(args.get("options") or {}), context)}
+        """The accuracy reward's options resolved with the run's reward context, as if configured on its own."""
+        return resolve_wrapped_args(args, context, excluded={"correct_length_bonus"})
 
     @classmethod
     def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
         """Check the accuracy reward's name and options when the config loads (called by ``bind_options``)."""
-        from mmrl.config.schema import ConfigError, bind_options
-
-        reward = options.get("reward")
-        if reward == "correct_length_bonus" or reward not in reward_functions:
-            names = [name for name in reward_functions.names() if name != "correct_length_bonus"]
-            raise ConfigError(f"{key}.reward", reward, f"a per-sample accuracy reward, one of {', '.join(names)}")
-        inner = bind_options(reward_functions.get(reward), dict(options.get("options") or {}), f"{key}.options",
-                             f"reward {reward!r}")
-        return options if options.get("options") is None else {**options, "options": inner}
+        return bind_wrapped_options(options, key, excluded={"correct_length_bonus"},
+                                    kind="a per-sample accuracy reward")
 
     def __call__(self, batch: RewardInput) -> Tensor:
         """One group: the bonus of each sample."""
         n = len(batch)
         if n == 0:
             return torch.zeros(0, dtype=torch.float64)
-        accuracy = torch.as_tensor(self.inner(batch), dtype=torch.float64).reshape(-1).cpu()
-        if accuracy.shape[0] != n:
-            raise RewardError(f"reward 'correct_length_bonus': {self.name!r} returned {accuracy.shape[0]} scores for "
-                              f"{n} samples")
+        accuracy = inner_scores("correct_length_bonus", self.name, self.inner, batch, "samples")
         lengths = batch.output(self.output)
         lengths = torch.as_tensor(lengths.tolist() if isinstance(lengths, Tensor) else list(lengths),
                                   dtype=torch.float64).reshape(-1)

@@ -25,7 +25,13 @@ import torch
 from torch import Tensor
 
 from mmrl.registry import ANY_FINITE, Range
-from mmrl.reward import Reward, RewardError, RewardInput, build_reward, reward_functions
+from mmrl.reward import Reward, RewardError, RewardInput
+from mmrl.rewards.wrapped import (
+    bind_wrapped_options,
+    build_accuracy_reward,
+    inner_scores,
+    resolve_wrapped_args,
+)
 
 NonNegative = Annotated[float, Range(0.0)]
 
@@ -57,50 +63,25 @@ class TemporalContrastReward(Reward):
         for name, value in (("bonus", bonus), ("ratio", ratio)):
             if value < 0:
                 raise RewardError(f"reward 'temporal_contrast': {name} must be >= 0, got {value!r}")
-        if reward == "temporal_contrast" or reward not in reward_functions:
-            raise RewardError(f"reward 'temporal_contrast': reward must name an accuracy reward, one of "
-                              f"{', '.join(n for n in reward_functions.names() if n != 'temporal_contrast')}; got "
-                              f"{reward!r}")
         self.name = reward
         # The options already went through the accuracy reward's own resolve_args with the run's context
-        # (resolve_args below), e.g. the VLM plugin's box convention for iou or count's field.
-        self.inner = build_reward(reward, dict(options or {}), resolve=False)
-        if getattr(self.inner, "groupwise", False):
-            raise RewardError(f"reward 'temporal_contrast': {reward!r} is group-wise; name a per-sample accuracy "
-                              "reward")
+        # (resolve_args below), e.g. the VLM plugin's box convention for iou.
+        self.inner = build_accuracy_reward("temporal_contrast", reward, options)
         self.bonus, self.ratio, self.threshold = float(bonus), float(ratio), float(threshold)
         self.shuffled, self.output = shuffled, output
 
     @staticmethod
     def resolve_args(args: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-        """Resolve the accuracy reward's options with the run's reward context (its own ``resolve_args``), as if it
-        were configured on its own."""
-        from mmrl.reward import resolve_reward_args
-
-        reward = args.get("reward")
-        if reward == "temporal_contrast" or reward not in reward_functions:
-            return args  # the constructor refuses it in one line
-        return {**args, "options": resolve_reward_args(reward, dict(args.get("options") or {}), context)}
+        """The accuracy reward's options resolved with the run's reward context, as if configured on its own."""
+        return resolve_wrapped_args(args, context, excluded={"temporal_contrast"})
 
     @classmethod
     def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
         """Check the accuracy reward's name and options when the config loads (called by ``bind_options``)."""
-        from mmrl.config.schema import ConfigError, bind_options
-
-        reward = options.get("reward")
-        if reward == "temporal_contrast" or reward not in reward_functions:
-            names = [name for name in reward_functions.names() if name != "temporal_contrast"]
-            raise ConfigError(f"{key}.reward", reward, f"a per-sample accuracy reward, one of {', '.join(names)}")
-        inner = bind_options(reward_functions.get(reward), dict(options.get("options") or {}), f"{key}.options",
-                             f"reward {reward!r}")
-        return options if options.get("options") is None else {**options, "options": inner}
+        return bind_wrapped_options(options, key, excluded={"temporal_contrast"}, kind="a per-sample accuracy reward")
 
     def _accuracy(self, batch: RewardInput, what: str) -> Tensor:
-        scores = torch.as_tensor(self.inner(batch), dtype=torch.float64).reshape(-1).cpu()
-        if scores.shape[0] != len(batch):
-            raise RewardError(f"reward 'temporal_contrast': {self.name!r} returned {scores.shape[0]} scores for "
-                              f"{len(batch)} {what}")
-        return scores
+        return inner_scores("temporal_contrast", self.name, self.inner, batch, what)
 
     def __call__(self, batch: RewardInput) -> Tensor:
         """One group: its accuracy, plus the bonus on its correct samples when p ≥ μ · p̃."""

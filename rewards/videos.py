@@ -117,15 +117,9 @@ class PerFrameReward(Reward):
     def bind_nested_options(cls, options: dict[str, Any], key: str) -> dict[str, Any]:
         """Check ``options`` against the named image reward's options when the config loads (called by
         ``bind_options``), so that a bad option stops the run before any model loads."""
-        from mmrl.config.schema import ConfigError, bind_options
+        from mmrl.rewards.wrapped import bind_wrapped_options
 
-        reward = options.get("reward")
-        if reward not in reward_functions or reward in VIDEO_REWARDS:
-            names = [name for name in reward_functions.names() if name not in VIDEO_REWARDS]
-            raise ConfigError(f"{key}.reward", reward, f"an image reward, one of {', '.join(names)}")
-        inner = bind_options(reward_functions.get(reward), dict(options.get("options") or {}), f"{key}.options",
-                             f"reward {reward!r}")
-        return options if options.get("options") is None else {**options, "options": inner}
+        return bind_wrapped_options(options, key, excluded=VIDEO_REWARDS, kind="an image reward")
 
     def __call__(self, batch: RewardInput) -> Tensor:
         n = len(batch)

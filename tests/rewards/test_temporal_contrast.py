@@ -93,7 +93,7 @@ def test_the_accuracy_reward_sees_the_runs_reward_context():
 
 
 def test_errors_name_what_is_wrong():
-    with pytest.raises(RewardError, match="reward must name an accuracy reward"):
+    with pytest.raises(RewardError, match="reward must name a per-sample accuracy reward, one of"):
         build_reward("temporal_contrast", {"reward": "no_such_reward"})
     with pytest.raises(RewardError, match="'pref_winrate' is group-wise"):
         build_reward("temporal_contrast", {"reward": "pref_winrate",

@@ -129,16 +129,21 @@ def test_sampling_scores_are_the_teacher_forced_distribution(decode_plugins, fam
     """Each step's scores (temperature 0.7, no top-k/top-p) give each sampled token the log-prob the plugin's
     teacher-forced pass computes for it: the decode steps see the positions and cache of the whole sequence."""
     plugin = _plugin(decode_plugins, family)
-    prompts = _prompts(plugin)
-    config = _config(plugin, True, temperature=0.7, top_k=0, top_p=1.0)
-    torch.manual_seed(5)
+    assert_decode_scores_are_teacher_forced(plugin, _prompts(plugin), _config(plugin, True, top_k=0, top_p=1.0))
+
+
+def assert_decode_scores_are_teacher_forced(plugin, prompts, config, temperature=0.7, seed=5):
+    """Sample ``prompts`` with the plugin's decode loop at ``temperature`` (seeded) and check that each step's scores
+    give each sampled token the log-prob of the plugin's teacher-forced pass at that temperature."""
+    config.temperature = temperature
+    torch.manual_seed(seed)
     with torch.no_grad():
         output, _ = plugin.adapter.generate(plugin.model, prompts, config, output_scores=True)
     tokens = output.tokens  # [n, C]
     scores = torch.stack(output.scores, dim=1).log_softmax(-1)  # [n, C, V]
     sampled = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n, C]
     saved = plugin.config.temperature
-    plugin.config.temperature = 0.7
+    plugin.config.temperature = temperature
     try:
         with torch.no_grad():
             logp, _ = plugin.token_logp(plugin.policy(), prompts, list(tokens), tokens.shape[1], with_entropy=False)

@@ -19,6 +19,7 @@ from mmrl.plugins.vlm.plugin import row_video_fps, row_videos
 from mmrl.trainer import Trainer
 from mmrl.trainer.learn import old_policy_pass
 from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
+from tests.vlm.test_decode import assert_decode_scores_are_teacher_forced
 
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 VIDEO_BOUNDS = {"video_min_pixels": 4 * 28 * 28, "video_max_pixels": 12 * 28 * 28}
@@ -142,21 +143,7 @@ def test_decoding_samples_the_distribution_the_training_pass_scores(video_models
     largest, last = _positions(plugin, prompts)
     if family == "qwen2_5_vl":
         assert bool((largest > last).any())  # the case the continuation from the last token is for
-    config = plugin.generation_config(True)
-    config.temperature = 0.7
-    torch.manual_seed(5)
-    with torch.no_grad():
-        output, _ = plugin.adapter.generate(plugin.model, prompts, config, output_scores=True)
-    tokens = output.tokens
-    sampled = torch.stack(output.scores, dim=1).log_softmax(-1).gather(-1, tokens.unsqueeze(-1))[..., 0]  # [n, C]
-    saved = plugin.config.temperature
-    plugin.config.temperature = 0.7
-    try:
-        with torch.no_grad():
-            logp, _ = plugin.token_logp(plugin.policy(), prompts, list(tokens), tokens.shape[1], with_entropy=False)
-    finally:
-        plugin.config.temperature = saved
-    torch.testing.assert_close(logp, sampled, rtol=0, atol=1e-4)
+    assert_decode_scores_are_teacher_forced(plugin, prompts, plugin.generation_config(True))
 
 
 def test_hf_decoder_refuses_videos_past_the_last_position_and_matches_otherwise(video_models):
