@@ -161,4 +161,5 @@ def test_models_load_without_hub_kernels_so_sampling_and_training_run_one_path(a
         assert not model.use_kernels
         model.train()
         model.eval()
-        assert model.kernels_mode is None
+        # transformers 5.24 records the mode it kernelized for; 5.18 (the declared floor) has no such attribute
+        assert getattr(model, "kernels_mode", None) is None
