@@ -74,7 +74,8 @@ def test_model_loads_without_hub_kernels_so_decoding_and_training_run_one_path()
     assert not model.use_kernels
     model.train()
     model.eval()
-    assert model.kernels_mode is None
+    # transformers 5.24 records the mode it kernelized for; 5.18 (the declared floor) has no such attribute
+    assert getattr(model, "kernels_mode", None) is None
 
 
 def test_llada_adapter_passes_no_attention_mask_and_pads_with_eos(tmp_path):
