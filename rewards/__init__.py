@@ -36,6 +36,7 @@ _BUILTIN = {
     "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
     "clip_temporal_consistency": "mmrl.rewards.videos:ClipTemporalConsistency",
     "temporal_contrast": "mmrl.rewards.temporal_contrast:TemporalContrastReward",
+    "per_task": "mmrl.rewards.per_task:PerTaskReward",
 }
 
 for _name, _target in _BUILTIN.items():
