@@ -25,17 +25,24 @@ RewardSpec = Mapping[str, Any]
 """``{"name": registered reward, "args": its options}`` (``args`` optional)."""
 
 
+def _spec_problem(spec: Any) -> str | None:
+    """What is wrong with a reward spec ``{name, args}``, or None."""
+    if not isinstance(spec, Mapping) or set(spec) - {"name", "args"} or not isinstance(spec.get("name"), str):
+        return f"must be {{name: <reward>, args: {{...}}}}, got {spec!r}"
+    if spec["name"] == "per_task" or spec["name"] not in reward_functions:
+        names = [n for n in reward_functions.names() if n != "per_task"]
+        return f"names {spec['name']!r}; one of {', '.join(names)}"
+    if not isinstance(spec.get("args") or {}, Mapping):
+        return f"args must be a mapping of options, got {spec['args']!r}"
+    return None
+
+
 def _spec(spec: Any, where: str) -> tuple[str, dict[str, Any]]:
     """The (name, args) of a reward spec; a one-line error for anything else."""
-    if not isinstance(spec, Mapping) or set(spec) - {"name", "args"} or not isinstance(spec.get("name"), str):
-        raise RewardError(f"reward 'per_task': {where} must be {{name: <reward>, args: {{...}}}}, got {spec!r}")
-    name, args = spec["name"], spec.get("args") or {}
-    if name == "per_task" or name not in reward_functions:
-        names = [n for n in reward_functions.names() if n != "per_task"]
-        raise RewardError(f"reward 'per_task': {where} names {name!r}; one of {', '.join(names)}")
-    if not isinstance(args, Mapping):
-        raise RewardError(f"reward 'per_task': {where}.args must be a mapping of options, got {args!r}")
-    return name, dict(args)
+    problem = _spec_problem(spec)
+    if problem is not None:
+        raise RewardError(f"reward 'per_task': {where} {problem}")
+    return spec["name"], dict(spec.get("args") or {})
 
 
 class PerTaskReward(Reward):
@@ -71,7 +78,7 @@ class PerTaskReward(Reward):
     def resolve_args(args: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         """Every inner reward's options resolved with the run's reward context, as if configured on its own."""
         def resolved(spec: Any) -> Any:
-            if not isinstance(spec, Mapping) or spec.get("name") not in reward_functions or spec["name"] == "per_task":
+            if _spec_problem(spec) is not None:
                 return spec  # the constructor refuses it in one line
             return {**spec, "args": resolve_reward_args(spec["name"], dict(spec.get("args") or {}), context)}
 
@@ -89,10 +96,10 @@ class PerTaskReward(Reward):
         from mmrl.config.schema import ConfigError, bind_options
 
         def bound(spec: Any, where: str) -> dict[str, Any]:
-            try:
-                name, args = _spec(spec, where)
-            except RewardError as error:
-                raise ConfigError(where, spec, str(error).split(": ", 1)[1]) from None
+            problem = _spec_problem(spec)
+            if problem is not None:
+                raise ConfigError(where, spec, f"a reward spec {{name, args}} (it {problem})")
+            name, args = _spec(spec, where)
             return {"name": name, "args": bind_options(reward_functions.get(name), args, f"{where}.args",
                                                        f"reward {name!r}")}
 

@@ -27,20 +27,23 @@ def pipelines(pipelines, tmp_path_factory):
     return {**pipelines, "wan": folder}
 
 
-def _pipeline_videos(plugin, prompts, seeds, steps, scale, cfg, height=16, width=16):
-    """The diffusers pipeline's own output ``[N, 3, F, H, W]`` for ``prompts`` (one generator per sample, as the
-    plugin seeds them), with its UniPC scheduler replaced by the flow-shifted Euler one the adapter samples with."""
+def _pipeline_videos(plugin, prompts, seeds, steps, scales, cfg, height=16, width=16):
+    """``WanPipeline(...)``'s own videos ``[N, 3, F, H, W]`` (one generator per sample, as the plugin seeds them) with
+    its UniPC scheduler replaced by the flow-shifted Euler one the adapter samples with. ``scales``: the guidance
+    scale, or (guidance_scale, guidance_scale_2) for Wan 2.2's two experts."""
     from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
 
     pipeline = plugin.adapter.pipeline
     original = pipeline.scheduler
     pipeline.scheduler = euler_scheduler_for(original)
+    high, low = scales if isinstance(scales, tuple) else (scales, None)
+    extra = {} if low is None else {"guidance_scale_2": low if cfg else None}
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     try:
         with torch.no_grad():
             frames = pipeline(prompts, negative_prompt="", height=height, width=width, num_frames=FRAMES,
-                              num_inference_steps=steps, guidance_scale=scale if cfg else 1.0, generator=generators,
-                              output_type="pt", max_sequence_length=8).frames  # [N, F, 3, H, W]
+                              num_inference_steps=steps, guidance_scale=high if cfg else 1.0, generator=generators,
+                              output_type="pt", max_sequence_length=8, **extra).frames  # [N, F, 3, H, W]
     finally:
         pipeline.scheduler = original
     return frames.permute(0, 2, 1, 3, 4)

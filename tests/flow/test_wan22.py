@@ -20,8 +20,8 @@ from mmrl.config import ConfigError
 from mmrl.trainer import Trainer
 from tests.flow.conftest import prompt_batch
 from tests.flow.test_plugin import _ratio_deviation
+from tests.flow.test_wan import FRAMES, _pipeline_videos  # FRAMES: both tiny VAEs compress time by 2
 
-FRAMES = 5  # both tiny VAEs compress time by 2: 3 latent frames
 BOUNDARY = 875.0  # boundary_ratio 0.875 x 1000 training timesteps
 REWARD = "rewards.functions=[{name: per_frame, args: {reward: test_brightness, stride: 2}}]"  # on frames 0, 2, 4
 
@@ -43,28 +43,6 @@ def _perturb(module, scale=0.3, seed=0):
         for name, parameter in module.named_parameters():
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-
-
-def _pipeline_videos(plugin, prompts, seeds, steps, scales, cfg, height=16, width=16):
-    """``WanPipeline(...)``'s own videos ``[N, 3, F, H, W]`` (one generator per sample, as the plugin seeds them) with
-    its UniPC scheduler replaced by the flow-shifted Euler one the adapter samples with. ``scales``: the guidance
-    scale, or (guidance_scale, guidance_scale_2) for two experts."""
-    from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
-
-    pipeline = plugin.adapter.pipeline
-    original = pipeline.scheduler
-    pipeline.scheduler = euler_scheduler_for(original)
-    high, low = scales if isinstance(scales, tuple) else (scales, None)
-    extra = {} if low is None else {"guidance_scale_2": low if cfg else None}
-    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-    try:
-        with torch.no_grad():
-            frames = pipeline(prompts, negative_prompt="", height=height, width=width, num_frames=FRAMES,
-                              num_inference_steps=steps, guidance_scale=high if cfg else 1.0, generator=generators,
-                              output_type="pt", max_sequence_length=8, **extra).frames  # [N, F, 3, H, W]
-    finally:
-        pipeline.scheduler = original
-    return frames.permute(0, 2, 1, 3, 4)
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])

@@ -71,3 +71,21 @@ def test_it_can_be_the_accuracy_inside_temporal_contrast():
                                             "shuffled_completions": [["<answer>A</answer>"]] * 2},
                         group_ids=torch.zeros(2, dtype=torch.long))
     assert scorer.score(batch).scores[:, 0].tolist() == pytest.approx([1.3, 0.0])
+
+
+def test_edge_inputs_of_the_grouped_and_dispatching_rewards():
+    """An empty batch, a one-sample group and an unscorable accuracy."""
+    import math
+
+    empty = RewardInput(rows=[], payload={"completions": [], "shuffled_completions": [], "completion_tokens": []})
+    for name, args in (("per_task", {"tasks": SPECS}), ("temporal_contrast", {"reward": "exact_match"}),
+                       ("correct_length_bonus", {"reward": "exact_match"})):
+        assert torch.as_tensor(build_reward(name, args)(empty)).numel() == 0
+    one = RewardInput(rows=[{"solution": "B"}], payload={"completions": ["B"], "shuffled_completions": [["A"]],
+                                                         "completion_tokens": [400]})
+    assert torch.as_tensor(build_reward("temporal_contrast", {"reward": "exact_match"})(one)).tolist() == [1.3]
+    # one correct answer is below min_correct 2: no length bonus
+    assert torch.as_tensor(build_reward("correct_length_bonus", {"reward": "exact_match"})(one)).tolist() == [0.0]
+    bonus = build_reward("correct_length_bonus", {"reward": "exact_match", "min_correct": 1})
+    bonus.inner = lambda batch: [math.nan]
+    assert torch.as_tensor(bonus(one)).tolist() == [0.0]  # NaN is not correct; the accuracy column keeps the NaN

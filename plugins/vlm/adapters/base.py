@@ -50,6 +50,11 @@ Prompts encoded in a batch that holds a video also carry ``video_grid_thw [video
 ``pixel_values_videos [rows, D]`` or ``video_embeds [video tokens, hidden]``, and for Qwen2.5-VL
 ``second_per_grid_ts [videos]`` (seconds per temporal patch, which spaces the video's temporal M-RoPE positions)."""
 
+VISION_INPUTS = (("image", "pixel_values", "image_grid_thw", "image_embeds", "get_image_features"),
+                 ("video", "pixel_values_videos", "video_grid_thw", "video_embeds", "get_video_features"))
+"""Per modality: its ``mm_encoder_outputs`` key, a prompt's pixel-row, grid and cached-feature keys, and the model
+method that turns pixel rows into features."""
+
 IMAGE_POSITIONS = ("before", "after")
 """Where a prompt's images sit in its user turn, relative to the question (:meth:`VLMAdapter.messages`)."""
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -348,9 +353,7 @@ class VLMAdapter:
         result = [dict(prompt) for prompt in prompts]
         hf_model = _base_model(model)
         device = next(hf_model.parameters()).device
-        for pixels_key, grid_key, embeds_key, method in (
-                ("pixel_values", "image_grid_thw", "image_embeds", "get_image_features"),
-                ("pixel_values_videos", "video_grid_thw", "video_embeds", "get_video_features")):
+        for _, pixels_key, grid_key, embeds_key, method in VISION_INPUTS:
             if not any(grid_key in prompt for prompt in prompts):
                 continue
             holding = [p for p in prompts if p[grid_key].numel()]
@@ -413,9 +416,7 @@ class VLMAdapter:
         if token_types is not None:
             inputs["mm_token_type_ids"] = token_types
         encoder_outputs: dict[str, Any] = {}
-        for modality, pixels_key, grid_key, embeds_key in (
-                ("image", "pixel_values", "image_grid_thw", "image_embeds"),
-                ("video", "pixel_values_videos", "video_grid_thw", "video_embeds")):
+        for modality, pixels_key, grid_key, embeds_key, _ in VISION_INPUTS:
             holding = [p for p in prompts if grid_key in p and p[grid_key].numel()]
             if not holding:
                 continue
