@@ -140,13 +140,26 @@ def lora_state(module: nn.Module, state: dict[str, Tensor] | None = None) -> dic
     from peft.utils import get_peft_model_state_dict
 
     if state is not None:
-        state = {clean_parameter_name(name): tensor for name, tensor in state.items()}
+        state = _with_tied_names({clean_parameter_name(name): tensor for name, tensor in state.items()}, module)
     # mmrl never resizes a vocabulary: no embedding layers to add to the adapter (peft would look for them)
     adapter = get_peft_model_state_dict(module, state_dict=state, adapter_name=ADAPTER_NAME,
                                         save_embedding_layers=False)
     if not adapter:
         raise ValueError(f"{type(module).__name__} carries no LoRA adapter to save")
-    return {name: tensor.detach().cpu().contiguous() for name, tensor in adapter.items()}
+    # clone: a weight shared by two modules (DiffusionGemma's encoder and decoder) is written once under each name
+    return {name: tensor.detach().cpu().contiguous().clone() for name, tensor in adapter.items()}
+
+
+def _with_tied_names(state: dict[str, Tensor], module: nn.Module) -> dict[str, Tensor]:
+    """``state`` (keyed by ``named_parameters``' names, which list a parameter shared by several modules once) with
+    each shared parameter also under its other names, as ``module.state_dict()`` and peft's state dicts list it."""
+    first = {id(parameter): clean_parameter_name(name) for name, parameter in module.named_parameters()}
+    complete = dict(state)
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        name, canonical = clean_parameter_name(name), first[id(parameter)]
+        if name not in complete and canonical in state:
+            complete[name] = state[canonical]
+    return complete
 
 
 def save_peft_adapter(module: nn.Module, trainable: dict[str, Tensor] | None, directory: str | Path) -> None:

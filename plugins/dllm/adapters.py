@@ -18,6 +18,12 @@ completion (EOS), the token that fills a completion after its end and the token 
                    so that position i scores token i, as Dream's own sampler does. A 4-D bidirectional attention mask
                    and position ids counted from the first real token are passed when a sequence has left padding.
                    Dream pads with its EOS (151643); only the leading run of it is padding (:func:`padding_inputs`).
+``diffusion_gemma``  DiffusionGemma (transformers' ``DiffusionGemmaForBlockDiffusion``): a **canvas** model
+                   (``noise = "uniform"``): no mask token and no single scorer; its sampler and likelihood live in
+                   :mod:`mmrl.plugins.dllm.canvas`. Stop tokens from ``generation_config.json`` (what ``generate``
+                   stops on); LoRA on the text layers' attention and dense-MLP projections, shared by the encoder
+                   and the decoder as their weights are; full fine-tuning keeps the MoE routers frozen (NeMo
+                   AutoModel's DiffusionGemma recipes) and, for text prompts, the vision tower.
 =================  =====================================================================================================
 
 Adapters are registered in :data:`dllm_adapters`; ``plugin.adapter: auto`` picks one from ``config.json``'s
@@ -70,6 +76,11 @@ class DLLMAdapter:
     lora_target_modules: ClassVar[tuple[str, ...]] = ()
     #: Whether loading needs ``trust_remote_code``.
     needs_remote_code: ClassVar[bool] = False
+    #: ``"mask"``: masked diffusion (one scorer, a mask token); ``"uniform"``: a canvas model with uniform-token noise
+    #: (:mod:`mmrl.plugins.dllm.canvas`; no mask token).
+    noise: ClassVar[str] = "mask"
+    #: peft ``exclude_modules`` of the default LoRA (None: nothing excluded).
+    lora_exclude_modules: ClassVar[str | None] = None
 
     def __init__(self, model: str, *, trust_remote_code: bool = False, mask_id: int | None = None,
                  stop_ids: Sequence[int] | None = None, pad_id: int | None = None):
@@ -80,10 +91,15 @@ class DLLMAdapter:
         self.trust_remote_code = bool(trust_remote_code)
         self.tokenizer = self.load_tokenizer()
         self.model_config = _raw_config(self.model_path)
-        self.mask_id = self._resolve_mask_id(mask_id)
+        if self.noise == "uniform" and mask_id is not None:
+            raise ValueError(f"{self.name} models have no mask token (their noise is a uniform random token); "
+                             "leave plugin.mask_token_id null")
+        self.mask_id: int | None = self._resolve_mask_id(mask_id) if self.noise == "mask" else None
         self.stop_ids = self._resolve_stop_ids(stop_ids)
         self.eos_id = self.stop_ids[0]
         self.pad_id = self._resolve_pad_id(pad_id)
+        if self.mask_id is None:
+            return
         if self.pad_id == self.mask_id:
             raise ValueError(f"pad id {self.pad_id} equals the mask id of {model}; set plugin.pad_token_id to another "
                              "token (d1 pads with EOS)")
@@ -176,6 +192,9 @@ class DLLMAdapter:
         """Whether the prompt padding id is also a stop token (Dream, LLaDA): left padding is then recognised by its
         position (the leading run, see :func:`padding_inputs`), never by the id alone."""
         return self.pad_id in self.stop_ids
+
+    def prepare_trainable(self, model: nn.Module, *, lora: bool) -> None:
+        """Family-specific setup of what trains, after LoRA injection (``lora``) or for full fine-tuning."""
 
     def describe(self) -> str:
         return (f"{self.name} adapter: mask {self.mask_id}, stop {list(self.stop_ids)}, pad {self.pad_id}"
@@ -278,6 +297,92 @@ class DreamAdapter(DLLMAdapter):
         return out if isinstance(out, Tensor) else out.logits
 
 
+@dllm_adapters.register("diffusion_gemma")
+class DiffusionGemmaAdapter(DLLMAdapter):
+    """DiffusionGemma (``google/diffusiongemma-26B-A4B-it``): block diffusion with uniform-token noise, a causal encoder
+    and a bidirectional decoder on shared weights (:mod:`mmrl.plugins.dllm.canvas`)."""
+
+    name = "diffusion_gemma"
+    model_types = ("diffusion_gemma",)
+    noise = "uniform"
+    # The text layers' attention and dense-MLP projections (NeMo AutoModel's diffusion_gemma_lora.yaml adapts
+    # "attention and dense-MLP linears"; the fused experts are not nn.Linear). The vision tower's projections and the
+    # self-conditioning MLP share the suffixes and are excluded.
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_exclude_modules = r".*(vision_tower|embed_vision|self_conditioning).*"
+
+    def load_model(self, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+        from transformers import DiffusionGemmaForBlockDiffusion
+
+        return DiffusionGemmaForBlockDiffusion.from_pretrained(self.model_path, dtype=dtype, use_kernels=False,
+                                                               **_attention(attn_implementation))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.get("text_config", {}).get("vocab_size") or len(self.tokenizer))
+
+    @property
+    def canvas_length(self) -> int:
+        return int(self.model_config.get("canvas_length") or 256)
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` (empty when it has none)."""
+        return _raw_json(self.model_path, "generation_config.json")
+
+    def _resolve_stop_ids(self, override: Sequence[int] | None) -> tuple[int, ...]:
+        if override is not None:
+            return super()._resolve_stop_ids(override)
+        eos = self.generation_config.get("eos_token_id")  # what generate() stops on
+        if eos is None:
+            return super()._resolve_stop_ids(None)
+        return tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+    def prepare_trainable(self, model: nn.Module, *, lora: bool) -> None:
+        """LoRA: the encoder's adapter layers take the decoder's adapter weights (the two share their base weights,
+        so one adaptation serves both, as NeMo AutoModel's single shared backbone). Full fine-tuning: the MoE
+        routers (NeMo AutoModel freezes them) and the vision tower (text prompts never reach it) stay frozen."""
+        if lora:
+            tie_encoder_lora(model)
+            return
+        for name, parameter in model.named_parameters():
+            if ".router." in name or "vision_tower" in name or "embed_vision" in name:
+                parameter.requires_grad_(False)
+
+
+def tie_encoder_lora(model: nn.Module) -> int:
+    """Make each LoRA layer of DiffusionGemma's encoder text layers use its decoder twin's adapter parameters; return
+    the number of layers tied. ``model.encoder.language_model.layers.i.X`` twins ``model.decoder.layers.i.X``."""
+    from peft.tuners.lora import LoraLayer
+
+    modules = dict(model.named_modules())
+    tied = 0
+    for name, module in modules.items():
+        if not isinstance(module, LoraLayer) or ".encoder.language_model.layers." not in name:
+            continue
+        twin = modules.get(name.replace(".encoder.language_model.layers.", ".decoder.layers."))
+        if not isinstance(twin, LoraLayer):
+            raise ValueError(f"LoRA layer {name} has no decoder twin; target the same modules in both")
+        for attribute in ("lora_A", "lora_B"):
+            ours, theirs = getattr(module, attribute), getattr(twin, attribute)
+            for adapter in ours:
+                ours[adapter].weight = theirs[adapter].weight
+        tied += 1
+    return tied
+
+
+def _raw_json(model: str, filename: str) -> dict[str, Any]:
+    """A JSON file of a local folder or hub id as a dict; empty when the checkpoint has none."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        target = path / filename
+        return json.loads(target.read_text()) if target.is_file() else {}
+    from transformers.utils import cached_file
+
+    found = cached_file(model, filename, _raise_exceptions_for_missing_entries=False)
+    return json.loads(Path(found).read_text()) if found else {}
+
+
 def _attention(implementation: str | None) -> dict[str, str]:
     return {} if implementation is None else {"attn_implementation": implementation}
 
@@ -311,5 +416,5 @@ def adapter_for(model: str) -> type[DLLMAdapter]:
                      "plugin.adapter explicitly")
 
 
-__all__ = ["DLLMAdapter", "DTYPES", "DreamAdapter", "LLaDAAdapter", "MaskedLMAdapter", "adapter_for",
-           "dllm_adapters", "padding_inputs"]
+__all__ = ["DLLMAdapter", "DTYPES", "DiffusionGemmaAdapter", "DreamAdapter", "LLaDAAdapter", "MaskedLMAdapter",
+           "adapter_for", "dllm_adapters", "padding_inputs", "tie_encoder_lora"]

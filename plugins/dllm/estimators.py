@@ -41,6 +41,9 @@ References:
     DiffuCoder / coupled-GRPO — Gong et al. 2025, arXiv:2506.20639 (complementary masks).
     SPG — Wang et al. 2025, arXiv:2510.09541 (sandwiched ELBO/EUBO, block-wise masking).
     wd1 — Tang et al. 2025, arXiv:2507.08838 (uses the d1 one-step estimator in a ratio-free loss).
+
+``uniform_one_step`` is the one estimator for **canvas** models (DiffusionGemma: uniform-token noise, no mask
+token); its ``model`` is the ``DiffusionGemmaForBlockDiffusion`` itself (:mod:`mmrl.plugins.dllm.canvas`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ __all__ = [
     "coupled_cv",
     "spg_lower",
     "spg_upper",
+    "uniform_one_step",
 ]
 
 
@@ -592,6 +596,58 @@ def spg_upper(
 
 
 # ---------------------------------------------------------------------- exact oracle
+@likelihood_estimators.register("uniform_one_step")
+def uniform_one_step(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int | None = None,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    eps: Annotated[float, ELBO_EPS] = 1e-3,
+    self_conditioning_p: Annotated[float, PROBABILITY] = 0.5,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """DiffusionGemma's training objective as a likelihood surrogate (canvas models only;
+    :mod:`mmrl.plugins.dllm.canvas`): ``(1/D) Σ_d Σ_{i real} log p_θ(x^i | c, x^{<canvas(i)}, z_{t_d})`` with
+    ``t_d ~ U(eps, 1)`` and the canvas corrupted by uniform random tokens at rate ``t_d``, self-conditioned with
+    probability ``self_conditioning_p``
+    (NeMo AutoModel's DiffusionGemma SFT: eps 1e-3, self_conditioning_p 0.5).
+
+    ``model`` is a ``DiffusionGemmaForBlockDiffusion``; ``prompt_ids`` are unpadded prompts (every token real);
+    ``mask_id`` is unused (there is no mask token). The plugin draws the plans per sample
+    (:func:`~mmrl.plugins.dllm.canvas.draw_uniform_plan`) and calls
+    :func:`~mmrl.plugins.dllm.canvas.canvas_token_logprobs` itself.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, G]`` → ``float32 [B]``.
+    """
+    from mmrl.plugins.dllm.canvas import (
+        canvas_token_logprobs,
+        draw_uniform_plan,
+        text_config,
+        uniform_one_step_scores,
+    )
+
+    del mask_id
+    rows = completion_ids.shape[0]
+    if generator is None:  # the global RNG decides, as for the other estimators
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+    plan = draw_uniform_plan(completion_mask, canvas_length=int(model.config.canvas_length),
+                             vocab_size=int(text_config(model).vocab_size), num_samples=num_samples,
+                             generators=[generator] * rows, eps=eps, self_conditioning_p=self_conditioning_p)
+    token_logp = canvas_token_logprobs(model, prompt_ids, torch.ones_like(prompt_ids), completion_ids,
+                                       completion_mask, plan, canvas_length=int(model.config.canvas_length),
+                                       eos_id=_first_id(text_config(model).eos_token_id), micro_batch=micro_batch)
+    return uniform_one_step_scores(token_logp, plan).sum(dim=-1)
+
+
+def _first_id(token: int | list[int]) -> int:
+    return int(token[0]) if isinstance(token, (list, tuple)) else int(token)
+
+
 def elbo_size_weights(num_tokens: int, eps: float = 0.0) -> list[float]:
     """The weight of ``h_l`` (l = 1..n) in the t-sampling ELBO with ``t ~ U(ε, 1)``.
 

@@ -57,6 +57,14 @@ from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import DTYPES, DLLMAdapter, adapter_for, dllm_adapters, padding_inputs
+from mmrl.plugins.dllm.canvas import (
+    CanvasSamplerConfig,
+    UniformPlan,
+    canvas_generate,
+    canvas_token_logprobs,
+    draw_uniform_plan,
+    uniform_one_step_scores,
+)
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
 from mmrl.plugins.dllm.masking import SampleStreams
@@ -66,6 +74,8 @@ from mmrl.rollout import Rollout
 
 OBJECTIVES = ("grpo", "wd1", "spg")
 DEFAULT_ESTIMATORS = {"grpo": "elbo_l", "wd1": "one_step", "spg": "spg_lower"}
+CANVAS_ESTIMATOR = "uniform_one_step"  # the only estimator of canvas models (adapter noise "uniform")
+PER_TOKEN_ESTIMATORS = ("one_step", CANVAS_ESTIMATOR)  # each token column holds the token's own log-prob
 BUILTIN_DATASETS = ("toy_addition",)
 PLAN_SEED_TAG = 0x91A4  # separates a sample's mask-plan stream from its decoding noise
 # Estimator parameters the plugin sets itself (everything else is an estimator option).
@@ -93,8 +103,8 @@ class DLLMPluginConfig:
         "checkpoint (mmrl/plugins/dllm/assets, made by `python -m mmrl.plugins.dllm.pretrain`).",
     )
     adapter: str = config_field(
-        "auto", help="Model family: masked_lm, llada, dream (or a third-party adapter). 'auto' reads config.json's "
-        "model_type.",
+        "auto", help="Model family: masked_lm, llada, dream, diffusion_gemma (or a third-party adapter). 'auto' reads "
+        "config.json's model_type.",
     )
     trust_remote_code: bool = config_field(False, help="Run modelling code shipped with the checkpoint (LLaDA, Dream).")
     dtype: Literal["float32", "bfloat16", "float16"] = config_field(
@@ -137,7 +147,8 @@ class DLLMPluginConfig:
     gen_length: int = config_field(toy.GEN_LENGTH, minimum=1, help="Completion length G (mask tokens decoded).",
                                    ref="d1 / wd1 / SPG: 256")
     block_length: int = config_field(toy.GEN_LENGTH, minimum=1, help="Semi-autoregressive block length; G must be a "
-                                     "multiple.", ref="LLaDA, d1: 32")
+                                     "multiple. Canvas models (DiffusionGemma): the model's canvas_length.",
+                                     ref="LLaDA, d1: 32; DiffusionGemma: 256")
     steps: int = config_field(toy.GEN_LENGTH, minimum=1, help="Decoding steps over the whole completion; a multiple "
                               "of G / block_length.", ref="d1 rollouts: 128 for G = 256")
     temperature: float = config_field(1.0, minimum=0.0, help="Gumbel-max temperature of training rollouts.",
@@ -155,6 +166,12 @@ class DLLMPluginConfig:
         ref="LLaDA generate.py; d1 get_logits (diffu_grpo_trainer.py L269-283)",
     )
     generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
+    canvas_sampler: CanvasSamplerConfig = config_field(
+        default_factory=CanvasSamplerConfig, help="Canvas models (DiffusionGemma) only: temperatures, entropy bound "
+        "and adaptive stopping of their sampler (null values: the checkpoint's generation_config.json, else "
+        "transformers' defaults). Their denoising steps per canvas are steps / (gen_length / block_length); "
+        "temperature, remasking and cfg_scale are masked-model options they refuse.",
+        ref="transformers generation_diffusion_gemma.py")
     # ---------------------------------------------------------------- likelihood and objective
     objective: Literal["grpo", "wd1", "spg"] = config_field(
         "grpo", help="What the action log-probs are: 'grpo' (one action per completion token: one_step's per-token "
@@ -165,8 +182,9 @@ class DLLMPluginConfig:
         ref="d1 diffu_grpo_trainer.py L114-121; wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
     )
     estimator: str | None = config_field(
-        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper. Null: "
-        "elbo_l for grpo, one_step for wd1, spg_lower for spg.",
+        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper "
+        "(masked models), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
+        "wd1, spg_lower for spg; uniform_one_step for a canvas model.",
     )
     num_mc_samples: int = config_field(
         4, minimum=1, help="Masked forwards per completion (coupled: an even number; coupled_cv: at least 2; "
@@ -242,8 +260,9 @@ class DLLMPluginConfig:
 
     @property
     def per_token(self) -> bool:
-        """Whether each token column holds the token's own log-prob (one_step, d1) rather than ELBO/L."""
-        return self.token_columns and self.resolved_estimator == "one_step"
+        """Whether each token column holds the token's own log-prob (one_step, d1; uniform_one_step) rather than
+        ELBO/L."""
+        return self.token_columns and self.resolved_estimator in PER_TOKEN_ESTIMATORS
 
     @property
     def num_actions(self) -> int:
@@ -270,23 +289,58 @@ class DLLMPlugin(Plugin):
             )
         except ValueError as error:
             raise ConfigError("plugin.model", model_path, str(error)) from None
+        self.canvas = self.adapter.noise == "uniform"  # a canvas model (DiffusionGemma): its own sampler/likelihood
+        self.canvas_sampling = self._check_canvas_options() if self.canvas else None
+        if not self.canvas and config.resolved_estimator == CANVAS_ESTIMATOR:
+            raise ConfigError("plugin.estimator", CANVAS_ESTIMATOR, f"a masked-model estimator for {model_path} "
+                              f"({self.adapter.name} adapter); {CANVAS_ESTIMATOR} scores canvas models only")
         model = self.adapter.load_model(dtype=DTYPES[config.dtype], attn_implementation=config.attn_implementation)
         model.to(runtime.device)
         self.reference: nn.Module | None = None
         if config.lora is None:
             model.to(torch.float32).requires_grad_(True)  # float32 master weights; autocast runs mixed precision
+            self.adapter.prepare_trainable(model, lora=False)
             if runtime.needs_reference:  # the KL needs the initial weights; LoRA disables the adapter instead
                 self.reference = frozen_copy(model)
         else:
             # peft injects the LoRA layers in place (no wrapper: parameter names and the adapter's scorer stay).
             attach_lora(model, config.lora, default_targets=self.adapter.lora_target_modules,
-                        what=str(self.adapter.model_path), base_model=config.model)
+                        what=str(self.adapter.model_path), base_model=config.model,
+                        exclude_modules=self.adapter.lora_exclude_modules)
+            self.adapter.prepare_trainable(model, lora=True)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model
         self.estimator = config.resolved_estimator
         self._inner_epoch = 0  # set by start_inner_epoch; selects the mask plan of the epoch
         self._rows = {split: self._load_rows(split) for split in ("train", "eval")}
+
+    def _check_canvas_options(self) -> Any:
+        """Canvas models: settle the estimator (``uniform_one_step``, the only one that fits them) and refuse the
+        masked-model options that mean nothing to them; return the resolved sampler settings."""
+        config, adapter = self.config, self.adapter
+        if config.estimator not in (None, CANVAS_ESTIMATOR):
+            raise ConfigError("plugin.estimator", config.estimator, f"{CANVAS_ESTIMATOR} (or null) for the "
+                              f"{adapter.name} canvas model: it has no mask token for the masked-model estimators")
+        if config.estimator is None:  # options were bound to the masked default at load time: bind them again
+            config.estimator = CANVAS_ESTIMATOR
+            config.estimator_options = bind_options(likelihood_estimators.get(CANVAS_ESTIMATOR),
+                                                    config.estimator_options, "plugin.estimator_options",
+                                                    f"estimator {CANVAS_ESTIMATOR!r}", supplied=_ESTIMATOR_DATA)
+        if config.objective == "spg":
+            raise ConfigError("plugin.objective", "spg", f"grpo or wd1 for the {adapter.name} canvas model (SPG's "
+                              "bounds are masked-diffusion ELBO/EUBO)")
+        if config.block_length != adapter.canvas_length:
+            raise ConfigError("plugin.block_length", config.block_length,
+                              f"{adapter.canvas_length}, the canvas_length of {adapter.model_path}")
+        refused = {"temperature": 1.0, "eval_temperature": 0.0, "remasking": "low_confidence",
+                   "eval_remasking": "low_confidence", "cfg_scale": 0.0}
+        for key, default in refused.items():
+            if getattr(config, key) != default:
+                raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) for the "
+                                  f"{adapter.name} canvas model; its sampler is set by plugin.canvas_sampler")
+        steps_per_canvas = config.steps // (config.gen_length // config.block_length)
+        return config.canvas_sampler.resolve(adapter.generation_config, steps_per_canvas)
 
     # ------------------------------------------------------------------ contract
     def policy(self) -> nn.Module:
@@ -316,6 +370,8 @@ class DLLMPlugin(Plugin):
         finished = torch.isin(completion_ids, stops).any(dim=1)
         metrics = {"completion_length": float(real.sum(dim=1).float().mean()),
                    "finished_fraction": float(finished.float().mean())}
+        if self.canvas:  # the sampler's adaptive stopping: decoder passes per sample
+            metrics["denoising_steps"] = self._denoising_steps
         replay: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "prompt_width": torch.full((n,), width, dtype=torch.long, device=device),
@@ -335,8 +391,7 @@ class DLLMPlugin(Plugin):
         with self.runtime.autocast():
             if self.runtime.needs_reference:
                 with self._reference_module(policy) as reference:
-                    refs = [self.score(self.adapter.scorer(reference), replay, plan=e).float()
-                            for e in range(num_plans)]
+                    refs = [self.score_module(reference, replay, plan=e).float() for e in range(num_plans)]
         # Plan 0's reference scores are the rollout's; later epochs' are handed to the learner by forward().
         ref_logp = refs[0] if refs else None  # [N, A]
         if num_plans > 1 and refs:
@@ -394,11 +449,11 @@ class DLLMPlugin(Plugin):
         replay = rollout.replay
         plan = self.plan_index(replay)
         with self.runtime.autocast():
-            logp = self.score(self.adapter.scorer(policy), replay, plan=plan)
+            logp = self.score_module(policy, replay, plan=plan)
             ref_logp = None
             if need_reference:
                 with torch.no_grad(), self._reference_module(policy) as reference:
-                    ref_logp = self.score(self.adapter.scorer(reference), replay, plan=plan)
+                    ref_logp = self.score_module(reference, replay, plan=plan)
         if plan > 0 and ref_logp is None and "epoch_ref_logp" in replay:  # π_ref on this epoch's plan (rollout time)
             ref_logp = replay["epoch_ref_logp"][:, plan]
         return PolicyOutput(logp=logp.float(), ref_logp=None if ref_logp is None else ref_logp.float())
@@ -493,6 +548,8 @@ class DLLMPlugin(Plugin):
     def _decode(self, module: nn.Module, prompt_ids: Tensor, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         config = self.config
         generators = batch.sample_generators(self.runtime.device)
+        if self.canvas:
+            return self._decode_canvases(module, prompt_ids, generators)
         temperature = config.temperature if batch.training else config.eval_temperature
         remasking = config.remasking if batch.training else config.eval_remasking
         size = config.generation_batch_size or len(batch) or 1
@@ -509,6 +566,27 @@ class DLLMPlugin(Plugin):
                 )
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
+        return torch.cat(completions), torch.cat(step_maps)
+
+    def _decode_canvases(self, module: nn.Module, prompt_ids: Tensor,
+                         generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+        """Canvas models: :func:`~mmrl.plugins.dllm.canvas.canvas_generate`, one generator per sample (training
+        and evaluation alike: the sampler's temperatures are ``canvas_sampler``'s). Logs ``denoising_steps``, the
+        mean decoder passes per sample."""
+        size = self.config.generation_batch_size or prompt_ids.shape[0] or 1
+        completions, step_maps, passes = [], [], []
+        with self.runtime.autocast():
+            for start in range(0, prompt_ids.shape[0], size):
+                part = slice(start, start + size)
+                out = canvas_generate(
+                    module, prompt_ids[part], padding_inputs(prompt_ids[part], self.adapter.pad_id)[0],
+                    gen_length=self.config.gen_length, sampling=self.canvas_sampling, stop_ids=self.adapter.stop_ids,
+                    pad_id=self.adapter.pad_id, generators=generators[part],
+                )
+                completions.append(out.completion_ids)
+                step_maps.append(out.step_map)
+                passes.append(out.decoder_passes)
+        self._denoising_steps = float(torch.cat(passes).float().mean()) if passes else 0.0
         return torch.cat(completions), torch.cat(step_maps)
 
     def draw_plans(self, prompt_ids: Tensor, lengths: Tensor, completion_ids: Tensor, real: Tensor,
@@ -533,6 +611,8 @@ class DLLMPlugin(Plugin):
         n, width = prompt_ids.shape
         device = completion_ids.device
         generators = [torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG)) for seed in seeds.tolist()]
+        if self.canvas:
+            return self._draw_uniform_plans(real, generators, num_plans)
         prompt_ids, completion_ids, real = prompt_ids.cpu(), completion_ids.cpu(), real.cpu()
         lengths = [int(length) for length in lengths.tolist()]
         masks_prompt = float(self.config.estimator_options.get("p_mask_prompt", 0.0)) > 0
@@ -566,6 +646,70 @@ class DLLMPlugin(Plugin):
         if prompt_masked is not None:
             out["plan_prompt_masked"] = prompt_masked.to(device)
         return out
+
+    def _draw_uniform_plans(self, real: Tensor, generators: list[torch.Generator], num_plans: int) -> dict[str, Tensor]:
+        """Canvas models: each sample's ``num_plans`` uniform-noise plans (:func:`~mmrl.plugins.dllm.canvas.
+        draw_uniform_plan`), plan ``e`` the ``e``-th draw of the sample's own generator.
+
+        Shapes:
+            → ``plan_masked`` bool, ``plan_tokens`` long and ``plan_weights`` float32 ``[N, E, D, G]``,
+            ``plan_self_conditioning`` bool ``[N, E, D]``.
+        """
+        plans = [draw_uniform_plan(real.cpu(), canvas_length=self.adapter.canvas_length,
+                                   vocab_size=self.adapter.vocab_size, num_samples=self.config.num_mc_samples,
+                                   generators=generators, **self.config.estimator_options) for _ in range(num_plans)]
+        device = real.device
+
+        def stacked(name: str) -> Tensor:  # [D, N, ...] per plan -> [N, E, D, ...]
+            return torch.stack([getattr(plan, name).transpose(0, 1) for plan in plans], dim=1).to(device)
+
+        return {"plan_masked": stacked("corrupted"), "plan_tokens": stacked("tokens"),
+                "plan_weights": stacked("weights"), "plan_self_conditioning": stacked("self_conditioning")}
+
+    def score_module(self, module: nn.Module, replay: dict[str, Any], *, plan: int = 0) -> Tensor:
+        """:meth:`score` with ``module``'s scorer, or for a canvas model :meth:`score_canvas` (``module`` may be
+        wrapped for data parallelism)."""
+        if self.canvas:
+            return self.score_canvas(module, replay, plan=plan)
+        return self.score(self.adapter.scorer(module), replay, plan=plan)
+
+    def score_canvas(self, module: nn.Module, replay: dict[str, Any], *, plan: int = 0) -> Tensor:
+        """Canvas models: the action log-probs of the samples in ``replay`` on their stored uniform-noise plan
+        ``plan`` (:func:`~mmrl.plugins.dllm.canvas.canvas_token_logprobs`), grouped by prompt width as
+        :meth:`score`.
+
+        Shapes:
+            → ``[n, A]`` float32: grpo, each real token's log-prob averaged over the draws (zero after the first
+            EOS); wd1, their sum (divided by the real tokens with ``normalize_by_length``).
+        """
+        config, widths = self.config, replay["prompt_width"]
+        encoder = self.runtime.unwrap(module).model.encoder
+        parts, order = [], []
+        for width in torch.unique(widths).tolist():
+            rows = (widths == width).nonzero().squeeze(-1)
+            prompt = replay["prompt_ids"].index_select(0, rows)[:, :width]
+            completion = replay["completion_ids"].index_select(0, rows)
+            real = replay["completion_mask"].index_select(0, rows)
+
+            stored = {name: replay[name].index_select(0, rows)[:, plan].transpose(0, 1)  # [D, n, ...]
+                      for name in ("plan_masked", "plan_tokens", "plan_self_conditioning", "plan_weights")}
+            noise = UniformPlan(corrupted=stored["plan_masked"].bool(), tokens=stored["plan_tokens"].long(),
+                                self_conditioning=stored["plan_self_conditioning"].bool(),
+                                weights=stored["plan_weights"].float())
+            token_logp = canvas_token_logprobs(
+                module, prompt, padding_inputs(prompt, self.adapter.pad_id)[0], completion, real, noise,
+                canvas_length=self.adapter.canvas_length, eos_id=self.adapter.eos_id,
+                micro_batch=config.score_micro_batch, encoder=encoder)  # [D, n, G]
+            scores = uniform_one_step_scores(token_logp, noise)  # [n, G]
+            if not config.token_columns:  # wd1: the sequence estimate
+                scores = scores.sum(dim=1, keepdim=True)
+                if config.normalized:
+                    scores = scores / real.sum(dim=1, keepdim=True).float().clamp(min=1.0)
+            parts.append(scores)
+            order.append(rows)
+        scores = torch.cat(parts)
+        index = torch.cat(order)
+        return scores.index_select(0, torch.argsort(index.to(scores.device)))
 
     def score(self, scorer: Callable[[Tensor], Tensor], replay: dict[str, Any], *, plan: int = 0) -> Tensor:
         """The action log-probs of the samples in ``replay`` under ``scorer`` with their stored plan number ``plan``.
