@@ -20,6 +20,7 @@ def _packages() -> list[str]:
 # Bundled checkpoints and data: plugins/<name>/assets/ (the dLLM toy model) and the shapes world's pipeline folder.
 PACKAGE_DATA = {
     "mmrl.plugins": ["*/assets/*"],
+    "mmrl.plugins.dllm": ["assets/canvas/*"],  # the toy canvas model (a tiny DiffusionGemma)
     "mmrl.rewards": ["*/assets/*"],
     "mmrl.plugins.flow.shapes": ["assets/*/*", "assets/*/*/*"],
 }

@@ -368,6 +368,20 @@ def _plan_probe(name: str, option: str, **fixed: Any):
     return accepts
 
 
+def _uniform_plan_probe(option: str):
+    """Canvas models' noise plans check their options when drawn (``draw_uniform_plan``)."""
+    def accepts(value: float) -> bool:
+        from mmrl.plugins.dllm.canvas import draw_uniform_plan
+
+        try:
+            draw_uniform_plan(torch.ones(1, 4), canvas_length=4, vocab_size=10, num_samples=2,
+                              generators=[torch.Generator().manual_seed(0)], **{option: value})
+        except ValueError:
+            return False
+        return True
+    return accepts
+
+
 _ROWS = {
     "choice": {"solution": "A"}, "count": {"solution": 3}, "countdown": {"numbers": [1, 2], "target": 3},
     "sudoku": {"puzzle": "1234341221434321", "solution": "1234341221434321"},
@@ -425,6 +439,8 @@ def _probes() -> dict[str, Any]:
         probes[f"likelihood_estimators.{name}.p_mask_prompt"] = _plan_probe(name, "p_mask_prompt")
     probes["likelihood_estimators.elbo_t.eps"] = _plan_probe("elbo_t", "eps")
     probes["likelihood_estimators.spg_upper.beta"] = _plan_probe("spg_upper", "beta")
+    for option in ("eps", "self_conditioning_p"):
+        probes[f"likelihood_estimators.uniform_one_step.{option}"] = _uniform_plan_probe(option)
     for name in ("spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.block_length"] = _plan_probe(name, "block_length", masking="block")
     for name in ("exact_match", "token_accuracy", "format", "choice", "math", "count", "gsm8k_answer", "countdown",

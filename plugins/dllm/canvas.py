@@ -177,7 +177,7 @@ def entropy_bound_accept(entropy: Tensor, bound: float) -> Tensor:
     return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
-def _per_row(generators: Sequence[torch.Generator] | None, draw: Any, batch: int) -> Tensor:
+def _per_row(generators: Sequence[torch.Generator] | None, draw: Any) -> Tensor:
     """``draw(generator)`` per row, stacked (one global-RNG call for the whole batch when ``generators`` is None)."""
     if generators is None:
         return draw(None)
@@ -243,7 +243,7 @@ def canvas_generate(
                             position_ids=encoder_positions.unsqueeze(0))
         decoder_mask = torch.nn.functional.pad(attention, (0, canvas_length), value=True)
         decoder_positions = torch.arange(start, start + canvas_length, device=device).unsqueeze(0)
-        current = _per_row(generators, uniform_tokens, batch)  # [B, C] uniform noise
+        current = _per_row(generators, uniform_tokens)  # [B, C] uniform noise
         argmax = current
         self_conditioning = None
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # adaptive stopping of this canvas
@@ -265,7 +265,7 @@ def canvas_generate(
             entropy = torch.distributions.Categorical(logits=tempered).entropy()  # [B, C]
             accept = entropy_bound_accept(entropy, sampling.entropy_bound)
             accepted = torch.where(accept, drawn, current)
-            renoised = torch.where(accept, accepted, _per_row(generators, uniform_tokens, batch))
+            renoised = torch.where(accept, accepted, _per_row(generators, uniform_tokens))
             if sampling.stability_threshold is not None:
                 if done.any():  # stopped rows keep their canvas, argmax and logits
                     new_argmax = torch.where(done[:, None], argmax, new_argmax)

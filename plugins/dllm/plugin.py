@@ -1,4 +1,5 @@
-"""The dLLM plugin: group-relative RL for masked diffusion language models (LLaDA, Dream, tiny masked LMs).
+"""The dLLM plugin: group-relative RL for diffusion language models: masked ones (LLaDA, Dream, tiny masked LMs) and
+canvas models (DiffusionGemma, :mod:`mmrl.plugins.dllm.canvas`).
 
 How it maps onto the rollout contract (docs/dllm.md has the long version):
 
@@ -34,6 +35,11 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
 - **The reference** is the policy with its LoRA adapter disabled, or a frozen copy of the initial weights for full
   fine-tuning, kept only when ``Runtime.needs_reference``. Its estimates use the same plans and are computed at
   rollout time (``Rollout.ref_logp`` for plan 0, ``replay["epoch_ref_logp"]`` for every plan).
+- **Canvas models** (adapter ``noise = "uniform"``: DiffusionGemma) replace the two model-specific pieces and keep
+  the rest: rollouts run the model's own canvas sampler (:func:`~mmrl.plugins.dllm.canvas.canvas_generate`), and the
+  plans are uniform-noise plans (``plan_masked`` the corrupted positions, ``plan_tokens`` their random tokens,
+  ``plan_self_conditioning`` the self-conditioning coins) scored by ``uniform_one_step``
+  (:meth:`DLLMPlugin.score_canvas`), one per inner epoch, shared by π_θ, π_old and π_ref as above.
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
   the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
   masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
@@ -100,7 +106,9 @@ class DLLMPluginConfig:
     # ---------------------------------------------------------------- model
     model: str | None = config_field(
         None, help="Local folder or hub id of the model (config.json, weights, tokenizer). Null: the bundled toy "
-        "checkpoint (mmrl/plugins/dllm/assets, made by `python -m mmrl.plugins.dllm.pretrain`).",
+        "checkpoint (mmrl/plugins/dllm/assets, made by `python -m mmrl.plugins.dllm.pretrain`; with adapter "
+        "diffusion_gemma, the toy canvas model in assets/canvas, made by `python -m mmrl.plugins.dllm."
+        "canvas_pretrain`).",
     )
     adapter: str = config_field(
         "auto", help="Model family: masked_lm, llada, dream, diffusion_gemma (or a third-party adapter). 'auto' reads "
@@ -237,7 +245,8 @@ class DLLMPluginConfig:
         if "{" not in self.prompt_template:
             raise ConfigError(f"{path}.prompt_template", self.prompt_template, "a format string using a row field, "
                               "e.g. '{prompt}'")
-        if self.dataset in BUILTIN_DATASETS and self.model is not None and self.adapter not in ("auto", "masked_lm"):
+        toy_families = ("auto", "masked_lm", "diffusion_gemma")  # the families with a toy checkpoint
+        if self.dataset in BUILTIN_DATASETS and self.model is not None and self.adapter not in toy_families:
             raise ConfigError(f"{path}.dataset", self.dataset, "a JSONL file or folder for a non-toy model")
         if self.objective == "grpo" and self.normalize_by_length is not None:
             raise ConfigError(f"{path}.normalize_by_length", self.normalize_by_length,
@@ -272,7 +281,8 @@ class DLLMPluginConfig:
 
 
 class DLLMPlugin(Plugin):
-    """GRPO (and wd1, SPG) for masked diffusion LMs: block-decoded rollouts scored by ELBO estimators."""
+    """GRPO (and wd1, SPG) for diffusion LMs: block-decoded rollouts scored by ELBO estimators (canvas models: their
+    own sampler and the uniform_one_step surrogate)."""
 
     name = "dllm"
     config_class = DLLMPluginConfig
@@ -280,7 +290,10 @@ class DLLMPlugin(Plugin):
     def __init__(self, config: DLLMPluginConfig, runtime: Runtime):
         require_extra("dllm", "plugin 'dllm'")  # one line naming mmrl[dllm] instead of an import traceback
         super().__init__(config, runtime)
-        model_path = config.model if config.model is not None else str(toy.ASSETS)
+        if config.model is not None:
+            model_path = config.model
+        else:  # the bundled toy checkpoint of the family
+            model_path = str(toy.CANVAS_ASSETS if config.adapter == "diffusion_gemma" else toy.ASSETS)
         adapter_class = adapter_for(model_path) if config.adapter == "auto" else dllm_adapters.get(config.adapter)
         try:
             self.adapter: DLLMAdapter = adapter_class(

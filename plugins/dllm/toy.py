@@ -28,6 +28,7 @@ CHARACTERS = "0123456789+-*/=() ,"
 """Every other token is one of these characters."""
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+CANVAS_ASSETS = ASSETS / "canvas"  # the toy canvas model (a tiny DiffusionGemma), made by canvas_pretrain.py
 """The committed toy checkpoint (config.json, model.safetensors, tokenizer files)."""
 
 MAX_OPERAND = 99
@@ -148,6 +149,7 @@ def encode_examples(tokenizer: Any, prompts: Sequence[str], answers: Sequence[st
 
 __all__ = [
     "ASSETS",
+    "CANVAS_ASSETS",
     "CHARACTERS",
     "GEN_LENGTH",
     "PROMPT_WIDTH",
