@@ -159,6 +159,9 @@ def test_the_shipped_recipe_applies_the_same_gradients_on_one_and_two_processes(
 # Each modality's shipped recipe, shortened: (config, overrides, optimizer steps per training step, samples per step).
 MODALITY_RECIPES = {
     "dllm": ("configs/dllm/toy.yaml", ["plugin.eval_size=8"], 2, 16 * 8),  # μ = 2: one optimizer step per epoch
+    # The canvas model (a tiny DiffusionGemma): its encoder runs outside the DDP wrapper's forward (the decoder
+    # passes go through it), so this checks that the encoder's share of the gradient is synchronised too.
+    "dllm_canvas": ("configs/dllm/toy_canvas.yaml", ["plugin.eval_size=8"], 2, 16 * 8),
     "flow": ("configs/flow/shapes.yaml", [], 2, 8 * 8),  # two mini-batches
     # Two mini-batches (the core's old-policy pass runs too); each training sample decoded alone, so that it depends
     # on its own seed only; a random tiny model never earns the recipe's format and iou rewards (all 0: no
