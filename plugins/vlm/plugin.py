@@ -158,6 +158,12 @@ class VLMPluginConfig:
         768 * 28 * 28, minimum=1, help="Upper bound on each video frame's resized area; a video costs about "
         "frames/2 times a frame's tokens.", ref="qwen-vl-utils 0.0.14: VIDEO_MAX_TOKEN_NUM 768 tokens of 28x28 pixels",
     )
+    video_total_pixels: float | None = config_field(
+        None, minimum=0.0, exclusive_minimum=True, help="Budget of a video's total area over all its frames: a "
+        "frame's upper bound becomes max(min(video_max_pixels, video_total_pixels / frames x 2), 1.05 x "
+        "video_min_pixels), so long videos get smaller frames. Null: qwen-vl-utils' 128,000 tokens x (patch x "
+        "merge)^2 x 0.9.", ref="qwen-vl-utils 0.0.14 fetch_video: total_pixels = MODEL_SEQ_LEN * factor^2 * 0.9",
+    )
     video_fps: float = config_field(
         2.0, minimum=0.0, exclusive_minimum=True, help="Frames per second of a row's video frames when the row has "
         "no 'video_fps': Qwen2.5-VL spaces the temporal positions by it, Qwen3-VL writes each frame's timestamp.",
@@ -283,6 +289,7 @@ class VLMPlugin(Plugin):
         self.adapter = adapter_for(config.family, config.model)(
             config.model, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
             video_min_pixels=config.video_min_pixels, video_max_pixels=config.video_max_pixels,
+            video_total_pixels=config.video_total_pixels,
         )
         self.weight_dtype = self._weight_dtype()
         model = self.adapter.load_model(dtype=self.weight_dtype, attn_implementation=config.attn_implementation)

@@ -214,6 +214,29 @@ def test_frames_of_one_video_must_share_a_size(video_models):
     assert len({frame.size for frame in resized}) == 1
 
 
+@pytest.mark.parametrize(("count", "total"), [(3, None), (40, 20 * 28 * 28), (9, 30 * 28 * 28), (4, 1.0)])
+def test_frame_size_follows_qwen_vl_utils_with_its_total_pixel_budget(video_models, count, total):
+    """Each video's frame size is qwen-vl-utils' ``fetch_video`` size for the same frames and bounds, its total-pixel
+    budget included: the default (no cap for short videos), one that shrinks the frames of a long video, an odd
+    frame count (qwen-vl-utils counts the repeated last frame), and a budget below the floor of 1.05 × min.
+
+    qwen-vl-utils 0.0.14 resizes a list of frames twice (each frame as an image within the video bounds, then the
+    video within its budget) and a video file once; its first resize of a frame list even rounds to multiples of 56
+    (``fetch_video`` passes ``image_factor`` where ``fetch_image`` expects the patch size). The frames here are a
+    size that first resize keeps (56 × 112: multiples of 56 within the bounds), so both of its paths give one
+    answer, the one mmrl computes from the frames it is given (a video file's frames, extracted at their size)."""
+    vision_process = pytest.importorskip("qwen_vl_utils.vision_process")
+    plugin = _plugin(video_models["qwen2_5_vl"], video_total_pixels=total)
+    clip = frames(count, 56, 112, 4)
+    ours = plugin.adapter.load_videos([clip])[0]
+    element = {"video": clip, "min_pixels": VIDEO_BOUNDS["video_min_pixels"],
+               "max_pixels": VIDEO_BOUNDS["video_max_pixels"], **({} if total is None else {"total_pixels": total})}
+    theirs = vision_process.fetch_video(element, image_patch_size=14)  # [frames, 3, H, W]
+    assert ours[0].size == (theirs.shape[3], theirs.shape[2])
+    if total is not None and total > 1:  # the budget binds
+        assert ours[0].size[0] * ours[0].size[1] < VIDEO_BOUNDS["video_max_pixels"]
+
+
 def test_jsonl_records_with_videos(tmp_path):
     for k, frame in enumerate(frames(3, 28, 28, 0)):
         frame.save(tmp_path / f"f{k}.png")

@@ -56,6 +56,7 @@ VISION_INPUTS = (("image", "pixel_values", "image_grid_thw", "image_embeds", "ge
 method that turns pixel rows into features."""
 
 IMAGE_POSITIONS = ("before", "after")
+VIDEO_SEQ_LEN_TOKENS = 128_000  # qwen-vl-utils 0.0.14 MODEL_SEQ_LEN: the default budget of a video's total pixels
 """Where a prompt's images sit in its user turn, relative to the question (:meth:`VLMAdapter.messages`)."""
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -103,7 +104,7 @@ class VLMAdapter:
                                                 "<|vision_end|>", "<|vision_pad|>")
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
-                 video_max_pixels: int | None = None):
+                 video_max_pixels: int | None = None, video_total_pixels: float | None = None):
         if min_pixels > max_pixels:
             raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
         self.model_path = str(model)
@@ -113,11 +114,16 @@ class VLMAdapter:
         if self.video_min_pixels > self.video_max_pixels:
             raise ValueError(f"video_min_pixels ({self.video_min_pixels}) must not exceed video_max_pixels "
                              f"({self.video_max_pixels})")
+        if video_total_pixels is not None and not video_total_pixels > 0:
+            raise ValueError(f"video_total_pixels must be positive, got {video_total_pixels}")
         self.processor = self.load_processor()
         self.tokenizer = self.processor.tokenizer
         image_processor = self.processor.image_processor
         self.patch_size = int(getattr(image_processor, "patch_size", 14))
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        # qwen-vl-utils 0.0.14 fetch_video: total_pixels = MODEL_SEQ_LEN (128,000) × image_factor² × 0.9 by default.
+        self.video_total_pixels = float(video_total_pixels if video_total_pixels is not None
+                                        else VIDEO_SEQ_LEN_TOKENS * self.image_factor ** 2 * 0.9)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
@@ -215,8 +221,8 @@ class VLMAdapter:
 
         A video is given as its frames (paths or PIL images, in time order, already sampled at the rate the row
         declares). Every frame of a video is resized to the one size smart_resize gives its first frame within
-        [video_min_pixels, video_max_pixels], a multiple of patch size × merge in each side (qwen-vl-utils resizes
-        a video's frames to one size the same way); the processor then keeps that size.
+        [video_min_pixels, :meth:`video_frame_max_pixels`], a multiple of patch size × merge in each side
+        (qwen-vl-utils resizes a video's frames to one size the same way); the processor then keeps that size.
 
         Raises:
             ValueError: a video without frames, or frames of different sizes within one video.
@@ -236,9 +242,20 @@ class VLMAdapter:
                 raise ValueError(f"video {number} of the prompt has frames of different sizes {sorted(sizes)}; "
                                  "every frame of a video must have one size")
             width, height = qwen_resized_size(opened[0].size, factor=self.image_factor,
-                                              min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels)
+                                              min_pixels=self.video_min_pixels,
+                                              max_pixels=self.video_frame_max_pixels(len(opened)))
             loaded.append([frame.resize((width, height), resample=Image.Resampling.BICUBIC) for frame in opened])
         return loaded
+
+    def video_frame_max_pixels(self, num_frames: int) -> float:
+        """The largest area a frame of a ``num_frames``-frame video may keep: ``video_max_pixels``, lowered so that
+        all the frames together hold about ``video_total_pixels`` (two frames make one temporal patch), never below
+        1.05 × ``video_min_pixels``. qwen-vl-utils 0.0.14 ``fetch_video``: ``max(min(VIDEO_FRAME_MAX_PIXELS,
+        total_pixels / nframes × FRAME_FACTOR), int(min_pixels × 1.05))`` with ``nframes`` the frame count rounded
+        up to even (it repeats the last frame of an odd count)."""
+        frames = num_frames + num_frames % 2
+        return max(min(self.video_max_pixels, self.video_total_pixels / frames * 2),
+                   int(self.video_min_pixels * 1.05))
 
     # ------------------------------------------------------------------ prompts
     def messages(self, question: str, num_images: int, system_prompt: str | None = None, *,
