@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "dllm": ("transformers", "peft"),
     "image-rewards": ("open_clip", "transformers", "PIL"),
     "serve": ("PIL",),
+    "text-rewards": ("rouge_score",),
 }
 
 
@@ -43,7 +44,8 @@ def require_extra(extra: str, user: str, modules: Sequence[str] | None = None) -
     """Raise :class:`MissingExtraError` unless the modules of ``extra`` are installed.
 
     Args:
-        extra: A key of :data:`EXTRAS` (``"flow"``, ``"vlm"``, ``"dllm"``, ``"image-rewards"``, ``"serve"``).
+        extra: A key of :data:`EXTRAS` (``"flow"``, ``"vlm"``, ``"dllm"``, ``"image-rewards"``, ``"serve"``,
+            ``"text-rewards"``).
         user: What needs them, as the message names it (``"plugin 'flow'"``, ``"reward 'clip_score'"``).
         modules: The modules to check (default: every module of the extra).
 

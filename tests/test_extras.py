@@ -17,7 +17,8 @@ from mmrl.extras import EXTRAS, MissingExtraError, require_extra
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name, for the modules the extras provide
 DISTRIBUTION = {"diffusers": "diffusers", "transformers": "transformers", "peft": "peft", "PIL": "pillow",
-                "qwen_vl_utils": "qwen-vl-utils", "torchvision": "torchvision", "open_clip": "open_clip_torch"}
+                "qwen_vl_utils": "qwen-vl-utils", "torchvision": "torchvision", "open_clip": "open_clip_torch",
+                "rouge_score": "rouge-score"}
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -30,8 +31,8 @@ def test_each_extra_declares_the_distributions_of_the_modules_it_is_named_for():
     declared = pyproject["project"]["optional-dependencies"]
     for extra, modules in EXTRAS.items():
         assert _names(declared[extra]) == {DISTRIBUTION[module].lower() for module in modules}, extra
-    assert declared["all"] == ["mmrl[flow,vlm,dllm,image-rewards,serve]"] and set(EXTRAS) == {
-        "flow", "vlm", "dllm", "image-rewards", "serve"}
+    assert declared["all"] == ["mmrl[flow,vlm,dllm,image-rewards,serve,text-rewards]"] and set(EXTRAS) == {
+        "flow", "vlm", "dllm", "image-rewards", "serve", "text-rewards"}
     # The core needs none of them.
     core = _names(pyproject["project"]["dependencies"])
     assert not core & {name.lower() for name in DISTRIBUTION.values()}, core

@@ -444,8 +444,9 @@ def _probes() -> dict[str, Any]:
     for name in ("spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.block_length"] = _plan_probe(name, "block_length", masking="block")
     for name in ("exact_match", "token_accuracy", "format", "choice", "math", "count", "gsm8k_answer", "countdown",
-                 "sudoku"):
+                 "sudoku", "numeric_match", "word_accuracy", "rouge", "relative_accuracy"):
         probes[f"reward_functions.{name}.max_chars"] = _reward_probe(name, "max_chars")
+    probes["reward_functions.numeric_match.decimals"] = _reward_probe("numeric_match", "decimals")
     for name in ("math", "gsm8k_answer"):
         for option in ("rel_tol", "abs_tol"):
             probes[f"reward_functions.{name}.{option}"] = _reward_probe(name, option)
