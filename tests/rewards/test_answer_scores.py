@@ -44,7 +44,7 @@ def test_numeric_match_follows_video_r1s_numerical_rule():
 
 def _edit_distance(ref: tuple[str, ...], hyp: tuple[str, ...]) -> int:
     """Word edit distance by its recursive definition (an independent check of the dynamic programme)."""
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def d(i: int, j: int) -> int:
         if i == 0 or j == 0:
             return i + j
