@@ -16,7 +16,8 @@ time (``time.process_time``) are both recorded; the torch thread counts are in t
 
 Plugins and default recipes: ``toy`` configs/toy.yaml, ``flow`` configs/flow/shapes.yaml (the bundled 32x32 latent
 SD3), ``vlm`` configs/vlm/toy_grounding.yaml (a tiny Qwen2.5-VL built in a temporary folder; ``--vlm-size small``
-for the ~5M-parameter one), ``dllm`` configs/dllm/toy.yaml. ``--override`` changes the recipe (``key=value``).
+for the ~5M-parameter one), ``dllm`` configs/dllm/toy.yaml, ``dllm_canvas`` configs/dllm/toy_canvas.yaml (the
+bundled tiny DiffusionGemma). ``--override`` changes the recipe (``key=value``).
 
 ``--json`` writes ``settings`` (``plugin``, ``config``, ``overrides``, ``device``, ``threads``, ``interop_threads``,
 ``rounds``, ``warmup``, ``torch``, ``cpu``), ``parameters`` (``total``, ``trainable``), ``floor`` (what the floor
@@ -63,7 +64,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
         sys.path.insert(0, str(path))
 
 RECIPES = {"toy": "configs/toy.yaml", "flow": "configs/flow/shapes.yaml", "vlm": "configs/vlm/toy_grounding.yaml",
-           "dllm": "configs/dllm/toy.yaml"}
+           "dllm": "configs/dllm/toy.yaml", "dllm_canvas": "configs/dllm/toy_canvas.yaml"}
 EXTRAS = ("reference", "old_logp", "logprob_math")
 
 
@@ -127,6 +128,9 @@ def floor_class(plugin: str) -> Any:
     if plugin == "vlm":
         from floors.vlm import VLMFloor
         return VLMFloor
+    if plugin == "dllm_canvas":
+        from floors.canvas import CanvasFloor
+        return CanvasFloor
     from floors.dllm import DLLMFloor
     return DLLMFloor
 

@@ -147,11 +147,15 @@ class CanvasOutput:
         step_map: ``[B, G]`` long: the global step (``canvas·steps + j``, 0-based) from which the position's argmax
             no longer changed; -1 in the canvases after the row's stop token.
         decoder_passes: ``[B]`` long: denoising steps spent on each row (its canvases before it stopped).
+        decoder_calls: Batched decoder forwards run (each canvas runs until its last row stops).
+        canvases: Canvases decoded (the loop ends when every row has its stop token).
     """
 
     completion_ids: Tensor
     step_map: Tensor
     decoder_passes: Tensor
+    decoder_calls: int = 0
+    canvases: int = 0
 
 
 def text_config(model: nn.Module) -> Any:
@@ -230,6 +234,7 @@ def canvas_generate(
     completion = torch.full((batch, gen_length), pad_id, dtype=torch.long, device=device)
     step_map = torch.full((batch, gen_length), -1, dtype=torch.long, device=device)
     passes = torch.zeros(batch, dtype=torch.long, device=device)
+    calls, canvases = 0, 0
     finished_rows = torch.zeros(batch, dtype=torch.bool, device=device)
 
     def uniform_tokens(generator: torch.Generator | None) -> Tensor:
@@ -249,8 +254,10 @@ def canvas_generate(
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # adaptive stopping of this canvas
         history = None  # [S, B, C] the last argmax canvases (stability)
         changed = torch.zeros(batch, canvas_length, dtype=torch.long, device=device)
+        canvases += 1
         for index, remaining in enumerate(range(steps, 0, -1)):
             passes += (~(done | finished_rows)).long()
+            calls += 1
             logits = model(decoder_input_ids=current, self_conditioning_logits=self_conditioning,
                            decoder_attention_mask=decoder_mask, cache=cache,
                            decoder_position_ids=decoder_positions).logits  # [B, C, V]
@@ -294,7 +301,8 @@ def canvas_generate(
         attention = torch.nn.functional.pad(attention, (0, canvas_length), value=True)
         encoder_ids = written
         encoder_positions = torch.arange(start, start + canvas_length, device=device)
-    return CanvasOutput(completion_ids=completion, step_map=step_map, decoder_passes=passes)
+    return CanvasOutput(completion_ids=completion, step_map=step_map, decoder_passes=passes, decoder_calls=calls,
+                        canvases=canvases)
 
 
 def _stable(history: Tensor | None, argmax: Tensor, threshold: int) -> tuple[Tensor, Tensor | None]:

@@ -385,6 +385,7 @@ class DLLMPlugin(Plugin):
                    "finished_fraction": float(finished.float().mean())}
         if self.canvas:  # the sampler's adaptive stopping: decoder passes per sample
             metrics["denoising_steps"] = self._denoising_steps
+            metrics["decoder_calls"] = float(sum(calls for _, calls in self._decoder_calls))
         replay: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "prompt_width": torch.full((n,), width, dtype=torch.long, device=device),
@@ -585,9 +586,10 @@ class DLLMPlugin(Plugin):
                          generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
         """Canvas models: :func:`~mmrl.plugins.dllm.canvas.canvas_generate`, one generator per sample (training
         and evaluation alike: the sampler's temperatures are ``canvas_sampler``'s). Logs ``denoising_steps``, the
-        mean decoder passes per sample."""
+        mean decoder passes per sample, and ``decoder_calls``, the batched decoder forwards of the rollout call
+        (what the step-floor benchmark replays)."""
         size = self.config.generation_batch_size or prompt_ids.shape[0] or 1
-        completions, step_maps, passes = [], [], []
+        completions, step_maps, passes, calls = [], [], [], []
         with self.runtime.autocast():
             for start in range(0, prompt_ids.shape[0], size):
                 part = slice(start, start + size)
@@ -599,7 +601,9 @@ class DLLMPlugin(Plugin):
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
                 passes.append(out.decoder_passes)
+                calls.append((out.canvases, out.decoder_calls))
         self._denoising_steps = float(torch.cat(passes).float().mean()) if passes else 0.0
+        self._decoder_calls = calls  # per generation batch: (canvases, batched decoder forwards)
         return torch.cat(completions), torch.cat(step_maps)
 
     def draw_plans(self, prompt_ids: Tensor, lengths: Tensor, completion_ids: Tensor, real: Tensor,

@@ -247,7 +247,7 @@ STEP_FLOORS_KEYS = {"settings", "parameters", "floor", "seconds", "cpu_seconds",
                     "step_over_floor_and_extras", "breakdown", "identical_steps"}
 
 
-@pytest.mark.parametrize("plugin", ["toy", "flow", "vlm", "dllm"])
+@pytest.mark.parametrize("plugin", ["toy", "flow", "vlm", "dllm", "dllm_canvas"])
 def test_step_floors(tmp_path, plugin):
     """One round, no warm-up, on each plugin's default recipe (toy also with --profile and an override)."""
     out = tmp_path / "floor.json"

@@ -154,3 +154,33 @@ def test_the_dllm_floor_scores_the_old_policy_where_the_learner_does(tmp_path):
         assert "old_logp" in floor.extras()
     finally:
         trainer.close()
+
+
+def test_the_canvas_floor_runs_the_model_calls_the_plugin_scores_with(tmp_path):
+    """The canvas floor's scoring passes (encoder, self-conditioning and decoder passes per canvas, on the stored
+    noise plan) give, once reduced as the plugin reduces them, the plugin's own scores; its generation replays the
+    rollout's batched decoder calls."""
+    args = step_floors.parse_args(["--plugin", "dllm_canvas", "--override", "rollout.prompts_per_step=2",
+                                   "rollout.group_size=4", "plugin.eval_size=4"])
+    trainer = step_floors.build_trainer(args, tmp_path)
+    try:
+        with capturing(trainer) as capture:
+            trainer.training_step()
+        floor = step_floors.floor_class("dllm_canvas")(trainer, capture)
+        plugin, replay = trainer.plugin, floor.rollout.replay
+        indices = list(range(len(floor.rollout)))
+        inputs = floor.plan_inputs(indices, 0)
+        with torch.no_grad():
+            logits = floor.passes(floor.module, inputs)
+            expected = plugin.score_canvas(floor.module, replay, plan=0)  # [n, G]
+        length, draws = floor.canvas_length, replay["plan_masked"].shape[2]
+        ours = torch.zeros(len(indices) * draws, replay["completion_ids"].shape[1])
+        for k, canvas in enumerate(logits):
+            columns = slice(k * length, (k + 1) * length)
+            picked = canvas.float().log_softmax(-1).gather(-1, inputs["clean"][:, columns].unsqueeze(-1)).squeeze(-1)
+            ours[:, columns] = picked * inputs["scored"][:, columns]
+        assert torch.allclose(ours.view(len(indices), draws, -1).mean(dim=1), expected, atol=1e-5)
+        calls = sum(int(call.metrics["decoder_calls"]) for call in capture.rollouts)
+        assert calls == sum(c for *_, c in floor.calls) and calls >= sum(c for *_, c, _ in floor.calls)
+    finally:
+        trainer.close()

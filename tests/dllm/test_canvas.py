@@ -86,6 +86,9 @@ def test_early_stopping_happens_in_the_compared_settings(model):
     torch.manual_seed(0)
     out = canvas_generate(model, ids, mask, gen_length=12, sampling=sampling, stop_ids=[EOS], pad_id=PAD)
     assert int(out.decoder_passes.max()) <= 3  # one step per canvas
+    assert out.decoder_calls == out.canvases <= 3  # one batched forward per canvas decoded
+    finished_after = (out.completion_ids == EOS).int().argmax(dim=1) // 4 + 1  # the canvas holding each EOS
+    assert out.canvases == (3 if not bool((out.completion_ids == EOS).any(dim=1).all()) else int(finished_after.max()))
 
 
 def test_a_sample_does_not_depend_on_its_batch(model):
