@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import padding_inputs
 from mmrl.plugins.dllm.canvas import CanvasSampling, canvas_generate, text_config
-from mmrl.plugins.dllm.generation import completion_mask
+from mmrl.plugins.dllm.pretrain import answer_metrics, completion_texts, corpus_batch, learning_rate, write_summary
 
 
 def canvas_model_config(tokenizer: Any, *, hidden_size: int = 96, num_layers: int = 2, num_heads: int = 4,
@@ -112,7 +112,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], *, sampling
              batch_size: int = 500) -> dict[str, float]:
     """Held-out accuracy of the sampler (one generator per problem, seeded ``seed + index``), split by carry / no
     carry, and how often the answer is the forgotten-carry one."""
-    correct, forgotten, carry_total, carry_right = 0, 0, 0, 0
+    answers: list[str] = []
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     for start in range(0, len(rows), batch_size):
         part = rows[start:start + batch_size]
@@ -120,21 +120,8 @@ def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], *, sampling
         generators = [torch.Generator().manual_seed(seed + start + i) for i in range(len(part))]
         out = canvas_generate(model, prompt_ids, padding_inputs(prompt_ids, pad)[0], gen_length=toy.GEN_LENGTH,
                               sampling=sampling, stop_ids=[eos], pad_id=pad, generators=generators)
-        keep = completion_mask(out.completion_ids, [eos])
-        for row, ids, mask in zip(part, out.completion_ids.tolist(), keep.tolist(), strict=True):
-            text = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
-            right = text == row["solution"]
-            correct += right
-            if row["carry"]:
-                carry_total += 1
-                carry_right += right
-                forgotten += text == str(toy.forgotten_carry(row["a"], row["b"]))
-    return {
-        "accuracy": correct / max(len(rows), 1),
-        "carry_accuracy": carry_right / max(carry_total, 1),
-        "no_carry_accuracy": (correct - carry_right) / max(len(rows) - carry_total, 1),
-        "forgotten_carry_rate": forgotten / max(carry_total, 1),
-    }
+        answers += completion_texts(tokenizer, out.completion_ids, (eos,))
+    return answer_metrics(rows, answers)
 
 
 def pretrain(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,12 +149,9 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         model.train()
-        batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
-        answers = [toy.corpus_answer(row, args.wrong_rate, rng) for row in batch]
-        prompt_ids, completion_ids = toy.encode_examples(tokenizer, [r["prompt"] for r in batch], answers)
-        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * (1 - step / args.steps))
+        prompt_ids, completion_ids = corpus_batch(tokenizer, train_rows, args, rng)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = learning_rate(args, step)
         loss, parts = canvas_sft_loss(model, prompt_ids, completion_ids, pad_id=tokenizer.pad_token_id,
                                       generator=generator, self_conditioning_p=args.self_conditioning_p,
                                       encoder_loss_weight=args.encoder_loss_weight)
@@ -187,18 +171,7 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     model.eval()
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
-    summary = {
-        "command": "python -m mmrl.plugins.dllm.canvas_pretrain " + " ".join(
-            f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),
-        "arguments": vars(args),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "held_out": history[-1] if history else {},
-        "sampler": vars(sampling) if hasattr(sampling, "__dict__") else str(sampling),
-        "history": history,
-        "torch": torch.__version__,
-    }
-    (output / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return write_summary(output, "mmrl.plugins.dllm.canvas_pretrain", args, model, history, sampler=vars(sampling))
 
 
 def parser() -> argparse.ArgumentParser:

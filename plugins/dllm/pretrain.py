@@ -53,21 +53,34 @@ def evaluate(scorer: Any, tokenizer: Any, rows: list[dict[str, Any]], *, mask_id
              batch_size: int = 500) -> dict[str, float]:
     """Greedy accuracy on ``rows`` (one block, one token per step), split by carry / no carry, and how often the
     answer is the forgotten-carry one."""
-    correct, forgotten, carry_total, carry_right = 0, 0, 0, 0
+    answers: list[str] = []
     for start in range(0, len(rows), batch_size):
         part = rows[start:start + batch_size]
         prompt_ids, _ = toy.encode_examples(tokenizer, [r["prompt"] for r in part], ["0"] * len(part))
         out = generate(scorer, prompt_ids, mask_id=mask_id, gen_length=toy.GEN_LENGTH,
                        block_length=toy.GEN_LENGTH, steps=toy.GEN_LENGTH)
-        keep = completion_mask(out.completion_ids, stop_ids)
-        for row, ids, mask in zip(part, out.completion_ids.tolist(), keep.tolist(), strict=True):
-            text = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
-            right = text == row["solution"]
-            correct += right
-            if row["carry"]:
-                carry_total += 1
-                carry_right += right
-                forgotten += text == str(toy.forgotten_carry(row["a"], row["b"]))
+        answers += completion_texts(tokenizer, out.completion_ids, stop_ids)
+    return answer_metrics(rows, answers)
+
+
+def completion_texts(tokenizer: Any, completion_ids: torch.Tensor, stop_ids: tuple[int, ...]) -> list[str]:
+    """The text of each completion up to, not including, its first stop token."""
+    keep = completion_mask(completion_ids, stop_ids)
+    return [tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+            for ids, mask in zip(completion_ids.tolist(), keep.tolist(), strict=True)]
+
+
+def answer_metrics(rows: list[dict[str, Any]], answers: list[str]) -> dict[str, float]:
+    """Accuracy of ``answers`` on addition ``rows``, split by carry / no carry, and how often a carry problem gets the
+    forgotten-carry answer."""
+    correct, forgotten, carry_total, carry_right = 0, 0, 0, 0
+    for row, text in zip(rows, answers, strict=True):
+        right = text == row["solution"]
+        correct += right
+        if row["carry"]:
+            carry_total += 1
+            carry_right += right
+            forgotten += text == str(toy.forgotten_carry(row["a"], row["b"]))
     return {
         "accuracy": correct / max(len(rows), 1),
         "carry_accuracy": carry_right / max(carry_total, 1),
@@ -99,12 +112,9 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         model.train()
-        batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
-        answers = [toy.corpus_answer(row, args.wrong_rate, rng) for row in batch]
-        prompt_ids, completion_ids = toy.encode_examples(tokenizer, [r["prompt"] for r in batch], answers)
-        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * (1 - step / args.steps))
+        prompt_ids, completion_ids = corpus_batch(tokenizer, train_rows, args, rng)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = learning_rate(args, step)
         loss = masked_diffusion_loss(scorer, prompt_ids, completion_ids, mask_id=adapter.mask_id,
                                      generator=generator)
         optimizer.zero_grad(set_to_none=True)
@@ -121,12 +131,34 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(record), flush=True)
     model.eval()
     model.save_pretrained(output)
+    return write_summary(output, "mmrl.plugins.dllm.pretrain", args, model, history)
+
+
+def corpus_batch(tokenizer: Any, rows: list[dict[str, Any]], args: argparse.Namespace,
+                 rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """``args.batch_size`` problems drawn from ``rows`` with the corpus's answers (the carry forgotten w.p.
+    ``args.wrong_rate``), encoded: ``[B, P]`` prompt ids, ``[B, G]`` completion ids."""
+    batch = [rows[rng.randrange(len(rows))] for _ in range(args.batch_size)]
+    answers = [toy.corpus_answer(row, args.wrong_rate, rng) for row in batch]
+    return toy.encode_examples(tokenizer, [r["prompt"] for r in batch], answers)
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up over ``args.warmup`` steps, then a linear decay to a tenth at ``args.steps``."""
+    return args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * (1 - step / args.steps))
+
+
+def write_summary(output: Path, module: str, args: argparse.Namespace, model: Any, history: list[dict[str, Any]],
+                  **extra: Any) -> dict[str, Any]:
+    """Write ``pretrain.json`` (the command, its arguments, the parameter count, the last and every held-out record)
+    to ``output`` and return it."""
     summary = {
-        "command": "python -m mmrl.plugins.dllm.pretrain " + " ".join(
+        "command": f"python -m {module} " + " ".join(
             f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),
         "arguments": vars(args),
         "parameters": sum(p.numel() for p in model.parameters()),
         "held_out": history[-1] if history else {},
+        **extra,
         "history": history,
         "torch": torch.__version__,
     }
