@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -133,31 +132,14 @@ class CanvasFloor(DLLMFloor):
     def loss(self, inputs: Any) -> torch.Tensor:
         return sum((scalar(logits) for logits in self.passes(self.policy, inputs)), torch.zeros((), device=self.device))
 
-    # ------------------------------------------------------------------ extras
-    def extras(self) -> dict[str, Callable[[], None]]:
-        plugin, runtime = self.plugin, self.plugin.runtime
-        everything = list(range(len(self.rollout)))
+    # ------------------------------------------------------------------ extras (DLLMFloor.extras)
+    def scoring_inputs(self, indices: list[int], plan: int) -> Any:
+        return self.plan_inputs(indices, plan)
 
-        def scoring(module_of: Callable[[], Any], samples: list[list[int]]) -> Callable[[], None]:
-            prepared = [self.plan_inputs(indices, plan) for plan, indices in enumerate(samples) if indices]
+    def score(self, module: torch.nn.Module, inputs: Any) -> None:
+        self.passes(module, inputs)
 
-            def run() -> None:
-                with torch.no_grad(), module_of() as module, runtime.autocast():
-                    for inputs in prepared:
-                        self.passes(module, inputs)
-            return run
-
-        extras: dict[str, Callable[[], None]] = {}
-        old = self.old_policy_samples()
-        if any(old):
-            extras["old_logp"] = scoring(lambda: nullcontext(self.module), old)
-        if runtime.needs_reference:
-            extras["reference"] = scoring(lambda: plugin._reference_module(self.policy),
-                                          [everything] * self.num_plans)
-        extras["logprob_math"] = self._canvas_logprob_math(extras)
-        return extras
-
-    def _canvas_logprob_math(self, extras: dict[str, Any]) -> Callable[[], None]:
+    def _logprob_math(self, extras: dict[str, Any]) -> Callable[[], None]:
         """The float32 log-softmax and gather of every scored position and the draw average, on random logits of
         each pass's shapes: every no-grad scoring pass, then every training pass with its backward."""
         everything = list(range(len(self.rollout)))

@@ -103,18 +103,27 @@ class DLLMFloor(Floor):
             reused = {i for unit in self.schedule[0] for i in unit.indices}  # epoch 0's first mini-batch
         return [[i for i in everything if plan > 0 or i not in reused] for plan in range(self.num_plans)]
 
+    def scoring_inputs(self, indices: list[int], plan: int) -> Any:
+        """Inputs of one no-grad scoring pass over samples ``indices`` under plan ``plan``."""
+        return self.masked_rows(indices, plan)
+
+    def score(self, module: torch.nn.Module, inputs: Any) -> None:
+        """The model calls of one no-grad scoring pass (``inputs`` from :meth:`scoring_inputs`)."""
+        pieces, width = inputs
+        for rows in pieces:
+            self.logits(module, rows, width)
+
     def extras(self) -> dict[str, Callable[[], None]]:
         plugin, runtime = self.plugin, self.plugin.runtime
         everything = list(range(len(self.rollout)))
 
         def scoring(module_of: Callable[[], Any], samples: list[list[int]]) -> Callable[[], None]:
-            passes = [self.masked_rows(indices, plan) for plan, indices in enumerate(samples) if indices]
+            passes = [self.scoring_inputs(indices, plan) for plan, indices in enumerate(samples) if indices]
 
             def run() -> None:
                 with torch.no_grad(), module_of() as module, runtime.autocast():
-                    for pieces, width in passes:
-                        for rows in pieces:
-                            self.logits(module, rows, width)
+                    for inputs in passes:
+                        self.score(module, inputs)
             return run
 
         extras: dict[str, Callable[[], None]] = {}
