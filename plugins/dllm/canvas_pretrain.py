@@ -35,7 +35,15 @@ import torch.nn.functional as F
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import padding_inputs
 from mmrl.plugins.dllm.canvas import CanvasSampling, canvas_generate, text_config
-from mmrl.plugins.dllm.pretrain import answer_metrics, completion_texts, corpus_batch, learning_rate, write_summary
+from mmrl.plugins.dllm.pretrain import (
+    add_corpus_arguments,
+    add_size_arguments,
+    answer_metrics,
+    completion_texts,
+    corpus_batch,
+    learning_rate,
+    write_summary,
+)
 
 
 def canvas_model_config(tokenizer: Any, *, hidden_size: int = 96, num_layers: int = 2, num_heads: int = 4,
@@ -177,24 +185,10 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mmrl.plugins.dllm.canvas_pretrain",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--output", default=str(toy.CANVAS_ASSETS), help="checkpoint folder (default: assets/canvas/)")
-    p.add_argument("--seed", type=int, default=0, help="weights, batches, noise and corpus noise")
-    p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--wrong-rate", type=float, default=0.7,
-                   help="fraction of carry-problem answers with the carry forgotten")
+    add_corpus_arguments(p, output=toy.CANVAS_ASSETS, output_help="checkpoint folder (default: assets/canvas/)")
     p.add_argument("--self-conditioning-p", type=float, default=0.5, help="NeMo AutoModel: 0.5")
     p.add_argument("--encoder-loss-weight", type=float, default=1.0, help="NeMo AutoModel: 1.0")
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-size", type=int, default=500)
-    p.add_argument("--data-seed", type=int, default=1234, help="the train/held-out split (plugin.data_seed)")
-    p.add_argument("--hidden-size", type=int, default=96)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--intermediate-size", type=int, default=192)
+    add_size_arguments(p, experts=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the run bitwise reproducible)")
     return p
 

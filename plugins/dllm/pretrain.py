@@ -168,8 +168,16 @@ def write_summary(output: Path, module: str, args: argparse.Namespace, model: An
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mmrl.plugins.dllm.pretrain", description=__doc__.splitlines()[0])
-    p.add_argument("--output", default=str(toy.ASSETS), help="checkpoint folder (default: the plugin's assets/)")
-    p.add_argument("--seed", type=int, default=0, help="weights, batches, masks and corpus noise")
+    add_corpus_arguments(p, output=toy.ASSETS, output_help="checkpoint folder (default: the plugin's assets/)")
+    add_size_arguments(p)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the run bitwise reproducible)")
+    return p
+
+
+def add_corpus_arguments(p: argparse.ArgumentParser, *, output: Path, output_help: str) -> None:
+    """The options of a toy pretraining run: output, seed, schedule, corpus and held-out evaluation."""
+    p.add_argument("--output", default=str(output), help=output_help)
+    p.add_argument("--seed", type=int, default=0, help="weights, batches, noise and corpus noise")
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -179,12 +187,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-size", type=int, default=500)
     p.add_argument("--data-seed", type=int, default=1234, help="the train/held-out split (plugin.data_seed)")
+
+
+def add_size_arguments(p: argparse.ArgumentParser, **extra: int) -> None:
+    """The model's sizes (and ``extra`` integer options, e.g. ``experts=4``)."""
     p.add_argument("--hidden-size", type=int, default=96)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
+    for name, default in extra.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     p.add_argument("--intermediate-size", type=int, default=192)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the run bitwise reproducible)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:
