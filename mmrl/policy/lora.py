@@ -32,6 +32,9 @@ _HELP = {
     "dropout": "LoRA dropout. Above 0 the training forward differs from the rollout's and from the core's old-policy "
     "pass (both run with dropout off), so the first-step ratio is no longer exactly 1.",
     "target_modules": "Module-name suffixes to adapt (peft matching). Null: the model adapter's defaults.",
+    "target_parameters": "Parameter-name suffixes to adapt as well (peft's target_parameters: LoRA on an nn.Parameter, "
+    "such as the fused expert weights of a mixture-of-experts layer, which are no nn.Linear), e.g. "
+    "[experts.gate_up_proj, experts.down_proj] for Qwen3-VL MoE, Qwen3.5 MoE and DiffusionGemma. Null: none.",
     "init": "Initialisation of A: 'default' (peft's Kaiming-uniform) or 'gaussian'. B starts at zero either way, so "
     "the policy starts at the base model and the KL starts at 0.",
 }
@@ -50,16 +53,23 @@ class LoraConfig:
     dropout: float = config_field(0.0, minimum=0.0, maximum=0.99, help=_HELP["dropout"])
     target_modules: list[str] | None = config_field(None, help=_HELP["target_modules"])
     init: Literal["default", "gaussian"] = config_field("default", help=_HELP["init"])
+    target_parameters: list[str] | None = config_field(None, help=_HELP["target_parameters"])
 
     def validate(self, path: str) -> None:
         if self.target_modules is not None and not self.target_modules:
             raise ConfigError(f"{path}.target_modules", self.target_modules,
                               "null (the model adapter's defaults) or a non-empty list of module-name suffixes")
+        if self.target_parameters is not None and not self.target_parameters:
+            raise ConfigError(f"{path}.target_parameters", self.target_parameters,
+                              "null (no parameter targets) or a non-empty list of parameter-name suffixes")
 
     def peft_config(self, default_targets: Sequence[str], **extra: Any) -> Any:
-        """The equivalent ``peft.LoraConfig`` (targets: :attr:`target_modules` or ``default_targets``)."""
+        """The equivalent ``peft.LoraConfig`` (targets: :attr:`target_modules` or ``default_targets``, and
+        :attr:`target_parameters`)."""
         from peft import LoraConfig as PeftLoraConfig
 
+        if self.target_parameters:
+            extra["target_parameters"] = list(self.target_parameters)
         return PeftLoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                               target_modules=list(self.target_modules or default_targets),
                               init_lora_weights=True if self.init == "default" else self.init, **extra)
@@ -80,7 +90,8 @@ def lora_config_class(name: str, module: str, *, rank: int, alpha: float, init: 
         targets_help: The help of ``target_modules`` naming the model adapter's defaults.
     """
     refs = refs or {}
-    defaults = {"rank": rank, "alpha": float(alpha), "dropout": 0.0, "target_modules": None, "init": init}
+    defaults = {"rank": rank, "alpha": float(alpha), "dropout": 0.0, "target_modules": None, "init": init,
+                "target_parameters": None}
     bounds: dict[str, dict[str, Any]] = {"rank": {"minimum": 1}, "alpha": {"minimum": 0.0, "exclusive_minimum": True},
                                          "dropout": {"minimum": 0.0, "maximum": 0.99}}
     fields = []
@@ -96,7 +107,7 @@ def lora_config_class(name: str, module: str, *, rank: int, alpha: float, init: 
 
 # The field types as objects (this module's annotations are strings), for the subclasses lora_config_class makes.
 _FIELD_TYPES: dict[str, Any] = {"rank": int, "alpha": float, "dropout": float, "target_modules": list[str] | None,
-                                "init": Literal["default", "gaussian"]}
+                                "init": Literal["default", "gaussian"], "target_parameters": list[str] | None}
 
 
 def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequence[str], what: str = "the model",
@@ -119,11 +130,17 @@ def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequ
             so that peft's ``AutoPeftModel`` can find the base of an exported adapter.
 
     Raises:
-        ConfigError: No module of ``module`` matches the targets.
+        ConfigError: No module of ``module`` matches the targets, or a parameter target matches no parameter.
     """
     from peft import inject_adapter_in_model
 
     config = options.peft_config(default_targets, exclude_modules=exclude_modules, base_model_name_or_path=base_model)
+    names = [name for name, _ in module.named_parameters()]
+    missing = [target for target in options.target_parameters or ()
+               if not any(name == target or name.endswith("." + target) for name in names)]
+    if missing:  # peft only warns about these
+        raise ConfigError(f"{key}.target_parameters", list(options.target_parameters),
+                          f"parameter-name suffixes present in {what} ({missing[0]!r} matches no parameter)")
     module.requires_grad_(False)
     try:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)

@@ -345,6 +345,21 @@ def test_lora_is_shared_by_the_encoder_and_the_decoder(checkpoint, tmp_path):
         assert torch.equal(weight, decoder_q.lora_A["default"].weight.detach())
 
 
+def test_lora_on_the_fused_experts_trains_them_shared_by_encoder_and_decoder(checkpoint, tmp_path):
+    """``lora.target_parameters`` puts LoRA on the experts' fused weights (no nn.Linear), tied between the encoder and
+    the decoder as the other adapter layers; a name that matches no parameter is refused (peft would only warn)."""
+    lora = "plugin.lora={rank: 4, alpha: 8.0, target_parameters: [experts.gate_up_proj, experts.down_proj]}"
+    trainer, result, moved = _train(_config(checkpoint, tmp_path / "run", lora))
+    modules = dict(trainer.plugin.policy().named_modules())
+    encoder, decoder = (modules[f"model.{side}.layers.0.experts"] for side in ("encoder.language_model", "decoder"))
+    assert encoder.lora_B["default"].weight is decoder.lora_B["default"].weight
+    assert any(".experts." in name and "lora_B" in name for name in moved)  # B starts at 0 and moves
+    assert result.history[0]["loss/first_step_ratio_deviation"] == 0.0
+    bad = "plugin.lora={rank: 4, alpha: 8.0, target_parameters: [experts.nothing]}"
+    with pytest.raises(ConfigError, match="'experts.nothing' matches no parameter"):
+        Trainer(_config(checkpoint, tmp_path / "bad", bad))
+
+
 def test_wd1_objective_scores_the_sequence(checkpoint, tmp_path):
     trainer, result, moved = _train(_config(checkpoint, tmp_path, "plugin.objective=wd1", "algorithm.advantage=wd1",
                                             "algorithm.policy_loss=wd1", "algorithm.kl_coef=0"))

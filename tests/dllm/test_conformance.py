@@ -34,13 +34,19 @@ def test_the_kit_reports_the_plugins_own_cross_section_check():
         check_plugin(plugin_registry.get("dllm"), {"train_size": 8, "eval_size": 4, "objective": "spg"})
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+CANVAS_LORA = {"full": None, "lora": {"rank": 4, "alpha": 8.0},
+               "lora_experts": {"rank": 4, "alpha": 8.0, "target_parameters": ["experts.gate_up_proj",
+                                                                                "experts.down_proj"]}}
+
+
+@pytest.mark.parametrize("lora", list(CANVAS_LORA))
 def test_a_canvas_model_passes_the_conformance_kit(lora, tmp_path):
-    """DiffusionGemma (a tiny one built from its config classes): its own sampler and the uniform-noise estimator."""
+    """DiffusionGemma (a tiny one built from its config classes): its own sampler and the uniform-noise estimator;
+    full fine-tuning, LoRA, and LoRA on the fused experts too (peft's target_parameters)."""
     from mmrl.plugins.dllm.testing import save_tiny_diffusion_gemma
 
     model = save_tiny_diffusion_gemma(tmp_path / "model", canvas_length=4)
     plugin = {"model": model, "train_size": 8, "eval_size": 4, "gen_length": 8, "block_length": 4, "steps": 4,
-              **({"lora": {"rank": 4, "alpha": 8.0}} if lora else {})}
+              **({"lora": CANVAS_LORA[lora]} if CANVAS_LORA[lora] else {})}
     checked = check_plugin(plugin_registry.get("dllm"), plugin, directory=tmp_path / "kit")
     assert checked == [p for p in PROPERTIES if p != "action chunks"]

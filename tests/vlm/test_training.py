@@ -300,6 +300,27 @@ def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
     assert not any(name.startswith("model.visual.") for name in changed)
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, family):
+    """``lora.target_parameters`` adds LoRA on the fused expert tensors (peft's target_parameters) to the attention
+    LoRA: two GRPO steps at ratio 1 move the experts' adapters and only adapters."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    if family not in vlm_adapters:
+        pytest.skip(f"transformers has no {family}")
+    lora = {"rank": 4, "alpha": 8.0, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, lora=lora))
+    plugin = trainer.plugin
+    before = _snapshot(plugin.model)
+    result = trainer.train()
+    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
+    after = _snapshot(plugin.model)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all("lora_" in name for name in changed)
+    assert any(".mlp.experts." in name and ".lora_B." in name for name in changed)
+
+
 def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k):
     """transformers' load_balancing_loss_func written out: over every layer's real tokens together, the fraction
     of top-k assignments f_e and the mean router probability P_e of each expert; num_experts · Σ_e f_e · P_e (Switch
