@@ -355,6 +355,15 @@ def test_lora_on_the_fused_experts_trains_them_shared_by_encoder_and_decoder(che
     assert encoder.lora_B["default"].weight is decoder.lora_B["default"].weight
     assert any(".experts." in name and "lora_B" in name for name in moved)  # B starts at 0 and moves
     assert result.history[0]["loss/first_step_ratio_deviation"] == 0.0
+    from peft import PeftModel  # the exported adapter loads into a fresh model with peft
+
+    assert trainer.plugin.export(trainer.plugin.policy(), tmp_path / "export") == "peft_lora"
+    reloaded = PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint),
+                                         str(tmp_path / "export"))
+    loaded = dict(reloaded.named_modules(remove_duplicate=False))
+    for side in ("encoder.language_model", "decoder"):
+        weight = loaded[f"base_model.model.model.{side}.layers.0.experts"].lora_B["default"].weight
+        assert torch.equal(weight, decoder.lora_B["default"].weight.detach())
     bad = "plugin.lora={rank: 4, alpha: 8.0, target_parameters: [experts.nothing]}"
     with pytest.raises(ConfigError, match="'experts.nothing' matches no parameter"):
         Trainer(_config(checkpoint, tmp_path / "bad", bad))
