@@ -334,15 +334,19 @@ def test_lora_is_shared_by_the_encoder_and_the_decoder(checkpoint, tmp_path):
     assert result.history[0]["loss/first_step_ratio_deviation"] == 0.0
     assert result.history[0]["optim/grad_norm"] > 0
     # The exported peft folder names the shared weights under both modules; peft loads them into a fresh model.
+    for loaded in _exported_twins(trainer, checkpoint, tmp_path / "export", "layers.0.self_attn.q_proj"):
+        assert torch.equal(loaded.lora_A["default"].weight, decoder_q.lora_A["default"].weight.detach())
+
+
+def _exported_twins(trainer, checkpoint, folder, name):
+    """Export the run's LoRA as a peft folder, load it into a fresh model with ``PeftModel``, and return the
+    encoder's and the decoder's module ``name`` (relative to their layer stacks' parents)."""
     from peft import PeftModel
 
-    assert trainer.plugin.export(module, tmp_path / "export") == "peft_lora"
-    reloaded = PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint),
-                                         str(tmp_path / "export"))
+    assert trainer.plugin.export(trainer.plugin.policy(), folder) == "peft_lora"
+    reloaded = PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint), str(folder))
     loaded = dict(reloaded.named_modules(remove_duplicate=False))
-    for name in ("encoder.language_model.layers.0.self_attn.q_proj", "decoder.layers.0.self_attn.q_proj"):
-        weight = loaded[f"base_model.model.model.{name}"].lora_A["default"].weight
-        assert torch.equal(weight, decoder_q.lora_A["default"].weight.detach())
+    return [loaded[f"base_model.model.model.{side}.{name}"] for side in ("encoder.language_model", "decoder")]
 
 
 def test_lora_on_the_fused_experts_trains_them_shared_by_encoder_and_decoder(checkpoint, tmp_path):
@@ -355,15 +359,8 @@ def test_lora_on_the_fused_experts_trains_them_shared_by_encoder_and_decoder(che
     assert encoder.lora_B["default"].weight is decoder.lora_B["default"].weight
     assert any(".experts." in name and "lora_B" in name for name in moved)  # B starts at 0 and moves
     assert result.history[0]["loss/first_step_ratio_deviation"] == 0.0
-    from peft import PeftModel  # the exported adapter loads into a fresh model with peft
-
-    assert trainer.plugin.export(trainer.plugin.policy(), tmp_path / "export") == "peft_lora"
-    reloaded = PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint),
-                                         str(tmp_path / "export"))
-    loaded = dict(reloaded.named_modules(remove_duplicate=False))
-    for side in ("encoder.language_model", "decoder"):
-        weight = loaded[f"base_model.model.model.{side}.layers.0.experts"].lora_B["default"].weight
-        assert torch.equal(weight, decoder.lora_B["default"].weight.detach())
+    for loaded in _exported_twins(trainer, checkpoint, tmp_path / "export", "layers.0.experts"):
+        assert torch.equal(loaded.lora_B["default"].weight, decoder.lora_B["default"].weight.detach())
     bad = "plugin.lora={rank: 4, alpha: 8.0, target_parameters: [experts.nothing]}"
     with pytest.raises(ConfigError, match="'experts.nothing' matches no parameter"):
         Trainer(_config(checkpoint, tmp_path / "bad", bad))

@@ -279,22 +279,27 @@ def test_newer_qwen_families_train_with_lora(tmp_path, family):
     assert any(".q_proj.lora_B" in name for name in changed)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
-def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
-    """lora: null on the MoE models: the fused expert tensors and the routers train with the rest of the language
-    model, the vision tower stays frozen, ratio 1."""
+def _moe_changes(tmp_path, family, **plugin_overrides):
+    """Two GRPO steps on the tiny ``family`` model (skipped when transformers has none) at ratio 1; the names of the
+    parameters they changed."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
     if family not in vlm_adapters:
         pytest.skip(f"transformers has no {family}")
-    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, lora=None))
-    plugin = trainer.plugin
-    before = _snapshot(plugin.model)
+    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, **plugin_overrides))
+    before = _snapshot(trainer.plugin.model)
     result = trainer.train()
     assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
-    after = _snapshot(plugin.model)
-    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    after = _snapshot(trainer.plugin.model)
+    return {name for name in before if not torch.equal(before[name], after[name])}
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
+    """lora: null on the MoE models: the fused expert tensors and the routers train with the rest of the language
+    model, the vision tower stays frozen, ratio 1."""
+    changed = _moe_changes(tmp_path, family, lora=None)
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in changed)
     assert any(name.endswith("mlp.gate.weight") for name in changed)
     assert not any(name.startswith("model.visual.") for name in changed)
@@ -304,19 +309,8 @@ def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
 def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, family):
     """``lora.target_parameters`` adds LoRA on the fused expert tensors (peft's target_parameters) to the attention
     LoRA: two GRPO steps at ratio 1 move the experts' adapters and only adapters."""
-    from mmrl.plugins.vlm.adapters import vlm_adapters
-    from mmrl.plugins.vlm.testing import build_tiny_model
-
-    if family not in vlm_adapters:
-        pytest.skip(f"transformers has no {family}")
     lora = {"rank": 4, "alpha": 8.0, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
-    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, lora=lora))
-    plugin = trainer.plugin
-    before = _snapshot(plugin.model)
-    result = trainer.train()
-    assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
-    after = _snapshot(plugin.model)
-    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    changed = _moe_changes(tmp_path, family, lora=lora)
     assert changed and all("lora_" in name for name in changed)
     assert any(".mlp.experts." in name and ".lora_B." in name for name in changed)
 
