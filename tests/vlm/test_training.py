@@ -254,9 +254,9 @@ LORA_KINDS = {
 @pytest.mark.parametrize("family", sorted(LORA_KINDS))
 def test_newer_qwen_families_train_with_lora(tmp_path, family):
     """Qwen3.5 (Gated DeltaNet and full-attention layers) and the MoE models, when transformers has them: LoRA
-    reaches the modules each family has (the linear-attention projections; the MoE models' fused experts cannot be
-    LoRA targets, Qwen3.5-MoE's shared expert can); two GRPO steps with the KL term run at ratio 1, the LoRA moves
-    and nothing else does."""
+    reaches the modules each family has (the linear-attention projections; the MoE models' fused experts are no
+    module targets, Qwen3.5-MoE's shared expert is; lora.target_parameters reaches the experts, tested below); two
+    GRPO steps with the KL term run at ratio 1, the LoRA moves and nothing else does."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
