@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mmrl.plugins.dllm.adapters import padding_inputs
-from mmrl.plugins.dllm.canvas import canvas_window, text_config
+from mmrl.plugins.dllm.canvas import canvas_window, new_cache, text_config
 
 from . import scalar
 from .dllm import DLLMFloor
@@ -49,15 +49,10 @@ class CanvasFloor(DLLMFloor):
                                canvases, int(call.metrics["decoder_calls"])))
 
     # ------------------------------------------------------------------ model calls
-    def _cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=text_config(self.module))
-
     def generation(self) -> None:
         module, length = self.module, self.canvas_length
         for prompt, mask, completion, canvases, calls in self.calls:
-            cache, width = self._cache(), prompt.shape[1]
+            cache, width = new_cache(self.module), prompt.shape[1]
             attention = mask
             module.model.encoder(input_ids=prompt, attention_mask=attention, cache=cache,
                                  position_ids=torch.arange(width, device=prompt.device).unsqueeze(0))
@@ -104,7 +99,7 @@ class CanvasFloor(DLLMFloor):
     def passes(self, module: torch.nn.Module, inputs: dict[str, Any]) -> list[torch.Tensor]:
         """The scoring pass's model calls: the logits of each scored canvas (``[n·D, C, V]`` each)."""
         prompt, length = inputs["prompt"], self.canvas_length
-        width, cache, attention = prompt.shape[1], self._cache(), inputs["mask"]
+        width, cache, attention = prompt.shape[1], new_cache(self.module), inputs["mask"]
         encoder = self.plugin.runtime.unwrap(module).model.encoder
         encoder(input_ids=prompt, attention_mask=attention, cache=cache,
                 position_ids=torch.arange(width, device=prompt.device).unsqueeze(0))

@@ -6,25 +6,25 @@ generation (:mod:`mmrl.plugins.dllm.generation`) and the likelihood estimators
 (:mod:`mmrl.plugins.dllm.estimators`) see. It also owns the special ids: the mask token, the stop tokens that end a
 completion (EOS), the token that fills a completion after its end and the token that left-pads prompts.
 
-=================  =====================================================================================================
-``masked_lm``      Any ``AutoModelForMaskedLM`` (BERT, ModernBERT, RoBERTa, ...; the toy checkpoint). No shift. Pad
-                   positions are hidden from attention and positions are counted from the first real token, so the
-                   logits of a sequence do not depend on how much left padding it carries.
-``llada``          LLaDA / LLaDA-1.5 (``trust_remote_code``). No shift. The original modelling file ignores the
-                   attention mask, so none is passed: left padding (with EOS, as d1 pads) is part of the input. Mask id
-                   126336; EOS 126081 and end-of-turn 126348 both stop a completion.
-``dream``          Dream / DiffuCoder (``trust_remote_code``). The output at position i−1 predicts token i (the model
-                   was adapted from an autoregressive LM); the adapter returns ``cat(logits[:, :1], logits[:, :-1])``
-                   so that position i scores token i, as Dream's own sampler does. A 4-D bidirectional attention mask
-                   and position ids counted from the first real token are passed when a sequence has left padding.
-                   Dream pads with its EOS (151643); only the leading run of it is padding (:func:`padding_inputs`).
+===================  ===================================================================================================
+``masked_lm``        Any ``AutoModelForMaskedLM`` (BERT, ModernBERT, RoBERTa, ...; the toy checkpoint). No shift. Pad
+                     positions are hidden from attention and positions are counted from the first real token, so the
+                     logits of a sequence do not depend on how much left padding it carries.
+``llada``            LLaDA / LLaDA-1.5 (``trust_remote_code``). No shift. The original modelling file ignores the
+                     attention mask, so none is passed: left padding (with EOS, as d1 pads) is part of the input. Mask
+                     id 126336; EOS 126081 and end-of-turn 126348 both stop a completion.
+``dream``            Dream / DiffuCoder (``trust_remote_code``). The output at position i−1 predicts token i (the model
+                     was adapted from an autoregressive LM); the adapter returns ``cat(logits[:, :1], logits[:, :-1])``
+                     so that position i scores token i, as Dream's own sampler does. A 4-D bidirectional attention mask
+                     and position ids counted from the first real token are passed when a sequence has left padding.
+                     Dream pads with its EOS (151643); only the leading run of it is padding (:func:`padding_inputs`).
 ``diffusion_gemma``  DiffusionGemma (transformers' ``DiffusionGemmaForBlockDiffusion``): a **canvas** model
-                   (``noise = "uniform"``): no mask token and no single scorer; its sampler and likelihood live in
-                   :mod:`mmrl.plugins.dllm.canvas`. Stop tokens from ``generation_config.json`` (what ``generate``
-                   stops on); LoRA on the text layers' attention and dense-MLP projections, shared by the encoder
-                   and the decoder as their weights are; full fine-tuning keeps the MoE routers frozen (NeMo
-                   AutoModel's DiffusionGemma recipes) and, for text prompts, the vision tower.
-=================  =====================================================================================================
+                     (``noise = "uniform"``): no mask token and no single scorer; its sampler and likelihood live in
+                     :mod:`mmrl.plugins.dllm.canvas`. Stop tokens from ``generation_config.json`` (what ``generate``
+                     stops on); LoRA on the text layers' attention and dense-MLP projections, shared by the encoder
+                     and the decoder as their weights are; full fine-tuning keeps the MoE routers frozen (NeMo
+                     AutoModel's DiffusionGemma recipes) and, for text prompts, the vision tower.
+===================  ===================================================================================================
 
 Adapters are registered in :data:`dllm_adapters`; ``plugin.adapter: auto`` picks one from ``config.json``'s
 ``model_type``. Third-party packages register through the entry-point group ``mmrl.dllm_adapters``.

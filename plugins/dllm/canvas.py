@@ -48,7 +48,6 @@ part of the surrogate (it is a training regulariser, not a likelihood of the sam
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,7 +162,8 @@ def text_config(model: nn.Module) -> Any:
     return model.config.get_text_config()
 
 
-def _new_cache(model: nn.Module) -> Any:
+def new_cache(model: nn.Module) -> Any:
+    """An empty ``DynamicCache`` for the encoder of ``model`` (any module whose ``config`` is DiffusionGemma's)."""
     from transformers import DynamicCache
 
     return DynamicCache(config=text_config(model))
@@ -227,7 +227,7 @@ def canvas_generate(
         raise ValueError(f"{len(generators)} generators for {batch} prompts")
     steps = sampling.steps
     stops = torch.tensor(list(stop_ids), device=device)
-    cache = _new_cache(model)
+    cache = new_cache(model)
     attention = prompt_mask.bool()  # [B, P + k·C]: the encoder's keys so far (padding hidden)
     encoder_ids = prompt_ids
     encoder_positions = torch.arange(prompt_length, device=device)
@@ -462,7 +462,7 @@ def _score_rows(model: nn.Module, encoder: nn.Module, prompt_ids: Tensor, prompt
     out = torch.zeros(batch * draws, width, dtype=torch.float32, device=device)
     if canvases == 0:
         return out.view(batch, draws, width).transpose(0, 1)
-    cache = _new_cache(encoder)
+    cache = new_cache(encoder)
     attention = prompt_mask.bool().repeat_interleave(draws, dim=0)  # [b·D, P]
     encoder(input_ids=prompt_ids.repeat_interleave(draws, dim=0), attention_mask=attention, cache=cache,
             position_ids=torch.arange(prompt_length, device=device).unsqueeze(0))
@@ -504,13 +504,6 @@ def uniform_one_step_scores(token_logp: Tensor, plan: UniformPlan) -> Tensor:
     return (plan.weights.to(token_logp.dtype) * token_logp).mean(dim=0)
 
 
-def canvases_of(gen_length: int, canvas_length: int) -> int:
-    """The number of canvases of a completion (``gen_length`` must be a multiple of ``canvas_length``)."""
-    if gen_length % canvas_length:
-        raise ValueError(f"gen_length {gen_length} must be a multiple of the model's canvas_length {canvas_length}")
-    return math.ceil(gen_length / canvas_length)
-
-
 __all__ = ["SAMPLER_DEFAULTS", "CanvasOutput", "CanvasSamplerConfig", "CanvasSampling", "UniformPlan",
-           "canvas_generate", "canvas_token_logprobs", "canvas_window", "canvases_of", "draw_uniform_plan",
+           "canvas_generate", "canvas_token_logprobs", "canvas_window", "draw_uniform_plan",
            "entropy_bound_accept", "text_config", "uniform_one_step_scores"]

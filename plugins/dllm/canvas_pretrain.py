@@ -34,14 +34,16 @@ import torch.nn.functional as F
 
 from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import padding_inputs
-from mmrl.plugins.dllm.canvas import CanvasSampling, canvas_generate, text_config
+from mmrl.plugins.dllm.canvas import CanvasSampling, canvas_generate, new_cache, text_config
 from mmrl.plugins.dllm.pretrain import (
     add_corpus_arguments,
     add_size_arguments,
     answer_metrics,
+    checked_arguments,
     completion_texts,
     corpus_batch,
     learning_rate,
+    optimizer_step,
     write_summary,
 )
 
@@ -83,13 +85,11 @@ def canvas_sft_loss(model: Any, prompt_ids: torch.Tensor, completion_ids: torch.
     Shapes:
         prompt_ids ``[B, P]`` left-padded with ``pad_id``, completion_ids ``[B, C]`` (one canvas) → scalar.
     """
-    from transformers import DynamicCache
-
     batch, width = completion_ids.shape
     prompt_length = prompt_ids.shape[1]
     vocab = int(text_config(model).vocab_size)
     prompt_mask = padding_inputs(prompt_ids, pad_id)[0].bool()
-    cache = DynamicCache(config=text_config(model))
+    cache = new_cache(model)
     encoded_prompt = model.model.encoder(input_ids=prompt_ids, attention_mask=prompt_mask, cache=cache,
                                          position_ids=torch.arange(prompt_length).unsqueeze(0))
     t = eps + (1.0 - eps) * torch.rand(batch, 1, generator=generator)  # [B, 1]
@@ -163,10 +163,7 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
         loss, parts = canvas_sft_loss(model, prompt_ids, completion_ids, pad_id=tokenizer.pad_token_id,
                                       generator=generator, self_conditioning_p=args.self_conditioning_p,
                                       encoder_loss_weight=args.encoder_loss_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, loss, trained)
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
             metrics = evaluate(model, tokenizer, eval_rows, sampling=sampling)
@@ -194,10 +191,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    if not 0.0 <= args.wrong_rate <= 1.0:
-        raise SystemExit(f"--wrong-rate must be in [0, 1], got {args.wrong_rate}")
-    pretrain(args)
+    pretrain(checked_arguments(parser(), argv))
 
 
 if __name__ == "__main__":

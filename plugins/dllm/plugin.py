@@ -372,7 +372,7 @@ class DLLMPlugin(Plugin):
         config, device = self.config, self.runtime.device
         module = self.runtime.unwrap(policy)
         prompt_ids, lengths = self.encode_prompts(batch.rows)  # [N, w], [N]
-        completion_ids, step_map = self._decode(module, prompt_ids, batch)
+        completion_ids, step_map, decoding = self._decode(module, prompt_ids, batch)
         # Kept as sampled: the tail after the first EOS is masked in every scoring forward (d1, SPG), so what it
         # holds never matters.
         real = completion_mask(completion_ids, self.adapter.stop_ids)  # [N, G]
@@ -382,10 +382,7 @@ class DLLMPlugin(Plugin):
         stops = torch.tensor(self.adapter.stop_ids, device=completion_ids.device)
         finished = torch.isin(completion_ids, stops).any(dim=1)
         metrics = {"completion_length": float(real.sum(dim=1).float().mean()),
-                   "finished_fraction": float(finished.float().mean())}
-        if self.canvas:  # the sampler's adaptive stopping: decoder passes per sample
-            metrics["denoising_steps"] = self._denoising_steps
-            metrics["decoder_calls"] = float(sum(calls for _, calls in self._decoder_calls))
+                   "finished_fraction": float(finished.float().mean()), **decoding}
         replay: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "prompt_width": torch.full((n,), width, dtype=torch.long, device=device),
@@ -559,7 +556,9 @@ class DLLMPlugin(Plugin):
             texts.append(self.adapter.tokenizer.decode(tokens, skip_special_tokens=True))
         return texts
 
-    def _decode(self, module: nn.Module, prompt_ids: Tensor, batch: PromptBatch) -> tuple[Tensor, Tensor]:
+    def _decode(self, module: nn.Module, prompt_ids: Tensor,
+                batch: PromptBatch) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """Completion ids ``[N, G]``, their step map ``[N, G]`` and the decoder's own metrics (canvas models')."""
         config = self.config
         generators = batch.sample_generators(self.runtime.device)
         if self.canvas:
@@ -580,16 +579,16 @@ class DLLMPlugin(Plugin):
                 )
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
-        return torch.cat(completions), torch.cat(step_maps)
+        return torch.cat(completions), torch.cat(step_maps), {}
 
     def _decode_canvases(self, module: nn.Module, prompt_ids: Tensor,
-                         generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+                         generators: list[torch.Generator]) -> tuple[Tensor, Tensor, dict[str, float]]:
         """Canvas models: :func:`~mmrl.plugins.dllm.canvas.canvas_generate`, one generator per sample (training
         and evaluation alike: the sampler's temperatures are ``canvas_sampler``'s). Logs ``denoising_steps``, the
         mean decoder passes per sample, and ``decoder_calls``, the batched decoder forwards of the rollout call
         (what the step-floor benchmark replays)."""
         size = self.config.generation_batch_size or prompt_ids.shape[0] or 1
-        completions, step_maps, passes, calls = [], [], [], []
+        completions, step_maps, passes, calls = [], [], [], 0
         with self.runtime.autocast():
             for start in range(0, prompt_ids.shape[0], size):
                 part = slice(start, start + size)
@@ -601,10 +600,9 @@ class DLLMPlugin(Plugin):
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
                 passes.append(out.decoder_passes)
-                calls.append((out.canvases, out.decoder_calls))
-        self._denoising_steps = float(torch.cat(passes).float().mean()) if passes else 0.0
-        self._decoder_calls = calls  # per generation batch: (canvases, batched decoder forwards)
-        return torch.cat(completions), torch.cat(step_maps)
+                calls += out.decoder_calls
+        metrics = {"denoising_steps": float(torch.cat(passes).float().mean()), "decoder_calls": float(calls)}
+        return torch.cat(completions), torch.cat(step_maps), metrics
 
     def draw_plans(self, prompt_ids: Tensor, lengths: Tensor, completion_ids: Tensor, real: Tensor,
                    seeds: Tensor, *, num_plans: int = 1) -> dict[str, Tensor]:

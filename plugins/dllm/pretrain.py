@@ -117,10 +117,7 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
             group["lr"] = learning_rate(args, step)
         loss = masked_diffusion_loss(scorer, prompt_ids, completion_ids, mask_id=adapter.mask_id,
                                      generator=generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, loss, list(model.parameters()))
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
             metrics = evaluate(scorer, tokenizer, eval_rows, mask_id=adapter.mask_id, stop_ids=adapter.stop_ids)
@@ -141,6 +138,14 @@ def corpus_batch(tokenizer: Any, rows: list[dict[str, Any]], args: argparse.Name
     batch = [rows[rng.randrange(len(rows))] for _ in range(args.batch_size)]
     answers = [toy.corpus_answer(row, args.wrong_rate, rng) for row in batch]
     return toy.encode_examples(tokenizer, [r["prompt"] for r in batch], answers)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameters: list[torch.nn.Parameter]) -> None:
+    """Backward of ``loss``, the gradient norm of ``parameters`` clipped to 1, one step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -199,11 +204,16 @@ def add_size_arguments(p: argparse.ArgumentParser, **extra: int) -> None:
     p.add_argument("--intermediate-size", type=int, default=192)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+def checked_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed options, ``--wrong-rate`` checked."""
+    args = p.parse_args(argv)
     if not 0.0 <= args.wrong_rate <= 1.0:
         raise SystemExit(f"--wrong-rate must be in [0, 1], got {args.wrong_rate}")
-    pretrain(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    pretrain(checked_arguments(parser(), argv))
 
 
 if __name__ == "__main__":

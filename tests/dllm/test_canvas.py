@@ -371,3 +371,31 @@ def test_wd1_objective_scores_the_sequence(checkpoint, tmp_path):
                                             "algorithm.policy_loss=wd1", "algorithm.kl_coef=0"))
     assert trainer.plugin.max_actions() == 1 and moved
     assert json.dumps(result.history[-1])  # finite, serialisable metrics
+
+
+def test_edge_inputs_of_the_likelihood(model):
+    """A completion with nothing to score (an all-zero mask) gets zeros without a forward's worth of error; one
+    completion alone scores as it does within a batch; the plan refuses a generator count that is not the batch."""
+    prompt, prompt_mask = _prompts(1)
+    completion, real = _clean_and_real(2)
+    vocab = model.config.text_config.vocab_size
+    nothing = torch.zeros_like(real)
+    plan = draw_uniform_plan(nothing, canvas_length=CANVAS, vocab_size=vocab, num_samples=2,
+                             generators=[torch.Generator().manual_seed(s) for s in (1, 2)])
+    with torch.no_grad():
+        zeros = canvas_token_logprobs(model, prompt, prompt_mask, completion, nothing, plan, canvas_length=CANVAS,
+                                      eos_id=EOS)
+    assert not bool(plan.corrupted.any()) and torch.equal(zeros, torch.zeros(2, 2, 12))
+    plan = draw_uniform_plan(real, canvas_length=CANVAS, vocab_size=vocab, num_samples=2,
+                             generators=[torch.Generator().manual_seed(s) for s in (1, 2)])
+    alone_plan = draw_uniform_plan(real[:1], canvas_length=CANVAS, vocab_size=vocab, num_samples=2,
+                                   generators=[torch.Generator().manual_seed(1)])
+    with torch.no_grad():
+        both = canvas_token_logprobs(model, prompt, prompt_mask, completion, real, plan, canvas_length=CANVAS,
+                                     eos_id=EOS)
+        alone = canvas_token_logprobs(model, prompt[:1], prompt_mask[:1], completion[:1], real[:1], alone_plan,
+                                      canvas_length=CANVAS, eos_id=EOS)
+    assert torch.allclose(alone[:, 0], both[:, 0], atol=1e-5)
+    with pytest.raises(ValueError, match="1 generators for 2 completions"):
+        draw_uniform_plan(real, canvas_length=CANVAS, vocab_size=vocab, num_samples=1,
+                          generators=[torch.Generator()])

@@ -123,3 +123,8 @@ def test_rewards_never_raise_and_stay_in_range(text):
     except ImportError:
         pass
     assert all(math.isfinite(s) and 0.0 <= s <= 1.0 for s in scores)
+
+
+def test_an_empty_batch_scores_nothing():
+    empty = RewardInput(rows=[], payload={"completions": []})
+    assert numeric_match(empty) == word_accuracy(empty) == relative_accuracy(empty) == []
