@@ -9,6 +9,7 @@ RL code (VLM-R1, arXiv:2504.07615, fixed its Qwen2.5-VL rescaling only in mid-20
 ``"qwen2_5_vl"``   Qwen2.5-VL: absolute pixels of the *resized* model input (W', H') chosen by :func:`smart_resize`;
                    x_abs = x · W / W', y_abs = y · H / H'. Needs ``resized_size``.
 ``"qwen3_vl"``     Qwen3-VL: relative 0–1000 again, like Qwen2-VL (check the checkpoint's own documentation).
+``"glm4v"``        GLM-4.1V / GLM-4.5V: relative 0–1000, x = round(x_pixel / W · 1000) (zai-org/GLM-V README).
 ``"absolute"``     Already pixels of the original image.
 ``"relative"``     Fractions in [0, 1] of the image: x_abs = x · W.
 =================  ===========================================================================================
@@ -24,7 +25,8 @@ Accepted box syntaxes (anywhere in the text, in order of appearance): JSON-like 
 as written by Qwen2.5-VL and Visual-RFT, arXiv:2503.01785), plain lists ``[x1, y1, x2, y2]`` or ``(x1, y1, x2, y2)``,
 corner pairs ``(x1, y1), (x2, y2)``, and Qwen2-VL box tokens
 ``<|object_ref_start|>label<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`` (the format Perception-R1,
-arXiv:2504.07954, trains). Integers and floats (including exponents) are accepted.
+arXiv:2504.07954, trains), and GLM-4.1V/4.5V box tokens ``<|begin_of_box|>[[x1,y1,x2,y2]]<|end_of_box|>`` (any bracket
+style, one or several boxes). Integers and floats (including exponents) are accepted.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Literal, get_args
 
 from mmrl.reward import RewardError
 
-Convention = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "absolute", "relative"]
+Convention = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "absolute", "relative"]
 CONVENTIONS: tuple[str, ...] = get_args(Convention)
 
 IMAGE_FACTOR = 28
@@ -233,7 +235,7 @@ def _scale(convention: str, original_size: Any, resized_size: Any) -> tuple[floa
     if original_size is None:
         raise ValueError(f"box convention {convention!r} needs the original image size (width, height)")
     width, height = _size(original_size, "original_size")
-    if convention in ("qwen2_vl", "qwen3_vl"):
+    if convention in ("qwen2_vl", "qwen3_vl", "glm4v"):
         return width / 1000.0, height / 1000.0
     if convention == "relative":
         return width, height
@@ -340,6 +342,9 @@ _BOX_TOKENS = re.compile(
     r"(?:<\|object_ref_start\|>(?P<label>[^<]{0,200})<\|object_ref_end\|>\s*)?"
     r"<\|box_start\|>(?P<body>[^<]{0,400})<\|box_end\|>"
 )
+# GLM-4.1V / GLM-4.5V mark an answer's boxes with <|begin_of_box|> … <|end_of_box|>, in any bracket style ([], [[]],
+# (), <>), one box or several ([[x1,y1,x2,y2], [x1,y1,x2,y2]]): zai-org/GLM-V@8fc9756 README "Grounding".
+_GLM_BOX_TOKENS = re.compile(r"<\|begin_of_box\|>(?P<body>[^|]{0,2000})<\|end_of_box\|>")
 _OBJECT = re.compile(r"\{[^{}]{0,2000}\}")
 _KEYED_LIST4 = re.compile(
     rf"""["']?(?:bbox_2d|bbox|box|bounding_box|position)["']?{_WS}:{_WS}{_LIST4.pattern}""", re.IGNORECASE
@@ -384,7 +389,12 @@ def _raw_detections(text: str) -> list[tuple[int, list[float], str | None, float
         if len(numbers) == 4:
             label = match.group("label")
             found.append((match.start(), _numbers(numbers), label.strip() if label else None, None))
-    taken = [match.span() for match in tokens]
+    glm_tokens = list(_GLM_BOX_TOKENS.finditer(text))
+    for match in glm_tokens:
+        numbers = _NUMBER.findall(match.group("body"))
+        if numbers and len(numbers) % 4 == 0:  # one box or several, four numbers each
+            found.extend((match.start(), _numbers(numbers[i:i + 4]), None, None) for i in range(0, len(numbers), 4))
+    taken = sorted([match.span() for match in tokens] + [match.span() for match in glm_tokens])
 
     objects = list(_OBJECT.finditer(text))
     used = []

@@ -486,7 +486,8 @@ def iou(
     Args:
         field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
-        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, absolute,
+            relative.
             Null: the model family's, from the run's reward context (an error when there is none).
         allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
             write another frame). Read when the reward is built for a run (a direct call has no family to compare).
@@ -527,7 +528,8 @@ def giou(
     Args:
         field: Dataset column with the ground-truth box in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
-        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, absolute,
+            relative.
             Null: the model family's, from the run's reward context (an error when there is none).
         allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
             write another frame). Read when the reward is built for a run (a direct call has no family to compare).
@@ -580,7 +582,8 @@ def detection(
     Args:
         field: Dataset column with the ground-truth boxes in original-image pixels (see the module docstring).
         output: Payload entry holding the model's text outputs.
-        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, absolute, relative.
+        convention: Coordinate convention of the model's boxes: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, absolute,
+            relative.
             Null: the model family's, from the run's reward context (an error when there is none).
         allow_convention_mismatch: Accept a convention that differs from the model family's (a model trained to
             write another frame). Read when the reward is built for a run (a direct call has no family to compare).

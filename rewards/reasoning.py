@@ -456,17 +456,33 @@ def _last_number(text: str) -> str | None:
     return numbers[-1].strip() if numbers else None
 
 
+_BOX_TOKEN_ANSWER = re.compile(r"<\|begin_of_box\|>([^<]{0,2000})<\|end_of_box\|>")
+
+
+def last_box_tokens(text: str) -> str | None:
+    """Content of the last ``<|begin_of_box|>…<|end_of_box|>`` pair in ``text`` (GLM-4.1V / GLM-4.5V mark their final
+    answer so: zai-org/GLM-V@8fc9756 ``glmv_reward/src/glmv_reward/utils/text.py`` ``find_boxed_content``), or
+    ``None``."""
+    found = None
+    for match in _BOX_TOKEN_ANSWER.finditer(text):
+        found = match.group(1)
+    return found
+
+
 def extract_math_answer(text: Any) -> str | None:
     """The final answer of a math completion as a string, or ``None``.
 
-    The last ``\\boxed{…}`` of the answer region (the ``<answer>`` block, else the whole text); else the ``<answer>``
-    content; else, without an answer tag, the last number of the text (including ``a/b`` and ``%``).
+    The last ``\\boxed{…}`` of the answer region (the ``<answer>`` block, else the whole text), else its last
+    ``<|begin_of_box|>…<|end_of_box|>`` (GLM's answer box, :func:`last_box_tokens`); else the ``<answer>`` content;
+    else, without an answer tag, the last number of the text (including ``a/b`` and ``%``).
     """
     if not isinstance(text, str):
         return None
     answer = extract_answer(text)
     scope = text if answer is None else answer
     boxed = last_boxed(scope)
+    if boxed is None:
+        boxed = last_box_tokens(scope)
     if boxed is not None:
         candidate: str | None = boxed
     elif answer is not None:
@@ -558,7 +574,8 @@ def math_reward(
 ) -> list[float]:
     """1 if the completion's final answer equals the ground truth numerically (or textually), else 0.
 
-    The final answer is the last ``\\boxed{…}``, else the ``<answer>`` content, else (without an answer tag) the last
+    The final answer is the last ``\\boxed{…}``, else the last GLM answer box (``<|begin_of_box|>…<|end_of_box|>``),
+    else the ``<answer>`` content, else (without an answer tag) the last
     number of the completion (see :func:`extract_math_answer`); equality is :func:`math_equal`. The ground truth may
     be a number or a string (its ``\\boxed{}`` or ``<answer>`` content is used when present). Expressions with
     variables are compared as normalised strings only; there is no symbolic algebra.
@@ -587,6 +604,7 @@ __all__ = [
     "format_reward",
     "integer_literal",
     "is_think_answer",
+    "last_box_tokens",
     "last_boxed",
     "math_equal",
     "math_reward",

@@ -243,6 +243,19 @@ def test_parse_syntaxes():
     assert parse_boxes("[[1,2,3,4],[5,6,7,8]]", "absolute", size) == [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
+def test_glm_box_tokens_hand_computed():
+    """GLM-4.1V/4.5V: boxes on the 0–1000 grid between <|begin_of_box|> and <|end_of_box|>, in any bracket style and
+    several to a pair (zai-org/GLM-V README, "Grounding"); x = 100/1000 · 640 = 64, y = 50/1000 · 480 = 24."""
+    expected = [[64, 24, 192, 72]]
+    for body in ("[[100,50,300,150]]", "[100, 50, 300, 150]", "(100,50,300,150)", "<100,50,300,150>"):
+        text = f"<think>the dog is left</think><answer><|begin_of_box|>{body}<|end_of_box|></answer>"
+        assert parse_boxes(text, "glm4v", ORIGINAL) == expected, body
+    two = "<answer><|begin_of_box|>[[100,50,300,150],[500,500,1000,1000]]<|end_of_box|></answer>"
+    assert parse_boxes(two, "glm4v", ORIGINAL) == [[64, 24, 192, 72], [320, 240, 640, 480]]
+    assert parse_boxes("<|begin_of_box|>[100,50,300]<|end_of_box|>", "glm4v", ORIGINAL) == []  # not 4k numbers
+    assert parse_boxes("<|begin_of_box|>42<|end_of_box|>", "glm4v", ORIGINAL) == []  # GLM boxes answers too
+
+
 def test_parse_prefers_answer_block():
     text = "<think>maybe [0, 0, 5, 5]?</think><answer>[10, 10, 20, 20]</answer>"
     assert parse_boxes(text, "absolute", (100, 100)) == [[10, 10, 20, 20]]
@@ -284,6 +297,10 @@ _TEMPLATES = [
     "<|box_start|>({},{}),({},{})<|box_end|>",
     "<|object_ref_start|>{}<|object_ref_end|><|box_start|>({},{}),({},{})<|box_end|>",
     "[[{}, {}], [{}, {}]]",
+    "<|begin_of_box|>[[{}, {}, {}, {}]]<|end_of_box|>",
+    "<|begin_of_box|><{},{},{},{}><|end_of_box|>",
+    "<|begin_of_box|>[[{}, {}, {}, {}], [{}, {}, {}, {}]]<|end_of_box|>",
+    "<|begin_of_box|>[{}, {}, {}]<|end_of_box|>",
 ]
 _WRAPS = ["{}", "<answer>{}</answer>", "<think>{}</think><answer>{}</answer>", "<answer>{}", "<answer></answer>{}"]
 
@@ -361,6 +378,11 @@ def _brute_force_detections(text):
         if len(numbers) == 4:
             label = match.group("label")
             found.append((match.start(), [float(n) for n in numbers], label.strip() if label else None, None))
+    for match in boxes._GLM_BOX_TOKENS.finditer(text):
+        used.append(match.span())
+        numbers = [float(n) for n in boxes._NUMBER.findall(match.group("body"))]
+        if numbers and len(numbers) % 4 == 0:
+            found.extend((match.start(), numbers[i:i + 4], None, None) for i in range(0, len(numbers), 4))
     for match in boxes._OBJECT.finditer(text):
         box = boxes._KEYED_LIST4.search(match.group(0)) or boxes._LIST4.search(match.group(0))
         if free(match.span()) and box is not None:

@@ -148,6 +148,18 @@ def test_extract_math_answer():
     assert last_boxed("\\boxed{unclosed") is None
 
 
+def test_extract_math_answer_reads_glm_answer_boxes():
+    """GLM-4.1V/4.5V put the final answer between <|begin_of_box|> and <|end_of_box|> inside <answer>: its content is
+    the answer (the last pair; a \\boxed{} still wins), and math_reward scores it."""
+    glm = "<think>1/2 of it</think><answer>It is <|begin_of_box|>\\frac{1}{2}<|end_of_box|></answer>"
+    assert extract_math_answer(glm) == "\\frac{1}{2}"
+    assert extract_math_answer("<|begin_of_box|>3<|end_of_box|> or <|begin_of_box|>4<|end_of_box|>") == "4"
+    assert extract_math_answer("<answer>\\boxed{5} <|begin_of_box|>6<|end_of_box|></answer>") == "5"
+    assert extract_math_answer("<answer><|begin_of_box|>7</answer>") == "<|begin_of_box|>7"  # unclosed: the content
+    texts = [glm, glm.replace("\\frac{1}{2}", "0.7")]
+    assert math_reward(RewardInput(rows=[{"solution": "0.5"}] * 2, payload={"completions": texts})) == [1.0, 0.0]
+
+
 @pytest.mark.parametrize(("prediction", "reference", "equal"), [
     ("0.75", "3/4", True),
     ("\\frac{3}{4}", "0.75", True),
