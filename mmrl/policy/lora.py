@@ -142,11 +142,21 @@ def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequ
         raise ConfigError(f"{key}.target_parameters", list(options.target_parameters),
                           f"parameter-name suffixes present in {what} ({missing[0]!r} matches no parameter)")
     module.requires_grad_(False)
+    requested = sorted(config.target_modules)
     try:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
     except ValueError as error:  # peft: no module matched
-        raise ConfigError(f"{key}.target_modules", list(config.target_modules),
+        raise ConfigError(f"{key}.target_modules", requested,
                           f"module-name suffixes present in {what} ({' '.join(str(error).split())})") from None
+    # peft >= 0.18 rewrites, in place, module targets of MoE models whose experts transformers 5 fused (its v4
+    # compatibility mapping, peft/utils/transformers_weight_conversion.py): e.g. GLM-4.5V's gate_proj/up_proj/
+    # down_proj become target_parameters on the routed experts, and its dense and shared-expert MLPs lose their LoRA.
+    rewritten = sorted(target for target in requested if target not in set(config.target_modules))
+    if rewritten:
+        raise ConfigError(f"{key}.target_modules", requested,
+                          f"module names peft keeps for {what}: peft rewrote {', '.join(rewritten)} into the fused "
+                          f"experts' parameters ({', '.join(sorted(config.target_parameters or ()))}); drop them and "
+                          f"name the experts in {key}.target_parameters")
     module.peft_config = {ADAPTER_NAME: config}  # what peft's state-dict helpers read
     for parameter in module.parameters():
         if parameter.requires_grad:  # float32 adapter weights on a half-precision base

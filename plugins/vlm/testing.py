@@ -1,5 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5) checkpoints built offline, for tests, benchmarks and the
-toy run.
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V) checkpoints built offline, for tests,
+benchmarks and the toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
 words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
@@ -11,7 +11,9 @@ written with ``save_pretrained`` so that the plugin loads it the way users load 
 Sizes (about 105k parameters): text hidden 32, intermediate 64, 2 layers, 4 heads, 2 KV heads, M-RoPE sections
 [2, 1, 1] (their sum is head_dim / 2); vision depth 2, width 32, 4 heads, 14-pixel patches merged 2×2 (16-pixel
 patches for Qwen3-VL and Qwen3.5), merger output = text hidden size; Qwen3.5 alternates Gated DeltaNet and
-full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image tokens.
+full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image tokens. The GLM builds use a tokenizer with
+GLM-4.1V's special tokens and chat layout (:data:`GLM_CHAT_TEMPLATE`) and half as many, twice as wide heads (GLM rotates
+half of each head).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -24,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe")
+GLM_FAMILIES = ("glm4v", "glm4v_moe")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -47,6 +50,30 @@ CHAT_TEMPLATE = (
 """Qwen's chat layout (``<|im_start|>role\\n...<|im_end|>``); each image becomes
 ``<|vision_start|><|image_pad|><|vision_end|>`` and each video ``<|vision_start|><|video_pad|><|vision_end|>`` (as
 in the Qwen2-VL, Qwen2.5-VL and Qwen3-VL templates, without their "Picture k:"/"Video k:" labels)."""
+
+GLM_SPECIAL_TOKENS = (
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|image|>", "<|video|>", "<|begin_of_box|>", "<|end_of_box|>",
+)
+"""GLM-4.1V's special tokens (its tokenizer_config.json's added tokens that the chat and the vision input use)."""
+
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""GLM-4.1V's chat layout (``[gMASK]<sop>``, then ``<|role|>\n`` before each turn's content, no end-of-turn token: the
+next role token ends a turn, so ``<|user|>`` and ``<|observation|>`` are generation EOS ids); each image becomes
+``<|begin_of_image|><|image|><|end_of_image|>`` and each video ``<|begin_of_video|><|video|><|end_of_video|>``
+(without the released template's thinking switches)."""
 
 _CORPUS = (
     "Where is the red circle? Where is the green square? Where is the blue triangle? Where is the yellow circle? "
@@ -75,9 +102,32 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
                           unk_token=None)
 
 
+def build_glm_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with GLM-4.1V's special tokens (EOS and PAD ``<|endoftext|>``), trained on the same
+    small corpus; deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(GLM_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([_CORPUS] * 8, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
+
+    if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
+        from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+
+        image_processor = transformers.Glm4vImageProcessor(
+            size={"shortest_edge": 2 * min_pixels, "longest_edge": 2 * max_pixels})
+        return transformers.Glm4vProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                           video_processor=Glm4vVideoProcessor(), chat_template=GLM_CHAT_TEMPLATE)
 
     qwen3 = family.startswith("qwen3")
     patch_size = 16 if qwen3 else 14
@@ -112,6 +162,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
     if size not in SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(SIZES)}")
     dims = SIZES[size]
+    if family in GLM_FAMILIES:
+        return _glm_config(family, tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -168,6 +220,35 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
     raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
+def _glm_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """GLM-4.1V / GLM-4.5V: half the head dimension rotates (partial_rotary_factor 0.5, as the released configs), so
+    the heads are twice as wide as the Qwen builds' to keep M-RoPE sections [2, 1, 1]; the MoE text model has 4
+    routed experts (2 per token) and a shared expert after one dense layer (GLM-4.5V: 128 and 8, first_k_dense 1)."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in GLM_SPECIAL_TOKENS}
+    hidden, heads = dims["hidden"], max(1, dims["heads"] // 2)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=dims["intermediate"],
+        num_hidden_layers=dims["layers"], num_attention_heads=heads, num_key_value_heads=max(1, dims["kv_heads"] // 2),
+        max_position_embeddings=1024, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": dims["mrope"]},
+    )
+    vision = dict(depth=dims["depth"], hidden_size=dims["vision"], intermediate_size=2 * dims["vision"], num_heads=4,
+                  out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, image_size=56,
+                  in_channels=3)
+    special = dict(image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                   image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+                   video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+                   tie_word_embeddings=True)
+    if family == "glm4v_moe":
+        text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=dims["intermediate"] // 2,
+                    n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True)
+        return transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, **special)
+    return transformers.Glm4vConfig(text_config=text, vision_config=vision, **special)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -187,7 +268,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     if (directory / "config.json").is_file():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    glm = family in GLM_FAMILIES
+    tokenizer = build_glm_tokenizer() if glm else build_tokenizer()
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -196,11 +278,15 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
         model_class = getattr(transformers, {"qwen3_vl": "Qwen3VLForConditionalGeneration",
                                              "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                                             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[family])
+                                             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                                             "glm4v": "Glm4vForConditionalGeneration",
+                                             "glm4v_moe": "Glm4vMoeForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>.
+    eos = [tokenizer.convert_tokens_to_ids(token) for token in
+           (("<|endoftext|>", "<|user|>", "<|observation|>") if glm else ("<|im_end|>", "<|endoftext|>"))]
     model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                                             bos_token_id=tokenizer.pad_token_id)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))

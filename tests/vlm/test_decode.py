@@ -1,8 +1,9 @@
 """The plugin's own decode loop (``plugin.decoder: mmrl``, mmrl.plugins.vlm.decode) against transformers' ``generate``
-(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL with LoRA: the same tokens greedy and sampled (the
-same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that end early padded after their EOS,
-``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it samples from against hand-computed
-values and against the teacher-forced log-probs (an independent check of the M-RoPE positions of the decode steps).
+(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V/4.5V builds (and MoE) with LoRA:
+the same tokens greedy and sampled (the same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that
+end early padded after their EOS, ``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it
+samples from against hand-computed values and against the teacher-forced log-probs (an independent check of the
+M-RoPE positions of the decode steps).
 
 Token equality with ``generate`` holds because both run the same forwards on the same batch (prefill included when
 the prefill is not shared) and draw from the RNG identically; with the shared prefill the first step's logits come
@@ -24,7 +25,7 @@ from mmrl.plugins.vlm.decode import SamplingSettings, next_token_scores
 from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
-ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe")
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 

@@ -315,7 +315,7 @@ def test_save_samples_writes_prompts_outputs_and_rewards(lora_plugins, tmp_path)
 
 
 @pytest.mark.parametrize(("overrides", "key", "allowed"), [
-    ({"family": "llava"}, "plugin.family", "'auto' or one of qwen2_5_vl, qwen2_vl"),
+    ({"family": "llava"}, "plugin.family", "qwen2_5_vl, qwen2_vl"),
     ({"prompt_template": "Answer: {answer}"}, "plugin.prompt_template", "using {question}"),
     ({"min_pixels": 5000, "max_pixels": 4000}, "plugin.max_pixels", "at least min_pixels"),
     ({"data": {}}, "plugin.data.train", "exactly one of train"),

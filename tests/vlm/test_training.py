@@ -136,7 +136,7 @@ def test_box_rewards_take_the_model_familys_convention(tmp_path, tiny_models, fa
 def test_every_vlm_recipe_validates_offline():
     recipes = sorted(CONFIGS.glob("*.yaml"))
     assert {p.name for p in recipes} >= {"qwen25vl_3b_grounding.yaml", "qwen25vl_counting.yaml", "toy_grounding.yaml",
-                                         "qwen25vl_7b_video.yaml"}
+                                         "qwen25vl_7b_video.yaml", "glm41v_grounding.yaml"}
     for recipe in recipes:
         config = load_config(recipe)
         assert config.plugin.name == "vlm"
@@ -248,15 +248,17 @@ LORA_KINDS = {
     "qwen3_5": ATTENTION_AND_MLP | {"in_proj_qkv", "in_proj_z", "out_proj"},
     "qwen3_vl_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # the experts are fused parameters, not modules
     "qwen3_5_moe": ATTENTION_AND_MLP | {"in_proj_qkv", "in_proj_z", "out_proj"},  # MLP: the shared expert's
+    "glm4v": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"},  # GLM-4.1V's fused MLP input
+    "glm4v_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # peft would move MLP names onto the experts
 }
 
 
 @pytest.mark.parametrize("family", sorted(LORA_KINDS))
-def test_newer_qwen_families_train_with_lora(tmp_path, family):
-    """Qwen3.5 (Gated DeltaNet and full-attention layers) and the MoE models, when transformers has them: LoRA
-    reaches the modules each family has (the linear-attention projections; the MoE models' fused experts are no
-    module targets, Qwen3.5-MoE's shared expert is; lora.target_parameters reaches the experts, tested below); two
-    GRPO steps with the KL term run at ratio 1, the LoRA moves and nothing else does."""
+def test_newer_families_train_with_lora(tmp_path, family):
+    """Qwen3.5 (Gated DeltaNet and full-attention layers), GLM-4.1V (fused gate_up_proj) and the MoE models, when
+    transformers has them: LoRA reaches the modules each family has (the linear-attention projections; the MoE
+    models' fused experts are no module targets, Qwen3.5-MoE's shared expert is; lora.target_parameters reaches the
+    experts, tested below); two GRPO steps with the KL term run at ratio 1, the LoRA moves and nothing else does."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
@@ -295,7 +297,7 @@ def _moe_changes(tmp_path, family, **plugin_overrides):
     return {name for name in before if not torch.equal(before[name], after[name])}
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
     """lora: null on the MoE models: the fused expert tensors and the routers train with the rest of the language
     model, the vision tower stays frozen, ratio 1."""
@@ -305,7 +307,7 @@ def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
     assert not any(name.startswith("model.visual.") for name in changed)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, family):
     """``lora.target_parameters`` adds LoRA on the fused expert tensors (peft's target_parameters) to the attention
     LoRA: two GRPO steps at ratio 1 move the experts' adapters and only adapters."""
@@ -332,7 +334,7 @@ def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k):
     return num_experts * float(((assignments / rows) * (probabilities / rows)).sum())
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, family):
     """The training forward of an MoE model returns aux_loss = router_aux_loss_coef × the routers' load-balancing
     loss over the micro-batch's real tokens (prompt and completion), computed by hand from the router logits; the
@@ -354,7 +356,8 @@ def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, family)
     with torch.no_grad():
         routed = plugin.model(**prepared.inputs, output_router_logits=True, use_cache=False)
         text = plugin.model.config.text_config
-        expected = _switch_load_balancing(routed.router_logits, prepared.inputs["attention_mask"], text.num_experts,
+        experts = getattr(text, "num_experts", None) or text.num_local_experts  # GLM-4.5V: n_routed_experts
+        expected = _switch_load_balancing(routed.router_logits, prepared.inputs["attention_mask"], experts,
                                           text.num_experts_per_tok)
         plain = plugin.forward(plugin.policy(), rollout, need_reference=False)
     assert output.aux_loss.requires_grad and plain.aux_loss is None
