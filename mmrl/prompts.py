@@ -1,7 +1,8 @@
 """Prompt files shared by the plugins: JSONL rows with a ``"prompt"`` string, or plain text with one prompt per line.
 
 Rows keep every other key of their JSON object (a ``solution``, a ``count``, an image path...), which rewards read
-from ``RewardInput.rows``. A malformed file is a one-line ``ValueError`` naming the file and line.
+from ``RewardInput.rows``. A malformed file is a one-line ``ValueError`` naming the file and line. Also the check of
+the plugins' ``chat_template_kwargs`` (:func:`check_chat_template_kwargs`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,29 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+RESERVED_CHAT_TEMPLATE_KEYS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                               "return_dict", "return_tensors")
+"""``apply_chat_template`` arguments the plugins set themselves: a prompt is the text of the chat with the assistant
+turn opened."""
+
+
+def check_chat_template_kwargs(kwargs: Any, path: str) -> None:
+    """Validate a plugin's ``chat_template_kwargs``: a mapping of string keys (the chat template's variables, such as
+    ``enable_thinking``, or ``apply_chat_template`` arguments such as ``chat_template``) that are none of
+    :data:`RESERVED_CHAT_TEMPLATE_KEYS`.
+
+    Raises:
+        ConfigError: naming ``path`` and the first offending key.
+    """
+    from mmrl.config import ConfigError
+
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise ConfigError(path, kwargs, "a mapping of chat-template variable names to values")
+    reserved = [key for key in kwargs if key in RESERVED_CHAT_TEMPLATE_KEYS]
+    if reserved:
+        raise ConfigError(f"{path}.{reserved[0]}", kwargs[reserved[0]],
+                          f"a key other than {', '.join(RESERVED_CHAT_TEMPLATE_KEYS)} (the plugin sets those)")
 
 
 def iter_jsonl(path: str | Path, *, error: type[ValueError] = ValueError) -> Iterator[tuple[str, Any]]:

@@ -53,3 +53,17 @@ def test_iter_jsonl_is_the_one_reader_raising_the_callers_error_class(tmp_path):
         list(iter_jsonl(path, error=DataError))
     with pytest.raises(DataError, match=r"d.jsonl line 2: not valid JSON"):  # the VLM plugin's records reader
         read_records(path)
+
+
+def test_chat_template_kwargs_are_template_variables():
+    from mmrl.config import ConfigError
+    from mmrl.prompts import RESERVED_CHAT_TEMPLATE_KEYS, check_chat_template_kwargs
+
+    check_chat_template_kwargs({}, "plugin.chat_template_kwargs")
+    check_chat_template_kwargs({"enable_thinking": False, "chat_template": "{{ x }}"}, "plugin.chat_template_kwargs")
+    for key in RESERVED_CHAT_TEMPLATE_KEYS:
+        with pytest.raises(ConfigError, match=f"plugin.chat_template_kwargs.{key}.*the plugin sets those"):
+            check_chat_template_kwargs({"enable_thinking": True, key: 1}, "plugin.chat_template_kwargs")
+    for bad in ([("enable_thinking", False)], {1: True}, "enable_thinking"):
+        with pytest.raises(ConfigError, match="a mapping of chat-template variable names"):
+            check_chat_template_kwargs(bad, "plugin.chat_template_kwargs")

@@ -75,7 +75,7 @@ from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimat
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
 from mmrl.plugins.dllm.masking import SampleStreams
 from mmrl.policy import attach_lora, check_reference_sync, frozen_copy, lora_config_class, reference_policy
-from mmrl.prompts import read_jsonl_prompts
+from mmrl.prompts import check_chat_template_kwargs, read_jsonl_prompts
 from mmrl.rollout import Rollout
 
 OBJECTIVES = ("grpo", "wd1", "spg")
@@ -148,6 +148,10 @@ class DLLMPluginConfig:
                                              "instructions go here or in prompt_template).")
     chat_template: bool = config_field(False, help="Wrap the prompt in the tokenizer's chat template (instruct "
                                        "models) with the generation prompt appended.")
+    chat_template_kwargs: dict[str, Any] = config_field(
+        default_factory=dict, help="Extra variables for the chat template (needs chat_template: true), passed to "
+        "apply_chat_template with every prompt.", ref="TRL GRPOConfig.chat_template_kwargs",
+    )
     add_special_tokens: bool = config_field(False, help="Let the tokenizer add its special tokens (BOS) to prompts.")
     max_prompt_length: int = config_field(256, minimum=1, help="Longer prompts keep their last tokens.",
                                           ref="d1: 200")
@@ -225,6 +229,10 @@ class DLLMPluginConfig:
         except ValueError as error:
             key = "block_length" if self.gen_length % self.block_length else "steps"
             raise ConfigError(f"{path}.{key}", getattr(self, key), str(error)) from None
+        check_chat_template_kwargs(self.chat_template_kwargs, f"{path}.chat_template_kwargs")
+        if self.chat_template_kwargs and not self.chat_template:
+            raise ConfigError(f"{path}.chat_template_kwargs", self.chat_template_kwargs,
+                              "empty unless chat_template is true (the variables are the chat template's)")
         if self.adapter != "auto" and self.adapter not in dllm_adapters:
             raise ConfigError(f"{path}.adapter", self.adapter, f"auto or one of {', '.join(dllm_adapters.names())}")
         name = self.resolved_estimator
@@ -528,7 +536,8 @@ class DLLMPlugin(Plugin):
                 if config.chat_template:
                     messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
                     messages.append({"role": "user", "content": text})
-                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                         **config.chat_template_kwargs)
                 made[id(row)] = text
             texts.append(text)
         distinct = list(dict.fromkeys(texts))  # each text is tokenized on its own: tokenize every distinct one once

@@ -44,6 +44,7 @@ from mmrl.config import ConfigError, config_field
 from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.policy import attach_lora, check_reference_sync, lora_config_class, reference_policy
+from mmrl.prompts import check_chat_template_kwargs
 from mmrl.rollout import Rollout, RolloutError
 
 R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> "
@@ -178,6 +179,11 @@ class VLMPluginConfig:
                                 "distribution, as in TRL.", ref="PR1 (vLLM): 0.9")
     top_k: int = config_field(0, minimum=0, help="Top-k sampling (0 disables).", ref="PR1 (vLLM): 50")
     system_prompt: str | None = config_field(None, help="Optional system message before every prompt.")
+    chat_template_kwargs: dict[str, Any] = config_field(
+        default_factory=dict, help="Extra variables for the processor's chat template, e.g. {enable_thinking: false} "
+        "for Qwen3.5 or GLM-4.5V (hybrid thinking), passed to apply_chat_template with every prompt.",
+        ref="TRL GRPOConfig.chat_template_kwargs",
+    )
     image_position: Literal["before", "after"] = config_field(
         "before", help="Where the images sit in the user turn: 'before' the question (Qwen's documented order) or "
         "'after' it. Under causal attention only 'after' lets the image tokens attend to the question (a "
@@ -246,6 +252,7 @@ class VLMPluginConfig:
             raise ConfigError(f"{path}.family", self.family, f"'auto' or one of {', '.join(vlm_adapters.names())}")
         if self.min_pixels > self.max_pixels:
             raise ConfigError(f"{path}.max_pixels", self.max_pixels, f"at least min_pixels ({self.min_pixels})")
+        check_chat_template_kwargs(self.chat_template_kwargs, f"{path}.chat_template_kwargs")
         if self.video_min_pixels > self.video_max_pixels:
             raise ConfigError(f"{path}.video_max_pixels", self.video_max_pixels,
                               f"at least video_min_pixels ({self.video_min_pixels})")
@@ -505,7 +512,8 @@ class VLMPlugin(Plugin):
         texts = [self.adapter.chat_text(self.adapter.messages(self.question(row), len(group),
                                                               self.config.system_prompt,
                                                               image_position=self.config.image_position,
-                                                              num_videos=len(clips)))
+                                                              num_videos=len(clips)),
+                                        **self.config.chat_template_kwargs)
                  for row, group, clips in zip(unique, images, videos, strict=True)]
         encoded = self.adapter.encode(texts, images, videos, rates, video_entries=self.video_rows)
         for row, prompt in zip(unique, encoded, strict=True):

@@ -239,3 +239,24 @@ def test_bundled_checkpoint_is_the_default():
     plugin = _plugin()
     assert plugin.adapter.name == "masked_lm"
     assert (plugin.adapter.mask_id, plugin.adapter.stop_ids, plugin.adapter.pad_id) == (1, (2,), 0)
+
+
+# Written in characters the toy tokenizer knows (digits and "+="): the generation prompt gains "00" without thinking.
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}="
+                     "{% if enable_thinking is defined and not enable_thinking %}00{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_are_checked():
+    """``chat_template_kwargs`` are the chat template's variables (TRL's GRPOConfig.chat_template_kwargs): the
+    prompt text changes with them; keys the plugin sets, and kwargs without chat_template, are refused."""
+    texts = {}
+    for kwargs in ({}, {"enable_thinking": False}):
+        plugin = _plugin(chat_template=True, chat_template_kwargs=kwargs)
+        plugin.adapter.tokenizer.chat_template = THINKING_TEMPLATE
+        ids, lengths = plugin.encode_prompts(plugin.dataset("train")[:1])
+        texts[bool(kwargs)] = plugin.adapter.tokenizer.decode(ids[0, -int(lengths[0]):])
+    assert texts[True] == texts[False] + "00" and texts[False].endswith("==")  # the prompt's "=" and the template's
+    with pytest.raises(ConfigError, match="chat_template_kwargs.tokenize"):
+        _config(chat_template=True, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ConfigError, match="chat_template_kwargs.*unless chat_template is true"):
+        _config(chat_template_kwargs={"enable_thinking": False})

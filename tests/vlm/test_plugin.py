@@ -457,3 +457,22 @@ def test_qwen3_vl_adapter_rolls_out_and_recomputes(tmp_path):
         output = plugin.forward(plugin.policy(), part, need_reference=True)
     assert _ratio_deviation(output.logp, part.old_logp, part.mask) < 1e-5
     assert (output.logp - output.ref_logp)[part.mask > 0].abs().max() > 1e-4
+
+
+def test_chat_template_kwargs_reach_the_processors_template(tiny_models):
+    """``chat_template_kwargs`` are passed to the processor's chat template with every prompt (Qwen3.5's and
+    GLM-4.5V's ``enable_thinking``: an empty think block opens the answer); a key the plugin sets is refused."""
+    from mmrl.plugins.vlm.testing import CHAT_TEMPLATE
+
+    switch = ("{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    texts = []
+    for kwargs in ({}, {"enable_thinking": False}):
+        plugin = make_plugin(tiny_models["qwen2_vl"], chat_template_kwargs=kwargs)
+        plugin.adapter.processor.chat_template = CHAT_TEMPLATE.replace(
+            "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n" + switch + "{% endif %}")
+        prompt = plugin.encode_rows(plugin.dataset("train")[:1])[0]
+        texts.append(plugin.adapter.tokenizer.decode(prompt["input_ids"]))
+    assert texts[0].endswith("<|im_start|>assistant\n") and texts[1] == texts[0] + "<think>\n\n</think>\n\n"
+    with pytest.raises(ConfigError, match="chat_template_kwargs.add_generation_prompt"):
+        from_dict(VLMPluginConfig, plugin_options(tiny_models["qwen2_vl"],
+                                                  chat_template_kwargs={"add_generation_prompt": False}), "plugin")

@@ -283,9 +283,11 @@ class VLMAdapter:
         chat.append({"role": "user", "content": content})
         return chat
 
-    def chat_text(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text: the processor's chat template with the assistant turn opened."""
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat_text(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        """The prompt text: the processor's chat template with the assistant turn opened; ``template_kwargs`` (the
+        plugin's ``chat_template_kwargs``, e.g. ``enable_thinking``) reach the template."""
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs)
 
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
                videos: Sequence[Sequence[Sequence[Any]]] | None = None,
