@@ -4,9 +4,9 @@ estimator checked against measurements on tiny models on the CPU (issue 26 item 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
 published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
 ``FluxTransformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel``, transformers'
-``Qwen2_5_VLForConditionalGeneration``, and ``LlamaForCausalLM`` for LLaDA-8B, whose architecture it shares: RMSNorm,
-SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts ``r·(in + out)`` for every ``nn.Linear`` the
-plugin's adapter targets. Memory per GPU, in GiB:
+``Qwen2_5_VLForConditionalGeneration`` and ``Glm4vForConditionalGeneration``, and ``LlamaForCausalLM`` for
+LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
+``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
 
 - weights: the trained module (the frozen base in the recipe's weight dtype with LoRA; float32 master weights with
   full fine-tuning) and the frozen modules that stay on the device (text encoders and VAE for flow, the vision tower
@@ -64,6 +64,7 @@ FLOW_QWEN_IMAGE_TARGETS = FLOW_SD3_TARGETS + ("img_mlp.net.0.proj", "img_mlp.net
 FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                         "ff_context.net.2")  # plugins/flow/adapters/flux.py
 LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
+GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")  # the glm4v adapter's
 
 # Bytes per token per transformer block saved for the backward, in units of the activation dtype's size D (so bytes =
 # D · value), as counted on tiny models in float32 (--check re-measures them at other sizes). ``h`` hidden size,
@@ -131,6 +132,15 @@ def build_qwen25vl(size: str) -> nn.Module:
     vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=text["hidden_size"])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_glm41v_9b() -> nn.Module:
+    """GLM-4.1V-9B-Thinking: transformers' ``Glm4vConfig`` defaults are that checkpoint's architecture (its docstring's
+    ``checkpoint="zai-org/GLM-4.1V-9B-Thinking"``: text hidden 4096, 40 layers, 32 heads, 2 KV heads, MLP 13696, vocab
+    151,552; vision 24 blocks of 1536)."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    return Glm4vForConditionalGeneration(Glm4vConfig())
 
 
 def build_llada_8b() -> nn.Module:
@@ -276,6 +286,7 @@ def recipes() -> list[Recipe]:
     flux_tokens = (720 // 16) ** 2 + 512  # 2025 packed latents (720 px) + T5 512
     vlm_seq = 401408 // (28 * 28) + 80 + 512  # ≤ 512 image tokens (max_pixels), ~80 prompt tokens, 512 new tokens
     llada_seq = 200 + 256  # max_prompt_length + gen_length
+    glm_seq = 401408 // (28 * 28) + 80 + 1024  # ≤ 512 image tokens, ~80 prompt tokens, 1024 new tokens (thinking)
     # SD3.5-M: the first 13 of 24 blocks add a second attention over the 1024 image tokens (MMDiT-X)
     sd35_blocks = [Blocks("mmdit", 13, sd3_tokens, dual_image_tokens=1024), Blocks("mmdit", 11, sd3_tokens)]
     # Wan 2.1 at 480 x 832: the VAE compresses 8x in space and 4x in time, the transformer patches 1 x 2 x 2, so F
@@ -348,6 +359,11 @@ def recipes() -> list[Recipe]:
                3584, 512, 18944, [Blocks("decoder", 28, vlm_seq)], sequences=4, lora_targets=(), lora_rank=None,
                weight_bytes=4, checkpointing=True, kl=True, frozen_in_module="visual", vocab=152064, completion=512,
                kv_cache=(128, vlm_seq), layers_for_cache=28),
+        Recipe("GLM-4.1V-9B LoRA r64", "configs/vlm/glm41v_grounding.yaml", build_glm41v_9b, 4096, 256, 13696,
+               [Blocks("decoder", 40, glm_seq)], sequences=4, lora_targets=GLM4V_TARGETS, lora_rank=64,
+               weight_bytes=2, checkpointing=True, kl=True, frozen_in_module="visual", vocab=151552, completion=1024,
+               kv_cache=(64, glm_seq), layers_for_cache=40,
+               notes=["activation coefficients of the Qwen/Llama decoder block (GLM's adds two RMSNorms)"]),
         Recipe("LLaDA-8B LoRA r128", "configs/dllm/llada8b_gsm8k_lora.yaml", build_llada_8b, 4096, 4096, 12288,
                [Blocks("decoder", 32, llada_seq)], sequences=6, lora_targets=LM_TARGETS, lora_rank=128,
                weight_bytes=2, kl=True, vocab=126464, completion=256,

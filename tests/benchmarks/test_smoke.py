@@ -288,15 +288,19 @@ def test_step_floors(tmp_path, plugin):
 
 
 def test_memory_estimate(tmp_path):
-    """LLaDA-8B, the Wan2.1-1.3B video recipe and the Qwen-Image recipe (built on the meta device), FSDP over 2, with
-    the tiny-model check."""
+    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe and the Qwen-Image recipe (built on the meta device), FSDP
+    over 2, with the tiny-model check."""
     out = tmp_path / "memory.json"
-    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "1.3B LoRA r128 33f", "A14B",
-                  "Qwen-Image LoRA r64 512px", "--check", "--json", str(out))
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
+                  "A14B", "Qwen-Image LoRA r64 512px", "--check", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
-    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
+    assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
                                        "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px"]
+    # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
+    # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
+    glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
+    assert glm["trainable"] == 40 * 64 * (8192 + 2 * 4352 + 8192 + (4096 + 27392) + (13696 + 4096))
     recipe = result["recipes"]["LLaDA-8B LoRA r128"]
     assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
     one = recipe["without_checkpointing"]["one_gpu"]
