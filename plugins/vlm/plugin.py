@@ -123,10 +123,12 @@ class VLMPluginConfig:
     model: str = config_field(help="A checkpoint folder or hub id, e.g. Qwen/Qwen2.5-VL-3B-Instruct.")
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
-        "auto", help="Model adapter: qwen2_vl, qwen2_5_vl, qwen3_vl (when transformers has it) or another "
-        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
+        "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
+        "glm4v_moe (when transformers has them) or another registered one; 'auto' reads model_type from the "
+        "checkpoint's config.json.",
     )
-    tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] | None = config_field(
+    tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
+                        "glm4v_moe"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )

@@ -169,6 +169,25 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
     assert "eval/iou_mean" in result.evaluations[1]
 
 
+def test_toy_recipe_runs_with_a_tiny_glm_build(tmp_path):
+    """plugin.tiny_model builds every family the tests build, e.g. GLM-4.1V: the toy recipe's step on it, boxes read
+    in GLM's convention."""
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+
+    if "glm4v" not in vlm_adapters:
+        pytest.skip("transformers has no glm4v")
+    model = tmp_path / "tiny-glm"
+    config = load_config(CONFIGS / "toy_grounding.yaml", [
+        f"plugin.model={model}", "plugin.tiny_model=glm4v", f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1",
+        "run.progress=false", "rollout.prompts_per_step=2", "rollout.group_size=2", "plugin.max_new_tokens=6",
+        "eval.num_prompts=2",
+    ])
+    trainer = Trainer(config)
+    assert trainer.plugin.adapter.name == "glm4v" and trainer.plugin.reward_context()["box_convention"] == "glm4v"
+    result = trainer.train()
+    assert result.history[0]["loss/first_step_ratio_deviation"] < 1e-5
+
+
 def _with_old_logp(trainer):
     """Make the plugin's training rollouts carry old log-probs from a teacher-forced pass inside rollout() (the vlm
     plugin leaves them to the core), through the very function the training forward uses."""
