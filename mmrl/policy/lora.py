@@ -130,7 +130,9 @@ def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequ
             so that peft's ``AutoPeftModel`` can find the base of an exported adapter.
 
     Raises:
-        ConfigError: No module of ``module`` matches the targets, or a parameter target matches no parameter.
+        ConfigError: No module of ``module`` matches the targets, a parameter target matches no parameter, or peft
+            rewrote a module target onto fused MoE expert parameters (its transformers-v4 compatibility mapping; the
+            adapter is then already injected into ``module``, which the caller discards).
     """
     from peft import inject_adapter_in_model
 
