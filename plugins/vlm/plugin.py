@@ -165,7 +165,8 @@ class VLMPluginConfig:
         None, minimum=0.0, exclusive_minimum=True, help="Budget of a video's total area over all its frames: a "
         "frame's upper bound becomes max(min(video_max_pixels, video_total_pixels / frames x 2), 1.05 x "
         "video_min_pixels), so long videos get smaller frames. Null: qwen-vl-utils' 128,000 tokens x (patch x "
-        "merge)^2 x 0.9.", ref="qwen-vl-utils 0.0.14 fetch_video: total_pixels = MODEL_SEQ_LEN * factor^2 * 0.9",
+        "merge)^2 x 0.9 (GLM-4.1V/4.5V: the checkpoint's own clip bound on frames x height x width).",
+        ref="qwen-vl-utils 0.0.14 fetch_video: total_pixels = MODEL_SEQ_LEN * factor^2 * 0.9",
     )
     video_fps: float = config_field(
         2.0, minimum=0.0, exclusive_minimum=True, help="Frames per second of a row's video frames when the row has "

@@ -27,7 +27,8 @@ is; what GLM does differently is here:
   bicubic: the same size, pixels that differ by interpolation rounding).
 - **No image and video in one forward.** transformers' ``Glm4vModel.get_placeholder_mask`` marks every ``<|image|>``
   token as an image slot *and* as a video slot, so a batch holding both fails its feature count; GLM-V's own CLI
-  refuses the mix ("Chat with images and video is NOT allowed"). :meth:`Glm4vAdapter.collate` refuses it in one line.
+  refuses the mix ("Chat with images and video is NOT allowed"). :meth:`Glm4vAdapter.encode` and
+  :meth:`Glm4vAdapter.collate` refuse it in one line.
 - **Boxes** are ``[x1, y1, x2, y2]`` on a 0–1000 grid relative to the image, inside ``<|begin_of_box|>`` …
   ``<|end_of_box|>`` (zai-org/GLM-V@8fc9756 README "Grounding"): box convention ``glm4v``.
 - **LoRA targets**: the attention projections and GLM-4.1V's fused ``gate_up_proj`` / ``down_proj``; for GLM-4.5V
