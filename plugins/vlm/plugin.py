@@ -330,6 +330,12 @@ class VLMPlugin(Plugin):
         # A dataset with any video row gives every prompt the video entries, so that every rollout's replay has the
         # same keys whichever rows it drew (rollouts of several chunks or rounds are concatenated).
         self.video_rows = any(row.get("video") is not None for rows in self._rows.values() for row in rows)
+        if not self.adapter.batches_images_with_videos:
+            for split, rows in self._rows.items():
+                if any(row_images(row) for row in rows) and any(row_videos(row) for row in rows):
+                    raise ValueError(f"vlm family {self.adapter.name!r} cannot take images and videos in one batch, "
+                                     f"and the {split!r} split holds rows of both: train image rows and video rows "
+                                     "in separate runs")
 
     # ------------------------------------------------------------------ contract
     def policy(self) -> nn.Module:

@@ -186,7 +186,13 @@ def test_video_log_probs_equal_a_plain_transformers_forward_and_decoding_scores_
     assert_decode_scores_are_teacher_forced(plugin, prompts, plugin.generation_config(True))
 
 
-def test_a_batch_of_images_and_videos_is_refused(glm_models):
+def test_a_batch_of_images_and_videos_is_refused(glm_models, tiny_models):
+    """A dataset split mixing image and video rows is refused when the plugin starts; a batch of both, built by hand,
+    at encoding and at collation; Qwen families take the same dataset."""
+    mixed = {"synthetic": {"train_size": 6, "eval_size": 2, "tasks": ["motion", "grounding"], "seed": 2}}
+    with pytest.raises(ValueError, match="'glm4v' cannot take images and videos.*'train' split"):
+        make_plugin(glm_models["glm4v"], data=mixed)
+    assert make_plugin(tiny_models["qwen2_5_vl"], data=mixed).video_rows
     plugin = make_plugin(glm_models["glm4v"], video_min_pixels=4 * 28 * 28, video_max_pixels=12 * 28 * 28)
     rows = [plugin.dataset("train")[0], video_rows()[0]]
     with pytest.raises(ValueError, match="both images and videos.*separate runs"):

@@ -96,6 +96,9 @@ class VLMAdapter:
     #: continuation updates cached states in place (Qwen3.5's Gated DeltaNet conv and recurrent states), which
     #: autograd refuses: the training pass then runs the plain per-sample pass (its no-grad passes still share).
     cache_keeps_gradients: ClassVar[bool] = True
+    #: Whether one forward may hold images and videos (several prompts, or one prompt with both); the plugin refuses
+    #: a dataset split that mixes image and video rows for a family that cannot (GLM-4.1V/4.5V).
+    batches_images_with_videos: ClassVar[bool] = True
     #: Whether the language model has routed mixture-of-experts layers whose forward can return the router
     #: load-balancing loss (``output_router_logits=True`` → ``output.aux_loss``; plugin.router_aux_loss_coef).
     moe: ClassVar[bool] = False

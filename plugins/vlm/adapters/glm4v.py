@@ -27,8 +27,9 @@ is; what GLM does differently is here:
   bicubic: the same size, pixels that differ by interpolation rounding).
 - **No image and video in one forward.** transformers' ``Glm4vModel.get_placeholder_mask`` marks every ``<|image|>``
   token as an image slot *and* as a video slot, so a batch holding both fails its feature count; GLM-V's own CLI
-  refuses the mix ("Chat with images and video is NOT allowed"). :meth:`Glm4vAdapter.encode` and
-  :meth:`Glm4vAdapter.collate` refuse it in one line.
+  refuses the mix ("Chat with images and video is NOT allowed"). The plugin refuses a dataset split that mixes image
+  and video rows at start-up (``batches_images_with_videos = False``); :meth:`Glm4vAdapter.encode` and
+  :meth:`Glm4vAdapter.collate` refuse such a batch in one line.
 - **Boxes** are ``[x1, y1, x2, y2]`` on a 0–1000 grid relative to the image, inside ``<|begin_of_box|>`` …
   ``<|end_of_box|>`` (zai-org/GLM-V@8fc9756 README "Grounding"): box convention ``glm4v``.
 - **LoRA targets**: the attention projections and GLM-4.1V's fused ``gate_up_proj`` / ``down_proj``; for GLM-4.5V
@@ -98,6 +99,7 @@ class Glm4vAdapter(VLMAdapter):
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>",
                                                 "<|begin_of_video|>", "<|end_of_video|>")
+    batches_images_with_videos = False
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
                  video_max_pixels: int | None = None, video_total_pixels: float | None = None):
