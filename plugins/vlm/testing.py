@@ -23,6 +23,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,35 +87,35 @@ _CORPUS = (
 )
 
 
-def build_tokenizer(vocab_size: int = 384) -> Any:
-    """A byte-level BPE ``Qwen2Tokenizer`` with the Qwen special tokens (EOS ``<|im_end|>``, PAD
-    ``<|endoftext|>``), trained on a small fixed corpus; deterministic."""
+def _bpe(special_tokens: Sequence[str], vocab_size: int) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``special_tokens``, trained on the small fixed corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator([_CORPUS] * 8, trainer)
-    return Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                          unk_token=None)
+    return tokenizer
+
+
+def build_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with the Qwen special tokens (EOS ``<|im_end|>``, PAD
+    ``<|endoftext|>``), trained on a small fixed corpus; deterministic."""
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer(tokenizer_object=_bpe(SPECIAL_TOKENS, vocab_size), eos_token="<|im_end|>",
+                          pad_token="<|endoftext|>", unk_token=None)
 
 
 def build_glm_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE tokenizer with GLM-4.1V's special tokens (EOS and PAD ``<|endoftext|>``), trained on the same
     small corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(GLM_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator([_CORPUS] * 8, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe(GLM_SPECIAL_TOKENS, vocab_size), eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
 
 
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:

@@ -17,7 +17,7 @@ import torch
 from mmrl.config import ConfigError
 from mmrl.plugins.vlm.plugin import row_images, row_video_fps, row_videos
 from mmrl.trainer.learn import old_policy_pass
-from tests.vlm.conftest import make_plugin, prompt_batch
+from tests.vlm.conftest import assert_old_logp_is_a_plain_forward, make_plugin, prompt_batch
 from tests.vlm.test_decode import assert_decode_scores_are_teacher_forced
 
 GLM = ("glm4v", "glm4v_moe")
@@ -94,24 +94,6 @@ def _hand_written_chat(question, images=0, videos=0):
     return f"[gMASK]<sop><|user|>\n{vision}{question}<|assistant|>\n"
 
 
-def _assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs):
-    model = plugin.policy()
-    replay = rollout.replay
-    for i in range(len(rollout.group_ids)):
-        inputs = processor_inputs(rows[i // group])
-        prompt_ids = inputs["input_ids"][0]
-        assert torch.equal(replay["input_ids"][i], prompt_ids)
-        completion = replay["completion_ids"][i]
-        inputs["input_ids"] = torch.cat([prompt_ids, completion]).unsqueeze(0)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"][0], torch.zeros_like(completion)])[None]
-        with torch.no_grad():
-            logits = model(**inputs).logits[0, len(prompt_ids) - 1:-1].float()  # [C, V]
-        logits[:, plugin.adapter.suppressed_token_ids()] = -torch.inf
-        expected = (logits / plugin.config.temperature).log_softmax(-1).gather(-1, completion.unsqueeze(-1))[:, 0]
-        torch.testing.assert_close(rollout.old_logp[i, :len(completion)], expected, rtol=0, atol=1e-5)
-
-
 @pytest.mark.parametrize("family", GLM)
 def test_image_log_probs_equal_a_plain_transformers_forward(glm_models, family):
     """Each sample's old log-probs (feature cache, shared prefill and prompt forward, mixed image sizes) equal a
@@ -132,7 +114,7 @@ def test_image_log_probs_equal_a_plain_transformers_forward(glm_models, family):
         return plugin.adapter.processor(text=[_hand_written_chat(plugin.question(row), images=1)], images=images,
                                         return_tensors="pt")
 
-    _assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs)
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs)
     part = rollout.select([5, 0, 3])
     with torch.no_grad():
         output = plugin.forward(plugin.policy(), part, need_reference=True)
@@ -178,7 +160,7 @@ def test_video_log_probs_equal_a_plain_transformers_forward_and_decoding_scores_
                                         videos=clips, video_metadata=metadata, do_sample_frames=False,
                                         do_resize=False, return_tensors="pt")
 
-    _assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs)
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs)
     text = plugin.adapter.tokenizer.decode(rollout.replay["input_ids"][0])
     assert "<|end_of_image|>0<|begin_of_image|>" in text and "<|end_of_image|>3<|end_of_video|>" in text
     groups = torch.tensor([0, 1, 2, 0, 1, 2])

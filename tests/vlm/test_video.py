@@ -18,7 +18,7 @@ from mmrl.plugins.vlm import data as vlm_data
 from mmrl.plugins.vlm.plugin import row_video_fps, row_videos
 from mmrl.trainer import Trainer
 from mmrl.trainer.learn import old_policy_pass
-from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
+from tests.vlm.conftest import assert_old_logp_is_a_plain_forward, make_plugin, plugin_options, prompt_batch
 from tests.vlm.test_decode import assert_decode_scores_are_teacher_forced
 
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
@@ -91,9 +91,8 @@ def test_video_log_probs_equal_a_plain_transformers_forward(video_models, family
     if family == "qwen2_5_vl":  # seconds per temporal patch of 2 frames at the row's rate
         assert [t.tolist() for t in replay["second_per_grid_ts"][::group]] == [[1.0], [0.5], [1.0, 1.0]]
     assert rollout.metrics["video_tokens"] > 0
-    model = plugin.policy()
-    for i in range(len(rollout.group_ids)):
-        row = rows[i // group]
+
+    def processor_inputs(row):
         clips = row_videos(row)
         rates = row_video_fps(row, len(clips), plugin.config.video_fps)
         vision = IMAGE_PART * len(row.get("image", [])) + VIDEO_PART * len(clips)
@@ -103,20 +102,11 @@ def test_video_log_probs_equal_a_plain_transformers_forward(video_models, family
         metadata = [{"fps": rate, "total_num_frames": len(clip), "frames_indices": list(range(len(clip)))}
                     for clip, rate in zip(clips, rates, strict=True)]
         assert [clip[0].size for clip in plugin.adapter.load_videos(clips)] == [clip[0].size for clip in clips]
-        inputs = plugin.adapter.processor(text=[text], images=row.get("image") or None, videos=clips,
-                                          video_metadata=metadata, do_sample_frames=False, do_resize=False,
-                                          return_tensors="pt")
-        prompt_ids = inputs["input_ids"][0]
-        assert torch.equal(replay["input_ids"][i], prompt_ids)
-        completion = replay["completion_ids"][i]
-        inputs["input_ids"] = torch.cat([prompt_ids, completion]).unsqueeze(0)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"][0], torch.zeros_like(completion)])[None]
-        with torch.no_grad():
-            logits = model(**inputs).logits[0, len(prompt_ids) - 1:-1].float()  # [C, V]
-        logits[:, plugin.adapter.suppressed_token_ids()] = -torch.inf
-        expected = (logits / plugin.config.temperature).log_softmax(-1).gather(-1, completion.unsqueeze(-1))[:, 0]
-        torch.testing.assert_close(rollout.old_logp[i, :len(completion)], expected, rtol=0, atol=1e-5)
+        return plugin.adapter.processor(text=[text], images=row.get("image") or None, videos=clips,
+                                        video_metadata=metadata, do_sample_frames=False, do_resize=False,
+                                        return_tensors="pt")
+
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs)
     part = rollout.select([5, 0, 3])
     with torch.no_grad():
         output = plugin.forward(plugin.policy(), part, need_reference=True)

@@ -223,16 +223,15 @@ class VLMAdapter:
         """Open and resize the frames of each video of one prompt.
 
         A video is given as its frames (paths or PIL images, in time order, already sampled at the rate the row
-        declares). Every frame of a video is resized to the one size smart_resize gives its first frame within
-        [video_min_pixels, :meth:`video_frame_max_pixels`], a multiple of patch size × merge in each side
-        (qwen-vl-utils resizes a video's frames to one size the same way); the processor then keeps that size.
+        declares). Every frame of a video is resized to the one size :meth:`video_frame_size` gives its first frame
+        (smart_resize within [video_min_pixels, :meth:`video_frame_max_pixels`], a multiple of patch size × merge in
+        each side: qwen-vl-utils resizes a video's frames to one size the same way); the processor then keeps that
+        size.
 
         Raises:
             ValueError: a video without frames, or frames of different sizes within one video.
         """
         from PIL import Image
-
-        from mmrl.rewards.boxes import qwen_resized_size
 
         loaded = []
         for number, frames in enumerate(videos):
@@ -244,11 +243,17 @@ class VLMAdapter:
             if len(sizes) > 1:
                 raise ValueError(f"video {number} of the prompt has frames of different sizes {sorted(sizes)}; "
                                  "every frame of a video must have one size")
-            width, height = qwen_resized_size(opened[0].size, factor=self.image_factor,
-                                              min_pixels=self.video_min_pixels,
-                                              max_pixels=self.video_frame_max_pixels(len(opened)))
+            width, height = self.video_frame_size(opened[0].size, len(opened))
             loaded.append([frame.resize((width, height), resample=Image.Resampling.BICUBIC) for frame in opened])
         return loaded
+
+    def video_frame_size(self, frame_size: Sequence[float], num_frames: int) -> tuple[int, int]:
+        """``(width, height)`` every frame of a ``num_frames``-frame video of ``frame_size`` is resized to: smart_resize
+        within [video_min_pixels, :meth:`video_frame_max_pixels`]."""
+        from mmrl.rewards.boxes import qwen_resized_size
+
+        return qwen_resized_size(frame_size, factor=self.image_factor, min_pixels=self.video_min_pixels,
+                                 max_pixels=self.video_frame_max_pixels(num_frames))
 
     def video_frame_max_pixels(self, num_frames: int) -> float:
         """The largest area a frame of a ``num_frames``-frame video may keep: ``video_max_pixels``, lowered so that

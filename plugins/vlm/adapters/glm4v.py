@@ -142,35 +142,12 @@ class Glm4vAdapter(VLMAdapter):
         return [_to_rgb(image if isinstance(image, Image.Image) else Image.open(_local_path(image)))
                 for image in images]
 
-    def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Open and resize the frames of each video of one prompt: every frame of a clip to the one size GLM's
-        ``smart_resize`` gives the clip (:func:`glm_resized_size` with the clip's frame count) within
-        ``frames·[video_min_pixels, video_max_pixels]`` and under ``video_total_pixels`` (GLM's video processor
-        bounds ``frames·height·width``; ``frames`` is the count rounded up to even, as its patches pad it). The
-        processor then keeps that size (``do_resize=False``, as for every family).
-
-        Raises:
-            ValueError: a video without frames, or frames of different sizes within one video.
-        """
-        from PIL import Image
-
-        loaded = []
-        for number, frames in enumerate(videos):
-            if not frames:
-                raise ValueError(f"video {number} of the prompt has no frames; give a video as a list of its frames")
-            opened = [_to_rgb(frame if isinstance(frame, Image.Image) else Image.open(_local_path(frame)))
-                      for frame in frames]
-            sizes = {frame.size for frame in opened}
-            if len(sizes) > 1:
-                raise ValueError(f"video {number} of the prompt has frames of different sizes {sorted(sizes)}; "
-                                 "every frame of a video must have one size")
-            width, height = self.video_frame_size(opened[0].size, len(opened))
-            loaded.append([frame.resize((width, height), resample=Image.Resampling.BICUBIC) for frame in opened])
-        return loaded
-
     def video_frame_size(self, frame_size: Sequence[float], num_frames: int) -> tuple[int, int]:
-        """``(width, height)`` every frame of a ``num_frames``-frame clip of ``frame_size`` is resized to (see
-        :meth:`load_videos`)."""
+        """``(width, height)`` every frame of a ``num_frames``-frame clip of ``frame_size`` is resized to (the base
+        class's :meth:`~VLMAdapter.load_videos` resizes with it; the processor then keeps that size): GLM's
+        ``smart_resize`` on the clip (:func:`glm_resized_size` with the clip's frame count) within
+        ``frames·[video_min_pixels, video_max_pixels]`` and under ``video_total_pixels`` (GLM's video processor bounds
+        ``frames·height·width``; ``frames`` is the count rounded up to even, as its frame sampler pads it)."""
         temporal = self.temporal_patch_size
         frames = max(num_frames + (-num_frames) % temporal, temporal)
         upper = min(frames * self.video_max_pixels, self.video_total_pixels)
