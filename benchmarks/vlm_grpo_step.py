@@ -79,7 +79,8 @@ VISION_PATTERN = r".*(^|\.)visual(\.|$).*"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_5_vl")
+    parser.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
+                        help="qwen3_vl: mmrl alone (--no-trl), e.g. to time its deepstack feature cache.")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny", help="Model size (testing.SIZES).")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--prompts", type=int, default=4, help="Prompts per step (P).")

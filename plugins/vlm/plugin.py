@@ -51,8 +51,9 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and f
                "tags.")
 """The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
 
-REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_grid_thw",
-                      "pixel_values_videos", "video_embeds", "video_grid_thw", "second_per_grid_ts")
+REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_deepstack",
+                      "image_grid_thw", "pixel_values_videos", "video_embeds", "video_deepstack", "video_grid_thw",
+                      "second_per_grid_ts")
 
 
 VLMLoraConfig = lora_config_class(
@@ -205,7 +206,7 @@ class VLMPluginConfig:
         True, help="With the vision tower frozen, run it once per prompt per rollout and feed its features to "
         "generation, the old/reference log-prob passes and the training forward (instead of once per sample and "
         "pass). Exact: a frozen tower's output does not change within a step. Ignored when freeze_vision is false "
-        "and for families whose adapter cannot take precomputed features (Qwen3-VL).",
+        "and for families whose adapter cannot take precomputed features (supports_feature_cache: false).",
     )
     share_prompt_prefill: bool = config_field(
         True, help="Generation prefills each distinct prompt once and copies its KV cache to the prompt's G samples "

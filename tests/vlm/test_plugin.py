@@ -439,24 +439,47 @@ def test_shared_prefill_generates_from_the_same_distribution(tiny_models, family
 
 
 def test_qwen3_vl_adapter_rolls_out_and_recomputes(tmp_path):
-    """Qwen3-VL (when transformers has it): 16-pixel patches, no feature cache (deepstack), shared prefill,
-    ratio 1 on a reordered subset, KL reference through the disabled adapter."""
+    """Qwen3-VL (when transformers has it): 16-pixel patches, shared prefill, ratio 1 on a reordered subset, KL
+    reference through the disabled adapter, and the feature cache with its deepstack features: the replay carries
+    the pooled features and the deepstack features ``[layers, tokens, hidden]`` instead of pixels, the log-probs
+    through them equal the pixel path's, and the deepstack features matter (zeroed, the log-probs change)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
 
     if "qwen3_vl" not in vlm_adapters:
         pytest.skip("transformers has no Qwen3-VL")
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    plugin = make_plugin(build_tiny_model("qwen3_vl", tmp_path / "qwen3"), max_new_tokens=6)
-    assert plugin.adapter.name == "qwen3_vl" and plugin.adapter.image_factor == 32 and not plugin.cache_features
-    _perturb_lora(plugin, seed=4)
+    path = build_tiny_model("qwen3_vl", tmp_path / "qwen3")
+    plugins = []
+    for cache in (True, False):
+        torch.manual_seed(0)  # the same LoRA A in both
+        plugins.append(make_plugin(path, max_new_tokens=6, cache_image_features=cache))
+        _perturb_lora(plugins[-1], seed=4)
+    plugin, plain = plugins
+    assert plugin.adapter.name == "qwen3_vl" and plugin.adapter.image_factor == 32 and plugin.cache_features
     rollout = _rollout(plugin, seed=16).validate()
-    assert "pixel_values" in rollout.replay and rollout.replay["pixel_values"][0].shape[1] == 3 * 2 * 16 * 16
+    replay = rollout.replay
+    assert "pixel_values" not in replay and "image_embeds" in replay
+    layers = len(plugin.model.config.vision_config.deepstack_visual_indexes)
+    for embeds, deepstack in zip(replay["image_embeds"], replay["image_deepstack"], strict=True):
+        assert deepstack.shape == (layers, *embeds.shape)
     part = rollout.select([3, 0, 4])
     with torch.no_grad():
         output = plugin.forward(plugin.policy(), part, need_reference=True)
     assert _ratio_deviation(output.logp, part.old_logp, part.mask) < 1e-5
     assert (output.logp - output.ref_logp)[part.mask > 0].abs().max() > 1e-4
+    rows = plugin.dataset("train")[:PROMPTS]
+    prompts = plain.encode_rows([row for row in rows for _ in range(GROUP)])
+    assert "pixel_values" in prompts[0] and "image_deepstack" not in prompts[0]
+    completions = replay["completion_ids"]
+    with torch.no_grad():
+        pixel_logp, _ = plain.token_logp(plain.policy(), prompts, completions, rollout.num_actions,
+                                         with_entropy=False)
+        cached = replay_prompts(replay)
+        zeroed = [{**p, "image_deepstack": torch.zeros_like(p["image_deepstack"])} for p in cached]
+        without, _ = plugin.token_logp(plugin.policy(), zeroed, completions, rollout.num_actions, with_entropy=False)
+    torch.testing.assert_close(pixel_logp * rollout.mask, rollout.old_logp * rollout.mask, rtol=0, atol=1e-5)
+    assert ((without - rollout.old_logp).abs() * rollout.mask).max() > 1e-4
 
 
 def test_chat_template_kwargs_reach_the_processors_template(tiny_models):

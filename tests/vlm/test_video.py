@@ -162,15 +162,17 @@ def test_hf_decoder_refuses_videos_past_the_last_position_and_matches_otherwise(
     torch.testing.assert_close(sequences[0], sequences[1], rtol=0, atol=0)
 
 
-def test_feature_cache_changes_nothing_for_videos(video_models):
-    """With the frozen tower's video features cached, the replay holds ``video_embeds`` instead of pixel rows and
-    the log-probs are those of the pixel path."""
-    path = video_models["qwen2_5_vl"]
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_feature_cache_changes_nothing_for_videos(video_models, family):
+    """With the frozen tower's video features cached, the replay holds ``video_embeds`` (and Qwen3-VL's
+    ``video_deepstack``) instead of pixel rows and the log-probs are those of the pixel path."""
+    path = _model(video_models, family)
     cached, plain = _plugin(path), _plugin(path, cache_image_features=False)
     rows = video_rows(cached.adapter.image_factor)
     batch = prompt_batch(rows, 2, seed=1)
     rollout = old_policy_pass(cached, cached.policy(), cached.rollout(cached.policy(), batch))
     assert "video_embeds" in rollout.replay and "pixel_values_videos" not in rollout.replay
+    assert ("video_deepstack" in rollout.replay) == (family == "qwen3_vl")
     prompts = plain.encode_rows(batch.rows, batch.group_ids)
     assert "pixel_values_videos" in prompts[0] and "video_embeds" not in prompts[0]
     with torch.no_grad():

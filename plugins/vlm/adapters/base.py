@@ -48,12 +48,18 @@ PromptInputs = dict[str, Tensor]
 [image tokens, hidden]`` (the frozen vision tower's output for them, see :meth:`VLMAdapter.image_features`).
 Prompts encoded in a batch that holds a video also carry ``video_grid_thw [videos, 3]`` (``[0, 3]`` without one),
 ``pixel_values_videos [rows, D]`` or ``video_embeds [video tokens, hidden]``, and for Qwen2.5-VL
-``second_per_grid_ts [videos]`` (seconds per temporal patch, which spaces the video's temporal M-RoPE positions)."""
+``second_per_grid_ts [videos]`` (seconds per temporal patch, which spaces the video's temporal M-RoPE positions).
+With cached features, Qwen3-VL's prompts also carry ``image_deepstack`` / ``video_deepstack`` ``[layers, tokens,
+hidden]`` (:data:`DEEPSTACK_KEYS`)."""
 
 VISION_INPUTS = (("image", "pixel_values", "image_grid_thw", "image_embeds", "get_image_features"),
                  ("video", "pixel_values_videos", "video_grid_thw", "video_embeds", "get_video_features"))
 """Per modality: its ``mm_encoder_outputs`` key, a prompt's pixel-row, grid and cached-feature keys, and the model
 method that turns pixel rows into features."""
+DEEPSTACK_KEYS = {"image_embeds": "image_deepstack", "video_embeds": "video_deepstack"}
+"""Per cached-feature key, the key of the prompt's cached deepstack features (Qwen3-VL: the vision tower's
+intermediate features that its language model adds to the vision tokens' states in its first layers), ``[layers,
+tokens, hidden]``."""
 
 IMAGE_POSITIONS = ("before", "after")
 VIDEO_SEQ_LEN_TOKENS = 128_000  # qwen-vl-utils 0.0.14 MODEL_SEQ_LEN: the default budget of a video's total pixels
@@ -376,7 +382,9 @@ class VLMAdapter:
         ``video_embeds``), the vision tower's output (one batched call per modality; no gradients). Valid for every
         pass of a step while the tower is frozen: the same features then feed generation, the old and reference
         log-probs and the training forward, so the tower runs once per prompt rather than once per sample and
-        pass."""
+        pass. A tower that also returns deepstack features (Qwen3-VL) has them kept per prompt too
+        (``image_deepstack`` / ``video_deepstack``, ``[layers, tokens, hidden]``), and :meth:`collate` hands them
+        back with the pooled features."""
         result = [dict(prompt) for prompt in prompts]
         hf_model = _base_model(model)
         device = next(hf_model.parameters()).device
@@ -385,17 +393,24 @@ class VLMAdapter:
                 continue
             holding = [p for p in prompts if p[grid_key].numel()]
             per_item: list[Tensor] = []
+            deepstack: list[list[Tensor]] | None = None  # per layer, one [tokens_k, hidden] per image / video
             if holding:
                 pixels = torch.cat([p[pixels_key] for p in holding]).to(device)  # [Σ rows, D]
                 grids = torch.cat([p[grid_key] for p in holding]).to(device)  # [Σ items, 3]
                 with torch.no_grad():
                     output = getattr(hf_model, method)(pixels, grids, return_dict=True)
                 per_item = list(output.pooler_output)  # one [tokens_k, hidden] per image / video
+                if getattr(output, "deepstack_features", None) is not None:
+                    deepstack = [list(layer) for layer in output.deepstack_features]
             for prompt, updated in zip(prompts, result, strict=True):
                 updated.pop(pixels_key, None)
                 count = int(prompt[grid_key].shape[0])
                 taken, per_item = per_item[:count], per_item[count:]
                 updated[embeds_key] = torch.cat(taken) if taken else torch.zeros(0, 0)
+                if deepstack is not None:
+                    layers = [torch.cat(layer[:count]) if count else torch.zeros(0, 0) for layer in deepstack]
+                    deepstack = [layer[count:] for layer in deepstack]
+                    updated[DEEPSTACK_KEYS[embeds_key]] = torch.stack(layers)  # [layers, tokens, hidden]
         return result
 
     # ------------------------------------------------------------------ batching
@@ -451,10 +466,19 @@ class VLMAdapter:
             if modality == "video" and all("second_per_grid_ts" in p for p in holding):
                 inputs["second_per_grid_ts"] = torch.cat([p["second_per_grid_ts"].to(device) for p in holding])
             if all(embeds_key in p for p in holding):
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
                 embeds = torch.cat([p[embeds_key].to(device) for p in holding])  # [Σ vision tokens, hidden]
-                encoder_outputs[modality] = BaseModelOutputWithPooling(pooler_output=(embeds,))
+                deepstack_key = DEEPSTACK_KEYS[embeds_key]
+                if all(deepstack_key in p for p in holding):
+                    # Qwen3-VL's own output class (transformers 5.25 modeling_qwen3_vl), as get_image_features returns
+                    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+                    stacked = torch.cat([p[deepstack_key].to(device) for p in holding], dim=1)  # [layers, Σ, hidden]
+                    encoder_outputs[modality] = BaseModelOutputWithDeepstackFeatures(
+                        pooler_output=(embeds,), deepstack_features=[(layer,) for layer in stacked])
+                else:
+                    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+                    encoder_outputs[modality] = BaseModelOutputWithPooling(pooler_output=(embeds,))
             else:
                 inputs[pixels_key] = torch.cat([p[pixels_key].to(device) for p in holding])  # [Σ rows, D]
         if encoder_outputs:

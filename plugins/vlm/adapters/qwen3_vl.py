@@ -14,9 +14,9 @@ class Qwen3VLAdapter(VLMAdapter):
     """Qwen3-VL (dense) through ``transformers.Qwen3VLForConditionalGeneration``."""
 
     name = "qwen3_vl"
-    # Its vision tower also feeds intermediate ("deepstack") features into the language model, which a pooled
-    # feature cache does not carry: the tower re-runs from pixel_values in every pass.
-    supports_feature_cache = False
+    # Its vision tower also feeds intermediate ("deepstack") features into the language model's first layers: the
+    # feature cache keeps them beside the pooled features (image_deepstack / video_deepstack, [layers, tokens,
+    # hidden]) and hands both back through mm_encoder_outputs, as transformers 5.25's get_image_features returns them.
     model_types = ("qwen3_vl",)
     model_class = "Qwen3VLForConditionalGeneration"
     box_convention = "qwen3_vl"
