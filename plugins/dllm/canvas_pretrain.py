@@ -23,9 +23,6 @@ L610-655, ``recipes/dllm/train_ft.py`` ``DiffusionGemmaSFTRecipe``), per example
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +38,8 @@ from mmrl.plugins.dllm.pretrain import (
     answer_metrics,
     checked_arguments,
     completion_texts,
-    corpus_batch,
-    learning_rate,
-    optimizer_step,
+    seeded_start,
+    training_loop,
     write_summary,
 )
 
@@ -135,45 +131,26 @@ def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], *, sampling
 def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    tokenizer = toy.build_tokenizer()
+    rng, generator, tokenizer = seeded_start(args)
     model = DiffusionGemmaForBlockDiffusion(canvas_model_config(
         tokenizer, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
         num_experts=args.experts, intermediate_size=args.intermediate_size))
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     splits = toy.addition_splits(eval_size=args.eval_size, seed=args.data_seed)
-    train_rows, eval_rows = splits["train"], splits["eval"]
     sampling = CanvasSampling(steps=toy.GEN_LENGTH, t_min=0.4, t_max=0.8, entropy_bound=0.1, stability_threshold=1,
                               confidence_threshold=0.005)  # transformers' defaults, one step per token at most
     trained = [p for name, p in model.named_parameters() if ".router." not in name and "vision" not in name]
     for name, parameter in model.named_parameters():  # NeMo freezes the routers; the vision tower is never used
         parameter.requires_grad_(".router." not in name and "vision" not in name)
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
-    history = []
-    started = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        model.train()
-        prompt_ids, completion_ids = corpus_batch(tokenizer, train_rows, args, rng)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, step)
-        loss, parts = canvas_sft_loss(model, prompt_ids, completion_ids, pad_id=tokenizer.pad_token_id,
-                                      generator=generator, self_conditioning_p=args.self_conditioning_p,
-                                      encoder_loss_weight=args.encoder_loss_weight)
-        optimizer_step(optimizer, loss, trained)
-        if step % args.eval_every == 0 or step == args.steps:
-            model.eval()
-            metrics = evaluate(model, tokenizer, eval_rows, sampling=sampling)
-            record = {"step": step, "loss": round(float(loss.detach()), 4),
-                      **{k: round(v, 4) for k, v in parts.items()},
-                      "seconds": round(time.perf_counter() - started, 1),
-                      **{k: round(v, 4) for k, v in metrics.items()}}
-            history.append(record)
-            print(json.dumps(record), flush=True)
-    model.eval()
+
+    def loss_of(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return canvas_sft_loss(model, prompt_ids, completion_ids, pad_id=tokenizer.pad_token_id, generator=generator,
+                               self_conditioning_p=args.self_conditioning_p,
+                               encoder_loss_weight=args.encoder_loss_weight)
+
+    history = training_loop(args, model, trained, tokenizer, splits["train"], rng, loss_of,
+                            lambda: evaluate(model, tokenizer, splits["eval"], sampling=sampling))
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return write_summary(output, "mmrl.plugins.dllm.canvas_pretrain", args, model, history, sampler=vars(sampling))

@@ -21,6 +21,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,7 @@ def answer_metrics(rows: list[dict[str, Any]], answers: list[str]) -> dict[str, 
 def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     from mmrl.plugins.dllm.adapters import MaskedLMAdapter
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    tokenizer = toy.build_tokenizer()
+    rng, generator, tokenizer = seeded_start(args)
     model = toy.build_model(tokenizer, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.layers,
                             num_heads=args.heads, intermediate_size=args.intermediate_size)
     output = Path(args.output)
@@ -106,8 +103,35 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     adapter = MaskedLMAdapter(str(output))
     scorer = adapter.scorer(model)
     splits = toy.addition_splits(eval_size=args.eval_size, seed=args.data_seed)
-    train_rows, eval_rows = splits["train"], splits["eval"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
+
+    def loss_of(prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return masked_diffusion_loss(scorer, prompt_ids, completion_ids, mask_id=adapter.mask_id,
+                                     generator=generator), {}
+
+    history = training_loop(args, model, list(model.parameters()), tokenizer, splits["train"], rng, loss_of,
+                            lambda: evaluate(scorer, tokenizer, splits["eval"], mask_id=adapter.mask_id,
+                                             stop_ids=adapter.stop_ids))
+    model.save_pretrained(output)
+    return write_summary(output, "mmrl.plugins.dllm.pretrain", args, model, history)
+
+
+def seeded_start(args: argparse.Namespace) -> tuple[random.Random, torch.Generator, Any]:
+    """The start of a toy pretraining run: ``args.threads`` torch threads, the global seed, then the corpus's
+    ``random.Random``, the noise generator and the toy tokenizer (in this order, so runs stay bitwise reproducible)."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    return random.Random(args.seed), torch.Generator().manual_seed(args.seed), toy.build_tokenizer()
+
+
+def training_loop(args: argparse.Namespace, model: torch.nn.Module, parameters: list[torch.nn.Parameter],
+                  tokenizer: Any, train_rows: list[dict[str, Any]], rng: random.Random,
+                  loss_of: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+                  evaluate_now: Callable[[], dict[str, float]]) -> list[dict[str, Any]]:
+    """``args.steps`` AdamW steps on ``parameters`` (the :func:`learning_rate` schedule, gradient norm clipped to 1)
+    of ``loss_of(prompt_ids, completion_ids)`` → ``(loss, parts)`` on :func:`corpus_batch` batches; every
+    ``args.eval_every`` steps and at the end, ``evaluate_now()`` in eval mode. Returns the evaluation records (step,
+    loss, the loss's parts, seconds, the metrics); the model is left in eval mode."""
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
     history = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -115,20 +139,19 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
         prompt_ids, completion_ids = corpus_batch(tokenizer, train_rows, args, rng)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
-        loss = masked_diffusion_loss(scorer, prompt_ids, completion_ids, mask_id=adapter.mask_id,
-                                     generator=generator)
-        optimizer_step(optimizer, loss, list(model.parameters()))
+        loss, parts = loss_of(prompt_ids, completion_ids)
+        optimizer_step(optimizer, loss, parameters)
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
-            metrics = evaluate(scorer, tokenizer, eval_rows, mask_id=adapter.mask_id, stop_ids=adapter.stop_ids)
+            metrics = evaluate_now()
             record = {"step": step, "loss": round(float(loss.detach()), 4),
+                      **{k: round(v, 4) for k, v in parts.items()},
                       "seconds": round(time.perf_counter() - started, 1),
                       **{k: round(v, 4) for k, v in metrics.items()}}
             history.append(record)
             print(json.dumps(record), flush=True)
     model.eval()
-    model.save_pretrained(output)
-    return write_summary(output, "mmrl.plugins.dllm.pretrain", args, model, history)
+    return history
 
 
 def corpus_batch(tokenizer: Any, rows: list[dict[str, Any]], args: argparse.Namespace,
