@@ -279,8 +279,9 @@ def canvas_generate(
                     renoised = torch.where(done[:, None], current, renoised)
                     tempered = torch.where(done[:, None, None], self_conditioning, tempered)
                 stable, history = _stable(history, new_argmax, sampling.stability_threshold)
-                mean_entropy = torch.distributions.Categorical(logits=tempered).entropy().mean(dim=-1)
-                done = done | (stable & (mean_entropy < sampling.confidence_threshold))
+                # The step's entropy: a row already done stays done whatever its value, so the stopped rows' swapped
+                # logits need no second entropy pass.
+                done = done | (stable & (entropy.mean(dim=-1) < sampling.confidence_threshold))
             changed = torch.where(new_argmax != argmax, canvas * steps + index, changed)
             argmax, current = new_argmax, renoised
             self_conditioning = tempered.to(model.model.decoder.embed_tokens.weight.dtype)
