@@ -203,7 +203,7 @@ def qwen_resized_size(
 
     Equivalently, for a processed image, ``(image_grid_thw[2] * 14, image_grid_thw[1] * 14)``.
     """
-    width, height = _size(original_size, "original_size")
+    width, height = checked_size(original_size, "original_size")
     resized_h, resized_w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return resized_w, resized_h
 
@@ -220,7 +220,9 @@ def _positive(value: Any) -> bool:
         return False
 
 
-def _size(size: Any, name: str) -> tuple[float, float]:
+def checked_size(size: Any, name: str) -> tuple[float, float]:
+    """``(width, height)`` as floats; a ``ValueError`` naming ``name`` unless ``size`` holds two finite positive
+    numbers."""
     if isinstance(size, (list, tuple)) and len(size) == 2 and all(_positive(v) for v in size):
         return float(size[0]), float(size[1])
     raise ValueError(f"{name} must be (width, height) with two positive numbers, got {size!r}")
@@ -234,7 +236,7 @@ def _scale(convention: str, original_size: Any, resized_size: Any) -> tuple[floa
         return 1.0, 1.0
     if original_size is None:
         raise ValueError(f"box convention {convention!r} needs the original image size (width, height)")
-    width, height = _size(original_size, "original_size")
+    width, height = checked_size(original_size, "original_size")
     if convention in ("qwen2_vl", "qwen3_vl", "glm4v"):
         return width / 1000.0, height / 1000.0
     if convention == "relative":
@@ -244,7 +246,7 @@ def _scale(convention: str, original_size: Any, resized_size: Any) -> tuple[floa
             "box convention 'qwen2_5_vl' needs resized_size, the (width, height) the processor resized the image to "
             "(see qwen_resized_size / smart_resize); coordinates are pixels of that resized image"
         )
-    resized_w, resized_h = _size(resized_size, "resized_size")
+    resized_w, resized_h = checked_size(resized_size, "resized_size")
     return width / resized_w, height / resized_h
 
 
@@ -299,7 +301,7 @@ def clean_box(box: Sequence[float], original_size: Sequence[float] | None = None
         return None
     x1, x2 = sorted((values[0], values[2]))
     y1, y2 = sorted((values[1], values[3]))
-    width, height = (math.inf, math.inf) if original_size is None else _size(original_size, "original_size")
+    width, height = (math.inf, math.inf) if original_size is None else checked_size(original_size, "original_size")
     x1, x2 = min(max(x1, 0.0), width), min(max(x2, 0.0), width)
     y1, y2 = min(max(y1, 0.0), height), min(max(y2, 0.0), height)
     if not (x2 > x1 and y2 > y1):
@@ -455,7 +457,7 @@ def parse_detections(
     """
     sx, sy = _scale(convention, original_size, resized_size)  # validates the arguments before looking at the text
     if original_size is not None:
-        _size(original_size, "original_size")
+        checked_size(original_size, "original_size")
     if max_chars is not None:
         check_max_chars(max_chars)
         text = text[-max_chars:] if isinstance(text, str) else text
@@ -536,6 +538,7 @@ __all__ = [
     "box_giou",
     "box_iou",
     "check_max_chars",
+    "checked_size",
     "clean_box",
     "completion_text",
     "completion_texts",

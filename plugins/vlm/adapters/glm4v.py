@@ -65,9 +65,12 @@ def glm_resized_size(image_size: Sequence[float], *, factor: int, min_pixels: fl
     and ceil. An image is ``temporal_factor`` frames (``num_frames=2``).
 
     Raises:
-        ValueError: fewer frames than ``temporal_factor``, or an aspect ratio over 200.
+        ValueError: a size that is not two positive numbers, fewer frames than ``temporal_factor``, or an aspect
+            ratio over 200.
     """
-    width, height = float(image_size[0]), float(image_size[1])
+    from mmrl.rewards.boxes import checked_size
+
+    width, height = checked_size(image_size, "image_size")
     if num_frames < temporal_factor:
         raise ValueError(f"glm_resized_size: {num_frames} frames is fewer than the temporal patch ({temporal_factor})")
     if height < factor or width < factor:
