@@ -19,7 +19,8 @@ drifts during the run). Peak memory:
 the median times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
 ``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
-    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2 or wan for the others)
+    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2, wan or z_image for
+    # the others)
     python benchmarks/flow_rollout.py
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
@@ -53,7 +54,7 @@ PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "wan"], default="sd3",
+    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "wan", "z_image"], default="sd3",
                         help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
@@ -191,6 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["num_frames"] = args.frames
     if args.kind == "qwen_image":  # true CFG runs when true_cfg_scale > 1 and negative embeddings are given
         kwargs = {"true_cfg_scale": plugin.guidance_scale if plugin.cfg else 1.0}
+    if args.kind == "z_image":  # ragged captions (each prompt's real tokens), CFG whenever guidance_scale > 0
+        for key in [key for key in embeds if key.endswith("prompt_embeds")]:
+            mask = embeds.pop(key + "_mask").bool()
+            embeds[key] = [row[keep] for row, keep in zip(embeds[key], mask, strict=True)]
+        kwargs["guidance_scale"] = plugin.guidance_scale if plugin.cfg else 0.0
 
     def plugin_rollout() -> Any:
         with torch.no_grad():

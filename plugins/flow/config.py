@@ -35,7 +35,7 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'wan' or another registered one "
+        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'wan', 'z_image' or another registered one "
         "(`mmrl list`); 'auto' reads model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
@@ -68,7 +68,8 @@ class FlowPluginConfig:
                                        ref="Flow-GRPO eval: 40 (SD3.5), 28 (FLUX)")
     guidance_scale: float | None = config_field(
         None, minimum=0.0, help="Guidance of training rollouts (true CFG scale, or FLUX's guidance embedding). "
-        "Null: the adapter's default (SD3 4.5, or 1.0 with cfg false; FLUX 3.5).", ref="Flow-GRPO: 4.5 (SD3.5)",
+        "Null: the adapter's default (SD3 4.5, or 1.0 with cfg false; FLUX 3.5; Z-Image 5.0, or 0.0 with cfg false: "
+        "ZImagePipeline's scale, standard CFG at 1 + w).", ref="Flow-GRPO: 4.5 (SD3.5)",
     )
     eval_guidance_scale: float | None = config_field(None, minimum=0.0, eval_only=True,
                                                      help="Guidance at evaluation (null: guidance_scale).")
@@ -276,17 +277,20 @@ class FlowPluginConfig:
             raise ConfigError("plugin.window_range", self.window_range, "two integers [lo, hi]")
         return int(self.window_range[0]), int(self.window_range[1])
 
-    def resolved_guidance_scales(self, adapter_default: float, *, guided_by_cfg: bool = False) -> tuple[float, float]:
+    def resolved_guidance_scales(self, adapter_default: float, *, guided_by_cfg: bool = False,
+                                 unguided: float = 1.0) -> tuple[float, float]:
         """(rollout, evaluation) guidance scales: ``guidance_scale`` (null: ``adapter_default``, the adapter's) and
         ``eval_guidance_scale`` (null: the rollout's). For a model guided only by the CFG pass (``guided_by_cfg``:
-        SD3) with ``cfg: false`` the default is 1.0, and any other value is refused: it would be silently ignored."""
+        SD3) with ``cfg: false`` the default is ``unguided``, the scale at which the adapter's guidance is the
+        conditional velocity alone (1.0 for v_u + w·(v_c − v_u); 0.0 for Z-Image's v_c + w·(v_c − v_u)), and any
+        other value is refused: it would be silently ignored."""
         if guided_by_cfg and self.cfg is False:
             for key in ("guidance_scale", "eval_guidance_scale"):
                 value = getattr(self, key)
-                if value is not None and value != 1.0:
-                    raise ConfigError(f"plugin.{key}", value, "null or 1.0 with plugin.cfg false: the model is guided "
-                                      "only through the unconditional pass that cfg: false turns off")
-            adapter_default = 1.0
+                if value is not None and value != unguided:
+                    raise ConfigError(f"plugin.{key}", value, f"null or {unguided} with plugin.cfg false: the model is "
+                                      "guided only through the unconditional pass that cfg: false turns off")
+            adapter_default = unguided
         rollout = adapter_default if self.guidance_scale is None else self.guidance_scale
         return rollout, rollout if self.eval_guidance_scale is None else self.eval_guidance_scale
 

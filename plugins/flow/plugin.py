@@ -109,7 +109,7 @@ class FlowPlugin(Plugin):
             raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
                               "through the model's guidance embedding, without an unconditional pass")
         self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(
-            adapter.default_guidance_scale, guided_by_cfg=adapter.supports_cfg)
+            adapter.default_guidance_scale, guided_by_cfg=adapter.supports_cfg, unguided=adapter.unguided_scale)
         experts = adapter.experts()
         if len(experts) > 1:  # Wan 2.2 A14B: each expert its own scale (a (high-noise, low-noise) pair)
             self.guidance_scale, self.eval_guidance_scale = config.resolved_expert_guidance_scales(

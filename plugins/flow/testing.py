@@ -1,5 +1,5 @@
-"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 and Wan (2.1, 2.2 two-expert and 2.2 TI2V) pipelines with random weights and
-locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2, Wan (2.1, 2.2 two-expert and 2.2 TI2V) and Z-Image pipelines with random
+weights and locally built tokenizers, for tests and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -337,6 +337,69 @@ def build_flux2_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                          transformer=transformer)
 
 
+_Z_IMAGE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+"""Qwen3's chat layout for text-only messages, with its ``enable_thinking`` switch: ``false`` appends an empty
+``<think>\n\n</think>\n\n`` to the generation prompt, anything else leaves it open (ZImagePipeline passes
+``enable_thinking=True``, so a Z-Image prompt ends at ``<|im_start|>assistant\n``)."""
+
+
+def tiny_qwen3_tokenizer() -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` (the class Qwen3 checkpoints ship) with Qwen's special tokens and
+    ``<think>``/``</think>``, trained on the test words, with Qwen3's chat template (:data:`_Z_IMAGE_CHAT_TEMPLATE`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*SPECIAL_TOKENS, "<think>", "</think>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([" ".join(_WORDS) + " user assistant\n"] * 8, trainer)
+    return Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          unk_token=None, chat_template=_Z_IMAGE_CHAT_TEMPLATE)
+
+
+def build_z_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``ZImagePipeline`` with random weights: a three-layer ``Qwen3Model`` text encoder (the pipeline reads the
+    second-to-last hidden state) on :func:`tiny_qwen3_tokenizer`, a Z-Image single-stream DiT with one noise refiner,
+    one context refiner and two main blocks (2×2 patches, RoPE axes 2/2/4), a VAE with a shift factor (one
+    downsampling: 16 px images have 8×8 latents, 4×4 tokens) and Z-Image's statically shifted scheduler (shift 3,
+    Tongyi-MAI/Z-Image-Turbo's scheduler config). The transformer's timestep MLP and padding tokens are random too,
+    so the learned caption and image padding (to multiples of 32 tokens) matters as in the real model."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    if size != "tiny":
+        raise ValueError(f"unknown Z-Image pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen3_tokenizer()
+        text_width, latent_channels = 24, 4
+        text_encoder = Qwen3Model(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=12, max_position_embeddings=256,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        ))
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=latent_channels, dim=32, n_layers=2,
+            n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=text_width, axes_dims=[2, 2, 4],
+            axes_lens=[256, 64, 64],
+        )
+        with torch.no_grad():  # released weights are not zero: make the padding tokens matter here too
+            transformer.x_pad_token.normal_()
+            transformer.cap_pad_token.normal_()
+        vae = _vae(latent_channels, (8, 16), 4, scaling=0.3611, shift=0.1159)
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+
+
 TINY_WAN_FRAMES = 5
 """Frames of the tiny Wan videos: the tiny VAE compresses time by 2, so 5 frames are 3 latent frames."""
 
@@ -466,15 +529,15 @@ def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
 
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
-            "wan22_ti2v": build_wan22_ti2v_pipeline}
+            "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
-    ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps)) and ``save_pretrained`` it to
-    ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter SD3.5-Medium transformer on
-    disk)."""
+    ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``) and
+    ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
+    SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:
         raise ValueError(f"unknown pipeline kind {kind!r}; choose one of {', '.join(BUILDERS)}")
     directory = Path(directory)
@@ -486,11 +549,11 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan,wan22,wan22_ti2v} FOLDER``: write a tiny
-    pipeline for CPU smoke runs."""
+    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan,wan22,wan22_ti2v,z_image} FOLDER``:
+    write a tiny pipeline for CPU smoke runs."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Write a tiny random flow pipeline folder (SD3, FLUX, ..., Wan).")
+    parser = argparse.ArgumentParser(description="Write a tiny random flow pipeline folder (SD3, FLUX, ..., Z-Image).")
     parser.add_argument("kind", choices=sorted(BUILDERS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)

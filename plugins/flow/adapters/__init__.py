@@ -29,6 +29,7 @@ flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter
 flow_adapters.register_lazy("flux2", "mmrl.plugins.flow.adapters.flux2:Flux2Adapter")
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
+flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:

@@ -68,6 +68,10 @@ class FlowAdapter(ABC):
     default_guidance_scale: ClassVar[float]
     #: Whether the model takes true classifier-free guidance (an unconditional pass with a negative prompt).
     supports_cfg: ClassVar[bool]
+    #: The CFG scale at which :meth:`combine_guidance` gives the conditional velocity alone: 1 for the standard
+    #: v_u + w·(v_c − v_u), 0 where the pipeline writes guidance as v_c + w·(v_c − v_u) (Z-Image). With
+    #: ``plugin.cfg: false`` the plugin resolves a null scale to it and refuses any other.
+    unguided_scale: ClassVar[float] = 1.0
     #: Text length when the config leaves ``max_sequence_length`` null (the pipeline's default).
     default_max_sequence_length: ClassVar[int]
     #: The payload key of :meth:`decode`'s output: ``"images"`` ``[N, 3, H, W]`` or ``"videos"`` ``[N, 3, F, H, W]``.
