@@ -19,8 +19,8 @@ drifts during the run). Peak memory:
 the median times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
 ``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
 
-    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2, wan or z_image for
-    # the others)
+    # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2, flux2_klein, wan or
+    # z_image for the others)
     python benchmarks/flow_rollout.py
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
@@ -54,7 +54,8 @@ PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "wan", "z_image"], default="sd3",
+    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"],
+                        default="sd3",
                         help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
@@ -100,8 +101,9 @@ def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
     options = {
         "model": str(folder), "prompts": PROMPTS, "height": args.height, "width": args.width, "num_steps": args.steps,
         "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank}, "timestep_fraction": 0.99,
-        # Tiny FLUX.2 pads after a 33-token system turn: 48 leaves the prompt its tokens.
-        "max_sequence_length": (48 if args.kind == "flux2" else 16) if args.size == "tiny" else 256,
+        # Tiny FLUX.2 pads after a 33-token system turn: 48 leaves the prompt its tokens (FLUX.2 [klein]'s Qwen3
+        # template about 20 of 32).
+        "max_sequence_length": {"flux2": 48, "flux2_klein": 32}.get(args.kind, 16) if args.size == "tiny" else 256,
     }
     if args.kind == "wan":
         options["num_frames"] = args.frames

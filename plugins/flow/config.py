@@ -35,8 +35,8 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'wan', 'z_image' or another registered one "
-        "(`mmrl list`); 'auto' reads model_index.json."
+        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'flux2_klein', 'wan', 'z_image' or another "
+        "registered one (`mmrl list`); 'auto' reads model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -278,13 +278,14 @@ class FlowPluginConfig:
         return int(self.window_range[0]), int(self.window_range[1])
 
     def resolved_guidance_scales(self, adapter_default: float, *, guided_by_cfg: bool = False,
-                                 unguided: float = 1.0) -> tuple[float, float]:
+                                 unguided: float = 1.0, cfg: bool | None = None) -> tuple[float, float]:
         """(rollout, evaluation) guidance scales: ``guidance_scale`` (null: ``adapter_default``, the adapter's) and
         ``eval_guidance_scale`` (null: the rollout's). For a model guided only by the CFG pass (``guided_by_cfg``:
-        SD3) with ``cfg: false`` the default is ``unguided``, the scale at which the adapter's guidance is the
-        conditional velocity alone (1.0 for v_u + w·(v_c − v_u); 0.0 for Z-Image's v_c + w·(v_c − v_u)), and any
-        other value is refused: it would be silently ignored."""
-        if guided_by_cfg and self.cfg is False:
+        SD3) without the pass (``cfg``, the resolved switch; None: this config's ``cfg``) the default is
+        ``unguided``, the scale at which the adapter's guidance is the conditional velocity alone (1.0 for
+        v_u + w·(v_c − v_u); 0.0 for Z-Image's v_c + w·(v_c − v_u)), and any other value is refused: it would be
+        silently ignored."""
+        if guided_by_cfg and (self.cfg if cfg is None else cfg) is False:
             for key in ("guidance_scale", "eval_guidance_scale"):
                 value = getattr(self, key)
                 if value is not None and value != unguided:

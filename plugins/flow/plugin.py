@@ -106,10 +106,11 @@ class FlowPlugin(Plugin):
         adapter.num_frames = config.num_frames or adapter.default_num_frames or 1
         self.cfg = adapter.supports_cfg if config.cfg is None else config.cfg
         if self.cfg and not adapter.supports_cfg:
-            raise ConfigError("plugin.cfg", config.cfg, f"false or null: the {adapter.name} adapter takes guidance "
-                              "through the model's guidance embedding, without an unconditional pass")
+            raise ConfigError("plugin.cfg", config.cfg,
+                              f"false or null: the {adapter.name} adapter {adapter.cfg_refusal}")
         self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(
-            adapter.default_guidance_scale, guided_by_cfg=adapter.supports_cfg, unguided=adapter.unguided_scale)
+            adapter.default_guidance_scale, guided_by_cfg=not adapter.guidance_embedded,
+            unguided=adapter.unguided_scale, cfg=self.cfg)
         experts = adapter.experts()
         if len(experts) > 1:  # Wan 2.2 A14B: each expert its own scale (a (high-noise, low-noise) pair)
             self.guidance_scale, self.eval_guidance_scale = config.resolved_expert_guidance_scales(

@@ -1,5 +1,5 @@
-"""Tiny SD3, FLUX, Qwen-Image, FLUX.2, Wan (2.1, 2.2 two-expert and 2.2 TI2V) and Z-Image pipelines with random
-weights and locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), Wan (2.1, 2.2 two-expert and 2.2 TI2V) and
+Z-Image pipelines with random weights and locally built tokenizers, for tests and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -400,6 +400,56 @@ def build_z_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                           transformer=transformer)
 
 
+def build_flux2_klein_pipeline(seed: int = 0, size: str = "tiny", distilled: bool = False) -> Any:
+    """A ``Flux2KleinPipeline`` with random weights: a 27-layer width-16 ``Qwen3ForCausalLM`` text encoder (the
+    pipeline stacks hidden layers 9, 18 and 27) on :func:`tiny_qwen3_tokenizer`, a 1+1-block FLUX.2 transformer
+    without the guidance embedding, FLUX.2's batch-normalised VAE with random statistics, FLUX.1-dev's scheduler
+    config (μ from ``compute_empirical_mu``); ``distilled`` sets the pipeline's ``is_distilled`` (no guidance)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if size != "tiny":
+        raise ValueError(f"unknown FLUX.2 [klein] pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen3_tokenizer()
+        width, latent_channels = 16, 4
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=27,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        ))
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
+            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False,
+        )
+        vae = AutoencoderKLFlux2(
+            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
+            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
+        )
+        with torch.no_grad():
+            vae.bn.running_mean.normal_()
+            vae.bn.running_var.uniform_(0.5, 2.0)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=distilled)
+
+
+def build_flux2_klein_distilled_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """:func:`build_flux2_klein_pipeline` with ``is_distilled`` set, as the step-distilled klein checkpoints."""
+    return build_flux2_klein_pipeline(seed=seed, size=size, distilled=True)
+
+
 TINY_WAN_FRAMES = 5
 """Frames of the tiny Wan videos: the tiny VAE compresses time by 2, so 5 frames are 3 latent frames."""
 
@@ -529,13 +579,15 @@ def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
 
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
-            "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline}
+            "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
+            "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
-    ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``) and
+    ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
+    ``"flux2_klein"``, ``"flux2_klein_distilled"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:
@@ -549,7 +601,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,wan,wan22,wan22_ti2v,z_image} FOLDER``:
+    """``python -m mmrl.plugins.flow.testing {sd3,flux,qwen_image,flux2,...,z_image} FOLDER``:
     write a tiny pipeline for CPU smoke runs."""
     import argparse
 

@@ -71,7 +71,7 @@ def test_every_benchmark_has_a_smoke_test():
 # ---------------------------------------------------------------------------------------------------- flow
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "wan", "z_image"])
+@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"])
 def test_flow_rollout(tmp_path, kind):
     out = tmp_path / "rollout.json"
     # Non-square (plugin.height / plugin.width) on both sides: the plugin's rollout and the pipeline's height=/width=.

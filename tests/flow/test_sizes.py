@@ -3,7 +3,7 @@ options resolve against ``plugin.resolution``, a side that the pipeline cannot t
 swapping height and width transposes every latent grid (so a transposition cannot hide behind equal token counts),
 and non-square rollouts keep ratio == 1 on-policy. That the plugin's samples equal the diffusers pipeline's at the
 same height and width is checked by each family's own pipeline test (test_plugin, test_qwen_image, test_flux2,
-test_wan, test_z_image)."""
+test_flux2_klein, test_wan, test_z_image)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,23 @@ from tests.flow.conftest import prompt_batch
 from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ["sd3", "flux", "qwen_image", "flux2", "wan", "z_image"]
+KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"]
 FRAMES = 5  # tiny Wan: 3 latent frames
-# FLUX.2 pads every prompt after a 33-token system turn (tests/flow/test_flux2.py).
-EXTRA = {"wan": {"num_frames": FRAMES}, "flux2": {"max_sequence_length": 40}}
+# FLUX.2 pads every prompt after a 33-token system turn (tests/flow/test_flux2.py); FLUX.2 [klein]'s Qwen3 template
+# takes about 20 of its 32 (tests/flow/test_flux2_klein.py).
+EXTRA = {"wan": {"num_frames": FRAMES}, "flux2": {"max_sequence_length": 40},
+         "flux2_klein": {"max_sequence_length": 32}}
 
 
 @pytest.fixture(scope="session")
 def pipelines(pipelines, tmp_path_factory):
-    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, Wan and Z-Image, built once per session."""
+    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, FLUX.2 [klein], Wan and Z-Image, built once per
+    session."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
     root = tmp_path_factory.mktemp("flow_sizes")
     return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}")
-                            for kind in ("qwen_image", "flux2", "wan", "z_image")}}
+                            for kind in ("qwen_image", "flux2", "flux2_klein", "wan", "z_image")}}
 
 
 def _noise_shape(kind: str, height: int, width: int) -> tuple[int, ...]:
@@ -38,6 +41,7 @@ def _noise_shape(kind: str, height: int, width: int) -> tuple[int, ...]:
     factor of 2, 4 latent channels (16 after FLUX.2's 2x2 patchify) and Wan's (5 - 1)/2 + 1 = 3 latent frames."""
     h, w = height // 2, width // 2
     return {"sd3": (4, h, w), "flux": (4, h, w), "qwen_image": (1, 4, h, w), "flux2": (16, h // 2, w // 2),
+            "flux2_klein": (16, h // 2, w // 2),
             "wan": (4, 3, h, w), "z_image": (4, h, w)}[kind]
 
 
@@ -86,7 +90,7 @@ def test_swapped_height_and_width_transpose_the_latents_and_images(make_plugin, 
             ids, _ = adapter._position_ids(latents.shape[1], 8, latents)
             assert ids[:, 1].max() == height // 4 - 1 and ids[:, 2].max() == width // 4 - 1
             assert ids[1].tolist() == [0, 0, 1]  # the second token is the next column of the first row
-        if kind == "flux2":  # (t, row, column, l)
+        if kind in ("flux2", "flux2_klein"):  # (t, row, column, l)
             ids, _ = adapter._position_ids(latents.shape[1], 40, latents)
             assert ids[0, :, 1].max() == height // 4 - 1 and ids[0, :, 2].max() == width // 4 - 1
             assert ids[0, 1].tolist() == [0, 0, 1, 0]

@@ -68,6 +68,12 @@ class FlowAdapter(ABC):
     default_guidance_scale: ClassVar[float]
     #: Whether the model takes true classifier-free guidance (an unconditional pass with a negative prompt).
     supports_cfg: ClassVar[bool]
+    #: Whether the guidance scale reaches the model through a guidance embedding (FLUX.1, FLUX.2 [dev]) rather than
+    #: the CFG pass alone. A model guided only by the pass is unguided without it: with the pass off the plugin
+    #: resolves a null scale to :attr:`unguided_scale` and refuses any other.
+    guidance_embedded: ClassVar[bool] = False
+    #: Why ``plugin.cfg: true`` is refused for an adapter without the pass (the end of the one-line ConfigError).
+    cfg_refusal: ClassVar[str] = "takes guidance through the model's guidance embedding, without an unconditional pass"
     #: The CFG scale at which :meth:`combine_guidance` gives the conditional velocity alone: 1 for the standard
     #: v_u + w·(v_c − v_u), 0 where the pipeline writes guidance as v_c + w·(v_c − v_u) (Z-Image). With
     #: ``plugin.cfg: false`` the plugin resolves a null scale to it and refuses any other.

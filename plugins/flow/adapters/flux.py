@@ -27,6 +27,7 @@ class FluxAdapter(FlowAdapter):
                            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
     default_guidance_scale = 3.5
     supports_cfg = False
+    guidance_embedded = True
     default_max_sequence_length = 512  # FluxPipeline's default
 
     def __init__(self, pipeline: Any, device: torch.device):

@@ -45,6 +45,7 @@ class Flux2Adapter(FlowAdapter):
                            "attn.to_qkv_mlp_proj")
     default_guidance_scale = 4.0  # Flux2Pipeline.__call__'s default
     supports_cfg = False
+    guidance_embedded = True
     default_max_sequence_length = 512  # Flux2Pipeline's default
 
     def __init__(self, pipeline: Any, device: torch.device):
@@ -110,12 +111,16 @@ class Flux2Adapter(FlowAdapter):
         return module(
             hidden_states=latents,
             timestep=timesteps.to(latents.dtype) / 1000,  # Flux2Pipeline passes t/1000 in the latents' dtype
-            guidance=torch.full((n,), guidance_scale, device=latents.device, dtype=torch.float32),
+            guidance=self._guidance_input(n, guidance_scale, latents.device),
             encoder_hidden_states=prompt_embeds,
             txt_ids=text_ids.expand(n, -1, -1),
             img_ids=image_ids.expand(n, -1, -1),
             return_dict=False,
         )[0]
+
+    def _guidance_input(self, n: int, guidance_scale: float, device: torch.device) -> Tensor | None:
+        """The transformer's ``guidance`` argument: the scale (float32) for every sample, FLUX.2 [dev]'s embedding."""
+        return torch.full((n,), guidance_scale, device=device, dtype=torch.float32)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
