@@ -35,8 +35,8 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux', 'qwen_image', 'flux2', 'flux2_klein', 'wan', 'z_image' or another "
-        "registered one (`mmrl list`); 'auto' reads model_index.json."
+        "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'flux2', 'flux2_klein', 'wan', "
+        "'z_image' or another registered one (`mmrl list`); 'auto' reads model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -152,7 +152,9 @@ class FlowPluginConfig:
     )
     dataset: str | None = config_field(
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
-        "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...).",
+        "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...). An "
+        "image-editing adapter (flux_kontext) needs a .jsonl whose rows also name the 'image' to edit (a path "
+        "relative to the file).",
     )
     eval_dataset: str | None = config_field(None, eval_only=True, help="Evaluation prompts file (default: the test "
                                             "file of a dataset folder).")
@@ -316,9 +318,20 @@ def adapter_class(config: FlowPluginConfig) -> Any:
     return adapter_for_pipeline(str(index.get("_class_name")), config.model)
 
 
-def load_rows(config: FlowPluginConfig, split: str) -> list[dict[str, Any]]:
-    """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files."""
+def load_rows(config: FlowPluginConfig, split: str, adapter: Any = None, *,
+              images: str | None = None) -> list[dict[str, Any]]:
+    """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files.
+
+    For an image-conditioned ``adapter`` (or with ``images``, an adapter name) every row must name the image to
+    condition on: ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist; rows
+    come back with the absolute path. Inline prompt lists hold no images and are refused."""
+    if adapter is not None and adapter.image_conditioned:
+        images = adapter.name
     inline = config.prompts if split == "train" else config.eval_prompts
+    if inline is not None and images is not None:
+        raise ConfigError(f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}", inline,
+                          f"null: the {images} adapter edits images, so its rows come from a JSONL file "
+                          "(plugin.dataset / eval_dataset) whose rows have a 'prompt' and an 'image' path")
     if inline is not None:
         return [{"prompt": prompt} for prompt in inline]
     source = config.dataset if split == "train" else config.eval_dataset
@@ -337,4 +350,19 @@ def load_rows(config: FlowPluginConfig, split: str) -> list[dict[str, Any]]:
     rows = read_prompt_file(path)
     if not rows and split == "train":
         raise ValueError(f"{path} holds no prompts")
-    return rows
+    return rows if images is None else [_with_image_path(row, number, path, images)
+                                        for number, row in enumerate(rows, start=1)]
+
+
+def _with_image_path(row: dict[str, Any], number: int, source: Path, adapter: str) -> dict[str, Any]:
+    """``row`` with its ``"image"`` resolved against the folder of ``source`` (the prompt file), checked to exist."""
+    image = row.get("image")
+    if not isinstance(image, str) or not image.strip():
+        raise ValueError(f"{source} row {number} has no 'image' (the path of the image to edit), which the {adapter} "
+                         "adapter needs in every row")
+    path = Path(image).expanduser()
+    path = path if path.is_absolute() else source.parent / path
+    if not path.is_file():
+        raise FileNotFoundError(f"{source} row {number}: image {image!r} is not a file (at {path}; relative paths are "
+                                "read from the prompt file's folder)")
+    return {**row, "image": str(path)}

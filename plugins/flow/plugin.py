@@ -15,7 +15,8 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   through the very function the rollout used (:meth:`~.adapters.base.FlowAdapter.velocity`, CFG included) and
   scores the stored x_next with :func:`~.sde.sde_step`, so the first inner step has ratio 1;
 - ``payload["images"]`` ``[N, 3, H, W]`` in [0, 1] (decoded by the VAE; video adapters: ``payload["videos"]``
-  ``[N, 3, F, H, W]``) and ``payload["prompts"]`` for rewards;
+  ``[N, 3, F, H, W]``) and ``payload["prompts"]`` for rewards; image-editing adapters (FLUX.1 Kontext) add
+  ``payload["condition_images"]``, each row's input image as the model saw it, and the encoded image to the replay;
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
@@ -143,7 +144,7 @@ class FlowPlugin(Plugin):
         if config.gradient_checkpointing:
             for expert in self.trained_experts.values():
                 expert.enable_gradient_checkpointing()
-        self._rows = {split: load_rows(config, split) for split in ("train", "eval")}
+        self._rows = {split: load_rows(config, split, adapter) for split in ("train", "eval")}
         #: The sampling engine (:mod:`.sampler`), which the credit strategy builds its rollouts with.
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
                                    eval_guidance_scale=self.eval_guidance_scale, input_dtype=self.input_dtype,
@@ -221,7 +222,7 @@ class FlowPlugin(Plugin):
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
         """An image grid ``{tag}.png`` captioned with each prompt and reward (videos: a filmstrip of frames per
-        sample), and ``{tag}.jsonl``."""
+        sample; edits: the input image left of the result), and ``{tag}.jsonl``."""
         from mmrl.plugins.flow.images import filmstrips, save_caption_grid
 
         directory = Path(directory)
@@ -230,6 +231,8 @@ class FlowPlugin(Plugin):
         captions = [f"{prompt} [{float(reward):.3f}]" for prompt, reward in zip(prompts, rewards.tolist(),
                                                                                   strict=True)]
         images = rollout.payload["images"] if "images" in rollout.payload else filmstrips(rollout.payload["videos"])
+        if "condition_images" in rollout.payload:  # an edit: the input image left of the result
+            images = torch.cat([rollout.payload["condition_images"].to(images), images], dim=-1)
         grid = save_caption_grid(images, captions, directory / f"{tag}.png")
         records = directory / f"{tag}.jsonl"
         with records.open("w") as handle:

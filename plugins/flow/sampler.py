@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.plugin import PromptBatch, Runtime
+from mmrl.plugins.flow.condition_images import ConditionImageCache
 from mmrl.plugins.flow.config import FlowPluginConfig
 from mmrl.plugins.flow.schedule import StepPlan
 from mmrl.plugins.flow.sde import SDEStepOutput, get_sde_kind, sde_step
@@ -69,6 +70,7 @@ class FlowSampler:
         self.sde = get_sde_kind(config.sde)
         self._embeddings: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._negative: dict[str, Tensor] | None = None
+        self._images = ConditionImageCache(adapter, config.embedding_cache_size) if adapter.image_conditioned else None
         #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
         self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}
 
@@ -93,8 +95,7 @@ class FlowSampler:
         n = len(batch)
         counted = self.model_evaluations["rollout"]
         sigmas, timesteps = self.training_schedule()  # [S+1], [S]
-        prompts = [str(row["prompt"]) for row in batch.rows]
-        conditioning = self.conditioning(prompts)  # each [n, ...]
+        prompts, conditioning, extra = self.row_conditioning(batch.rows)  # each [n, ...]
         generators = batch.sample_generators()
         latents = self.initial_noise(batch, generators)  # [n, *latent] float32
         last = config.num_steps if tail is None else tail[0]
@@ -148,7 +149,7 @@ class FlowSampler:
         step_index = plan.step_index.to(device)  # [n, A]
         final = latents if predicted is None else predicted
         return self._training_rollout(
-            batch, prompts, conditioning, final, before, after, old_logp, means, step_index,
+            batch, prompts, conditioning, extra, final, before, after, old_logp, means, step_index,
             mask=torch.ones_like(old_logp), evaluations=self.model_evaluations["rollout"] - counted,
         )
 
@@ -163,8 +164,7 @@ class FlowSampler:
         n = len(batch)
         counted = self.model_evaluations["rollout"]
         sigmas, timesteps = self.training_schedule()
-        prompts = [str(row["prompt"]) for row in batch.rows]
-        conditioning = self.conditioning(prompts)
+        prompts, conditioning, extra = self.row_conditioning(batch.rows)
         groups, rows = grouped_rows(batch.group_ids)  # [R, G] batch rows of each group's members
         if rows.shape[1] != template.group_size:
             raise RolloutError(f"groups of {rows.shape[1]} samples for a template of {template.group_size}")
@@ -196,16 +196,16 @@ class FlowSampler:
         num_groups = rows.shape[0]
         expand = (num_groups, *template.step_index.shape)
         return self._training_rollout(
-            batch, prompts, conditioning, to_batch(result.final), to_batch(result.before), to_batch(result.after),
-            to_batch(result.old_logp), None if result.means is None else to_batch(result.means),
+            batch, prompts, conditioning, extra, to_batch(result.final), to_batch(result.before),
+            to_batch(result.after), to_batch(result.old_logp), None if result.means is None else to_batch(result.means),
             to_batch(template.step_index.expand(expand).to(initial.device)),
             mask=to_batch(template.mask.expand(expand).to(initial)),
             evaluations=self.model_evaluations["rollout"] - counted,
         )
 
     def _training_rollout(self, batch: PromptBatch, prompts: list[str], conditioning: dict[str, Tensor],
-                          final: Tensor, before: Tensor, after: Tensor, old_logp: Tensor, means: Tensor | None,
-                          step_index: Tensor, *, mask: Tensor, evaluations: int) -> Rollout:
+                          extra: dict[str, Tensor], final: Tensor, before: Tensor, after: Tensor, old_logp: Tensor,
+                          means: Tensor | None, step_index: Tensor, *, mask: Tensor, evaluations: int) -> Rollout:
         config = self.config
         sigmas, timesteps = self.training_schedule()
         replay = {
@@ -230,7 +230,7 @@ class FlowSampler:
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask,
-            payload={self.adapter.output: self.adapter.decode(final), "prompts": prompts},
+            payload={self.adapter.output: self.adapter.decode(final), "prompts": prompts, **extra},
             replay=replay,
             shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
                     "credit": config.credit.strategy},
@@ -243,8 +243,7 @@ class FlowSampler:
         config = self.config
         n = len(batch)
         sigmas, timesteps = self.adapter.schedule(config.eval_num_steps)
-        prompts = [str(row["prompt"]) for row in batch.rows]
-        conditioning = self.conditioning(prompts)
+        prompts, conditioning, extra = self.row_conditioning(batch.rows)
         latents = self.initial_noise(batch, batch.sample_generators())
         for s in range(config.eval_num_steps):
             velocity = self.velocity(policy, latents, timesteps[s].expand(n), conditioning, self.eval_guidance_scale,
@@ -252,8 +251,19 @@ class FlowSampler:
             latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
         empty = latents.new_zeros(n, 0)
         return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                       payload={self.adapter.output: self.adapter.decode(latents),
-                                "prompts": prompts})
+                       payload={self.adapter.output: self.adapter.decode(latents), "prompts": prompts, **extra})
+
+    def row_conditioning(self, rows: Sequence[dict[str, Any]]
+                         ) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:
+        """(the prompts of ``rows``, their conditioning: prompt embeddings and, for an image-conditioned adapter, the
+        encoded ``row["image"]`` of each row (each tensor ``[n, ...]``), the payload entries this adds:
+        ``{"condition_images": [n, 3, H, W]}`` in [0, 1] for an image-conditioned adapter, else nothing)."""
+        prompts = [str(row["prompt"]) for row in rows]
+        conditioning = self.conditioning(prompts)
+        if self._images is None:
+            return prompts, conditioning, {}
+        images, pixels = self._images(rows)
+        return prompts, {**conditioning, **images}, {"condition_images": pixels}
 
     def conditioning(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         """Prompt embeddings of ``prompts`` (each tensor ``[n, ...]``), encoded once per prompt and cached."""

@@ -190,6 +190,17 @@ def build_flux_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     )
 
 
+def build_flux_kontext_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``FluxKontextPipeline`` with the components of :func:`build_flux_pipeline` (the same seed, the same
+    weights): FLUX.1 Kontext is FLUX.1-dev's architecture with the condition image's tokens appended."""
+    from diffusers import FluxKontextPipeline
+
+    flux = build_flux_pipeline(seed=seed, size=size)
+    return FluxKontextPipeline(**{name: component for name, component in flux.components.items()
+                                  if name in ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2",
+                                              "tokenizer_2", "transformer")})
+
+
 #: QwenImagePipeline's prompt template (its ``prompt_template_encode``); the pipeline drops the first 34 tokens
 #: (``prompt_template_encode_start_idx``): the system turn and ``<|im_start|>user\n`` in Qwen2.5-VL's tokenizer.
 _QWEN_IMAGE_TEMPLATE_PREFIX = (
@@ -580,14 +591,15 @@ def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
-            "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline}
+            "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
+            "flux_kontext": build_flux_kontext_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
-    ``"flux2_klein"``, ``"flux2_klein_distilled"``) and
+    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

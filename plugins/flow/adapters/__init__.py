@@ -26,6 +26,7 @@ flow_adapters: Registry[type[FlowAdapter]] = Registry("flow model adapter", entr
 
 flow_adapters.register_lazy("sd3", "mmrl.plugins.flow.adapters.sd3:SD3Adapter")
 flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter")
+flow_adapters.register_lazy("flux_kontext", "mmrl.plugins.flow.adapters.flux_kontext:FluxKontextAdapter")
 flow_adapters.register_lazy("flux2", "mmrl.plugins.flow.adapters.flux2:Flux2Adapter")
 flow_adapters.register_lazy("flux2_klein", "mmrl.plugins.flow.adapters.flux2_klein:Flux2KleinAdapter")
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")

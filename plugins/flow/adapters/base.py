@@ -84,6 +84,10 @@ class FlowAdapter(ABC):
     output: ClassVar[str] = "images"
     #: Frames per video when ``plugin.num_frames`` is null (video adapters; images have no frame axis).
     default_num_frames: ClassVar[int | None] = None
+    #: Whether every sample is conditioned on an input image besides its prompt (image editing: FLUX.1 Kontext).
+    #: Such an adapter implements :meth:`encode_condition_images`; the plugin reads each row's ``"image"`` and
+    #: passes the result to :meth:`call_transformer` with the prompt's conditioning.
+    image_conditioned: ClassVar[bool] = False
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline
@@ -196,6 +200,12 @@ class FlowAdapter(ABC):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         """Encode ``prompts`` with the pipeline's text encoders → tensors with ``len(prompts)`` rows."""
 
+    def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
+        """Image-conditioned adapters (:attr:`image_conditioned`): PIL images → (per-sample conditioning tensors,
+        ``[n, ...]`` each, merged with the prompt's; the images as the model saw them, ``[n, 3, H, W]`` in [0, 1],
+        which the plugin hands the rewards as ``payload["condition_images"]``)."""
+        raise NotImplementedError(f"the {self.name} adapter takes no condition images")
+
     @abstractmethod
     def noise_shape(self) -> tuple[int, ...]:
         """Shape of one sample's initial noise at :attr:`size` as the pipeline's ``prepare_latents`` draws it
@@ -294,8 +304,9 @@ class FlowAdapter(ABC):
         if negative is None:
             return self.call_transformer(module, latents, timesteps, conditioning, embedded).float()
         n = latents.shape[0]
-        both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]), value])
-                for key, value in conditioning.items()}
+        # A key the negative prompt has not (a condition image's latents) is the same in both halves.
+        both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]) if key in negative else value,
+                                value]) for key, value in conditioning.items()}
         output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
                                        both, embedded)
         uncond, cond = output.float().chunk(2)  # [n, ...] each

@@ -74,18 +74,22 @@ class FluxAdapter(FlowAdapter):
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        n, tokens, _ = latents.shape  # [n, h/2·w/2, 4C]
-        prompt_embeds = conditioning["prompt_embeds"]
-        image_ids, text_ids = self._position_ids(tokens, prompt_embeds.shape[1], latents)
+        image_ids, text_ids = self._position_ids(latents.shape[1], conditioning["prompt_embeds"].shape[1], latents)
+        return self._transformer(module, latents, image_ids, text_ids, timesteps, conditioning, guidance_scale)
+
+    def _transformer(self, module: nn.Module, tokens: Tensor, image_ids: Tensor, text_ids: Tensor, timesteps: Tensor,
+                     conditioning: Conditioning, guidance_scale: float) -> Tensor:
+        """The transformer on image ``tokens`` ``[n, T, 4C]`` with their ids ``[T, 3]`` and the prompt's."""
+        n = tokens.shape[0]
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((n,), guidance_scale, device=latents.device, dtype=torch.float32)
+            guidance = torch.full((n,), guidance_scale, device=tokens.device, dtype=torch.float32)
         return module(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,  # FluxPipeline passes σ in the latents' dtype
+            hidden_states=tokens,
+            timestep=timesteps.to(tokens.dtype) / 1000,  # FluxPipeline passes σ in the latents' dtype
             guidance=guidance,
             pooled_projections=conditioning["pooled_prompt_embeds"],
-            encoder_hidden_states=prompt_embeds,
+            encoder_hidden_states=conditioning["prompt_embeds"],
             txt_ids=text_ids,
             img_ids=image_ids,
             return_dict=False,

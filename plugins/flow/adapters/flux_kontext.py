@@ -1,0 +1,70 @@
+"""FLUX.1 Kontext (``FluxKontextPipeline``): FLUX.1's transformer editing an input image. The image's VAE latents,
+packed into 2×2-patch tokens like the generated latents, are appended to the generated tokens with position ids
+whose first coordinate is 1 (the generated image's are 0), and the transformer's output is cut back to the
+generated tokens: the condition image is context, never denoised.
+
+What the adapter reproduces from ``FluxKontextPipeline.__call__`` (diffusers 0.42) besides FLUX.1's prompts,
+noise, σ grid and guidance embedding (:class:`~mmrl.plugins.flow.adapters.flux.FluxAdapter`):
+
+- the condition image: resized to the run's size (``plugin.height`` × ``plugin.width``) with the pipeline's image
+  processor (``resize``, then ``preprocess`` to [-1, 1]), encoded with the VAE's mode (``retrieve_latents`` with
+  ``sample_mode="argmax"``: deterministic), shifted and scaled ((x − shift)·scale), packed; position ids from
+  ``_prepare_latent_image_ids`` with the first coordinate set to 1.
+- each step: ``hidden_states = [generated; condition]`` tokens, ``img_ids = [generated ids; condition ids]``, and
+  the output's first h/2·w/2 tokens; μ of the σ shift from the generated tokens only, as the pipeline computes it.
+
+Where mmrl differs: the pipeline sizes the condition image itself (with ``_auto_resize``, the default, the
+``PREFERRED_KONTEXT_RESOLUTIONS`` entry nearest its aspect ratio; without, its own size rounded down to a multiple
+of 16), independently of the output size. Here every condition image is resized to the output size, so that the
+rows of a batch share one shape (the pipeline with ``_auto_resize=False`` and a condition image of that size is the
+same computation, which the tests check). Flow-Factory lets a condition-image size differ from the output size
+(X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/flux/flux1_kontext.py``, ``condition_image_size``);
+its LoRA targets are FLUX.1's attention and feed-forward linears, this adapter's too. The pipeline's optional true
+CFG (``true_cfg_scale`` > 1 with a negative prompt; off by default) is not offered: Kontext [dev] is
+guidance-distilled like FLUX.1-dev.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.flux import FluxAdapter
+
+
+class FluxKontextAdapter(FluxAdapter):
+    """Adapter for ``FluxKontextPipeline`` (black-forest-labs/FLUX.1-Kontext-dev and fine-tunes): image editing."""
+
+    name = "flux_kontext"
+    pipeline_classes = ("FluxKontextPipeline",)
+    default_guidance_scale = 3.5  # FluxKontextPipeline.__call__'s default
+    image_conditioned = True
+
+    def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
+        height, width = self.size
+        processor, vae = self.pipeline.image_processor, self.vae
+        resized = [processor.resize(image, height, width) for image in images]  # as the pipeline resizes
+        pixels = processor.preprocess(resized, height, width).to(self.device, vae.dtype)  # [n, 3, H, W] in [-1, 1]
+        latents = vae.encode(pixels).latent_dist.mode()  # [n, C, h, w]: retrieve_latents(sample_mode="argmax")
+        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return {"image_latents": self.pack(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)  # [n, h/2·w/2, 4C]
+
+    def _condition_ids(self, tokens: int, like: Tensor) -> Tensor:
+        """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: the generated image's grid with the first
+        coordinate 1 (the image is resized to the run's size, so the grids match)."""
+        image_ids, _ = self._position_ids(tokens, 0, like)
+        ids = image_ids.clone()
+        ids[:, 0] = 1
+        return ids
+
+    def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                         guidance_scale: float) -> Tensor:
+        tokens = latents.shape[1]  # latents [n, h/2·w/2, 4C]
+        condition = conditioning["image_latents"].to(latents.dtype)  # [n, h/2·w/2, 4C]
+        image_ids, text_ids = self._position_ids(tokens, conditioning["prompt_embeds"].shape[1], latents)
+        ids = torch.cat([image_ids, self._condition_ids(condition.shape[1], latents)])  # [2·T, 3]
+        both = torch.cat([latents, condition], dim=1)  # [n, 2·T, 4C]
+        return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]

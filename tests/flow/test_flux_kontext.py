@@ -1,0 +1,214 @@
+"""The FLUX.1 Kontext adapter (image editing) on a tiny ``FluxKontextPipeline`` built from config classes, saved and
+loaded back through ``from_pretrained``, with prompt rows that name the image to edit: the plugin's ODE is the
+pipeline's own sampler on the same condition image, the condition image matters, rows without one are refused in
+one line, the training forward gives ratio 1 on-policy, and GRPO steps train the LoRA."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.reward import RewardInput, reward_functions
+from mmrl.trainer import Trainer
+from tests.flow.conftest import prompt_batch
+from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
+
+SEEN_CONDITION_SHAPES: list[tuple[int, ...]] = []
+
+
+def edit_distance(batch: RewardInput) -> torch.Tensor:
+    """How far each edit moved from its input image (mean absolute pixel difference): a reward that reads both."""
+    SEEN_CONDITION_SHAPES.append(tuple(batch.output("condition_images").shape))
+    return (batch.output("images") - batch.output("condition_images")).abs().mean(dim=(1, 2, 3))
+
+
+reward_functions.register("test_edit_distance", edit_distance)
+
+
+@pytest.fixture(scope="session")
+def pipelines(pipelines, tmp_path_factory):
+    """The conftest's tiny pipelines plus a tiny FLUX.1 Kontext (the tiny FLUX's weights), built once per session."""
+    from mmrl.plugins.flow.testing import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("flux_kontext", tmp_path_factory.mktemp("flow_kontext") / "tiny-flux_kontext")
+    return {**pipelines, "flux_kontext": folder}
+
+
+@pytest.fixture(scope="session")
+def edits(tmp_path_factory):
+    """A JSONL of edit rows whose images (random RGB, of other sizes than the run's) sit in a sub-folder, named by
+    paths relative to the file, as a user's dataset would."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("flow_edits")
+    (root / "images").mkdir()
+    rng = np.random.RandomState(0)
+    rows = []
+    for index, (prompt, size) in enumerate([("make it red", (24, 20)), ("add a dog", (16, 16)),
+                                            ("a blue sky", (40, 32))]):
+        Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8")).save(root / "images" / f"{index}.png")
+        rows.append({"prompt": prompt, "image": f"images/{index}.png"})
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def _rows(edits, *indices):
+    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
+
+    rows = load_rows(FlowPluginConfig(model="m", dataset=str(edits / "train.jsonl")), "train", images="flux_kontext")
+    return [rows[index] for index in indices]
+
+
+def _batch(rows, group_size, **options):
+    batch = prompt_batch([row["prompt"] for row in rows], group_size, **options)
+    batch.rows = [dict(row) for row in rows for _ in range(group_size)]
+    return batch
+
+
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (16, 32)], ids=["16x16", "16x32"])
+def test_evaluation_is_the_kontext_pipeline_ode_on_the_same_image(make_plugin, edits, height, width):
+    # Each row's image is resized to the run's size by the pipeline's own image processor; the pipeline, given that
+    # image with _auto_resize=False and max_area = height·width, keeps it and generates at height × width. Float32
+    # rounding of batched against per-image VAE encodes and transformer calls only: 1e-5 on pixels after 4 steps.
+    plugin = make_plugin("flux_kontext", dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None,
+                         eval_num_steps=4, eval_guidance_scale=2.5, height=height, width=width)
+    assert plugin.adapter.name == "flux_kontext"  # detected from model_index.json
+    rows = _rows(edits, 0, 2)
+    rollout = plugin.rollout(plugin.policy(), _batch(rows, 1, first_seed=5, training=False)).validate()
+    assert rollout.payload["images"].shape == (2, 3, height, width)
+    assert rollout.payload["condition_images"].shape == (2, 3, height, width)
+    processor = plugin.adapter.pipeline.image_processor
+    from PIL import Image
+
+    for k, (row, seed) in enumerate(zip(rows, (5, 6), strict=True)):
+        with Image.open(row["image"]) as image:
+            resized = processor.resize(image.convert("RGB"), height, width)
+        with torch.no_grad():
+            expected = plugin.adapter.pipeline(
+                image=resized, prompt=row["prompt"], height=height, width=width, max_area=height * width,
+                _auto_resize=False, num_inference_steps=4, guidance_scale=2.5, max_sequence_length=8,
+                generator=torch.Generator().manual_seed(seed), output_type="pt").images
+        torch.testing.assert_close(rollout.payload["images"][k:k + 1], expected, rtol=0, atol=1e-5)
+        pixels = processor.postprocess(processor.preprocess(resized, height, width), output_type="pt")
+        torch.testing.assert_close(rollout.payload["condition_images"][k:k + 1], pixels, rtol=0, atol=1e-6)
+
+
+def test_the_condition_image_changes_the_edit(make_plugin, edits):
+    """Same prompt, same noise, two images: the velocities differ (the image tokens are attended to)."""
+    plugin = make_plugin("flux_kontext", dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None)
+    first, second = _rows(edits, 0, 1)
+    second = {**second, "prompt": first["prompt"]}
+    _, conditioning, _ = plugin.sampler.row_conditioning([first, second])
+    latents = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(0)).expand(2, -1, -1)
+    with torch.no_grad():
+        velocity = plugin.adapter.velocity(plugin.policy(), latents, torch.tensor([700.0, 700.0]), conditioning,
+                                           guidance_scale=3.5)
+    assert velocity.shape == (2, 16, 16)  # only the generated tokens come back
+    assert (velocity[0] - velocity[1]).abs().max() > 1e-3
+
+
+def test_condition_images_are_encoded_once_and_carried_in_the_replay(make_plugin, edits):
+    plugin = make_plugin("flux_kontext", dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None)
+    calls = []
+    original = plugin.adapter.encode_condition_images
+    plugin.adapter.encode_condition_images = lambda images: calls.append(len(images)) or original(images)
+    rows = _rows(edits, 0, 1)
+    rollout = plugin.rollout(plugin.policy(), _batch(rows, 3)).validate()
+    plugin.rollout(plugin.policy(), _batch(rows, 2, first_group=5))
+    assert calls == [2]  # two distinct images, six samples, two rollouts
+    assert rollout.replay["conditioning"]["image_latents"].shape == (6, 16, 16)  # [n, (16/4)², 4·4]
+    assert torch.equal(rollout.replay["conditioning"]["image_latents"][0], rollout.replay["conditioning"]
+                       ["image_latents"][2])  # one group, one image
+
+
+def test_rows_without_an_image_are_refused_in_one_line(make_plugin, edits, tmp_path):
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.prompts': got \['a cat'\]; allowed: null: the "
+                                          r"flux_kontext adapter edits images[^\n]*$"):
+        make_plugin("flux_kontext", prompts=["a cat"])
+    lacking = tmp_path / "lacking.jsonl"
+    lacking.write_text(json.dumps({"prompt": "make it red", "image": str(edits / "images" / "0.png")}) + "\n"
+                       + json.dumps({"prompt": "no image"}) + "\n")
+    with pytest.raises(ValueError, match=r"lacking.jsonl row 2 has no 'image' \(the path of the image to edit\)"):
+        make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(lacking))
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"prompt": "make it red", "image": "nowhere.png"}) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"missing.jsonl row 1: image 'nowhere.png' is not a file"):
+        make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(missing))
+    rows = _rows(edits, 0)
+    assert rows[0]["image"] == str(edits / "images" / "0.png")  # resolved against the file's folder
+
+
+def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, edits):
+    plugin = make_plugin("flux_kontext", dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None)
+    _perturb_lora(plugin)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, _batch(_rows(edits, 0, 1, 2), 2)).validate()
+    assert rollout.old_logp.shape == (6, 3)
+    with torch.no_grad():
+        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
+            part = rollout.select(torch.tensor(split))
+            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
+        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
+        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+
+
+def test_two_grpo_steps_train_the_lora_with_ratio_one_and_rewards_see_both_images(train_config, edits, tmp_path):
+    SEEN_CONDITION_SHAPES.clear()
+    trainer = Trainer(train_config("flux_kontext", tmp_path, "rewards.functions=[{name: test_edit_distance}]",
+                                   dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None,
+                                   eval_dataset=str(edits / "train.jsonl")))
+    transformer = trainer.plugin.policy()
+    before = {key: p.detach().clone() for key, p in transformer.named_parameters()}
+    history = trainer.train().history
+    assert [record["step"] for record in history] == [1, 2]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
+    assert SEEN_CONDITION_SHAPES and all(shape[1:] == (3, 16, 16) for shape in SEEN_CONDITION_SHAPES)
+    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before[key], p)}
+    assert changed and all("lora_" in key for key in changed)  # only the adapter moves
+    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_evaluation_grids_show_each_input_image_left_of_its_edit(make_plugin, edits, tmp_path):
+    from PIL import Image
+
+    from mmrl.plugins.flow.images import caption_grid
+
+    plugin = make_plugin("flux_kontext", dataset=str(edits / "train.jsonl"), prompts=None, eval_prompts=None)
+    rollout = plugin.rollout(plugin.policy(), _batch(_rows(edits, 0, 1), 1, training=False))
+    rewards = torch.tensor([0.25, 0.5])
+    grid_path, records = plugin.save_samples(rollout, rewards, tmp_path, tag="eval")
+    pairs = torch.cat([rollout.payload["condition_images"], rollout.payload["images"]], dim=-1)  # [2, 3, 16, 32]
+    captions = [f"{row['prompt']} [{reward:.3f}]" for row, reward in zip(_rows(edits, 0, 1), (0.25, 0.5),
+                                                                         strict=True)]
+    expected = caption_grid(pairs, captions)
+    with Image.open(grid_path) as grid:
+        assert grid.size == expected.size
+        assert np.array_equal(np.asarray(grid.convert("RGB")), np.asarray(expected.convert("RGB")))
+    assert expected.size != caption_grid(rollout.payload["images"], captions).size  # the inputs are in the grid
+    assert [json.loads(line)["prompt"] for line in records.read_text().splitlines()] == ["make it red", "add a dog"]
+
+
+def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path):
+    """configs/flow/flux_kontext_pickscore.yaml as written (embedded guidance, 10 steps with one trained step drawn
+    from 1-3, EMA, gradient checkpointing, two optimizer steps per rollout), on the tiny pipeline at 16 px with the
+    edit rows and the test reward: the combination loads, trains at ratio 1 and evaluates."""
+    from pathlib import Path
+
+    from mmrl.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "flow" / "flux_kontext_pickscore.yaml"
+    config = load_config(recipe, [
+        f"plugin.model={pipelines['flux_kontext']}", f"plugin.dataset={edits / 'train.jsonl'}",
+        f"plugin.eval_dataset={edits / 'train.jsonl'}", "plugin.resolution=16", "plugin.max_sequence_length=8",
+        "plugin.lora={rank: 4, alpha: 8}", f"run.output_dir={tmp_path}", "run.max_steps=1", "run.cpu=true",
+        "run.progress=false", "run.mixed_precision='no'", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "eval.num_prompts=1", "rewards.functions=[{name: test_edit_distance}]",
+    ])
+    history = Trainer(config).train().history
+    assert [record["step"] for record in history] == [1]
+    assert history[0]["loss/first_step_ratio_deviation"] < 1e-5
