@@ -35,8 +35,8 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'flux2', 'flux2_klein', 'wan', "
-        "'z_image' or another registered one (`mmrl list`); 'auto' reads model_index.json."
+        "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'flux2', "
+        "'flux2_klein', 'wan', 'z_image' or another registered one (`mmrl list`); 'auto' reads model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -153,8 +153,8 @@ class FlowPluginConfig:
     dataset: str | None = config_field(
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
         "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...). An "
-        "image-editing adapter (flux_kontext) needs a .jsonl whose rows also name the 'image' to edit (a path "
-        "relative to the file).",
+        "image-editing adapter (flux_kontext, qwen_image_edit) needs a .jsonl whose rows also name the 'image' to "
+        "edit (a path relative to the file).",
     )
     eval_dataset: str | None = config_field(None, eval_only=True, help="Evaluation prompts file (default: the test "
                                             "file of a dataset folder).")

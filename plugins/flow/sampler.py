@@ -70,7 +70,10 @@ class FlowSampler:
         self.sde = get_sde_kind(config.sde)
         self._embeddings: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._negative: dict[str, Tensor] | None = None
-        self._images = ConditionImageCache(adapter, config.embedding_cache_size) if adapter.image_conditioned else None
+        self._images = None  # condition images of image-editing adapters, encoded once (.condition_images)
+        if adapter.image_conditioned:
+            self._images = ConditionImageCache(adapter, config.embedding_cache_size, max_sequence_length,
+                                               config.negative_prompt if cfg else None)
         #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
         self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}
 
@@ -259,11 +262,11 @@ class FlowSampler:
         encoded ``row["image"]`` of each row (each tensor ``[n, ...]``), the payload entries this adds:
         ``{"condition_images": [n, 3, H, W]}`` in [0, 1] for an image-conditioned adapter, else nothing)."""
         prompts = [str(row["prompt"]) for row in rows]
-        conditioning = self.conditioning(prompts)
         if self._images is None:
-            return prompts, conditioning, {}
-        images, pixels = self._images(rows)
-        return prompts, {**conditioning, **images}, {"condition_images": pixels}
+            return prompts, self.conditioning(prompts), {}
+        images, pixels = self._images(rows)  # with the prompts' encodings when they see the image
+        text = {} if self.adapter.prompt_sees_image else self.conditioning(prompts)
+        return prompts, {**text, **images}, {"condition_images": pixels}
 
     def conditioning(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         """Prompt embeddings of ``prompts`` (each tensor ``[n, ...]``), encoded once per prompt and cached."""
@@ -315,8 +318,9 @@ class FlowSampler:
         ('rollout', 'forward' or 'evaluation') is the counter of :attr:`model_evaluations` the rows go to."""
         self.model_evaluations[phase] += int(latents.shape[0])
         negative = None
-        if self.cfg:
-            negative = {key: value.to(self.input_dtype) for key, value in self.negative_conditioning().items()}
+        if self.cfg:  # an adapter whose prompts see the image has a negative per row in ``conditioning``
+            negative = {} if self.adapter.prompt_sees_image else {
+                key: value.to(self.input_dtype) for key, value in self.negative_conditioning().items()}
         n = latents.shape[0]
         size = self.config.transformer_batch_size or n
         parts = []

@@ -271,6 +271,66 @@ def build_qwen_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                              transformer=transformer)
 
 
+#: The Qwen-Image-Edit pipelines' system turn and the start of the user turn: their first 64 tokens in Qwen2.5-VL's
+#: tokenizer (``prompt_template_encode_start_idx``), dropped from the text encoding.
+_QWEN_IMAGE_EDIT_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n"
+)
+
+
+def tiny_qwen_image_edit_tokenizer() -> Any:
+    """:func:`tiny_qwen_image_tokenizer`'s kind of tokenizer trained on the Qwen-Image-Edit template, so that its
+    system turn and ``<|im_start|>user\n`` are 64 tokens as in the real tokenizer: the pipelines' fixed ``drop_idx``
+    then removes exactly the template before the image."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
+
+    corpus = _QWEN_IMAGE_EDIT_TEMPLATE_PREFIX + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n Picture 1: "
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([corpus] * 8, trainer)
+    wrapped = Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                             unk_token=None)
+    prefix_tokens = len(wrapped(_QWEN_IMAGE_EDIT_TEMPLATE_PREFIX).input_ids)
+    if prefix_tokens != 64:
+        raise RuntimeError(f"tiny Qwen-Image-Edit tokenizer: the template prefix is {prefix_tokens} tokens, not 64")
+    return wrapped
+
+
+def build_qwen_image_edit_pipeline(seed: int = 0, size: str = "tiny", plus: bool = False) -> Any:
+    """A ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, Qwen-Image-Edit-2509/2511) with the
+    components of :func:`build_qwen_image_pipeline` but a text encoder on :func:`tiny_qwen_image_edit_tokenizer`, and
+    a ``Qwen2VLProcessor`` (what the released pipelines ship) whose image bounds (4 to 16 merged vision tokens) keep
+    the text encoder's image small."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmrl.plugins.vlm.testing import build_processor, tiny_config
+
+    base = build_qwen_image_pipeline(seed=seed, size=size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        tokenizer = tiny_qwen_image_edit_tokenizer()
+        processor = build_processor("qwen2_vl", tokenizer, min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_config("qwen2_5_vl", tokenizer))
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    return pipeline_class(scheduler=base.scheduler, vae=base.vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          processor=processor, transformer=base.transformer)
+
+
+def build_qwen_image_edit_plus_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """:func:`build_qwen_image_edit_pipeline` as a ``QwenImageEditPlusPipeline``."""
+    return build_qwen_image_edit_pipeline(seed=seed, size=size, plus=True)
+
+
 _FLUX2_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                          "[IMG]", "[IMG_BREAK]", "[IMG_END]")
 _FLUX2_CHAT_TEMPLATE = (
@@ -592,14 +652,16 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
-            "flux_kontext": build_flux_kontext_pipeline}
+            "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
+            "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
-    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``) and
+    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
+    ``"qwen_image_edit_plus"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -30,6 +30,7 @@ flow_adapters.register_lazy("flux_kontext", "mmrl.plugins.flow.adapters.flux_kon
 flow_adapters.register_lazy("flux2", "mmrl.plugins.flow.adapters.flux2:Flux2Adapter")
 flow_adapters.register_lazy("flux2_klein", "mmrl.plugins.flow.adapters.flux2_klein:Flux2KleinAdapter")
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
+flow_adapters.register_lazy("qwen_image_edit", "mmrl.plugins.flow.adapters.qwen_image_edit:QwenImageEditAdapter")
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
 

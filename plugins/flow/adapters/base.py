@@ -88,6 +88,11 @@ class FlowAdapter(ABC):
     #: Such an adapter implements :meth:`encode_condition_images`; the plugin reads each row's ``"image"`` and
     #: passes the result to :meth:`call_transformer` with the prompt's conditioning.
     image_conditioned: ClassVar[bool] = False
+    #: Whether the prompt's encoding itself sees the condition image (Qwen-Image-Edit: its Qwen2.5-VL text encoder
+    #: reads the image with the instruction). Such an adapter also implements :meth:`encode_prompts_with_images`;
+    #: the plugin then encodes each (prompt, image) pair, and for CFG each image with the negative prompt, instead
+    #: of the prompts alone.
+    prompt_sees_image: ClassVar[bool] = False
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline
@@ -206,6 +211,12 @@ class FlowAdapter(ABC):
         which the plugin hands the rewards as ``payload["condition_images"]``)."""
         raise NotImplementedError(f"the {self.name} adapter takes no condition images")
 
+    def encode_prompts_with_images(self, prompts: list[str], images: list[Any], max_sequence_length: int
+                                   ) -> Conditioning:
+        """Adapters whose prompt encoding sees the image (:attr:`prompt_sees_image`): ``prompts[i]`` read with
+        ``images[i]`` → the tensors :meth:`encode_prompts` would give, one row per pair."""
+        raise NotImplementedError(f"the {self.name} adapter encodes prompts without images")
+
     @abstractmethod
     def noise_shape(self) -> tuple[int, ...]:
         """Shape of one sample's initial noise at :attr:`size` as the pipeline's ``prepare_latents`` draws it
@@ -296,17 +307,24 @@ class FlowAdapter(ABC):
         With ``negative`` (one row, the negative prompt) this is true classifier-free guidance as in the diffusers
         pipelines and Flow-GRPO: one transformer call on ``[uncond; cond]`` and v = v_u + w·(v_c − v_u), the
         combination done in float32, w from :meth:`guidance_for` (per row for Wan 2.2's experts). Rollout and
-        training both come through here.
+        training both come through here. The unconditional half of each conditioning key is the row's own
+        ``negative_<key>`` where ``conditioning`` has one (a negative prompt read with the row's image:
+        Qwen-Image-Edit), else ``negative[key]``, else the conditional value itself (a condition image's latents).
         """
         scale = self.guidance_for(timesteps, guidance_scale)
         # call_transformer's scale is a guidance-distilled model's embedding (FLUX); per-expert pairs are CFG scales
         embedded = guidance_scale[0] if isinstance(guidance_scale, tuple) else guidance_scale
+        rows = {key: value for key, value in conditioning.items() if not key.startswith("negative_")}
         if negative is None:
-            return self.call_transformer(module, latents, timesteps, conditioning, embedded).float()
+            return self.call_transformer(module, latents, timesteps, rows, embedded).float()
         n = latents.shape[0]
-        # A key the negative prompt has not (a condition image's latents) is the same in both halves.
-        both = {key: torch.cat([negative[key].expand(n, *negative[key].shape[1:]) if key in negative else value,
-                                value]) for key, value in conditioning.items()}
+
+        def unconditional(key: str, value: Tensor) -> Tensor:
+            if f"negative_{key}" in conditioning:
+                return conditioning[f"negative_{key}"]
+            return negative[key].expand(n, *negative[key].shape[1:]) if key in negative else value
+
+        both = {key: torch.cat([unconditional(key, value), value]) for key, value in rows.items()}
         output = self.call_transformer(module, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
                                        both, embedded)
         uncond, cond = output.float().chunk(2)  # [n, ...] each

@@ -63,14 +63,7 @@ class QwenImageAdapter(FlowAdapter):
         embeds, mask = self.pipeline.encode_prompt(
             prompt=prompts, device=self.device, num_images_per_prompt=1, max_sequence_length=max_sequence_length,
         )
-        n, length, width = embeds.shape  # [n, L, D]: L the longest prompt of the batch (≤ max_sequence_length)
-        if mask is None:  # the pipeline drops an all-ones mask
-            mask = torch.ones(n, length, dtype=torch.long, device=embeds.device)
-        padded = embeds.new_zeros(n, max_sequence_length, width)  # [n, L_max, D]
-        padded[:, :length] = embeds
-        padded_mask = mask.new_zeros(n, max_sequence_length)  # [n, L_max], 1 = a real token
-        padded_mask[:, :length] = mask
-        return {"prompt_embeds": padded, "prompt_embeds_mask": padded_mask}
+        return padded_text(embeds, mask, max_sequence_length)  # L: the longest prompt of the batch (≤ the limit)
 
     def noise_shape(self) -> tuple[int, ...]:
         return (1, self.transformer.config.in_channels // 4, *self.latent_size())  # [frames = 1, C, h, w]
@@ -97,21 +90,31 @@ class QwenImageAdapter(FlowAdapter):
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        n, tokens = latents.shape[:2]  # latents [n, h/2·w/2, 4C]
+        return self._transformer(module, latents, [self._checked_grid(latents)], timesteps, conditioning,
+                                 guidance_scale)
+
+    def _checked_grid(self, latents: Tensor) -> tuple[int, int, int]:
+        """``(1, h/2, w/2)``, the ``img_shapes`` entry of the generated image, checked against ``latents``."""
         rows, columns = self._token_grid()
-        if rows * columns != tokens:
-            raise ValueError(f"Qwen-Image adapter: {tokens} latent tokens, but a {self.height}x{self.width} image has "
-                             f"{rows * columns} ({rows} x {columns})")
+        if rows * columns != latents.shape[1]:
+            raise ValueError(f"Qwen-Image adapter: {latents.shape[1]} latent tokens, but a {self.height}x{self.width} "
+                             f"image has {rows * columns} ({rows} x {columns})")
+        return 1, rows, columns
+
+    def _transformer(self, module: nn.Module, tokens: Tensor, shapes: list[tuple[int, int, int]], timesteps: Tensor,
+                     conditioning: Conditioning, guidance_scale: float) -> Tensor:
+        """The transformer on image ``tokens`` ``[n, T, 4C]`` laid out as ``shapes`` (the images in sequence)."""
+        n = tokens.shape[0]
         guidance = None
         if self.transformer.config.guidance_embeds:  # as the pipeline; no released Qwen-Image is guidance-distilled
-            guidance = torch.full((n,), guidance_scale, device=latents.device, dtype=torch.float32)
+            guidance = torch.full((n,), guidance_scale, device=tokens.device, dtype=torch.float32)
         return module(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,  # QwenImagePipeline passes t/1000 in the latents' dtype
+            hidden_states=tokens,
+            timestep=timesteps.to(tokens.dtype) / 1000,  # QwenImagePipeline passes t/1000 in the latents' dtype
             guidance=guidance,
             encoder_hidden_states=conditioning["prompt_embeds"],
             encoder_hidden_states_mask=conditioning["prompt_embeds_mask"].bool(),
-            img_shapes=[[(1, rows, columns)]] * n,  # as QwenImagePipeline: (frames, h/2, w/2) per sample
+            img_shapes=[shapes] * n,  # as QwenImagePipeline: (frames, h/2, w/2) per image, per sample
             return_dict=False,
         )[0]
 
@@ -131,3 +134,16 @@ class QwenImageAdapter(FlowAdapter):
         latents = latents / inverse_std + mean  # the pipeline's order of operations
         images = vae.decode(latents, return_dict=False)[0][:, :, 0]  # [n, 3, H, W], the only frame
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def padded_text(embeds: Tensor, mask: Tensor | None, max_sequence_length: int) -> Conditioning:
+    """The pipeline's text encoding ``[n, L, D]`` (and its mask ``[n, L]``, None when the pipeline dropped an
+    all-ones one) zero-padded to ``max_sequence_length`` ≥ L, with ``prompt_embeds_mask`` marking the real tokens."""
+    n, length, width = embeds.shape
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.long, device=embeds.device)
+    padded = embeds.new_zeros(n, max_sequence_length, width)  # [n, L_max, D]
+    padded[:, :length] = embeds
+    padded_mask = mask.new_zeros(n, max_sequence_length)  # [n, L_max], 1 = a real token
+    padded_mask[:, :length] = mask
+    return {"prompt_embeds": padded, "prompt_embeds_mask": padded_mask}
