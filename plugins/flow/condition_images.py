@@ -114,6 +114,6 @@ def _row(encoded: dict[str, Tensor], index: int) -> Entry:
 def _image_path(row: dict[str, Any], index: int) -> str:
     image = row.get("image")
     if not isinstance(image, str | Path) or not str(image):
-        raise RolloutError(f"prompt row {index} ({str(row.get('prompt', ''))[:40]!r}) has no 'image' to edit; an "
-                           "image-conditioned adapter needs one in every row")
+        raise RolloutError(f"prompt row {index} ({str(row.get('prompt', ''))[:40]!r}) has no 'image' (its input "
+                           "image); an image-conditioned adapter needs one in every row")
     return str(image)

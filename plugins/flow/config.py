@@ -36,7 +36,8 @@ class FlowPluginConfig:
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'flux2', "
-        "'flux2_klein', 'wan', 'z_image' or another registered one (`mmrl list`); 'auto' reads model_index.json."
+        "'flux2_klein', 'wan', 'wan_i2v', 'z_image' or another registered one (`mmrl list`); 'auto' reads "
+        "model_index.json."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -153,8 +154,8 @@ class FlowPluginConfig:
     dataset: str | None = config_field(
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
         "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...). An "
-        "image-editing adapter (flux_kontext, qwen_image_edit) needs a .jsonl whose rows also name the 'image' to "
-        "edit (a path relative to the file).",
+        "image-conditioned adapter (flux_kontext, qwen_image_edit, wan_i2v) needs a .jsonl whose rows also name the "
+        "'image' to edit or start from (a path relative to the file).",
     )
     eval_dataset: str | None = config_field(None, eval_only=True, help="Evaluation prompts file (default: the test "
                                             "file of a dataset folder).")
@@ -330,8 +331,9 @@ def load_rows(config: FlowPluginConfig, split: str, adapter: Any = None, *,
     inline = config.prompts if split == "train" else config.eval_prompts
     if inline is not None and images is not None:
         raise ConfigError(f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}", inline,
-                          f"null: the {images} adapter edits images, so its rows come from a JSONL file "
-                          "(plugin.dataset / eval_dataset) whose rows have a 'prompt' and an 'image' path")
+                          f"null: the {images} adapter conditions every sample on an input image, so its rows come "
+                          "from a JSONL file (plugin.dataset / eval_dataset) whose rows have a 'prompt' and an 'image' "
+                          "path")
     if inline is not None:
         return [{"prompt": prompt} for prompt in inline]
     source = config.dataset if split == "train" else config.eval_dataset
@@ -358,7 +360,7 @@ def _with_image_path(row: dict[str, Any], number: int, source: Path, adapter: st
     """``row`` with its ``"image"`` resolved against the folder of ``source`` (the prompt file), checked to exist."""
     image = row.get("image")
     if not isinstance(image, str) or not image.strip():
-        raise ValueError(f"{source} row {number} has no 'image' (the path of the image to edit), which the {adapter} "
+        raise ValueError(f"{source} row {number} has no 'image' (the path of its input image), which the {adapter} "
                          "adapter needs in every row")
     path = Path(image).expanduser()
     path = path if path.is_absolute() else source.parent / path

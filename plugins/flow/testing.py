@@ -579,6 +579,45 @@ def _tiny_umt5(tokenizer: Any, width: int) -> Any:
     ))
 
 
+def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = False) -> Any:
+    """A ``WanImageToVideoPipeline`` with the text encoder, VAE and scheduler of :func:`build_wan_pipeline` and
+    image-to-video transformers (``in_channels`` = 2 × 4 latent channels + the VAE's temporal factor 2 for the mask).
+    Wan 2.1 I2V (default): one transformer with an image cross-attention (``image_dim``, ``added_kv_proj_dim``) and a
+    two-layer CLIP vision tower with its processor. ``experts``: Wan 2.2 I2V-A14B, two experts (t >= 900 the first,
+    Wan2.2-I2V-A14B's ``boundary_ratio`` 0.9) and no image encoder."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    base = build_wan_pipeline(seed=seed, size=size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        channels, temporal, width = 4, 2, 32
+        image = {} if experts else {"image_dim": 16, "added_kv_proj_dim": 24}
+
+        def transformer() -> Any:
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * channels + temporal,
+                out_channels=channels, text_dim=width, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+                **image,
+            )
+
+        parts: dict[str, Any] = {"transformer": transformer()}
+        if experts:
+            parts.update(transformer_2=transformer(), boundary_ratio=0.9)
+        else:
+            parts.update(image_encoder=CLIPVisionModel(CLIPVisionConfig(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                patch_size=8, projection_dim=16)),
+                image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))
+    return WanImageToVideoPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+                                   scheduler=base.scheduler, **parts)
+
+
+def build_wan22_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """:func:`build_wan_i2v_pipeline` with Wan 2.2 I2V-A14B's two experts and no image encoder."""
+    return build_wan_i2v_pipeline(seed=seed, size=size, experts=True)
+
+
 WAN22_BOUNDARY_RATIO = 0.875
 """``boundary_ratio`` of the tiny two-expert Wan 2.2 pipeline, Wan2.2-T2V-A14B's (Wan-Video/Wan2.2@42bf4cf
 ``wan/configs/wan_t2v_A14B.py:36``): the high-noise expert takes the steps with t >= 875."""
@@ -653,7 +692,8 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
-            "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline}
+            "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
+            "wan22_i2v": build_wan22_i2v_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -661,7 +701,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
-    ``"qwen_image_edit_plus"``) and
+    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

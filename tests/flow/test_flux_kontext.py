@@ -128,12 +128,12 @@ def test_rows_without_an_image_are_refused_in_one_line(make_plugin, edits, tmp_p
     from mmrl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^config key 'plugin.prompts': got \['a cat'\]; allowed: null: the "
-                                          r"flux_kontext adapter edits images[^\n]*$"):
+                                          r"flux_kontext adapter conditions every sample on an input image[^\n]*$"):
         make_plugin("flux_kontext", prompts=["a cat"])
     lacking = tmp_path / "lacking.jsonl"
     lacking.write_text(json.dumps({"prompt": "make it red", "image": str(edits / "images" / "0.png")}) + "\n"
                        + json.dumps({"prompt": "no image"}) + "\n")
-    with pytest.raises(ValueError, match=r"lacking.jsonl row 2 has no 'image' \(the path of the image to edit\)"):
+    with pytest.raises(ValueError, match=r"lacking.jsonl row 2 has no 'image' \(the path of its input image\)"):
         make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(lacking))
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"prompt": "make it red", "image": "nowhere.png"}) + "\n")

@@ -32,6 +32,7 @@ flow_adapters.register_lazy("flux2_klein", "mmrl.plugins.flow.adapters.flux2_kle
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
 flow_adapters.register_lazy("qwen_image_edit", "mmrl.plugins.flow.adapters.qwen_image_edit:QwenImageEditAdapter")
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
+flow_adapters.register_lazy("wan_i2v", "mmrl.plugins.flow.adapters.wan_i2v:WanImageToVideoAdapter")
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
 
 

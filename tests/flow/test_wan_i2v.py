@@ -1,0 +1,179 @@
+"""The Wan image-to-video adapter on tiny ``WanImageToVideoPipeline`` s built from config classes, saved and loaded
+back through ``from_pretrained``: Wan 2.1 I2V (one transformer with CLIP image features) and Wan 2.2 I2V-A14B (two
+experts, no image encoder), with prompt rows that name the first frame. The plugin's ODE is the pipeline's own
+sampler (with the flow-shifted Euler scheduler the adapter samples with) on the same image, the image matters, the
+training forward gives ratio 1 on-policy, and GRPO steps train the LoRA."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.trainer import Trainer
+from tests.flow.conftest import prompt_batch
+from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
+
+FRAMES = 5  # the tiny VAE compresses time by 2: 3 latent frames
+KINDS = ("wan_i2v", "wan22_i2v")
+
+
+@pytest.fixture(scope="session")
+def pipelines(pipelines, tmp_path_factory):
+    """The conftest's tiny pipelines plus tiny Wan 2.1 I2V and Wan 2.2 I2V-A14B pipelines, built once per session."""
+    from mmrl.plugins.flow.testing import save_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("flow_wan_i2v")
+    return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}") for kind in KINDS}}
+
+
+@pytest.fixture(scope="session")
+def first_frames(tmp_path_factory):
+    """A JSONL of rows naming random RGB first frames (of other sizes than the run's) by relative paths."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("flow_first_frames")
+    rng = np.random.RandomState(0)
+    rows = []
+    for index, (prompt, size) in enumerate([("a cat walks", (24, 20)), ("a dog runs", (16, 16)),
+                                            ("a red car", (40, 24))]):
+        Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8")).save(root / f"{index}.png")
+        rows.append({"prompt": prompt, "image": f"{index}.png"})
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def _options(frames, **overrides):
+    return {"dataset": str(frames / "train.jsonl"), "prompts": None, "eval_prompts": None, "num_frames": FRAMES,
+            **overrides}
+
+
+def _rows(frames, *indices):
+    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
+
+    rows = load_rows(FlowPluginConfig(model="m", dataset=str(frames / "train.jsonl")), "train", images="wan_i2v")
+    return [rows[index] for index in indices]
+
+
+def _batch(rows, group_size, **options):
+    batch = prompt_batch([row["prompt"] for row in rows], group_size, **options)
+    batch.rows = [dict(row) for row in rows for _ in range(group_size)]
+    return batch
+
+
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
+@pytest.mark.parametrize(("height", "width"), [(16, 16), (16, 32)], ids=["16x16", "16x32"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluation_is_the_i2v_pipeline_ode_on_the_same_image(make_plugin, first_frames, kind, cfg, height, width):
+    # Same noise, σ grid (the pipeline's UniPC swapped for the adapter's Euler scheduler), condition video and image
+    # features; [uncond; cond] in one call against the pipeline's two, and a batched against per-image VAE encode:
+    # float32 rounding, 1e-5 on pixels after 4 steps.
+    from PIL import Image
+
+    from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
+
+    plugin = make_plugin(kind, **_options(first_frames, cfg=cfg, eval_num_steps=4, height=height, width=width,
+                                          eval_guidance_scale=3.0 if cfg else None))
+    assert plugin.adapter.name == "wan_i2v"  # detected from model_index.json
+    rows = _rows(first_frames, 0, 2)
+    rollout = plugin.rollout(plugin.policy(), _batch(rows, 1, first_seed=5, training=False)).validate()
+    videos = rollout.payload["videos"]
+    assert videos.shape == (2, 3, FRAMES, height, width)
+    pipeline = plugin.adapter.pipeline
+    original, pipeline.scheduler = pipeline.scheduler, euler_scheduler_for(pipeline.scheduler)
+    try:
+        for k, (row, seed) in enumerate(zip(rows, (5, 6), strict=True)):
+            with Image.open(row["image"]) as image:
+                image = image.convert("RGB")
+            with torch.no_grad():
+                frames = pipeline(image=image, prompt=row["prompt"], negative_prompt="", height=height, width=width,
+                                  num_frames=FRAMES, num_inference_steps=4, guidance_scale=3.0 if cfg else 1.0,
+                                  generator=torch.Generator().manual_seed(seed), output_type="pt",
+                                  max_sequence_length=8).frames  # [1, F, 3, H, W]
+            torch.testing.assert_close(videos[k:k + 1], frames.permute(0, 2, 1, 3, 4), rtol=0, atol=1e-5)
+    finally:
+        pipeline.scheduler = original
+    condition = rollout.payload["condition_images"]  # [2, 3, H, W]: the first frames as the model saw them
+    assert condition.shape == (2, 3, height, width)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_condition_carries_the_image_and_its_mask(make_plugin, first_frames, kind):
+    """``[mask; latents]`` with the mask one on the first latent frame only, and another image gives another
+    velocity; Wan 2.1 I2V also carries the CLIP features."""
+    plugin = make_plugin(kind, **_options(first_frames))
+    first, second = _rows(first_frames, 0, 1)
+    _, conditioning, _ = plugin.sampler.row_conditioning([first, {**second, "prompt": first["prompt"]}])
+    condition = conditioning["image_condition"]  # [2, 2 + 4, 3, 8, 8]
+    assert condition.shape == (2, 6, 3, 8, 8)
+    assert bool((condition[:, :2, 0] == 1).all()) and bool((condition[:, :2, 1:] == 0).all())
+    assert ("image_embeds" in conditioning) == (kind == "wan_i2v")
+    latents = torch.randn(1, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0)).expand(2, -1, -1, -1, -1)
+    with torch.no_grad():
+        velocity = plugin.adapter.velocity(plugin.policy(), latents, torch.tensor([950.0, 950.0]), conditioning,
+                                           guidance_scale=1.0)
+    assert velocity.shape == (2, 4, 3, 8, 8)
+    assert (velocity[0] - velocity[1]).abs().max() > 1e-3
+
+
+def test_expand_timesteps_pipelines_are_refused_in_one_line(pipelines, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from mmrl.plugins.flow.adapters.wan_i2v import WanImageToVideoAdapter
+
+    pipeline = DiffusionPipeline.from_pretrained(str(pipelines["wan_i2v"]))
+    pipeline.register_to_config(expand_timesteps=True)
+    with pytest.raises(ValueError, match=r"^wan_i2v adapter: this pipeline has expand_timesteps \(Wan 2.2 TI2V-5B "
+                                         r"image-to-video[^\n]*$"):
+        WanImageToVideoAdapter(pipeline, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, first_frames, kind):
+    plugin = make_plugin(kind, **_options(first_frames, num_steps=6, timestep_fraction=0.6))
+    _perturb_lora(plugin, scale=0.1)
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, _batch(_rows(first_frames, 0, 1, 2), 2)).validate()
+    with torch.no_grad():
+        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
+            part = rollout.select(torch.tensor(split))
+            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
+        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
+        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, first_frames, kind, tmp_path):
+    options = _options(first_frames, eval_dataset=str(first_frames / "train.jsonl"))
+    trainer = Trainer(train_config(kind, tmp_path, "rewards.functions=[{name: per_frame, args: {reward: "
+                                                   "test_brightness, stride: 2}}]", **options))
+    transformer = trainer.plugin.policy()
+    before = {key: p.detach().clone() for key, p in transformer.named_parameters()}
+    history = trainer.train().history
+    assert [record["step"] for record in history] == [1, 2]
+    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
+    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before[key], p)}
+    assert changed and all("lora_" in key for key in changed)  # only the adapters move
+
+
+def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, first_frames, tmp_path):
+    """configs/flow/wan_i2v.yaml as written (true CFG, 5 frames, 10 steps with one trained step drawn from 1-3, EMA,
+    gradient checkpointing, two optimizer steps per rollout, a per-frame reward), on the tiny Wan 2.1 I2V pipeline at
+    16 px with the test image reward per frame: the combination loads, trains at ratio 1 and evaluates."""
+    from pathlib import Path
+
+    from mmrl.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "flow" / "wan_i2v.yaml"
+    config = load_config(recipe, [
+        f"plugin.model={pipelines['wan_i2v']}", f"plugin.dataset={first_frames / 'train.jsonl'}",
+        f"plugin.eval_dataset={first_frames / 'train.jsonl'}", "plugin.resolution=16", "plugin.max_sequence_length=8",
+        "plugin.lora={rank: 4, alpha: 8}", f"run.output_dir={tmp_path}", "run.max_steps=1", "run.cpu=true",
+        "run.progress=false", "run.mixed_precision='no'", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "eval.num_prompts=1", "rewards.functions=[{name: per_frame, args: {reward: test_brightness}}]",
+    ])
+    history = Trainer(config).train().history
+    assert [record["step"] for record in history] == [1]
+    assert history[0]["loss/first_step_ratio_deviation"] < 1e-5
