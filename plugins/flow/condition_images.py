@@ -5,7 +5,9 @@ checked), and the sampler merges its encoding with the prompt's conditioning.
 An image is read and encoded once (:meth:`FlowAdapter.encode_condition_images`: resize to the run's size, VAE,
 packing) and kept in an LRU cache of ``plugin.embedding_cache_size`` entries, like the prompt embeddings: a group's
 G samples and later epochs over the same rows reuse it. The encoding is deterministic (the VAE's mode, as the
-diffusers pipelines encode a condition image), so the cache changes nothing but the time.
+diffusers pipelines encode a condition image), so the cache changes nothing but the time. The encodings stay on the
+device; the images as the model saw them (for the rewards) are kept as 8-bit RGB on the CPU, which is what the
+pipelines' processors make of 8-bit image files.
 
 Where the prompt's encoding itself sees the image (:attr:`FlowAdapter.prompt_sees_image`: Qwen-Image-Edit's text
 encoder reads the image with the instruction), the cache also holds each (prompt, image) pair's encoding and, with
@@ -65,6 +67,9 @@ class ConditionImageCache:
 
         def encode_images(keys: list[Hashable]) -> list[Entry]:
             encoded, pixels = self.adapter.encode_condition_images([image(key[0]) for key in keys])
+            # the images as 8-bit RGB on the CPU: what the processors made of 8-bit files, without the device memory
+            # of a float copy per cached image (3 MB at 512 px); back to float [0, 1] on the device per batch
+            pixels = (pixels.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
             return [{**_row(encoded, i), "pixels": pixels[i:i + 1].clone()} for i in range(len(keys))]
 
         entries = [self._lookup(self._images, [(path, *size) for path in paths], encode_images)]
@@ -88,7 +93,8 @@ class ConditionImageCache:
 
                 entries.append(self._lookup(self._negatives, [(path, *size) for path in paths], encode_negatives))
         merged = {name: torch.cat([entry[name] for entry in picked]) for picked in entries for name in picked[0]}
-        return {name: value for name, value in merged.items() if name != "pixels"}, merged["pixels"]
+        pixels = merged.pop("pixels").to(self.adapter.device).float() / 255  # [n, 3, H, W] in [0, 1]
+        return merged, pixels
 
     def _lookup(self, cache: OrderedDict[Hashable, Entry], keys: list[Hashable],
                 encode: Callable[[list[Hashable]], list[Entry]]) -> list[Entry]:

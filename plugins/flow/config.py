@@ -165,7 +165,8 @@ class FlowPluginConfig:
         None, minimum=1, help="T5 tokens per prompt (null: the pipeline's default, SD3 256, FLUX 512)."
     )
     embedding_cache_size: int = config_field(
-        1024, minimum=1, help="Prompts whose text embeddings are kept on the device (least recently used first out)."
+        1024, minimum=1, help="Prompts whose text embeddings are kept on the device (least recently used first out); "
+        "image-conditioned adapters keep as many input images' encodings (and their (prompt, image) text encodings)."
     )
     transformer_batch_size: int | None = config_field(
         None, minimum=1,
