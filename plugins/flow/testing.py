@@ -213,12 +213,18 @@ def tiny_qwen_image_tokenizer() -> Any:
     """A byte-level BPE ``Qwen2Tokenizer`` with Qwen's special tokens, trained on QwenImagePipeline's prompt template
     and the test words, so that the template's system turn is 34 tokens as in the real tokenizer (each word one
     token): the pipeline's fixed ``drop_idx`` then removes exactly the template, as it does for Qwen-Image."""
+    corpus = _QWEN_IMAGE_TEMPLATE_PREFIX + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n"
+    return _qwen_template_tokenizer(corpus, _QWEN_IMAGE_TEMPLATE_PREFIX, 34, "Qwen-Image")
+
+
+def _qwen_template_tokenizer(corpus: str, prefix: str, prefix_tokens: int, what: str) -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with Qwen's special tokens trained on ``corpus``; ``prefix`` (a pipeline's
+    dropped template start) must come out as ``prefix_tokens`` tokens, as in the real tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
     from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
 
-    corpus = _QWEN_IMAGE_TEMPLATE_PREFIX + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n"
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -227,9 +233,9 @@ def tiny_qwen_image_tokenizer() -> Any:
     tokenizer.train_from_iterator([corpus] * 8, trainer)
     wrapped = Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                              unk_token=None)
-    prefix_tokens = len(wrapped(_QWEN_IMAGE_TEMPLATE_PREFIX).input_ids)
-    if prefix_tokens != 34:
-        raise RuntimeError(f"tiny Qwen-Image tokenizer: the template prefix is {prefix_tokens} tokens, not 34")
+    counted = len(wrapped(prefix).input_ids)
+    if counted != prefix_tokens:
+        raise RuntimeError(f"tiny {what} tokenizer: the template prefix is {counted} tokens, not {prefix_tokens}")
     return wrapped
 
 
@@ -285,24 +291,8 @@ def tiny_qwen_image_edit_tokenizer() -> Any:
     """:func:`tiny_qwen_image_tokenizer`'s kind of tokenizer trained on the Qwen-Image-Edit template, so that its
     system turn and ``<|im_start|>user\n`` are 64 tokens as in the real tokenizer: the pipelines' fixed ``drop_idx``
     then removes exactly the template before the image."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
-
     corpus = _QWEN_IMAGE_EDIT_TEMPLATE_PREFIX + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n Picture 1: "
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator([corpus] * 8, trainer)
-    wrapped = Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                             unk_token=None)
-    prefix_tokens = len(wrapped(_QWEN_IMAGE_EDIT_TEMPLATE_PREFIX).input_ids)
-    if prefix_tokens != 64:
-        raise RuntimeError(f"tiny Qwen-Image-Edit tokenizer: the template prefix is {prefix_tokens} tokens, not 64")
-    return wrapped
+    return _qwen_template_tokenizer(corpus, _QWEN_IMAGE_EDIT_TEMPLATE_PREFIX, 64, "Qwen-Image-Edit")
 
 
 def build_qwen_image_edit_pipeline(seed: int = 0, size: str = "tiny", plus: bool = False) -> Any:
@@ -362,12 +352,38 @@ def tiny_pixtral_processor() -> Any:
                             chat_template=_FLUX2_CHAT_TEMPLATE, patch_size=16, spatial_merge_size=2)
 
 
+def _tiny_flux2_parts(latent_channels: int, width: int, *, guidance_embeds: bool) -> tuple[Any, Any, Any]:
+    """The tiny FLUX.2 transformer (1 + 1 blocks; text width 3 × ``width``, three stacked encoder layers), its VAE with
+    random batch-norm statistics (so the decode's un-normalisation matters) and FLUX.1-dev's scheduler config; drawn
+    from the current random state."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
+        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=guidance_embeds,
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
+        norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.normal_()
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return transformer, vae, scheduler
+
+
 def build_flux2_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     """A ``Flux2Pipeline`` with random weights: a Mistral-3 text encoder of 30 layers of width 16 (the pipeline
     stacks hidden layers 10, 20 and 30) with a one-layer Pixtral vision tower, a 1+1-block FLUX.2 transformer with
     the guidance embedding, a VAE whose batch-norm statistics are random (so the decode's un-normalisation
     matters), and FLUX.1-dev's scheduler config (FLUX.2's μ comes from ``compute_empirical_mu``)."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     if size != "tiny":
@@ -387,23 +403,7 @@ def build_flux2_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                                num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=64, patch_size=16),
             image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1,
         ))
-        transformer = Flux2Transformer2DModel(
-            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
-            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=True,
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
-            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
-        )
-        with torch.no_grad():
-            vae.bn.running_mean.normal_()
-            vae.bn.running_var.uniform_(0.5, 2.0)
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096,
-        )
+        transformer, vae, scheduler = _tiny_flux2_parts(latent_channels, width, guidance_embeds=True)
     return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor,
                          transformer=transformer)
 
@@ -477,10 +477,7 @@ def build_flux2_klein_pipeline(seed: int = 0, size: str = "tiny", distilled: boo
     without the guidance embedding, FLUX.2's batch-normalised VAE with random statistics, FLUX.1-dev's scheduler
     config (μ from ``compute_empirical_mu``); ``distilled`` sets the pipeline's ``is_distilled`` (no guidance)."""
     from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
         Flux2KleinPipeline,
-        Flux2Transformer2DModel,
     )
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -495,23 +492,7 @@ def build_flux2_klein_pipeline(seed: int = 0, size: str = "tiny", distilled: boo
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
         ))
-        transformer = Flux2Transformer2DModel(
-            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
-            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False,
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
-            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
-        )
-        with torch.no_grad():
-            vae.bn.running_mean.normal_()
-            vae.bn.running_var.uniform_(0.5, 2.0)
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096,
-        )
+        transformer, vae, scheduler = _tiny_flux2_parts(latent_channels, width, guidance_embeds=False)
     return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                               transformer=transformer, is_distilled=distilled)
 

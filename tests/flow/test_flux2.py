@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mmrl.trainer import Trainer
+from tests.flow.checks import assert_ratio_one_for_any_split, perturb_lora, train_two_steps
 from tests.flow.conftest import prompt_batch
-from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 # FLUX.2 pads every prompt to max_sequence_length after its system turn (33 tokens in the tiny tokenizer), so the
 # prompts need room: 40 tokens leaves 7 for "[INST] a big red dog [/INST]".
@@ -64,28 +64,13 @@ def test_schedule_shift_depends_on_the_number_of_steps(make_plugin):
 
 def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin):
     plugin = make_plugin("flux2", max_sequence_length=TEXT_TOKENS)
-    _perturb_lora(plugin)
+    perturb_lora(plugin)
     policy = plugin.policy()
     rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog", "a red car"], 2)).validate()
     assert rollout.old_logp.shape == (6, 3)
-    with torch.no_grad():
-        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
-            part = rollout.select(torch.tensor(split))
-            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
-        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
-        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+    assert_ratio_one_for_any_split(plugin, rollout)  # other LoRA weights move the ratio: it can fail
 
 
 def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, tmp_path):
-    trainer = Trainer(train_config("flux2", tmp_path, max_sequence_length=TEXT_TOKENS))
-    transformer = trainer.plugin.policy()
-    before = {key: p.detach().clone() for key, p in transformer.named_parameters()}
-    history = trainer.train().history
-
-    assert [record["step"] for record in history] == [1, 2]
-    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
-    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before[key], p)}
-    lora = {key for key, _ in transformer.named_parameters() if "lora_" in key}
-    assert changed and changed <= lora  # only the adapter moves
+    changed = train_two_steps(Trainer(train_config("flux2", tmp_path, max_sequence_length=TEXT_TOKENS)))
     assert any("single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_B" in key for key in changed)
-    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "pytorch_lora_weights.safetensors").is_file()

@@ -11,8 +11,8 @@ import torch
 
 from mmrl.config import ConfigError
 from mmrl.trainer import Trainer
+from tests.flow.checks import assert_ratio_one_for_any_split, perturb_lora, run_recipe_step, train_two_steps
 from tests.flow.conftest import prompt_batch
-from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 # The templated prompt ("<|im_start|>user\na big red dog<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 # is about 20 tokens in the tiny tokenizer; every prompt is padded to this length, as the pipeline pads it.
@@ -103,53 +103,27 @@ def test_the_transformer_gets_no_guidance_embedding(make_plugin):
 @pytest.mark.parametrize("kind", ["flux2_klein", "flux2_klein_distilled"])
 def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, kind):
     plugin = make_plugin(kind, max_sequence_length=TEXT_TOKENS)
-    _perturb_lora(plugin)
+    perturb_lora(plugin)
     policy = plugin.policy()
     rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog", "a red car"], 2)).validate()
     assert rollout.old_logp.shape == (6, 3)
-    with torch.no_grad():
-        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
-            part = rollout.select(torch.tensor(split))
-            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
-        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
-        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+    assert_ratio_one_for_any_split(plugin, rollout)  # other LoRA weights move the ratio: it can fail
 
 
 def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, tmp_path):
     trainer = Trainer(train_config("flux2_klein", tmp_path, max_sequence_length=TEXT_TOKENS, guidance_scale=2.0))
     assert trainer.plugin.cfg
-    transformer = trainer.plugin.policy()
-    before = {key: p.detach().clone() for key, p in transformer.named_parameters()}
-    history = trainer.train().history
-
-    assert [record["step"] for record in history] == [1, 2]
-    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
-    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before[key], p)}
-    lora = {key for key, _ in transformer.named_parameters() if "lora_" in key}
-    assert changed and changed <= lora  # only the adapter moves
+    changed = train_two_steps(trainer)
     assert any("single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_B" in key for key in changed)
-    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_the_distilled_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, tmp_path):
     """configs/flow/flux2_klein_pickscore.yaml as written (no CFG pass, 4 steps with one trained step drawn from 1-2,
     EMA, gradient checkpointing, two optimizer steps per rollout), on the tiny distilled pipeline at 16 px with the
     test reward: the combination loads, trains at ratio 1 and evaluates."""
-    from pathlib import Path
-
-    from mmrl.config import load_config
-
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "flow" / "flux2_klein_pickscore.yaml"
-    config = load_config(recipe, [
-        f"plugin.model={pipelines['flux2_klein_distilled']}", "plugin.dataset=null",
-        "plugin.prompts=[a cat, a dog, a red car]", "plugin.eval_prompts=[a blue house]", "plugin.resolution=16",
-        f"plugin.max_sequence_length={TEXT_TOKENS}", "plugin.lora={rank: 4, alpha: 8}", f"run.output_dir={tmp_path}",
-        "run.max_steps=1", "run.cpu=true", "run.progress=false", "run.mixed_precision='no'",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.num_prompts=1",
-        "rewards.functions=[{name: test_brightness}]",
-    ])
-    trainer = Trainer(config)
+    trainer = run_recipe_step("flux2_klein_pickscore.yaml", pipelines["flux2_klein_distilled"], tmp_path,
+                              "plugin.dataset=null", "plugin.prompts=[a cat, a dog, a red car]",
+                              "plugin.eval_prompts=[a blue house]", "plugin.resolution=16",
+                              f"plugin.max_sequence_length={TEXT_TOKENS}",
+                              "rewards.functions=[{name: test_brightness}]")
     assert (trainer.plugin.cfg, trainer.plugin.guidance_scale) == (False, 1.0)
-    history = trainer.train().history
-    assert [record["step"] for record in history] == [1]
-    assert history[0]["loss/first_step_ratio_deviation"] < 1e-5

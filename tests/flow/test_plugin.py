@@ -13,23 +13,12 @@ import torch
 
 from mmrl.config import ConfigError
 from mmrl.plugin import Runtime
+from tests.flow.checks import perturb_lora as _perturb_lora
+from tests.flow.checks import ratio_deviation as _ratio_deviation
 from tests.flow.conftest import prompt_batch
 
 MODELS = [("sd3", True), ("sd3", False), ("flux", False)]
 MODEL_IDS = ["sd3-cfg", "sd3-nocfg", "flux"]
-
-
-def _perturb_lora(plugin, scale=0.5, seed=0):
-    """Random LoRA weights (B starts at zero, so a fresh adapter does nothing)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in plugin.policy().named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-
-
-def _ratio_deviation(output, part):
-    return float((output.logp - part.old_logp).exp().sub(1).abs().max())
 
 
 @pytest.mark.parametrize(("kind", "cfg"), MODELS, ids=MODEL_IDS)

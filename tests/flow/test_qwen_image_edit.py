@@ -6,15 +6,19 @@ reads its image, the training forward gives ratio 1 on-policy, and GRPO steps tr
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 import torch
 
 from mmrl.trainer import Trainer
-from tests.flow.conftest import prompt_batch
-from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
+from tests.flow.checks import (
+    assert_ratio_one_for_any_split,
+    image_batch,
+    image_rows,
+    perturb_lora,
+    run_recipe_step,
+    train_two_steps,
+    write_image_rows,
+)
 
 KINDS = ("qwen_image_edit", "qwen_image_edit_plus")
 TEXT_TOKENS = 48  # the template after its 64 dropped tokens, 4-16 vision tokens and the instruction
@@ -34,18 +38,8 @@ def edits(tmp_path_factory):
     """A JSONL of edit rows naming random RGB images by relative paths. The images have the aspect ratios of the
     runs below (square, and 1:2 for the 32 × 64 run) at other sizes, so the pipelines' aspect-ratio rules and the
     plugin's resizing to the run's size agree."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("flow_qwen_edits")
-    (root / "images").mkdir()
-    rng = np.random.RandomState(0)
-    rows = []
-    for index, (prompt, (width, height)) in enumerate([("make it red", (40, 40)), ("add a dog", (24, 24)),
-                                                       ("a blue sky", (40, 80)), ("a big red car", (20, 40))]):
-        Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8")).save(root / "images" / f"{index}.png")
-        rows.append({"prompt": prompt, "image": f"images/{index}.png"})
-    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return root
+    rows = [("make it red", (40, 40)), ("add a dog", (24, 24)), ("a blue sky", (40, 80)), ("a big red car", (20, 40))]
+    return write_image_rows(tmp_path_factory.mktemp("flow_qwen_edits"), rows).parent
 
 
 def _options(edits, **overrides):
@@ -54,16 +48,7 @@ def _options(edits, **overrides):
 
 
 def _rows(edits, *indices):
-    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
-
-    rows = load_rows(FlowPluginConfig(model="m", dataset=str(edits / "train.jsonl")), "train", images="qwen_image_edit")
-    return [rows[index] for index in indices]
-
-
-def _batch(rows, group_size, **options):
-    batch = prompt_batch([row["prompt"] for row in rows], group_size, **options)
-    batch.rows = [dict(row) for row in rows for _ in range(group_size)]
-    return batch
+    return image_rows(edits / "train.jsonl", "qwen_image_edit", *indices)
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
@@ -85,7 +70,7 @@ def test_evaluation_is_the_edit_pipeline_ode_on_the_same_image(make_plugin, edit
                                           eval_guidance_scale=3.0 if cfg else None, height=height, width=width))
     assert plugin.adapter.name == "qwen_image_edit" and plugin.adapter.plus == kind.endswith("plus")
     rows = _rows(edits, *indices)
-    rollout = plugin.rollout(plugin.policy(), _batch(rows, 1, first_seed=5, training=False)).validate()
+    rollout = plugin.rollout(plugin.policy(), image_batch(rows, 1, first_seed=5, training=False)).validate()
     assert rollout.payload["images"].shape == (2, 3, height, width)
     from PIL import Image
 
@@ -129,7 +114,7 @@ def test_guided_velocity_uses_each_rows_own_negative(make_plugin, edits):
     """The unconditional half of the CFG call is each row's negative prompt read with its image: compared with two
     separate transformer calls, then Qwen-Image's rescale."""
     plugin = make_plugin("qwen_image_edit", **_options(edits, cfg=True, negative_prompt=" ", guidance_scale=4.0))
-    _perturb_lora(plugin)
+    perturb_lora(plugin)
     adapter, policy = plugin.adapter, plugin.policy()
     _, conditioning, _ = plugin.sampler.row_conditioning(_rows(edits, 0, 1))
     latents = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0))  # [n, (32/4)², 4·4]
@@ -153,8 +138,8 @@ def test_each_pair_is_encoded_once(make_plugin, edits):
     plugin.adapter.encode_prompts_with_images = lambda prompts, images, length: (
         calls.append(list(prompts)) or original(prompts, images, length))
     rows = _rows(edits, 0, 1)
-    plugin.rollout(plugin.policy(), _batch(rows, 2))
-    plugin.rollout(plugin.policy(), _batch(rows, 3, first_group=4))
+    plugin.rollout(plugin.policy(), image_batch(rows, 2))
+    plugin.rollout(plugin.policy(), image_batch(rows, 3, first_group=4))
     assert calls == [["make it red", "add a dog"], [" ", " "]]  # the pairs, then each image's negative; once
 
 
@@ -162,35 +147,22 @@ def test_a_prompt_longer_than_max_sequence_length_is_refused_in_one_line(make_pl
     plugin = make_plugin("qwen_image_edit", **_options(edits, max_sequence_length=4))
     with pytest.raises(ValueError, match=r"^plugin.max_sequence_length is 4, but 'make it red' with its image is "
                                          r"\d+ text tokens \(the image's vision tokens count\): raise it$"):
-        plugin.rollout(plugin.policy(), _batch(_rows(edits, 0), 2))
+        plugin.rollout(plugin.policy(), image_batch(_rows(edits, 0), 2))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(make_plugin, edits, kind):
     plugin = make_plugin(kind, **_options(edits, cfg=True, negative_prompt=" "))
-    _perturb_lora(plugin)
+    perturb_lora(plugin)
     policy = plugin.policy()
-    rollout = plugin.rollout(policy, _batch(_rows(edits, 0, 1, 0), 2)).validate()
+    rollout = plugin.rollout(policy, image_batch(_rows(edits, 0, 1, 0), 2)).validate()
     assert rollout.old_logp.shape == (6, 3)
-    with torch.no_grad():
-        for split in ([0, 1, 2, 3, 4, 5], [5], [4, 0, 2]):
-            part = rollout.select(torch.tensor(split))
-            assert _ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
-        _perturb_lora(plugin, seed=1)  # the check can fail: other weights move the ratio
-        assert _ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+    assert_ratio_one_for_any_split(plugin, rollout)  # other LoRA weights move the ratio: it can fail
 
 
 def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, edits, tmp_path):
     options = _options(edits, cfg=True, negative_prompt=" ", eval_dataset=str(edits / "train.jsonl"))
-    trainer = Trainer(train_config("qwen_image_edit_plus", tmp_path, **options))
-    transformer = trainer.plugin.policy()
-    before = {key: p.detach().clone() for key, p in transformer.named_parameters()}
-    history = trainer.train().history
-    assert [record["step"] for record in history] == [1, 2]
-    assert all(record["loss/first_step_ratio_deviation"] < 1e-5 for record in history)
-    changed = {key for key, p in transformer.named_parameters() if not torch.equal(before[key], p)}
-    assert changed and all("lora_" in key for key in changed)  # only the adapter moves
-    assert (tmp_path / "checkpoints" / "step-00000002" / "policy" / "pytorch_lora_weights.safetensors").is_file()
+    train_two_steps(Trainer(train_config("qwen_image_edit_plus", tmp_path, **options)))
 
 
 def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path):
@@ -198,20 +170,7 @@ def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path)
     trained step drawn from 1-3, EMA, gradient checkpointing, two optimizer steps per rollout), on the tiny Plus
     pipeline at 32 px with the edit rows and the test reward: the combination loads, trains at ratio 1 and
     evaluates."""
-    from pathlib import Path
-
-    from mmrl.config import load_config
-
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "flow" / "qwen_image_edit_pickscore.yaml"
-    config = load_config(recipe, [
-        f"plugin.model={pipelines['qwen_image_edit_plus']}", f"plugin.dataset={edits / 'train.jsonl'}",
-        f"plugin.eval_dataset={edits / 'train.jsonl'}", "plugin.resolution=32", "plugin.lora={rank: 4, alpha: 8}",
-        f"run.output_dir={tmp_path}", "run.max_steps=1", "run.cpu=true", "run.progress=false",
-        "run.mixed_precision='no'", "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.num_prompts=1",
-        "rewards.functions=[{name: test_brightness}]",
-    ])
-    trainer = Trainer(config)
+    trainer = run_recipe_step("qwen_image_edit_pickscore.yaml", pipelines["qwen_image_edit_plus"], tmp_path,
+                              f"plugin.dataset={edits / 'train.jsonl'}", f"plugin.eval_dataset={edits / 'train.jsonl'}",
+                              "plugin.resolution=32", "rewards.functions=[{name: test_brightness}]")
     assert trainer.plugin.cfg and trainer.plugin.adapter.plus
-    history = trainer.train().history
-    assert [record["step"] for record in history] == [1]
-    assert history[0]["loss/first_step_ratio_deviation"] < 1e-5
