@@ -29,6 +29,8 @@ _BUILTIN = {
     "aesthetic": "mmrl.rewards.image_models:Aesthetic",
     "jpeg_compressibility": "mmrl.rewards.image_models:JpegCompressibility",
     "jpeg_incompressibility": "mmrl.rewards.image_models:JpegIncompressibility",
+    "clip_image_similarity": "mmrl.rewards.edits:ClipImageSimilarity",
+    "clip_directional": "mmrl.rewards.edits:ClipDirectional",
     "pref_winrate": "mmrl.rewards.preference:PrefWinRate",
     "remote": "mmrl.rewards.remote:RemoteReward",
     "gsm8k_answer": "mmrl.rewards.math_answers:gsm8k_answer",

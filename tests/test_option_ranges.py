@@ -465,7 +465,7 @@ def _probes() -> dict[str, Any]:
                 lambda value, name=name, option=option: build_reward(name, {option: value}))
     for name in ("clip_score", "pickscore"):
         probes[f"reward_functions.{name}.divisor"] = _positive_probe("divisor")
-    for name in ("clip_score", "pickscore", "hpsv2", "aesthetic"):
+    for name in ("clip_score", "pickscore", "hpsv2", "aesthetic", "clip_image_similarity", "clip_directional"):
         probes[f"reward_functions.{name}.batch_size"] = _positive_probe("batch_size")
     for name, cls in (("shapes", ShapesReward), ("shape_fidelity", ShapeFidelityReward)):
         for option in ("max_color_distance", "min_area_fraction"):

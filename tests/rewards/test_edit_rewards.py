@@ -1,0 +1,92 @@
+"""Image-editing rewards (``clip_image_similarity``, ``clip_directional``) on the tiny saved open_clip model, against
+open_clip's own model, preprocessing and tokenizer; NaN handling, missing captions, the payload the flow plugin's
+editing adapters produce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.reward import RewardError, RewardInput
+from mmrl.rewards import reward_functions
+from mmrl.rewards.edits import ClipDirectional, ClipImageSimilarity
+
+from .conftest import TINY_ARCH, random_images
+
+SOURCES = ["a cat on a mat", "a red car", "a cat on a mat", "two dogs"]
+TARGETS = ["a dog on a mat", "a blue car", "a cat on a sofa", "two dogs"]
+
+
+def edit_batch(edits, inputs, sources=SOURCES, targets=TARGETS) -> RewardInput:
+    rows = [{"prompt": target, "source_caption": source, "target_caption": target}
+            for source, target in zip(sources, targets, strict=True)]
+    return RewardInput(rows=rows, payload={"images": edits, "condition_images": inputs})
+
+
+def _open_clip_features(weights, images=None, texts=None):
+    """Unit-norm features from open_clip directly (its evaluation transform on the 8-bit images)."""
+    import open_clip
+
+    model, _, preprocess = open_clip.create_model_and_transforms(TINY_ARCH, pretrained=weights)
+    model.eval()
+    with torch.no_grad():
+        if images is not None:
+            uint8 = (images * 255).round().clamp(0, 255).to(torch.uint8)
+            pil = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in uint8]
+            return model.encode_image(torch.stack([preprocess(p) for p in pil]), normalize=True)
+        return model.encode_text(open_clip.get_tokenizer(TINY_ARCH)(texts), normalize=True)
+
+
+def test_both_are_registered_with_documented_options():
+    for name in ("clip_image_similarity", "clip_directional"):
+        assert name in reward_functions and reward_functions.describe(name)
+        assert all(option.help for option in reward_functions.options(name))
+
+
+def test_image_similarity_is_the_clip_image_cosine(tiny_models):
+    reward = ClipImageSimilarity(model=tiny_models.clip_config, pretrained=tiny_models.clip_weights, batch_size=3)
+    edits, inputs = random_images(4, seed=1), random_images(4, seed=2)
+    scores = reward(edit_batch(edits, inputs))
+    edit = _open_clip_features(tiny_models.clip_weights, images=edits)
+    source = _open_clip_features(tiny_models.clip_weights, images=inputs)
+    torch.testing.assert_close(scores, (edit * source).sum(-1).double(), atol=1e-5, rtol=1e-5)
+    same = reward(edit_batch(inputs, inputs))  # an edit that changed nothing is as similar as can be
+    torch.testing.assert_close(same, torch.ones(4, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert bool((scores < same - 1e-3).all())
+
+
+def test_directional_similarity_follows_stylegan_nadas_direction(tiny_models):
+    reward = ClipDirectional(model=tiny_models.clip_config, pretrained=tiny_models.clip_weights)
+    edits, inputs = random_images(4, seed=1), random_images(4, seed=2)
+    scores = reward(edit_batch(edits, inputs))
+    image = (_open_clip_features(tiny_models.clip_weights, images=edits)
+             - _open_clip_features(tiny_models.clip_weights, images=inputs))
+    text = (_open_clip_features(tiny_models.clip_weights, texts=TARGETS)
+            - _open_clip_features(tiny_models.clip_weights, texts=SOURCES))
+    expected = (image * text).sum(-1) / (image.norm(dim=-1) * text.norm(dim=-1))
+    torch.testing.assert_close(scores[:3], expected[:3].double(), atol=1e-5, rtol=1e-5)
+    assert scores[3] == 0  # the captions did not move (two dogs → two dogs): no direction, 0
+    swapped = reward(edit_batch(inputs, edits))  # the other way round: the opposite direction
+    torch.testing.assert_close(swapped[:3], -scores[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_a_non_finite_image_on_either_side_scores_nan_for_its_sample_only(tiny_models):
+    reward = ClipImageSimilarity(model=tiny_models.clip_config, pretrained=tiny_models.clip_weights)
+    edits, inputs = random_images(4, seed=1), random_images(4, seed=2)
+    edits[1, 0, 0, 0] = float("nan")
+    inputs[2, 1, 3, 3] = float("inf")
+    scores = reward(edit_batch(edits, inputs))
+    assert torch.isnan(scores[1]) and torch.isnan(scores[2])
+    assert torch.isfinite(scores[[0, 3]]).all()
+
+
+def test_missing_inputs_and_captions_are_one_line_errors(tiny_models):
+    reward = ClipDirectional(model=tiny_models.clip_config, pretrained=tiny_models.clip_weights)
+    images = random_images(4)
+    with pytest.raises(RewardError, match=r"payload\['condition_images'\] but the plugin produced \['images'\]"):
+        reward(RewardInput(rows=[{"prompt": p} for p in SOURCES], payload={"images": images}))
+    batch = RewardInput(rows=[{"prompt": p} for p in SOURCES], payload={"images": images, "condition_images": images})
+    with pytest.raises(RewardError, match=r"^reward 'clip_directional': dataset rows \[0, 1, 2, 3\] have no "
+                                          r"'source_caption' field[^\n]*args.source_field[^\n]*$"):
+        reward(batch)
