@@ -212,7 +212,8 @@ class RemoteReward(Reward):
                  timeout: Annotated[float, Range(0, low_open=True)] = 60.0, retries: Annotated[int, Range(0)] = 3,
                  backoff: Annotated[float, Range(0)] = 1.0, check_server: bool = True,
                  token_env: str | None = TOKEN_ENV, token_file: str | None = None,
-                 context: dict[str, Any] | None = None, videos: str | None = None):
+                 context: dict[str, Any] | None = None, videos: str | None = None,
+                 extra_images: list[str] | None = None):
         """Options (the config's ``args``).
 
         Args:
@@ -232,6 +233,9 @@ class RemoteReward(Reward):
                 reward_context()), not in the config. None: none (``{}``).
             videos: Payload entry sent as videos, each frame a PNG (null: send no videos). A video run sets it to
                 videos and images to null.
+            extra_images: More payload entries sent as PNG images besides ``images``, e.g. [condition_images] for
+                an edit judge that compares each edit with its input image (a sample with a non-finite pixel in
+                any of them is not sent and scores NaN).
         """
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'remote': url {url!r} must start with http:// or https://")
@@ -258,6 +262,12 @@ class RemoteReward(Reward):
         self.reward = reward
         self.images = images
         self.videos = videos
+        self.extra_images = list(extra_images or [])
+        clashes = [name for name in self.extra_images
+                   if name in (images, videos) or name in (outputs or []) or self.extra_images.count(name) > 1]
+        if clashes:
+            raise RewardError(f"reward 'remote': extra_images names {clashes[0]!r} twice or also as images, videos "
+                              "or outputs; each payload entry is sent once")
         self.outputs = list(outputs or [])
         self.fields = None if fields is None else list(fields)
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
@@ -333,6 +343,9 @@ class RemoteReward(Reward):
         if self.videos is not None:
             videos = read_videos(batch, self.videos, "remote")
             finite &= videos.finite
+        extra = {name: read_images(batch, name, "remote") for name in self.extra_images}
+        for more in extra.values():
+            finite &= more.finite
         keep = finite.nonzero().flatten().tolist()
 
         def png(image: Tensor) -> str:  # uint8 [3, H, W]
@@ -340,6 +353,8 @@ class RemoteReward(Reward):
 
         if images is not None:
             payload[self.images] = {"png": [png(images.images[i]) for i in keep]}
+        for name, more in extra.items():
+            payload[name] = {"png": [png(more.images[i]) for i in keep]}
         if videos is not None:
             payload[self.videos] = {"png_frames": [[png(frame) for frame in videos.videos[i].unbind(1)]
                                                    for i in keep]}

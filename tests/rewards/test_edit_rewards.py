@@ -90,3 +90,30 @@ def test_missing_inputs_and_captions_are_one_line_errors(tiny_models):
     with pytest.raises(RewardError, match=r"^reward 'clip_directional': dataset rows \[0, 1, 2, 3\] have no "
                                           r"'source_caption' field[^\n]*args.source_field[^\n]*$"):
         reward(batch)
+
+
+def test_an_edit_reward_scores_the_same_through_the_remote_reward(tiny_models):
+    """``mmrl serve-rewards`` serving clip_image_similarity, the run's remote reward sending the edits and, with
+    extra_images, the inputs: the scores are the local ones bitwise (both sides score the same 8-bit images); a NaN
+    input is not sent and scores NaN."""
+    from mmrl.rewards.remote import RemoteReward
+    from mmrl.rewards.server import RewardServer, build_rewards
+
+    args = {"model": tiny_models.clip_config, "pretrained": tiny_models.clip_weights}
+    rewards = build_rewards({"rewards": {"functions": [{"name": "clip_image_similarity", "args": args}]}})
+    server = RewardServer(rewards, port=0).start()
+    try:
+        edits, inputs = random_images(4, seed=1), random_images(4, seed=2)
+        inputs[3, 0, 0, 0] = float("nan")
+        batch = edit_batch(edits, inputs)
+        remote = RemoteReward(url=server.url, extra_images=["condition_images"], retries=0, backoff=0.0,
+                              token_env=None)
+        local = ClipImageSimilarity(**args)(batch)
+        got = remote(batch)
+        assert torch.equal(got[:3], local[:3]) and torch.isnan(got[3]) and torch.isnan(local[3])
+        with pytest.raises(RewardError, match=r"payload\['condition_images'\]"):  # without the inputs: one line
+            RemoteReward(url=server.url, retries=0, backoff=0.0, token_env=None)(batch)
+    finally:
+        server.close()
+    with pytest.raises(RewardError, match=r"^reward 'remote': extra_images names 'images' twice or also as images"):
+        RemoteReward(extra_images=["images"], check_server=False, token_env=None)
