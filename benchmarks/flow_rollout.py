@@ -50,12 +50,15 @@ if str(ROOT) not in sys.path:
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house", "a dog in the snow"]
+IMAGE_KINDS = ("flux_kontext", "wan_i2v")
+"""Image-conditioned kinds: every row names one input image (a random RGB PNG at the run's size); the pipeline gets
+the same image (``image=``) and encodes it on every call, where the plugin encodes it once and caches it."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"],
-                        default="sd3",
+    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image",
+                                           *IMAGE_KINDS], default="sd3",
                         help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
@@ -80,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
+def build_plugin(args: argparse.Namespace, folder: Path, dataset: Path | None = None) -> Any:
     from mmrl.config import from_dict
     from mmrl.plugin import Runtime
     from mmrl.plugins.flow.plugin import FlowPlugin, FlowPluginConfig
@@ -105,8 +108,10 @@ def build_plugin(args: argparse.Namespace, folder: Path) -> Any:
         # template about 20 of 32).
         "max_sequence_length": {"flux2": 48, "flux2_klein": 32}.get(args.kind, 16) if args.size == "tiny" else 256,
     }
-    if args.kind == "wan":
+    if args.kind in ("wan", "wan_i2v"):
         options["num_frames"] = args.frames
+    if dataset is not None:  # image-conditioned kinds: rows with an input image come from a JSONL file
+        options.update(prompts=None, dataset=str(dataset))
     if args.cfg is not None:
         options["cfg"] = args.cfg == "on"
     config = from_dict(FlowPluginConfig, options, "plugin")
@@ -154,28 +159,45 @@ def peak_bytes(call: Callable[[], Any], device: torch.device) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mmrl.plugin import PromptBatch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bf16" if str(args.device).startswith("cuda") else "fp32")
     args.resolution = args.resolution or (64 if args.size == "tiny" else 512)
     args.height, args.width = args.height or args.resolution, args.width or args.resolution
-    if args.kind == "wan":
+    if args.kind in ("wan", "wan_i2v"):
         from mmrl.plugins.flow.testing import TINY_WAN_FRAMES
 
         args.frames = args.frames or TINY_WAN_FRAMES
     elif args.frames is not None:
-        raise SystemExit(f"--frames is for --kind wan, not {args.kind}")
+        raise SystemExit(f"--frames is for --kind wan or wan_i2v, not {args.kind}")
+    with tempfile.TemporaryDirectory(prefix="flow-bench-inputs-") as inputs:
+        return _run(args, Path(inputs))
+
+
+def _run(args: argparse.Namespace, inputs: Path) -> dict[str, Any]:
+    from mmrl.plugin import PromptBatch
+
     device = torch.device(args.device)
+    image, dataset = None, None
+    if args.kind in IMAGE_KINDS:
+        from PIL import Image
+
+        pixels = torch.rand(args.height, args.width, 3, generator=torch.Generator().manual_seed(0))
+        image = Image.fromarray((pixels * 255).round().to(torch.uint8).numpy())
+        image.save(inputs / "input.png")
+        dataset = inputs / "rows.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": prompt, "image": "input.png"}) + "\n" for prompt in PROMPTS))
     with tempfile.TemporaryDirectory(prefix="flow-bench-") as folder:
-        plugin = build_plugin(args, Path(folder) / "pipeline")
+        plugin = build_plugin(args, Path(folder) / "pipeline", dataset)
     policy = plugin.policy().eval()
     pipeline = plugin.adapter.pipeline
     prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.batch)]
+    extra_row = {} if image is None else {"image": str(inputs / "input.png")}
     batch = PromptBatch(
-        rows=[{"prompt": prompt} for prompt in prompts], group_ids=torch.zeros(args.batch, dtype=torch.long),
-        group_size=args.batch, seeds=torch.arange(args.batch), generator=torch.Generator(), training=True,
+        rows=[{"prompt": prompt, **extra_row} for prompt in prompts],
+        group_ids=torch.zeros(args.batch, dtype=torch.long), group_size=args.batch, seeds=torch.arange(args.batch),
+        generator=torch.Generator(), training=True,
     )
     # The adapters' conditioning keys are the pipelines' own keyword arguments (prompt_embeds and
     # pooled_prompt_embeds or prompt_embeds_mask), and the negative ones the same names with "negative_" in front.
@@ -184,14 +206,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in plugin.sampler.negative_conditioning().items():
             embeds[f"negative_{key}"] = value.expand(args.batch, *value.shape[1:])
     kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
-    if args.kind in ("sd3", "wan") and not plugin.cfg:
+    if args.kind in ("sd3", "wan", "wan_i2v") and not plugin.cfg:
         kwargs["guidance_scale"] = 1.0  # the SD3 and Wan pipelines run CFG whenever guidance_scale > 1
-    if args.kind == "wan":
+    if args.kind in ("wan", "wan_i2v"):
         from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
 
         # The same sampler on both sides: Wan ships UniPC; the adapter samples with the flow-shifted Euler scheduler.
         pipeline.scheduler = euler_scheduler_for(pipeline.scheduler)
         kwargs["num_frames"] = args.frames
+    if args.kind == "flux_kontext":  # the input image at the run's size, the output at height × width
+        kwargs.update(image=image, _auto_resize=False, max_area=args.height * args.width)
+    if args.kind == "wan_i2v":
+        kwargs["image"] = image
     if args.kind == "qwen_image":  # true CFG runs when true_cfg_scale > 1 and negative embeddings are given
         kwargs = {"true_cfg_scale": plugin.guidance_scale if plugin.cfg else 1.0}
     if args.kind == "z_image":  # ragged captions (each prompt's real tokens), CFG whenever guidance_scale > 0

@@ -36,8 +36,8 @@ class FlowPluginConfig:
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'flux2', "
-        "'flux2_klein', 'wan', 'wan_i2v', 'z_image' or another registered one (`mmrl list`); 'auto' reads "
-        "model_index.json."
+        "'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or another registered one "
+        "(`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -154,8 +154,8 @@ class FlowPluginConfig:
     dataset: str | None = config_field(
         None, help="Training prompts: a .txt file (one per line), a .jsonl file (objects with 'prompt' and any "
         "metadata rewards read), or a folder with train/test files (train.txt or train_metadata.jsonl, ...). An "
-        "image-conditioned adapter (flux_kontext, qwen_image_edit, wan_i2v) needs a .jsonl whose rows also name the "
-        "'image' to edit or start from (a path relative to the file).",
+        "image-conditioned adapter (flux_kontext, qwen_image_edit, flux2_edit, wan_i2v, ...) needs a .jsonl whose "
+        "rows also name the 'image' to edit or start from (a path relative to the file).",
     )
     eval_dataset: str | None = config_field(None, eval_only=True, help="Evaluation prompts file (default: the test "
                                             "file of a dataset folder).")

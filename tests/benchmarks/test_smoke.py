@@ -71,7 +71,8 @@ def test_every_benchmark_has_a_smoke_test():
 # ---------------------------------------------------------------------------------------------------- flow
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"])
+@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image",
+                                  "flux_kontext", "wan_i2v"])
 def test_flow_rollout(tmp_path, kind):
     out = tmp_path / "rollout.json"
     # Non-square (plugin.height / plugin.width) on both sides: the plugin's rollout and the pipeline's height=/width=.
@@ -86,7 +87,7 @@ def test_flow_rollout(tmp_path, kind):
     assert (result["kind"], result["device"], result["dtype"], result["batch"], result["steps"], result["threads"]) \
         == (kind, "cpu", "fp32", 1, 2, 1)
     assert (result["height"], result["width"]) == (32, 64)
-    assert result["frames"] == (5 if kind == "wan" else 1)  # the tiny Wan's default: 3 latent frames
+    assert result["frames"] == (5 if kind in ("wan", "wan_i2v") else 1)  # the tiny Wan's default: 3 latent frames
     assert result["trained_steps"] == 1  # the first 0.99 of 2 steps: int(2 * 0.99)
     assert result["pipeline_seconds"] > 0 and result["rollout_seconds"] > 0
     # One timed pair: the median of the per-pair ratios and the ratio of the fastest calls are that pair's ratio.

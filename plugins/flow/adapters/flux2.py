@@ -105,14 +105,18 @@ class Flux2Adapter(FlowAdapter):
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        n, tokens, _ = latents.shape  # [n, h/2·w/2, 4C]
-        prompt_embeds = conditioning["prompt_embeds"]
-        image_ids, text_ids = self._position_ids(tokens, prompt_embeds.shape[1], latents)
+        image_ids, text_ids = self._position_ids(latents.shape[1], conditioning["prompt_embeds"].shape[1], latents)
+        return self._transformer(module, latents, image_ids, text_ids, timesteps, conditioning, guidance_scale)
+
+    def _transformer(self, module: nn.Module, tokens: Tensor, image_ids: Tensor, text_ids: Tensor, timesteps: Tensor,
+                     conditioning: Conditioning, guidance_scale: float) -> Tensor:
+        """The transformer on image ``tokens`` ``[n, T, 4C]`` with their ids ``[1, T, 4]`` and the prompt's."""
+        n = tokens.shape[0]
         return module(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,  # Flux2Pipeline passes t/1000 in the latents' dtype
-            guidance=self._guidance_input(n, guidance_scale, latents.device),
-            encoder_hidden_states=prompt_embeds,
+            hidden_states=tokens,
+            timestep=timesteps.to(tokens.dtype) / 1000,  # Flux2Pipeline passes t/1000 in the latents' dtype
+            guidance=self._guidance_input(n, guidance_scale, tokens.device),
+            encoder_hidden_states=conditioning["prompt_embeds"],
             txt_ids=text_ids.expand(n, -1, -1),
             img_ids=image_ids.expand(n, -1, -1),
             return_dict=False,

@@ -1,0 +1,85 @@
+"""FLUX.2 image editing with a reference image (``Flux2Pipeline(image=...)`` and ``Flux2KleinPipeline(image=...)``):
+the same pipelines as the ``flux2`` and ``flux2_klein`` adapters, each sample conditioned on its row's image. These
+adapters are chosen by name (``plugin.adapter: flux2_edit`` / ``flux2_klein_edit``); ``auto`` picks the
+text-to-image ones.
+
+What the adapters reproduce from the pipelines' ``__call__`` (diffusers 0.42) besides FLUX.2's prompts, noise, σ
+grid, guidance and decode (:class:`~mmrl.plugins.flow.adapters.flux2.Flux2Adapter`,
+:class:`~mmrl.plugins.flow.adapters.flux2_klein.Flux2KleinAdapter`):
+
+- the reference image: preprocessed by the pipeline's image processor at the run's ``height`` × ``width`` with
+  ``resize_mode="crop"`` (scaled to cover, centre-cropped), encoded by the pipeline's ``_encode_vae_image`` (the VAE's
+  mode, 2×2 patchify, the VAE's batch-norm statistics), packed into tokens; position ids from the pipeline's
+  ``_prepare_image_ids``: (T = 10, row, column, 0), the first reference image's time coordinate.
+- each step: ``[generated tokens; reference tokens]`` with ``[ids; reference ids]``; only the generated tokens' output
+  is kept. μ of the σ shift counts the generated tokens only, as the pipelines do.
+
+Where mmrl differs: the pipelines keep a reference image at its own size (floored to a multiple of 16, scaled down
+to 1024² pixels when larger) whatever the output size; here it is brought to the run's size, so the rows of a batch
+share one shape (the pipelines given a reference image of the run's size compute the same, which the tests check).
+One reference image per row (the pipelines take several, at T = 10, 20, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.flux2 import Flux2Adapter
+from mmrl.plugins.flow.adapters.flux2_klein import Flux2KleinAdapter
+
+
+class _ReferenceImage:
+    """The reference-image conditioning both FLUX.2 pipelines share (mixed into their adapters)."""
+
+    image_conditioned = True
+    #: The pipeline class the adapter edits with (chosen by name, so checked when it loads).
+    edits_with: str
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        if type(pipeline).__name__ != self.edits_with:
+            other = "flux2_edit" if self.edits_with == "Flux2KleinPipeline" else "flux2_klein_edit"
+            raise ValueError(f"{self.name} adapter: {type(pipeline).__name__} is not a {self.edits_with}; use "
+                             f"adapter {other} for the other FLUX.2 pipeline")
+        super().__init__(pipeline, device)
+
+    def encode_condition_images(self: Any, images: list[Any]) -> tuple[Conditioning, Tensor]:
+        height, width = self.size
+        pixels = self.pipeline.image_processor.preprocess(images, height=height, width=width, resize_mode="crop")
+        pixels = pixels.to(self.device, self.vae.dtype)  # [n, 3, H, W] in [-1, 1]
+        latents = self.pipeline._encode_vae_image(image=pixels, generator=None)  # [n, 4C, h/2, w/2], normalised
+        return {"image_latents": self.pipeline._pack_latents(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
+
+    def _reference_ids(self: Any, like: Tensor) -> Tensor:
+        """``[1, h/2·w/2, 4]``: (10, row, column, 0) on the run's token grid, ``_prepare_image_ids`` of one image."""
+        rows, columns = self._token_grid()
+        return self.pipeline._prepare_image_ids([like.new_empty(1, 1, rows, columns)]).to(like.device)
+
+    def call_transformer(self: Any, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                         guidance_scale: float) -> Tensor:
+        tokens = latents.shape[1]  # latents [n, h/2·w/2, 4C]
+        reference = conditioning["image_latents"].to(latents.dtype)  # [n, h/2·w/2, 4C]
+        image_ids, text_ids = self._position_ids(tokens, conditioning["prompt_embeds"].shape[1], latents)
+        ids = torch.cat([image_ids, self._reference_ids(image_ids)], dim=1)  # [1, 2·T, 4]
+        both = torch.cat([latents, reference], dim=1)  # [n, 2·T, 4C]
+        return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]
+
+
+class Flux2EditAdapter(_ReferenceImage, Flux2Adapter):
+    """``Flux2Pipeline`` (FLUX.2 [dev]) editing each row's reference image; select with ``adapter: flux2_edit``."""
+
+    name = "flux2_edit"
+    pipeline_classes = ()  # chosen by name: auto picks the text-to-image flux2 adapter
+    edits_with = "Flux2Pipeline"
+
+
+class Flux2KleinEditAdapter(_ReferenceImage, Flux2KleinAdapter):
+    """``Flux2KleinPipeline`` (FLUX.2 [klein], base or distilled) editing each row's reference image; select with
+    ``adapter: flux2_klein_edit``."""
+
+    name = "flux2_klein_edit"
+    pipeline_classes = ()  # chosen by name: auto picks the text-to-image flux2_klein adapter
+    edits_with = "Flux2KleinPipeline"
