@@ -3,8 +3,9 @@ estimator checked against measurements on tiny models on the CPU (issue 26 item 
 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
 published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
-``FluxTransformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel``, transformers'
-``Qwen2_5_VLForConditionalGeneration`` and ``Glm4vForConditionalGeneration``, and ``LlamaForCausalLM`` for
+``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel`` and
+``ZImageTransformer2DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``, ``Glm4vForConditionalGeneration``
+and ``Qwen3Model``, and ``LlamaForCausalLM`` for
 LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
 ``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
 
@@ -63,6 +64,8 @@ FLOW_QWEN_IMAGE_TARGETS = FLOW_SD3_TARGETS + ("img_mlp.net.0.proj", "img_mlp.net
                                               "txt_mlp.net.2")  # plugins/flow/adapters/qwen_image.py
 FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                         "ff_context.net.2")  # plugins/flow/adapters/flux.py
+FLOW_Z_IMAGE_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")  # plugins/flow/adapters/z_image.py
 LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
 GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")  # the glm4v adapter's
 
@@ -81,7 +84,11 @@ GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_p
 # float32 models at h = 16…96 (2…6 heads, MLP 32…256, 16…80 image tokens, 10…20 text tokens, LoRA rank 4), where
 # they reproduce the measured bytes exactly, as they do at a size left out of the fit (Wan h 60 with 3 heads and MLP
 # 100, Qwen-Image h 80 with 5 heads); the ``heads`` and constant terms (per-head norm statistics, the attention's
-# log-sum-exp) matter only at such tiny sizes.
+# log-sum-exp) matter only at such tiny sizes. Z-Image (ZImageTransformerBlock: single stream over the image and
+# caption tokens, each padded to a multiple of 32, SwiGLU MLP of width f = 8h/3, qk RMSNorm, four adaLN modulations):
+# per token and ``z_image_sequence`` per sequence (the modulation); ``z_image_caption`` per caption token of a
+# context-refiner block (no modulation). Fitted at h = 32…64 (2 and 4 heads, 32…64 image and caption tokens, LoRA
+# ranks 4…16, each adapted linear keeping its r-wide intermediate), where they reproduce the measured bytes exactly.
 ACTIVATION_BYTES = {
     ("decoder", "full"): lambda h, kv, f, r, heads: 8 * h + 2 * kv + 4 * f,
     ("decoder", "lora"): lambda h, kv, f, r, heads: 6 * h + 2 * kv + 4 * f + 7 * r,
@@ -103,6 +110,12 @@ ACTIVATION_BYTES = {
     ("qwen_image", "lora"): lambda h, kv, f, r, heads: 19 * h + 6 * r + 3 * heads + 5,
     ("qwen_image_sequence", "full"): lambda h, kv, f, r, heads: 18 * h,
     ("qwen_image_sequence", "lora"): lambda h, kv, f, r, heads: 16 * h,
+    ("z_image", "full"): lambda h, kv, f, r, heads: 22 * h + 4 * f + 3 * heads + 4,
+    ("z_image", "lora"): lambda h, kv, f, r, heads: 12 * h + 4 * f + 7 * r + 3 * heads + 4,
+    ("z_image_sequence", "full"): lambda h, kv, f, r, heads: 4 * h,
+    ("z_image_sequence", "lora"): lambda h, kv, f, r, heads: 4 * h,
+    ("z_image_caption", "full"): lambda h, kv, f, r, heads: 18 * h + 4 * f + 3 * heads + 4,
+    ("z_image_caption", "lora"): lambda h, kv, f, r, heads: 12 * h + 4 * f + 7 * r + 3 * heads + 4,
 }
 
 
@@ -222,6 +235,27 @@ def build_qwen_image_extras() -> list[nn.Module]:
     return [build_qwen25vl("7b"), AutoencoderKLQwenImage()]
 
 
+def build_z_image() -> nn.Module:
+    """Z-Image's 6B single-stream DiT: ``ZImageTransformer2DModel``'s defaults are Tongyi-MAI/Z-Image(-Turbo)'s
+    transformer config (dim 3840, 30 layers and 2 + 2 refiner layers of 30 heads, SwiGLU 10240, caption features 2560
+    from Qwen3-4B, 16 latent channels in 2 × 2 patches)."""
+    from diffusers import ZImageTransformer2DModel
+
+    return ZImageTransformer2DModel()
+
+
+def build_z_image_extras() -> list[nn.Module]:
+    """ZImagePipeline's text encoder, Qwen3-4B without its LM head (``Qwen3Model``: hidden 2560, 36 layers, 32 query
+    and 8 key/value heads of 128, SwiGLU 9728, vocabulary 151936, tied embeddings), and FLUX.1's 16-channel VAE
+    (the SD3 layout of :func:`build_vae`)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    qwen3 = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                   tie_word_embeddings=True))
+    return [qwen3, build_vae()]
+
+
 def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, exclude: str | None = None) -> int:
     """``rank · (in + out)`` over the ``nn.Linear`` modules whose name ends with one of ``targets`` (PEFT's rule)."""
     total = 0
@@ -326,6 +360,17 @@ def recipes() -> list[Recipe]:
                       extras=build_qwen_image_extras,
                       notes=["micro-batch 2 x 2 (CFG), one denoising step per backward (action_chunk_size 1)"])
 
+    def z_image_turbo() -> Recipe:
+        # 512 px: 64 x 64 latents in 2 x 2 patches = 1024 image tokens; the caption at most 128 tokens (its
+        # max_sequence_length, a multiple of 32 as the transformer pads it); micro-batch 2, no CFG pass (Turbo).
+        image, caption = (512 // 16) ** 2, 128
+        return Recipe("Z-Image-Turbo LoRA r64 512px", "configs/flow/z_image_turbo_pickscore.yaml", build_z_image,
+                      3840, 3840, 10240, [Blocks("z_image", 30, image + caption), Blocks("z_image", 2, image),
+                                          Blocks("z_image_caption", 2, caption)],
+                      sequences=2, lora_targets=FLOW_Z_IMAGE_TARGETS, lora_rank=64, weight_bytes=2, heads=30,
+                      checkpointing=True, ema=True, extras=build_z_image_extras,
+                      notes=["micro-batch 2, no CFG pass, one denoising step per backward (action_chunk_size 1)"])
+
     return [
         Recipe("SD3.5-M LoRA r32", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
                sd35_blocks, sequences=9 * 2, lora_targets=FLOW_SD3_TARGETS,
@@ -376,6 +421,7 @@ def recipes() -> list[Recipe]:
         wan22_a14b(),
         qwen_image(512),
         qwen_image(1024),
+        z_image_turbo(),
     ]
 
 
@@ -560,7 +606,7 @@ def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
     """
     from peft import LoraConfig, get_peft_model
 
-    from mmrl.plugins.flow.testing import build_qwen_image_pipeline, build_wan_pipeline
+    from mmrl.plugins.flow.testing import build_qwen_image_pipeline, build_wan_pipeline, build_z_image_pipeline
 
     wan_config = dict(build_wan_pipeline().transformer.config)
     qwen_config = dict(build_qwen_image_pipeline().transformer.config)
@@ -575,11 +621,14 @@ def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
     timestep = torch.rand(batch)
 
     def build(config: dict[str, Any], layers: int, lora: bool, targets: tuple[str, ...], bf16: bool) -> nn.Module:
-        from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
+        from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel
 
-        model_class = WanTransformer3DModel if "text_dim" in config else QwenImageTransformer2DModel
         kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
-        model = model_class(**{**kwargs, "num_layers": layers})
+        if "cap_feat_dim" in config:  # Z-Image: n_layers main blocks (the refiners cancel in the difference)
+            model = ZImageTransformer2DModel(**{**kwargs, "n_layers": layers})
+        else:
+            model_class = WanTransformer3DModel if "text_dim" in config else QwenImageTransformer2DModel
+            model = model_class(**{**kwargs, "num_layers": layers})
         if bf16:  # as from_pretrained(torch_dtype=bfloat16): the model's _keep_in_fp32_modules stay float32
             model.to(torch.bfloat16)
             keep = getattr(model, "_keep_in_fp32_modules", None) or []
@@ -599,13 +648,27 @@ def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
                              encoder_hidden_states=qwen_context.to(dtype), encoder_hidden_states_mask=mask,
                              img_shapes=[[(1, side, side)]] * batch, return_dict=False)[0].float().sum()
 
+    z_config = dict(build_z_image_pipeline().transformer.config)
+    z_latents = [torch.randn(z_config["in_channels"], 1, 8, 8) for _ in range(batch)]  # 16 tokens, padded to 32
+    z_captions = [torch.randn(text, z_config["cap_feat_dim"]) for _ in range(batch)]  # 12 tokens, padded to 32
+
+    def run_z_image(model: nn.Module, dtype: torch.dtype) -> Any:
+        return lambda: torch.stack(model(x=[x.to(dtype) for x in z_latents], t=timestep,
+                                         cap_feats=[c.to(dtype) for c in z_captions], return_dict=False)[0]
+                                   ).float().sum()
+
     cases = [("wan", wan_config, FLOW_WAN_TARGETS, run_wan, Blocks("wan", 2, 3 * 4 * 4, context_tokens=text)),
              ("qwen_image", qwen_config, FLOW_QWEN_IMAGE_TARGETS, run_qwen,
-              Blocks("qwen_image", 2, side * side + text))]
+              Blocks("qwen_image", 2, side * side + text)),
+             ("z_image", z_config, FLOW_Z_IMAGE_TARGETS, run_z_image, Blocks("z_image", 2, 32 + 32))]
     rows = []
     for kind, config, targets, runner, blocks in cases:
-        heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
-        mlp = config.get("ffn_dim", 4 * hidden)
+        if "cap_feat_dim" in config:  # Z-Image: dim, n_heads, SwiGLU width int(dim / 3 * 8)
+            heads, hidden = config["n_heads"], config["dim"]
+            mlp = int(hidden / 3 * 8)
+        else:
+            heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
+            mlp = config.get("ffn_dim", 4 * hidden)
         # float32 (what the coefficients count), and LoRA as the recipes train: a bfloat16 base under bfloat16
         # autocast, where float32 norms and modulation (Wan's FP32LayerNorm) and peft's casts of each adapted
         # linear's input keep more than 2 bytes per counted value: reported, not part of the estimate.

@@ -289,15 +289,16 @@ def test_step_floors(tmp_path, plugin):
 
 
 def test_memory_estimate(tmp_path):
-    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe and the Qwen-Image recipe (built on the meta device), FSDP
-    over 2, with the tiny-model check."""
+    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe, the Qwen-Image and Z-Image-Turbo recipes (built on the
+    meta device), FSDP over 2, with the tiny-model check."""
     out = tmp_path / "memory.json"
     run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
-                  "A14B", "Qwen-Image LoRA r64 512px", "--check", "--json", str(out))
+                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "--check", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
     assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
-                                       "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px"]
+                                       "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px",
+                                       "Z-Image-Turbo LoRA r64 512px"]
     # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
     # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
     glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
@@ -351,14 +352,20 @@ def test_memory_estimate(tmp_path):
     assert sharded["trainable_state"] == pytest.approx(one["gib"]["trainable_state"] / 2)
     assert sharded["frozen_extras"] == pytest.approx(one["gib"]["frozen_extras"])
     assert one["gib"]["frozen_extras"] > 15  # Qwen2.5-VL-7B in bf16 (8.29B parameters) and the VAE
-    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan and
-    # Qwen-Image blocks included.
-    assert len(result["check"]) == 18
-    assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image"}
+    # Z-Image-Turbo, configs/flow/z_image_turbo_pickscore.yaml: rank-64 LoRA on 4 attention projections (3840 -> 3840)
+    # and the SwiGLU's w1, w3 (3840 -> 10240) and w2 (10240 -> 3840) of the 30 main and 2 + 2 refiner blocks.
+    z_image = result["recipes"]["Z-Image-Turbo LoRA r64 512px"]["with_checkpointing"]["one_gpu"]
+    assert z_image["trainable"] == 34 * 64 * (4 * (3840 + 3840) + 3 * (3840 + 10240))
+    assert z_image["gib"]["weights"] == pytest.approx(z_image["parameters"] * 2 / 2**30) and z_image["parameters"] > 6e9
+    assert z_image["gib"]["frozen_extras"] > 7  # Qwen3-4B (4.02B parameters) in bf16 and the VAE
+    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan, Qwen-Image
+    # and Z-Image blocks included.
+    assert len(result["check"]) == 21
+    assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image", "z_image"}
     for row in result["check"]:
         if "bf16" in row["model"]:
-            # Wan and Qwen-Image LoRA blocks at bfloat16 under autocast keep float32 norms and peft's input casts
-            # besides what the coefficients count: more than the estimate, as docs/distributed.md reports.
+            # Wan, Qwen-Image and Z-Image LoRA blocks at bfloat16 under autocast keep float32 norms and peft's input
+            # casts besides what the coefficients count: more than the estimate, as docs/distributed.md reports.
             assert 1.2 < row["ratio"] < 2.0, row
         else:
             assert 0.95 < row["ratio"] < 1.05, row
