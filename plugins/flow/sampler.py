@@ -233,7 +233,8 @@ class FlowSampler:
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask,
-            payload={self.adapter.output: self.adapter.decode(final), "prompts": prompts, **extra},
+            payload={self.adapter.output: self.adapter.decode(self.adapter.finalize(final, conditioning)),
+                     "prompts": prompts, **extra},
             replay=replay,
             shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
                     "credit": config.credit.strategy},
@@ -254,7 +255,8 @@ class FlowSampler:
             latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
         empty = latents.new_zeros(n, 0)
         return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                       payload={self.adapter.output: self.adapter.decode(latents), "prompts": prompts, **extra})
+                       payload={self.adapter.output: self.adapter.decode(self.adapter.finalize(latents, conditioning)),
+                                "prompts": prompts, **extra})
 
     def row_conditioning(self, rows: Sequence[dict[str, Any]]
                          ) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:

@@ -594,6 +594,16 @@ def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = Fa
                                    scheduler=base.scheduler, **parts)
 
 
+def build_wan22_ti2v_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """:func:`build_wan22_ti2v_pipeline`'s components as a ``WanImageToVideoPipeline`` with ``expand_timesteps``
+    (Wan 2.2 TI2V-5B given an image: the image's latent frame replaces the first one, its tokens at timestep 0)."""
+    from diffusers import WanImageToVideoPipeline
+
+    ti2v = build_wan22_ti2v_pipeline(seed=seed, size=size)
+    return WanImageToVideoPipeline(tokenizer=ti2v.tokenizer, text_encoder=ti2v.text_encoder, vae=ti2v.vae,
+                                   scheduler=ti2v.scheduler, transformer=ti2v.transformer, expand_timesteps=True)
+
+
 def build_wan22_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     """:func:`build_wan_i2v_pipeline` with Wan 2.2 I2V-A14B's two experts and no image encoder."""
     return build_wan_i2v_pipeline(seed=seed, size=size, experts=True)
@@ -674,7 +684,7 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
-            "wan22_i2v": build_wan22_i2v_pipeline}
+            "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -682,7 +692,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
-    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``) and
+    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -21,7 +21,7 @@ from tests.flow.checks import (
 )
 
 FRAMES = 5  # the tiny VAE compresses time by 2: 3 latent frames
-KINDS = ("wan_i2v", "wan22_i2v")
+KINDS = ("wan_i2v", "wan22_i2v", "wan22_ti2v_i2v")
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +85,7 @@ def test_evaluation_is_the_i2v_pipeline_ode_on_the_same_image(make_plugin, first
     assert condition.shape == (2, 3, height, width)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS[:2])
 def test_the_condition_carries_the_image_and_its_mask(make_plugin, first_frames, kind):
     """``[mask; latents]`` with the mask one on the first latent frame only, and another image gives another
     velocity; Wan 2.1 I2V also carries the CLIP features."""
@@ -104,16 +104,33 @@ def test_the_condition_carries_the_image_and_its_mask(make_plugin, first_frames,
     assert (velocity[0] - velocity[1]).abs().max() > 1e-3
 
 
-def test_expand_timesteps_pipelines_are_refused_in_one_line(pipelines, tmp_path):
-    from diffusers import DiffusionPipeline
+def test_ti2v_puts_the_image_frame_in_at_timestep_zero_and_back_before_decoding(make_plugin, first_frames):
+    """Wan 2.2 TI2V-5B given an image: the condition is one latent frame; the transformer sees it as the first frame
+    of its input with timestep 0 on its tokens, and the sampled latents get it back (finalize)."""
+    plugin = make_plugin("wan22_ti2v_i2v", **_options(first_frames))
+    adapter = plugin.adapter
+    _, conditioning, _ = plugin.sampler.row_conditioning(_rows(first_frames, 0, 1))
+    condition = conditioning["image_condition"]  # [2, 6, 1, 4, 4]: z_dim 6, one latent frame, 16 px / 4
+    assert condition.shape == (2, 6, 1, 4, 4)
+    latents = torch.randn(2, 6, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    seen = {}
 
-    from mmrl.plugins.flow.adapters.wan_i2v import WanImageToVideoAdapter
+    def record(module, args, kwargs):
+        seen.update(hidden=kwargs["hidden_states"].detach().clone(), timestep=kwargs["timestep"].detach().clone())
 
-    pipeline = DiffusionPipeline.from_pretrained(str(pipelines["wan_i2v"]))
-    pipeline.register_to_config(expand_timesteps=True)
-    with pytest.raises(ValueError, match=r"^wan_i2v adapter: this pipeline has expand_timesteps \(Wan 2.2 TI2V-5B "
-                                         r"image-to-video[^\n]*$"):
-        WanImageToVideoAdapter(pipeline, torch.device("cpu"))
+    handle = adapter.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            adapter.velocity(plugin.policy(), latents, torch.tensor([700.0, 300.0]), conditioning, guidance_scale=1.0)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(seen["hidden"][:, :, :1], condition, rtol=0, atol=0)
+    torch.testing.assert_close(seen["hidden"][:, :, 1:], latents[:, :, 1:], rtol=0, atol=0)
+    tokens = seen["timestep"]  # [2, 3 frames · 2 · 2 tokens]
+    assert tokens.shape == (2, 12) and bool((tokens[:, :4] == 0).all())
+    assert tokens[:, 4:].tolist() == [[700.0] * 8, [300.0] * 8]
+    final = adapter.finalize(latents, conditioning)
+    assert torch.equal(final[:, :, :1], condition) and torch.equal(final[:, :, 1:], latents[:, :, 1:])
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -336,6 +336,12 @@ class FlowAdapter(ABC):
         combination (Qwen-Image's norm rescale) overrides this, not :meth:`velocity`."""
         return uncond + guidance_scale * (cond - uncond)
 
+    def finalize(self, latents: Tensor, conditioning: Conditioning) -> Tensor:
+        """The sampled latents ``[n, ...]`` as the pipeline hands them to the VAE, given the rows' conditioning: the
+        identity, except where the pipeline puts given content back after sampling (Wan 2.2 TI2V image-to-video:
+        the first latent frame becomes the input image's again)."""
+        return latents
+
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Final latents (transformer layout) → images ``[N, 3, H, W]`` float32 in [0, 1], as the pipeline's

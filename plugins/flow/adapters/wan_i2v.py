@@ -1,7 +1,9 @@
 """Wan image-to-video (``WanImageToVideoPipeline``): Wan 2.1 I2V (one transformer that also cross-attends to CLIP
-image features) and Wan 2.2 I2V-A14B (two experts, no image encoder). The video starts from an input image: the
-image, followed by black frames, is encoded by the video VAE into a condition video that is concatenated with the
-noisy latents along the channels, together with a mask that marks the first frame as given.
+image features), Wan 2.2 I2V-A14B (two experts, no image encoder) and Wan 2.2 TI2V-5B given an image. The video
+starts from an input image. Wan 2.1 and Wan 2.2 A14B: the image, followed by black frames, is encoded by the video
+VAE into a condition video that is concatenated with the noisy latents along the channels, together with a mask
+that marks the first frame as given. TI2V-5B (``expand_timesteps``): the image's latent frame replaces the first
+latent frame of the model's input at every step, those tokens get timestep 0, and it is put back before decoding.
 
 What the adapter reproduces from ``WanImageToVideoPipeline.__call__`` (diffusers 0.42) besides Wan's prompts,
 schedule, experts, guidance and decode (:class:`~mmrl.plugins.flow.adapters.wan.WanAdapter`):
@@ -16,13 +18,18 @@ schedule, experts, guidance and decode (:class:`~mmrl.plugins.flow.adapters.wan.
   vision tower's second-to-last hidden state of the original image (``encode_image``), the same in both halves of
   the CFG call.
 - noise ``[C, F_lat, h, w]`` with C the VAE's ``z_dim`` (the transformer's ``in_channels`` counts the condition too).
+- TI2V-5B (``expand_timesteps``): the condition is the image alone encoded as a one-frame video ``[C, 1, h, w]``;
+  the model's input is ``(1 − m)·condition + m·latents`` with ``m`` zero on the first latent frame, its timesteps
+  ``m[:, ::2, ::2]·t`` per token (0 for the first frame's tokens), and the sampled latents get the condition frame
+  back before the VAE (:meth:`WanImageToVideoAdapter.finalize`). The SDE steps, and the log-probs count, every
+  latent element, the first frame's too, as the pipeline's scheduler steps them and Flow-Factory's log-probs count
+  them (its ``wan2_i2v.py`` ``forward``): those elements never reach the video, so they are noise in the ratio, not
+  signal.
 
-Not supported: ``expand_timesteps`` (Wan 2.2 TI2V-5B image-to-video, where the first latent frame is replaced by the
-image and its tokens get timestep 0; train TI2V-5B text-to-video with the ``wan`` adapter) and ``last_image``
-(first-and-last-frame interpolation). Flow-Factory trains Wan image-to-video the same way (X-GenGroup/Flow-Factory@
-a0b2bc5, ``src/flow_factory/models/wan/wan2_i2v.py``); its LoRA targets, like this adapter's, are the Wan
-text-to-video adapter's (the image cross-attention's ``add_k_proj``/``add_v_proj`` of Wan 2.1 I2V are not adapted
-by default: add them to ``lora.target_modules``).
+Not supported: ``last_image`` (first-and-last-frame interpolation). Flow-Factory trains Wan image-to-video the same
+way (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/wan/wan2_i2v.py``); its LoRA targets, like this
+adapter's, are the Wan text-to-video adapter's (the image cross-attention's ``add_k_proj``/``add_v_proj`` of Wan 2.1
+I2V are not adapted by default: add them to ``lora.target_modules``).
 """
 
 from __future__ import annotations
@@ -38,18 +45,12 @@ from mmrl.plugins.flow.adapters.wan import WanAdapter
 
 class WanImageToVideoAdapter(WanAdapter):
     """Adapter for ``WanImageToVideoPipeline``: Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (and 720P), Wan-AI/Wan2.2-I2V-
-    A14B-Diffusers and fine-tunes; one input image per row, the first frame of the video."""
+    A14B-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers (``expand_timesteps``) and fine-tunes; one input image per row,
+    the first frame of the video."""
 
     name = "wan_i2v"
     pipeline_classes = ("WanImageToVideoPipeline",)
     image_conditioned = True
-
-    def __init__(self, pipeline: Any, device: torch.device):
-        super().__init__(pipeline, device)
-        if self.expand_timesteps:
-            raise ValueError("wan_i2v adapter: this pipeline has expand_timesteps (Wan 2.2 TI2V-5B image-to-video: the "
-                             "first latent frame replaced by the image at timestep 0), which is not supported; train "
-                             "TI2V-5B text-to-video with the wan adapter")
 
     def noise_shape(self) -> tuple[int, ...]:
         # prepare_latents draws z_dim channels; the transformer's in_channels also count the condition and its mask
@@ -61,12 +62,16 @@ class WanImageToVideoAdapter(WanAdapter):
         pixels = self.pipeline.video_processor.preprocess(images, height=height, width=width)
         pixels = pixels.to(self.device, torch.float32)  # [n, 3, H, W] in [-1, 1]
         n = pixels.shape[0]
-        video = torch.cat([pixels.unsqueeze(2), pixels.new_zeros(n, 3, frames - 1, height, width)], dim=2)
+        video = pixels.unsqueeze(2)  # [n, 3, 1, H, W]: TI2V-5B encodes the image alone
+        if not self.expand_timesteps:  # the image, then black frames
+            video = torch.cat([video, pixels.new_zeros(n, 3, frames - 1, height, width)], dim=2)
         latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()  # [n, C, F_lat, h, w]
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device)
         latents = (latents - mean) * inverse_std  # the pipeline's order of operations, in float32
+        if self.expand_timesteps:  # [n, C, 1, h, w]: the first latent frame of every step's input
+            return {"image_condition": latents}, (pixels / 2 + 0.5).clamp(0, 1)
         temporal, (h, w) = self.temporal_scale_factor, latents.shape[3:]
         mask = torch.zeros(n, 1, frames, h, w, device=latents.device)  # [n, 1, F, h, w]: 1 on the given frame
         mask[:, :, 0] = 1
@@ -77,8 +82,27 @@ class WanImageToVideoAdapter(WanAdapter):
             conditioning["image_embeds"] = self.pipeline.encode_image(images, self.device)  # [n, 257, D_image]
         return conditioning, (pixels / 2 + 0.5).clamp(0, 1)
 
+    def _first_frame_mask(self, latents: Tensor) -> Tensor:
+        """``[1, 1, F_lat, h, w]``: 0 on the first latent frame (given by the image), 1 elsewhere (TI2V-5B)."""
+        mask = torch.ones(1, 1, *latents.shape[2:], device=latents.device, dtype=torch.float32)
+        mask[:, :, 0] = 0
+        return mask
+
+    def finalize(self, latents: Tensor, conditioning: Conditioning) -> Tensor:
+        """TI2V-5B: the first latent frame becomes the image's again, as the pipeline does after its loop."""
+        if not self.expand_timesteps:
+            return latents
+        mask = self._first_frame_mask(latents)
+        return (1 - mask) * conditioning["image_condition"].to(latents) + mask * latents
+
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
+        if self.expand_timesteps:  # the condition frame in the input, its tokens at timestep 0
+            mask = self._first_frame_mask(latents)
+            given = (1 - mask) * conditioning["image_condition"].float() + mask * latents.float()
+            per_token = mask[0, 0, :, ::2, ::2].flatten()  # [F_lat · ⌈h/2⌉ · ⌈w/2⌉], as the pipeline's temp_ts
+            return module(hidden_states=given.to(latents.dtype), timestep=timesteps.float()[:, None] * per_token,
+                          encoder_hidden_states=conditioning["prompt_embeds"], return_dict=False)[0]
         both = torch.cat([latents, conditioning["image_condition"].to(latents.dtype)], dim=1)  # [n, 2C + t, ...]
         image = conditioning.get("image_embeds")
         return module(
