@@ -371,6 +371,26 @@ def recipes() -> list[Recipe]:
                       checkpointing=True, ema=True, extras=build_z_image_extras,
                       notes=["micro-batch 2, no CFG pass, one denoising step per backward (action_chunk_size 1)"])
 
+    def edits() -> list[Recipe]:
+        # The editing recipes at 384 px: 24 x 24 = 576 packed tokens for the edited image and as many for the input
+        # image appended to the sequence (both resized to the run's size); the blocks are the text-to-image models'
+        # (the same coefficients per token), so only the sequence grows.
+        image = (384 // 16) ** 2
+        kontext = Recipe("FLUX.1-Kontext LoRA r64 384px", "configs/flow/flux_kontext_pickscore.yaml", build_flux_dev,
+                         3072, 3072, 12288, [Blocks("flux_double", 19, 2 * image + 512),
+                                             Blocks("flux_single", 38, 2 * image + 512)],
+                         sequences=2, lora_targets=FLOW_FLUX_TARGETS, lora_rank=64, weight_bytes=2,
+                         checkpointing=True, ema=True, extras=lambda: [*build_text_encoders("flux"), build_vae()],
+                         notes=["micro-batch 2 (embedded guidance), the input image's 576 tokens appended"])
+        # Qwen-Image-Edit-2509: text at most max_sequence_length 512 (template, the image's vision tokens, the
+        # instruction), CFG with a negative per row: micro-batch 2 x 2.
+        qwen_edit = Recipe("Qwen-Image-Edit LoRA r64 384px", "configs/flow/qwen_image_edit_pickscore.yaml",
+                           build_qwen_image, 3072, 3072, 12288, [Blocks("qwen_image", 60, 2 * image + 512)],
+                           sequences=2 * 2, lora_targets=FLOW_QWEN_IMAGE_TARGETS, lora_rank=64, weight_bytes=2,
+                           heads=24, checkpointing=True, ema=True, extras=build_qwen_image_extras,
+                           notes=["micro-batch 2 x 2 (CFG), the input image's 576 tokens appended, text <= 512"])
+        return [kontext, qwen_edit]
+
     return [
         Recipe("SD3.5-M LoRA r32", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
                sd35_blocks, sequences=9 * 2, lora_targets=FLOW_SD3_TARGETS,
@@ -422,6 +442,7 @@ def recipes() -> list[Recipe]:
         qwen_image(512),
         qwen_image(1024),
         z_image_turbo(),
+        *edits(),
     ]
 
 

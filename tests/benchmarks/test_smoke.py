@@ -293,12 +293,12 @@ def test_memory_estimate(tmp_path):
     meta device), FSDP over 2, with the tiny-model check."""
     out = tmp_path / "memory.json"
     run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
-                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "--check", "--json", str(out))
+                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "Kontext", "--check", "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
     assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
                                        "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px",
-                                       "Z-Image-Turbo LoRA r64 512px"]
+                                       "Z-Image-Turbo LoRA r64 512px", "FLUX.1-Kontext LoRA r64 384px"]
     # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
     # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
     glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
@@ -358,6 +358,15 @@ def test_memory_estimate(tmp_path):
     assert z_image["trainable"] == 34 * 64 * (4 * (3840 + 3840) + 3 * (3840 + 10240))
     assert z_image["gib"]["weights"] == pytest.approx(z_image["parameters"] * 2 / 2**30) and z_image["parameters"] > 6e9
     assert z_image["gib"]["frozen_extras"] > 7  # Qwen3-4B (4.02B parameters) in bf16 and the VAE
+    # FLUX.1 Kontext at 384 px, configs/flow/flux_kontext_pickscore.yaml: rank-64 LoRA on FLUX.1-dev's 19 double blocks
+    # (8 attention projections 3072 -> 3072 and both streams' MLPs 3072 -> 12288 -> 3072) and the 38 single blocks'
+    # to_q/k/v; without checkpointing, FLUX's per-token LoRA activations (19.63h double, 12.41h single, bf16) over
+    # 2 x 576 image tokens (the input image appended) and 512 text tokens, micro-batch 2.
+    kontext = result["recipes"]["FLUX.1-Kontext LoRA r64 384px"]
+    one = kontext["without_checkpointing"]["one_gpu"]
+    assert one["trainable"] == 64 * (19 * (8 * (3072 + 3072) + 4 * (3072 + 12288)) + 38 * 3 * (3072 + 3072))
+    per_token = (19 * 19.63 + 38 * 12.41) * 3072 * 2  # bytes per token and sequence
+    assert one["gib"]["activations"] == pytest.approx(per_token * (2 * 576 + 512) * 2 / 2**30, rel=1e-6)
     # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan, Qwen-Image
     # and Z-Image blocks included.
     assert len(result["check"]) == 21
