@@ -436,6 +436,18 @@ def tiny_qwen3_tokenizer() -> Any:
                           unk_token=None, chat_template=_Z_IMAGE_CHAT_TEMPLATE)
 
 
+def _tiny_qwen3_config(tokenizer: Any, width: int, *, layers: int, tie: bool) -> Any:
+    """A ``Qwen3Config`` of ``layers`` layers of width ``width`` (2 query heads, 1 key/value head of width/2, MLP
+    2·width) for :func:`tiny_qwen3_tokenizer`."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=width // 2, max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tie,
+    )
+
+
 def build_z_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     """A ``ZImagePipeline`` with random weights: a three-layer ``Qwen3Model`` text encoder (the pipeline reads the
     second-to-last hidden state) on :func:`tiny_qwen3_tokenizer`, a Z-Image single-stream DiT with one noise refiner,
@@ -444,7 +456,7 @@ def build_z_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     Tongyi-MAI/Z-Image-Turbo's scheduler config). The transformer's timestep MLP and padding tokens are random too,
     so the learned caption and image padding (to multiples of 32 tokens) matters as in the real model."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
     if size != "tiny":
         raise ValueError(f"unknown Z-Image pipeline size {size!r}; only 'tiny' is built here")
@@ -452,11 +464,7 @@ def build_z_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
         torch.manual_seed(seed)
         tokenizer = tiny_qwen3_tokenizer()
         text_width, latent_channels = 24, 4
-        text_encoder = Qwen3Model(Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width, num_hidden_layers=3,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=12, max_position_embeddings=256,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-        ))
+        text_encoder = Qwen3Model(_tiny_qwen3_config(tokenizer, text_width, layers=3, tie=False))
         transformer = ZImageTransformer2DModel(
             all_patch_size=(2,), all_f_patch_size=(1,), in_channels=latent_channels, dim=32, n_layers=2,
             n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=text_width, axes_dims=[2, 2, 4],
@@ -476,10 +484,8 @@ def build_flux2_klein_pipeline(seed: int = 0, size: str = "tiny", distilled: boo
     pipeline stacks hidden layers 9, 18 and 27) on :func:`tiny_qwen3_tokenizer`, a 1+1-block FLUX.2 transformer
     without the guidance embedding, FLUX.2's batch-normalised VAE with random statistics, FLUX.1-dev's scheduler
     config (μ from ``compute_empirical_mu``); ``distilled`` sets the pipeline's ``is_distilled`` (no guidance)."""
-    from diffusers import (
-        Flux2KleinPipeline,
-    )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
 
     if size != "tiny":
         raise ValueError(f"unknown FLUX.2 [klein] pipeline size {size!r}; only 'tiny' is built here")
@@ -487,11 +493,7 @@ def build_flux2_klein_pipeline(seed: int = 0, size: str = "tiny", distilled: boo
         torch.manual_seed(seed)
         tokenizer = tiny_qwen3_tokenizer()
         width, latent_channels = 16, 4
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=27,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-        ))
+        text_encoder = Qwen3ForCausalLM(_tiny_qwen3_config(tokenizer, width, layers=27, tie=True))
         transformer, vae, scheduler = _tiny_flux2_parts(latent_channels, width, guidance_embeds=False)
     return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                               transformer=transformer, is_distilled=distilled)
