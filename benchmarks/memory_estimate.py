@@ -601,7 +601,7 @@ def check() -> list[dict[str, Any]]:
             estimated = activation_bytes(recipe, mode)
             rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
                          "measured_bytes": measured, "ratio": measured / estimated})
-    rows += check_video_and_qwen_image(batch, rank)
+    rows += check_flow_blocks(batch, rank)
     for mode in ("full", "lora"):  # weights, gradients and AdamW state after one step
         model = decoder(2, mode == "lora")
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -620,10 +620,11 @@ def check() -> list[dict[str, Any]]:
     return rows
 
 
-def check_video_and_qwen_image(batch: int, rank: int) -> list[dict[str, Any]]:
-    """The Wan and Qwen-Image blocks at the tiny test pipelines' transformer configs (plugins/flow/testing.py, the
-    depth changed to 2 and 4 blocks): a 5-frame 16 px video (3 × 8 × 8 latents, 48 tokens) with 12 text tokens, and a
-    16 px image (16 packed tokens) with 12 text tokens, the second prompt padded (masked) after 7 as the plugin pads.
+def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
+    """The Wan, Qwen-Image and Z-Image blocks at the tiny test pipelines' transformer configs (plugins/flow/testing.py,
+    the depth changed to 2 and 4 blocks): a 5-frame 16 px video (3 × 8 × 8 latents, 48 tokens) with 12 text tokens,
+    a 16 px image (16 packed tokens) with 12 text tokens, the second prompt padded (masked) after 7 as the plugin
+    pads, and a 16 px Z-Image sample (16 image and 12 caption tokens, each padded to 32 by the transformer).
     """
     from peft import LoraConfig, get_peft_model
 

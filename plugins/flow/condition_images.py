@@ -59,10 +59,7 @@ class ConditionImageCache:
 
         def image(path: str) -> Any:
             if path not in loaded:
-                from PIL import Image
-
-                with Image.open(path) as opened:
-                    loaded[path] = opened.convert("RGB")
+                loaded[path] = _read_image(path)
             return loaded[path]
 
         def encode_images(keys: list[Hashable]) -> list[Entry]:
@@ -115,6 +112,18 @@ class ConditionImageCache:
 
 def _row(encoded: dict[str, Tensor], index: int) -> Entry:
     return {name: value[index:index + 1].clone() for name, value in encoded.items()}
+
+
+def _read_image(path: str) -> Any:
+    """The RGB image at ``path``; a file that is not a readable image is a one-line RolloutError naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as opened:
+            return opened.convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:  # truncated, corrupt or not an image at all
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RolloutError(f"input image {path} is not a readable image ({reason})") from None
 
 
 def _image_path(row: dict[str, Any], index: int) -> str:

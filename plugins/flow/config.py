@@ -320,15 +320,12 @@ def adapter_class(config: FlowPluginConfig) -> Any:
     return adapter_for_pipeline(str(index.get("_class_name")), config.model)
 
 
-def load_rows(config: FlowPluginConfig, split: str, adapter: Any = None, *,
-              images: str | None = None) -> list[dict[str, Any]]:
+def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None) -> list[dict[str, Any]]:
     """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files.
 
-    For an image-conditioned ``adapter`` (or with ``images``, an adapter name) every row must name the image to
-    condition on: ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist; rows
-    come back with the absolute path. Inline prompt lists hold no images and are refused."""
-    if adapter is not None and adapter.image_conditioned:
-        images = adapter.name
+    With ``images``, the name of an image-conditioned adapter, every row must name the image to condition on:
+    ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist; rows come back with
+    the absolute path. Inline prompt lists hold no images and are refused."""
     inline = config.prompts if split == "train" else config.eval_prompts
     if inline is not None and images is not None:
         raise ConfigError(f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}", inline,

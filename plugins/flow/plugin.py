@@ -144,7 +144,8 @@ class FlowPlugin(Plugin):
         if config.gradient_checkpointing:
             for expert in self.trained_experts.values():
                 expert.enable_gradient_checkpointing()
-        self._rows = {split: load_rows(config, split, adapter) for split in ("train", "eval")}
+        images = adapter.name if adapter.image_conditioned else None  # every row names its input image
+        self._rows = {split: load_rows(config, split, images=images) for split in ("train", "eval")}
         #: The sampling engine (:mod:`.sampler`), which the credit strategy builds its rollouts with.
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
                                    eval_guidance_scale=self.eval_guidance_scale, input_dtype=self.input_dtype,

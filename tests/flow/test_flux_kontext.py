@@ -176,3 +176,16 @@ def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path)
                     f"plugin.dataset={edits / 'train.jsonl'}", f"plugin.eval_dataset={edits / 'train.jsonl'}",
                     "plugin.resolution=16", "plugin.max_sequence_length=8",
                     "rewards.functions=[{name: test_edit_distance}]")
+
+
+def test_an_unreadable_input_image_is_a_one_line_error_naming_it(make_plugin, tmp_path):
+    """A file that exists (load_rows checks that) but is not an image stops the rollout with one line naming it."""
+    from mmrl.rollout import RolloutError
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "make it red", "image": "broken.png"}) + "\n")
+    plugin = make_plugin("flux_kontext", dataset=str(rows), prompts=None, eval_prompts=None)
+    with pytest.raises(RolloutError, match=rf"^input image {broken} is not a readable image \([^\n]*\)$"):
+        plugin.rollout(plugin.policy(), image_batch(image_rows(rows, "flux_kontext", 0), 2))

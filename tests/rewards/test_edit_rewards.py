@@ -117,3 +117,11 @@ def test_an_edit_reward_scores_the_same_through_the_remote_reward(tiny_models):
         server.close()
     with pytest.raises(RewardError, match=r"^reward 'remote': extra_images names 'images' twice or also as images"):
         RemoteReward(extra_images=["images"], check_server=False, token_env=None)
+
+
+def test_an_empty_batch_scores_nothing(tiny_models):
+    args = {"model": tiny_models.clip_config, "pretrained": tiny_models.clip_weights}
+    nothing = torch.zeros(0, 3, 8, 8)
+    empty = RewardInput(rows=[], payload={"images": nothing, "condition_images": nothing})
+    assert ClipImageSimilarity(**args)(empty).numel() == 0
+    assert ClipDirectional(**args)(empty).numel() == 0

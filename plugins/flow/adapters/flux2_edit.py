@@ -45,6 +45,7 @@ class _ReferenceImage:
             raise ValueError(f"{self.name} adapter: {type(pipeline).__name__} is not a {self.edits_with}; use "
                              f"adapter {other} for the other FLUX.2 pipeline")
         super().__init__(pipeline, device)
+        self._reference_ids_cache: dict[tuple[Any, ...], Tensor] = {}
 
     def encode_condition_images(self: Any, images: list[Any]) -> tuple[Conditioning, Tensor]:
         height, width = self.size
@@ -54,9 +55,14 @@ class _ReferenceImage:
         return {"image_latents": self.pipeline._pack_latents(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
 
     def _reference_ids(self: Any, like: Tensor) -> Tensor:
-        """``[1, h/2·w/2, 4]``: (10, row, column, 0) on the run's token grid, ``_prepare_image_ids`` of one image."""
+        """``[1, h/2·w/2, 4]``: (10, row, column, 0) on the run's token grid, ``_prepare_image_ids`` of one image;
+        cached with the adapter's other position ids."""
         rows, columns = self._token_grid()
-        return self.pipeline._prepare_image_ids([like.new_empty(1, 1, rows, columns)]).to(like.device)
+        key = (rows, columns, like.device)
+        if key not in self._reference_ids_cache:
+            self._reference_ids_cache[key] = self.pipeline._prepare_image_ids(
+                [like.new_empty(1, 1, rows, columns)]).to(like.device)
+        return self._reference_ids_cache[key]
 
     def call_transformer(self: Any, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:

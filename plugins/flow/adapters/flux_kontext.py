@@ -43,6 +43,10 @@ class FluxKontextAdapter(FluxAdapter):
     default_guidance_scale = 3.5  # FluxKontextPipeline.__call__'s default
     image_conditioned = True
 
+    def __init__(self, pipeline: Any, device: torch.device):
+        super().__init__(pipeline, device)
+        self._condition_ids_cache: dict[tuple[Any, ...], Tensor] = {}
+
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
         height, width = self.size
         processor, vae = self.pipeline.image_processor, self.vae
@@ -54,11 +58,14 @@ class FluxKontextAdapter(FluxAdapter):
 
     def _condition_ids(self, tokens: int, like: Tensor) -> Tensor:
         """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: the generated image's grid with the first
-        coordinate 1 (the image is resized to the run's size, so the grids match)."""
-        image_ids, _ = self._position_ids(tokens, 0, like)
-        ids = image_ids.clone()
-        ids[:, 0] = 1
-        return ids
+        coordinate 1 (the image is resized to the run's size, so the grids match); cached with the others."""
+        key = (tokens, like.device, like.dtype)
+        if key not in self._condition_ids_cache:
+            image_ids, _ = self._position_ids(tokens, 0, like)
+            ids = image_ids.clone()
+            ids[:, 0] = 1
+            self._condition_ids_cache[key] = ids
+        return self._condition_ids_cache[key]
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
