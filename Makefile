@@ -13,7 +13,7 @@ EXTRAS ?= all,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
 
-.PHONY: install demo demo-vlm shapes toy test test-fast lint clean
+.PHONY: install demo demo-edit demo-vlm shapes toy test test-fast lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -c 'import sys; sys.exit("mmrl needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -32,6 +32,12 @@ demo: install
 	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes
 
 shapes: demo
+
+# The edit world (docs/shapes.md#the-edit-world): Flow-GRPO image editing on a tiny FLUX.1 Kontext model, offline on
+# the CPU, then the report (score per kind of edit before/after, input|edit grids, reward curve in runs/flow/shapes_edit).
+demo-edit: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/mmrl train configs/flow/shapes_edit.yaml run.resume=latest
+	$(PY) -m mmrl.plugins.flow.shapes.report runs/flow/shapes_edit
 
 # The grounding world (docs/vlm.md): GRPO on the bundled tiny Qwen2.5-VL, offline on the CPU, then the report
 # (held-out score per question kind before/after, box grid, reward curve in runs/vlm/grounding).

@@ -38,6 +38,7 @@ _BUILTIN = {
     "sudoku": "mmrl.rewards.sudoku:sudoku",
     "shapes": "mmrl.rewards.shapes:ShapesReward",
     "shape_fidelity": "mmrl.rewards.shapes:ShapeFidelityReward",
+    "shape_edit": "mmrl.rewards.shape_edits:ShapeEditReward",
     "per_frame": "mmrl.rewards.videos:PerFrameReward",
     "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
     "clip_temporal_consistency": "mmrl.rewards.videos:ClipTemporalConsistency",

@@ -317,9 +317,13 @@ class _RowPixelReward(Reward):
     def score_found(self, row: dict[str, Any], items: list[Component]) -> float:
         raise NotImplementedError
 
-    def __call__(self, batch: RewardInput) -> Tensor:
-        for index, row in enumerate(batch.rows):
+    def check_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Raise a one-line RewardError for a row this reward cannot score (default: :func:`check_row`)."""
+        for index, row in enumerate(rows):
             check_row(row, index, self.name)
+
+    def __call__(self, batch: RewardInput) -> Tensor:
+        self.check_rows(list(batch.rows))
         images = read_images(batch, self.output, self.name)
         scores = torch.zeros(len(batch), dtype=torch.float64)
         by_size: dict[tuple[int, ...], list[int]] = {}

@@ -427,6 +427,7 @@ def _positive_probe(option: str):
 def _probes() -> dict[str, Any]:
     from mmrl.rewards.preference import PointwiseJudge
     from mmrl.rewards.remote import RemoteReward
+    from mmrl.rewards.shape_edits import ShapeEditReward
     from mmrl.rewards.shapes import ShapeFidelityReward, ShapesReward
 
     probes = {}
@@ -467,7 +468,8 @@ def _probes() -> dict[str, Any]:
         probes[f"reward_functions.{name}.divisor"] = _positive_probe("divisor")
     for name in ("clip_score", "pickscore", "hpsv2", "aesthetic", "clip_image_similarity", "clip_directional"):
         probes[f"reward_functions.{name}.batch_size"] = _positive_probe("batch_size")
-    for name, cls in (("shapes", ShapesReward), ("shape_fidelity", ShapeFidelityReward)):
+    for name, cls in (("shapes", ShapesReward), ("shape_fidelity", ShapeFidelityReward),
+                      ("shape_edit", ShapeEditReward)):
         for option in ("max_color_distance", "min_area_fraction"):
             probes[f"reward_functions.{name}.{option}"] = _constructor_probe(
                 lambda value, cls=cls, option=option: cls(**{option: value}))

@@ -346,8 +346,10 @@ def test_report_refuses_a_run_whose_total_reward_is_not_the_shapes_score(tmp_pat
     from mmrl.plugins.flow.shapes.report import _check_rewards
 
     _check_rewards({"rewards": {"functions": [{"name": "shapes", "weight": 1.0}]}}, tmp_path)
-    with pytest.raises(ValueError, match=r"rewards.functions must be \[shapes\] alone; it has \['shapes', 'shape_"):
+    with pytest.raises(ValueError, match=r"rewards.functions must be \[shapes\] or \[shape_edit\] alone; it has "
+                                         r"\['shapes', 'shape_"):
         _check_rewards({"rewards": {"functions": [{"name": "shapes"}, {"name": "shape_fidelity"}]}}, tmp_path)
+    _check_rewards({"rewards": {"functions": [{"name": "shape_edit"}]}}, tmp_path)  # the edit world's score
     strict = [{"name": "shapes", "weight": 1.0, "args": {"strict": True}}]
     with pytest.raises(ValueError, match=r"rewards.functions's shapes needs weight 1 and strict false"):
         _check_rewards({"rewards": {"functions": strict}}, tmp_path)

@@ -354,6 +354,18 @@ class FlowAdapter(ABC):
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
+def encoded_latents(output: Any, vae: nn.Module) -> Tensor:
+    """The deterministic latents of a VAE's ``encode`` output, as diffusers' ``retrieve_latents`` with
+    ``sample_mode="argmax"`` reads them: the posterior's mode (``AutoencoderKL`` and the video VAEs' ``latent_dist``)
+    or the encoder's own latents (``AutoencoderTiny``, TAESD, returns ``latents``)."""
+    if hasattr(output, "latent_dist"):
+        return output.latent_dist.mode()
+    if hasattr(output, "latents"):
+        return output.latents
+    raise TypeError(f"{type(vae).__name__}.encode returned {type(output).__name__}, which has neither 'latent_dist' "
+                    "nor 'latents'; the image-conditioned adapters need a diffusers VAE")
+
+
 def read_model_index(model: str) -> dict[str, Any]:
     """The pipeline's ``model_index.json`` from a local folder or the hub; one-line FileNotFoundError otherwise."""
     path = Path(model).expanduser()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.base import Conditioning, encoded_latents
 from mmrl.plugins.flow.adapters.flux import FluxAdapter
 
 
@@ -52,7 +52,7 @@ class FluxKontextAdapter(FluxAdapter):
         processor, vae = self.pipeline.image_processor, self.vae
         resized = [processor.resize(image, height, width) for image in images]  # as the pipeline resizes
         pixels = processor.preprocess(resized, height, width).to(self.device, vae.dtype)  # [n, 3, H, W] in [-1, 1]
-        latents = vae.encode(pixels).latent_dist.mode()  # [n, C, h, w]: retrieve_latents(sample_mode="argmax")
+        latents = encoded_latents(vae.encode(pixels), vae)  # [n, C, h, w]: retrieve_latents(sample_mode="argmax")
         latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
         return {"image_latents": self.pack(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)  # [n, h/2·w/2, 4C]
 

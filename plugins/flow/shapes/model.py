@@ -35,6 +35,7 @@ the exact inverse (two linear convolutions).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,9 +85,10 @@ class ModelConfig:
         return asdict(self)
 
 
-def word_tokenizer(model_max_length: int = 12) -> Any:
-    """A ``CLIPTokenizer`` whose BPE merges rebuild every word of :data:`WORDS` as one token (with CLIP's ``</w>``
-    end-of-word suffix); other text falls back to letters and digits, anything else to the unknown token.
+def word_tokenizer(model_max_length: int = 12, words: Sequence[str] = WORDS) -> Any:
+    """A ``CLIPTokenizer`` whose BPE merges rebuild every word of ``words`` (the world's :data:`WORDS`) as one token
+    (with CLIP's ``</w>`` end-of-word suffix); other text falls back to letters and digits, anything else to the
+    unknown token.
 
     The merges are learnt here by byte-pair encoding's own rule on the word list (merge the most frequent adjacent
     pair, ties broken alphabetically, until every word is one piece), which is what makes rank-ordered encoding
@@ -97,17 +99,17 @@ def word_tokenizer(model_max_length: int = 12) -> Any:
     vocab: dict[str, int] = {}
     for token in [*alphabet, *(char + "</w>" for char in alphabet)]:
         vocab.setdefault(token, len(vocab))
-    words = [[*word[:-1], word[-1] + "</w>"] for word in WORDS]
+    spelled = [[*word[:-1], word[-1] + "</w>"] for word in words]
     merges: list[tuple[str, str]] = []
-    while any(len(pieces) > 1 for pieces in words):
+    while any(len(pieces) > 1 for pieces in spelled):
         counts: dict[tuple[str, str], int] = {}
-        for pieces in words:
+        for pieces in spelled:
             for pair in zip(pieces, pieces[1:], strict=False):  # adjacent pairs
                 counts[pair] = counts.get(pair, 0) + 1
         best = min(counts, key=lambda pair: (-counts[pair], pair))
         merges.append(best)
         vocab.setdefault(best[0] + best[1], len(vocab))
-        for k, pieces in enumerate(words):
+        for k, pieces in enumerate(spelled):
             merged, i = [], 0
             while i < len(pieces):
                 if i + 1 < len(pieces) and (pieces[i], pieces[i + 1]) == best:
@@ -116,20 +118,20 @@ def word_tokenizer(model_max_length: int = 12) -> Any:
                 else:
                     merged.append(pieces[i])
                     i += 1
-            words[k] = merged
+            spelled[k] = merged
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab.setdefault(special, len(vocab))
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length,
                          unk_token="<|endoftext|>")
 
 
-def word_t5_tokenizer(model_max_length: int = 12) -> Any:
-    """A ``T5TokenizerFast`` on a Unigram vocabulary: T5's special tokens, every word of :data:`WORDS` as one piece,
-    then letters and digits as a fallback."""
+def word_t5_tokenizer(model_max_length: int = 12, words: Sequence[str] = WORDS) -> Any:
+    """A ``T5TokenizerFast`` on a Unigram vocabulary: T5's special tokens, every word of ``words`` (the world's
+    :data:`WORDS`) as one piece, then letters and digits as a fallback."""
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(f"\u2581{word}", -3.0) for word in WORDS]
+    pieces += [(f"\u2581{word}", -3.0) for word in words]
     pieces += [(char, -5.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789"]
     pieces += [(f"\u2581{char}", -6.0) for char in "abcdefghijklmnopqrstuvwxyz0123456789"]
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)

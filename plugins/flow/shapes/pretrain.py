@@ -234,10 +234,10 @@ def _load(folder: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
 
 def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, config: ModelConfig,
            log: list[dict[str, Any]], elapsed: float, previous: dict[str, Any] | None = None,
-           autoencoder: dict[str, Any] | None = None) -> None:
+           autoencoder: dict[str, Any] | None = None, script: str = "mmrl.plugins.flow.shapes.pretrain") -> None:
     """Save the pipeline (with the EMA weights swapped in) and ``pretrain.json`` into ``args.out``, atomically:
     a sibling temporary folder, then a rename. ``previous`` (the ``pretrain.json`` of an ``--init`` folder) is kept
-    in it, so the record lists every stage of the checkpoint."""
+    in it, so the record lists every stage of the checkpoint; ``script`` is the module whose command made it."""
     import shutil
 
     target = Path(args.out)
@@ -245,8 +245,7 @@ def _write(pipeline: Any, args: argparse.Namespace, argv: list[str] | None, conf
     shutil.rmtree(staging, ignore_errors=True)
     pipeline.save_pretrained(str(staging))
     summary = {
-        "command": "python -m mmrl.plugins.flow.shapes.pretrain " + " ".join(argv if argv is not None else
-                                                                            sys.argv[1:]),
+        "command": f"python -m {script} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "model": config.to_dict(),
         "seconds": round(elapsed, 1),

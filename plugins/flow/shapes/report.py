@@ -7,7 +7,8 @@ folder the trainer wrote (``metrics.jsonl``, ``samples/step_*/eval.png`` and ``e
   evaluations as points;
 - ``grid_before.png`` / ``grid_after.png``: copies of the first and last evaluation grids (held-out prompts, each
   captioned with its shapes score);
-- ``summary.json``: the held-out score before and after, per task, and the wall-clock of the run; for a
+- ``summary.json``: the held-out score before and after, per task, and the wall-clock of the run; for an edit-world
+  run (``configs/flow/shapes_edit.yaml``) the score of the unchanged input images (``unchanged_inputs``); for a
   guidance-free run (``plugin.cfg: false``, as the main job) also the pretrained model's score *with* CFG on the same
   prompts and noise (``pretrained_guided``; one more evaluation, ``--no-reference`` skips it),
 
@@ -33,40 +34,65 @@ def _eval_folders(run: Path) -> list[Path]:
     return folders
 
 
-def _check_rewards(config: dict[str, Any], run: Path) -> None:
-    """The grids and eval.jsonl carry the evaluation's total reward: it is the shapes score only when the evaluation
-    is scored by ``shapes`` alone, with partial credit and weight 1 (a dense companion such as ``shape_fidelity``
-    would be added into it). The evaluation's rewards are ``eval.rewards``, or the training rewards without it."""
+def _check_rewards(config: dict[str, Any], run: Path) -> str:
+    """The grids and eval.jsonl carry the evaluation's total reward: it is the world's score only when the
+    evaluation is scored by ``shapes`` (the shapes world) or ``shape_edit`` (the edit world) alone, with partial
+    credit and weight 1 (a dense companion such as ``shape_fidelity`` would be added into it). The evaluation's
+    rewards are ``eval.rewards``, or the training rewards without it. Returns the reward's name."""
     own = (config.get("eval") or {}).get("rewards")
     key = "eval.rewards" if own is not None else "rewards.functions"
     functions = own if own is not None else (config.get("rewards") or {}).get("functions", [])
     specs = [item if isinstance(item, dict) else {"name": item} for item in functions]
     names = [spec.get("name") for spec in specs]
-    if names != ["shapes"]:
-        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so the run's "
-                         f"{key} must be [shapes] alone; it has {names}")
+    if names not in (["shapes"], ["shape_edit"]):
+        raise ValueError(f"{run}: the report reads the evaluation's total reward as the world's score, so the run's "
+                         f"{key} must be [shapes] or [shape_edit] alone; it has {names}")
     spec = specs[0]
     if float(spec.get("weight", 1.0)) != 1.0 or (spec.get("args") or {}).get("strict", False):
-        raise ValueError(f"{run}: the report reads the evaluation's total reward as the shapes score, so {key}'s "
-                         f"shapes needs weight 1 and strict false; it has weight {spec.get('weight', 1.0)}, args "
+        raise ValueError(f"{run}: the report reads the evaluation's total reward as the world's score, so {key}'s "
+                         f"{names[0]} needs weight 1 and strict false; it has weight {spec.get('weight', 1.0)}, args "
                          f"{spec.get('args') or {}}")
+    return names[0]
 
 
-def _task_of(run: Path) -> dict[str, str]:
-    """prompt → task, from the evaluation prompts the run used: its config.yaml read by the flow plugin's own
-    loader (eval_prompts, eval_dataset or the dataset folder's test file), so the report groups what was sampled."""
+def _eval_rows(run: Path) -> tuple[list[dict[str, Any]], str]:
+    """The evaluation rows the run used: its config.yaml read by the flow plugin's own loader (eval_prompts,
+    eval_dataset or the dataset folder's test file; image paths resolved for an editing model), and the name of the
+    reward that scores them."""
     import yaml
 
     from mmrl.config import from_dict
     from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
 
     config = yaml.safe_load((run / "config.yaml").read_text())
-    _check_rewards(config, run)
+    reward = _check_rewards(config, run)
     options = dict(config.get("plugin") or {})
     if options.pop("name", "flow") != "flow":
         raise ValueError(f"{run}: not a flow-plugin run (plugin.name {config['plugin']['name']!r})")
-    rows = load_rows(from_dict(FlowPluginConfig, options, "plugin"), "eval")
+    plugin = from_dict(FlowPluginConfig, options, "plugin")
+    rows = load_rows(plugin, "eval")
+    if rows and all("image" in row for row in rows):
+        rows = load_rows(plugin, "eval", images=plugin.adapter if plugin.adapter != "auto" else "image-conditioned")
+    return rows, reward
+
+
+def _task_of(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """prompt → task of the evaluation rows, so the report groups what was sampled. An edit-world run's tasks are its
+    kinds of edit (an instruction names its kind)."""
     return {row["prompt"]: row.get("task", "all") for row in rows}
+
+
+def unchanged_inputs(rows: list[dict[str, Any]], reward: str = "shape_edit") -> dict[str, float]:
+    """An edit-world run's reference: the score (by the run's ``reward``) of each evaluation row's input image
+    itself, per kind of edit: what a model that leaves every image as it was would score (0 by ``shape_edit``'s
+    construction; 0.4 to 0.8 by the partial credit of ``shapes``)."""
+    from mmrl.plugins.flow.shapes.edit_model import read_images
+    from mmrl.plugins.flow.shapes.sampling import task_means
+    from mmrl.reward import RewardInput
+    from mmrl.rewards import reward_functions
+
+    scorer = reward_functions.get(reward)()
+    return task_means(rows, scorer(RewardInput(rows=list(rows), payload={"images": read_images(rows)})))
 
 
 def _per_task(records: list[dict[str, Any]], tasks: dict[str, str]) -> dict[str, float]:
@@ -151,10 +177,13 @@ def report(run: str | Path, export: str | Path | None = None, *, reference: bool
     metrics = read_metrics(run / "metrics.jsonl")
     folders = _eval_folders(run)
     first, last = folders[0], folders[-1]
-    tasks = _task_of(run)
+    rows, reward = _eval_rows(run)
+    tasks = _task_of(rows)
+    edit_world = bool(rows) and all("edit" in row and "image" in row for row in rows)
     before = _per_task([json.loads(x) for x in (first / "eval.jsonl").read_text().splitlines()], tasks)
     after = _per_task([json.loads(x) for x in (last / "eval.jsonl").read_text().splitlines()], tasks)
-    curve = plot_rewards(metrics, run / "reward_curve.png")
+    title = "edit world: Flow-GRPO (FLUX.1 Kontext)" if edit_world else "shapes world: Flow-GRPO"
+    curve = plot_rewards(metrics, run / "reward_curve.png", title)
     shutil.copyfile(first / "eval.png", run / "grid_before.png")
     shutil.copyfile(last / "eval.png", run / "grid_after.png")
     step_times = [r["time/step"] for r in metrics if r.get("time/step") is not None]
@@ -164,9 +193,12 @@ def report(run: str | Path, export: str | Path | None = None, *, reference: bool
         "steps": int(last.name.split("_")[-1]),
         "held_out_before": before,
         "held_out_after": after,
+        "world": "edit" if edit_world else "shapes",
         "train_seconds": round(sum(step_times), 1),
         "eval_seconds": round(sum(eval_times), 1),
     }
+    if edit_world:
+        summary["unchanged_inputs"] = unchanged_inputs(rows, reward)
     if reference:
         guided = guided_reference(run)
         if guided is not None:
@@ -199,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summary = report(args.run, args.export, reference=not args.no_reference)
     before, after = summary["held_out_before"], summary["held_out_after"]
-    print(f"held-out shapes score: {before['all']:.3f} before -> {after['all']:.3f} after "
+    what = "edit" if summary["world"] == "edit" else "shapes"
+    print(f"held-out {what} score: {before['all']:.3f} before -> {after['all']:.3f} after "
           f"{summary['steps']} steps ({after['all'] - before['all']:+.3f})")
+    unchanged = summary.get("unchanged_inputs")
+    if unchanged is not None:
+        print(f"  (the input images left as they are score {unchanged['all']:.3f})")
     guided = summary.get("pretrained_guided")
     if guided is not None:
         print(f"  (guidance-free sampling; the pretrained model with CFG {guided['guidance_scale']:g}, two transformer "
