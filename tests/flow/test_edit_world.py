@@ -167,6 +167,22 @@ def test_tokenizers_know_every_instruction_word():
         assert t5.tokenize(word) == ["\u2581" + word]
 
 
+def test_encoded_latents_reads_both_kinds_of_vae_output():
+    """The image-conditioned adapters read a VAE's deterministic latents as diffusers' retrieve_latents(argmax): the
+    posterior's mode (AutoencoderKL) or the encoder's latents (AutoencoderTiny); anything else is refused."""
+    from types import SimpleNamespace
+
+    from mmrl.plugins.flow.adapters.base import encoded_latents
+
+    mode = torch.randn(1, 4, 2, 2)
+    posterior = SimpleNamespace(latent_dist=SimpleNamespace(mode=lambda: mode))
+    assert encoded_latents(posterior, torch.nn.Identity()) is mode
+    tiny = SimpleNamespace(latents=mode)
+    assert encoded_latents(tiny, torch.nn.Identity()) is mode
+    with pytest.raises(TypeError, match="Identity.encode returned tuple, which has neither 'latent_dist' nor 'latents'"):
+        encoded_latents((mode,), torch.nn.Identity())
+
+
 def test_sampler_is_the_kontext_pipeline_ode():
     """The edit world's sampler (pretraining evaluations) draws what FluxKontextPipeline.__call__ draws from the same
     input image, instruction and noise (no guidance; the pipeline given max_area = 32² keeps the world's size)."""
