@@ -104,7 +104,8 @@ def _per_task(records: list[dict[str, Any]], tasks: dict[str, str]) -> dict[str,
     return out
 
 
-def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "shapes world: Flow-GRPO") -> Path:
+def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "shapes world: Flow-GRPO",
+                 ylabel: str = "shapes score") -> Path:
     """The reward-curve PNG from metrics.jsonl records."""
     try:
         import matplotlib
@@ -129,7 +130,7 @@ def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "shapes
         steps, values = zip(*evals, strict=True)
         axis.plot(steps, values, "o-", color="tab:red", linewidth=1.5, label="held-out prompts (eval sampler)")
     axis.set_xlabel("step")
-    axis.set_ylabel("shapes score")
+    axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7, loc="lower right")
@@ -183,7 +184,7 @@ def report(run: str | Path, export: str | Path | None = None, *, reference: bool
     before = _per_task([json.loads(x) for x in (first / "eval.jsonl").read_text().splitlines()], tasks)
     after = _per_task([json.loads(x) for x in (last / "eval.jsonl").read_text().splitlines()], tasks)
     title = "edit world: Flow-GRPO (FLUX.1 Kontext)" if edit_world else "shapes world: Flow-GRPO"
-    curve = plot_rewards(metrics, run / "reward_curve.png", title)
+    curve = plot_rewards(metrics, run / "reward_curve.png", title, f"{reward} score")
     shutil.copyfile(first / "eval.png", run / "grid_before.png")
     shutil.copyfile(last / "eval.png", run / "grid_after.png")
     step_times = [r["time/step"] for r in metrics if r.get("time/step") is not None]
