@@ -57,7 +57,7 @@ from mmrl.plugins.flow.shapes.edit_model import (
     sample_edits,
     to_pixels,
 )
-from mmrl.plugins.flow.shapes.pretrain import _swap, _write
+from mmrl.plugins.flow.shapes.pretrain import _swap, _write, optimizer_step
 
 EDIT_DATA = Path(__file__).parent / "assets" / "edit_data"
 """The edit world's committed dataset (rows and input images, :func:`edits.write_dataset`)."""
@@ -186,17 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         noisy = (1 - s) * x0 + s * noise
         velocity = adapter.call_transformer(pipeline.transformer, noisy, sigma * 1000, conditioning, 1.0)
         loss = F.mse_loss(velocity.float(), noise - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for name, module in trained.items():
-                for shadow, live in zip(ema[name].parameters(), module.parameters(), strict=True):
-                    shadow.lerp_(live, 1 - decay)
-        value = loss.item()
+        value = optimizer_step(loss, optimizer, schedule, parameters, trained, ema, step, args.ema)
         running = value if math.isnan(running) else 0.98 * running + 0.02 * value
         bar.set_postfix(loss=f"{running:.4f}")
         if args.log_every and step % args.log_every == 0:
@@ -212,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
             _write(pipeline, args, argv, config, log, time.perf_counter() - started, previous,
                    script="mmrl.plugins.flow.shapes.edit_pretrain")
             _swap(pipeline, swapped)
-            for module in trained.values():
-                module.train()
 
     elapsed = time.perf_counter() - started
     print(f"wrote {args.out} in {elapsed / 60:.1f} min; held-out edit score {log[-1]['held_out/all']:.3f} "

@@ -163,17 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                         encoder_hidden_states=conditioning["prompt_embeds"],
                                         pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False)[0]
         loss = F.mse_loss(velocity.float(), noise - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for name, module in trained.items():
-                for shadow, live in zip(ema[name].parameters(), module.parameters(), strict=True):
-                    shadow.lerp_(live, 1 - decay)
-        value = loss.item()
+        value = optimizer_step(loss, optimizer, schedule, parameters, trained, ema, step, args.ema)
         running = value if math.isnan(running) else 0.98 * running + 0.02 * value
         bar.set_postfix(loss=f"{running:.4f}")
         if args.log_every and step % args.log_every == 0:
@@ -195,6 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out} in {elapsed / 60:.1f} min; held-out shapes score "
           f"{log[-1]['held_out/all']:.3f} (eval sampler: {args.eval_steps} steps, CFG {args.eval_guidance})")
     return 0
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, schedule: Any,
+                   parameters: list[torch.nn.Parameter], trained: dict[str, torch.nn.Module],
+                   ema: dict[str, torch.nn.Module], step: int, ema_decay: float) -> float:
+    """One pretraining update shared by the shapes world's scripts: backward, gradients clipped at norm 1, the
+    optimizer and learning-rate steps, then the EMA copies ``ema`` moved towards the ``trained`` modules with decay
+    min(``ema_decay``, (1 + step) / (10 + step)) (a short warm-up of the average). Returns the loss value."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    schedule.step()
+    decay = min(ema_decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for name, module in trained.items():
+            for shadow, live in zip(ema[name].parameters(), module.parameters(), strict=True):
+                shadow.lerp_(live, 1 - decay)
+    return loss.item()
 
 
 def _autoencoder(args: argparse.Namespace) -> tuple[ModelConfig, Any, dict[str, Any] | None]:
