@@ -59,7 +59,7 @@ def test_rendered_edits_satisfy_their_rows_and_wrong_edits_do_not():
         bad = edits.wrong_edit(row["source_row"], row["edit"], rng)
         kinds.add("unchanged" if bad is None else "other_object" if bad["object"] != row["edit"]["object"]
                   else "other_value")
-        wrong.append(edits.render_pair(row["source_row"], row["edit"], rng, target_edit=bad)[1])
+        wrong.append(edits.render_pair(row["source_row"], bad, rng)[1])
     assert kinds == set(edits.WRONG_EDITS)
     assert torch.all(score([row["source_row"] for row in picked], _pixels(sources)) == 1)
     assert torch.all(score(picked, _pixels(targets)) == 1)

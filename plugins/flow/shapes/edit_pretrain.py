@@ -101,11 +101,10 @@ def training_batch(rng: np.random.Generator, by_kind: dict[str, list[dict[str, A
     for _ in range(size):
         rows = by_kind[kinds[int(rng.integers(len(kinds)))]]
         row = rows[int(rng.integers(len(rows)))]
-        scene, edit = row["source_row"], row["edit"]
-        drawn: Any = "same"
+        scene, drawn = row["source_row"], row["edit"]
         if wrong_edits and rng.random() < wrong_edits:
-            drawn = edits.wrong_edit(scene, edit, rng)
-        source, target = edits.render_pair(scene, edit, rng, target_edit=drawn)
+            drawn = edits.wrong_edit(scene, drawn, rng)  # another edit, or None: the input unchanged
+        source, target = edits.render_pair(scene, drawn, rng)
         prompts.append(row["prompt"])
         sources.append(source)
         targets.append(target)

@@ -145,13 +145,12 @@ def wrong_edit(scene: dict[str, Any], edit: dict[str, Any], rng: np.random.Gener
     return group[int(rng.integers(len(group)))]
 
 
-def render_pair(scene: dict[str, Any], edit: dict[str, Any], rng: np.random.Generator,
-                target_edit: dict[str, Any] | None | str = "same") -> tuple[np.ndarray, np.ndarray]:
-    """``([R, R, 3], [R, R, 3])`` uint8: a random rendering of ``scene`` and of its edit. ``target_edit`` draws the
-    target from another edit instead (``None``: the input unchanged), for :func:`wrong_edit` targets."""
+def render_pair(scene: dict[str, Any], edit: dict[str, Any] | None,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``([R, R, 3], [R, R, 3])`` uint8: a random rendering of ``scene`` and the same layout after ``edit`` (``None``:
+    unchanged, one of :func:`wrong_edit`'s targets)."""
     placed = world.layout(scene, rng)
-    drawn = edit if isinstance(target_edit, str) else target_edit
-    target = placed if drawn is None else edited_layout(placed, drawn)
+    target = placed if edit is None else edited_layout(placed, edit)
     return world.render(placed), world.render(target)
 
 
