@@ -155,6 +155,17 @@ def test_shape_edit_refuses_rows_without_an_edit():
     with pytest.raises(RewardError, match="needs an 'object' index into its 2 objects"):
         _edit_scores([{**row, "edit": {**row["edit"], "object": 2}}], [blank])
     assert _edit_scores([row], [blank]).item() == 0.0  # an empty image is scored, not raised on
+    position = world.make_row("position", [("red", "circle", 1), ("blue", "square", 1)], "above")
+    swap = edits.edit_row(position, edits.scene_edits(position)[-1])
+    with pytest.raises(RewardError, match="a swap needs the edited scene's 'relation'"):
+        _edit_scores([{**swap, "relation": None}], [blank])
+    from mmrl.reward import RewardInput
+    from mmrl.rewards.shape_edits import ShapeEditReward
+
+    empty = ShapeEditReward()(RewardInput(rows=[], payload={"images": torch.zeros(0, 3, 32, 32)}))
+    assert empty.shape == (0,)  # an empty batch scores nothing
+    nan = torch.full((1, 3, 32, 32), float("nan"))  # non-finite pixels score NaN, as every image reward
+    assert torch.isnan(ShapeEditReward()(RewardInput(rows=[row], payload={"images": nan}))).all()
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -52,9 +52,14 @@ class FluxKontextAdapter(FluxAdapter):
         processor, vae = self.pipeline.image_processor, self.vae
         resized = [processor.resize(image, height, width) for image in images]  # as the pipeline resizes
         pixels = processor.preprocess(resized, height, width).to(self.device, vae.dtype)  # [n, 3, H, W] in [-1, 1]
-        latents = encoded_latents(vae.encode(pixels), vae)  # [n, C, h, w]: retrieve_latents(sample_mode="argmax")
-        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
-        return {"image_latents": self.pack(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)  # [n, h/2·w/2, 4C]
+        return {"image_latents": self.image_tokens(pixels)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
+
+    def image_tokens(self, pixels: Tensor) -> Tensor:
+        """``[n, h/2·w/2, 4C]`` packed latent tokens of images ``[n, 3, H, W]`` in [-1, 1] at the run's size: the VAE's
+        deterministic latents (``retrieve_latents(sample_mode="argmax")``), shifted and scaled as the pipeline does."""
+        vae = self.vae
+        latents = encoded_latents(vae.encode(pixels), vae)  # [n, C, h, w]
+        return self.pack((latents - vae.config.shift_factor) * vae.config.scaling_factor)
 
     def _condition_ids(self, tokens: int, like: Tensor) -> Tensor:
         """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: the generated image's grid with the first

@@ -122,14 +122,10 @@ def adapter_for(pipeline: Any) -> Any:
 
 
 def condition_latents(adapter: Any, images: Tensor) -> Tensor:
-    """``[N, T, 4C]`` packed input-image tokens of ``images`` ``[N, 3, R, R]`` in [0, 1], as the adapter's
-    ``encode_condition_images`` computes them from the same pixels (the world's images are already at the run's
+    """``[N, T, 4C]`` packed input-image tokens of ``images`` ``[N, 3, R, R]`` in [0, 1], through the adapter's own
+    encoding (``image_tokens``, what ``encode_condition_images`` uses; the world's images are already at the run's
     size, so its resize is the identity)."""
-    from mmrl.plugins.flow.adapters.base import encoded_latents
-
-    vae = adapter.vae
-    latents = encoded_latents(vae.encode(images * 2 - 1), vae)
-    return adapter.pack((latents - vae.config.shift_factor) * vae.config.scaling_factor)
+    return adapter.image_tokens(images * 2 - 1)
 
 
 def to_pixels(images: np.ndarray | Sequence[np.ndarray]) -> Tensor:

@@ -62,7 +62,7 @@ def _eval_rows(run: Path) -> tuple[list[dict[str, Any]], str]:
     import yaml
 
     from mmrl.config import from_dict
-    from mmrl.plugins.flow.config import FlowPluginConfig, load_rows
+    from mmrl.plugins.flow.config import FlowPluginConfig, adapter_class, load_rows
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     reward = _check_rewards(config, run)
@@ -70,10 +70,8 @@ def _eval_rows(run: Path) -> tuple[list[dict[str, Any]], str]:
     if options.pop("name", "flow") != "flow":
         raise ValueError(f"{run}: not a flow-plugin run (plugin.name {config['plugin']['name']!r})")
     plugin = from_dict(FlowPluginConfig, options, "plugin")
-    rows = load_rows(plugin, "eval")
-    if rows and all("image" in row for row in rows):
-        rows = load_rows(plugin, "eval", images=plugin.adapter if plugin.adapter != "auto" else "image-conditioned")
-    return rows, reward
+    adapter = adapter_class(plugin)  # as the plugin loads its rows: an editing model's name their input images
+    return load_rows(plugin, "eval", images=adapter.name if adapter.image_conditioned else None), reward
 
 
 def _task_of(rows: list[dict[str, Any]]) -> dict[str, str]:
