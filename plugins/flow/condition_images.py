@@ -13,6 +13,12 @@ Where the prompt's encoding itself sees the image (:attr:`FlowAdapter.prompt_see
 encoder reads the image with the instruction), the cache also holds each (prompt, image) pair's encoding and, with
 CFG, each image's encoding with the negative prompt, whose keys it prefixes with ``negative_``: the unconditional
 half of a CFG call then uses the row's own negative (:meth:`FlowAdapter.velocity`).
+
+A row may name several input images (``"image"``: a list of paths) where the adapter takes several
+(:attr:`FlowAdapter.max_condition_images`: Qwen-Image-Edit-Plus, FLUX.2). Each image is encoded and cached alone; a
+row's conditioning joins its images' (:meth:`FlowAdapter.join_condition_images`) in ``slots`` places, the most
+images any row of the run names, so that rows of any count stack; a prompt encoding that sees the images is cached
+per (prompt, images).
 """
 
 from __future__ import annotations
@@ -39,22 +45,26 @@ class ConditionImageCache:
         max_sequence_length: Text length of prompt encodings that see the image.
         negative_prompt: The negative prompt of CFG (None without CFG), encoded with each image when the prompt
             encoding sees it.
+        slots: The most input images a row of the run names (1: one image per row, laid out as before).
     """
 
-    def __init__(self, adapter: Any, capacity: int, max_sequence_length: int, negative_prompt: str | None):
+    def __init__(self, adapter: Any, capacity: int, max_sequence_length: int, negative_prompt: str | None,
+                 slots: int = 1):
         self.adapter = adapter
         self.capacity = capacity
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
+        self.slots = slots
         self._images: OrderedDict[Hashable, Entry] = OrderedDict()  # (path, H, W) → latents [1, ...], pixels
-        self._prompts: OrderedDict[Hashable, Entry] = OrderedDict()  # (prompt, path, H, W) → prompt encoding
-        self._negatives: OrderedDict[Hashable, Entry] = OrderedDict()  # (path, H, W) → negative_* encoding
+        self._prompts: OrderedDict[Hashable, Entry] = OrderedDict()  # (prompt, paths, H, W) → prompt encoding
+        self._negatives: OrderedDict[Hashable, Entry] = OrderedDict()  # (paths, H, W) → negative_* encoding
 
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Tensor], Tensor]:
-        """(conditioning of ``rows``' images, each tensor ``[n, ...]``; the images as the model saw them,
-        ``[n, 3, H, W]`` in [0, 1])."""
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(conditioning of ``rows``' images, each tensor ``[n, ...]``; the payload entries of the images as the
+        model saw them, in [0, 1]: ``condition_images`` ``[n, 3, H, W]``, each row's first image, and with
+        ``slots`` > 1 ``more_condition_images`` ``[n, slots − 1, 3, H, W]`` and ``condition_image_counts`` ``[n]``)."""
         size = self.adapter.size
-        paths = [_image_path(row, index) for index, row in enumerate(rows)]
+        paths = [_image_paths(row, index, self.slots) for index, row in enumerate(rows)]  # a tuple per row
         loaded: dict[str, Any] = {}
 
         def image(path: str) -> Any:
@@ -69,29 +79,43 @@ class ConditionImageCache:
             pixels = (pixels.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
             return [{**_row(encoded, i), "pixels": pixels[i:i + 1].clone()} for i in range(len(keys))]
 
-        entries = [self._lookup(self._images, [(path, *size) for path in paths], encode_images)]
+        flat = [(path, *size) for row_paths in paths for path in row_paths]
+        encoded = iter(self._lookup(self._images, flat, encode_images))
+        per_row = [[next(encoded) for _ in row_paths] for row_paths in paths]  # each row's images' entries
+        if self.slots == 1:
+            entries = [[row[0] for row in per_row]]
+        else:
+            entries = [[{**self.adapter.join_condition_images([{name: value for name, value in entry.items()
+                                                                if name != "pixels"} for entry in row], self.slots),
+                         **_pixel_slots(row, self.slots)} for row in per_row]]
         if self.adapter.prompt_sees_image:
             def encode_prompts(keys: list[Hashable]) -> list[Entry]:
                 encoded = self.adapter.encode_prompts_with_images([key[0] for key in keys],
-                                                                   [image(key[1]) for key in keys],
+                                                                   [[image(path) for path in key[1]] for key in keys],
                                                                    self.max_sequence_length)
                 return [_row(encoded, i) for i in range(len(keys))]
 
             prompts = [str(row["prompt"]) for row in rows]
-            entries.append(self._lookup(self._prompts, [(prompt, path, *size) for prompt, path
+            entries.append(self._lookup(self._prompts, [(prompt, row_paths, *size) for prompt, row_paths
                                                         in zip(prompts, paths, strict=True)], encode_prompts))
             if self.negative_prompt is not None:
                 def encode_negatives(keys: list[Hashable]) -> list[Entry]:
                     encoded = self.adapter.encode_prompts_with_images([self.negative_prompt] * len(keys),
-                                                                       [image(key[0]) for key in keys],
+                                                                       [[image(path) for path in key[0]]
+                                                                        for key in keys],
                                                                        self.max_sequence_length)
                     return [{f"negative_{name}": value for name, value in _row(encoded, i).items()}
                             for i in range(len(keys))]
 
-                entries.append(self._lookup(self._negatives, [(path, *size) for path in paths], encode_negatives))
+                entries.append(self._lookup(self._negatives, [(row_paths, *size) for row_paths in paths],
+                                            encode_negatives))
         merged = {name: torch.cat([entry[name] for entry in picked]) for picked in entries for name in picked[0]}
-        pixels = merged.pop("pixels").to(self.adapter.device).float() / 255  # [n, 3, H, W] in [0, 1]
-        return merged, pixels
+        device = self.adapter.device
+        payload = {"condition_images": merged.pop("pixels").to(device).float() / 255}  # [n, 3, H, W] in [0, 1]
+        if self.slots > 1:
+            payload["more_condition_images"] = merged.pop("more_pixels").to(device).float() / 255  # [n, K−1, 3, H, W]
+            payload["condition_image_counts"] = merged.pop("image_count").to(device)  # [n]
+        return merged, payload
 
     def _lookup(self, cache: OrderedDict[Hashable, Entry], keys: list[Hashable],
                 encode: Callable[[list[Hashable]], list[Entry]]) -> list[Entry]:
@@ -110,6 +134,16 @@ class ConditionImageCache:
         return picked
 
 
+def _pixel_slots(entries: list[Entry], slots: int) -> Entry:
+    """One row's 8-bit input images for the payload: ``pixels`` ``[1, 3, H, W]`` (its first), ``more_pixels``
+    ``[1, slots − 1, 3, H, W]`` (the others, zero after its last) and ``image_count`` ``[1]``."""
+    first = entries[0]["pixels"]  # [1, 3, H, W]
+    more = first.new_zeros(1, slots - 1, *first.shape[1:])
+    for slot, entry in enumerate(entries[1:]):
+        more[0, slot] = entry["pixels"][0]
+    return {"pixels": first, "more_pixels": more, "image_count": torch.tensor([len(entries)])}
+
+
 def _row(encoded: dict[str, Tensor], index: int) -> Entry:
     return {name: value[index:index + 1].clone() for name, value in encoded.items()}
 
@@ -126,9 +160,14 @@ def _read_image(path: str) -> Any:
         raise RolloutError(f"input image {path} is not a readable image ({reason})") from None
 
 
-def _image_path(row: dict[str, Any], index: int) -> str:
+def _image_paths(row: dict[str, Any], index: int, slots: int) -> tuple[str, ...]:
+    """The input image paths of prompt row ``index`` (``"image"``: a path or a list of 1 to ``slots`` paths)."""
     image = row.get("image")
-    if not isinstance(image, str | Path) or not str(image):
+    names = image if isinstance(image, list) else [image]
+    if not names or any(not isinstance(name, str | Path) or not str(name) for name in names):
         raise RolloutError(f"prompt row {index} ({str(row.get('prompt', ''))[:40]!r}) has no 'image' (its input "
-                           "image); an image-conditioned adapter needs one in every row")
-    return str(image)
+                           "image, or a list of them); an image-conditioned adapter needs one in every row")
+    if len(names) > slots:
+        raise RolloutError(f"prompt row {index} ({str(row.get('prompt', ''))[:40]!r}) names {len(names)} input "
+                           f"images, more than the {slots} the run's datasets were laid out for")
+    return tuple(str(name) for name in names)

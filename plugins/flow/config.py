@@ -320,12 +320,14 @@ def adapter_class(config: FlowPluginConfig) -> Any:
     return adapter_for_pipeline(str(index.get("_class_name")), config.model)
 
 
-def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None) -> list[dict[str, Any]]:
+def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None,
+              max_images: int | None = 1) -> list[dict[str, Any]]:
     """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files.
 
     With ``images``, the name of an image-conditioned adapter, every row must name the image to condition on:
-    ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist; rows come back with
-    the absolute path. Inline prompt lists hold no images and are refused."""
+    ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist, or a non-empty list of
+    such paths (several input images: at most ``max_images``, None for any number); rows come back with the
+    absolute path(s), a list staying a list. Inline prompt lists hold no images and are refused."""
     inline = config.prompts if split == "train" else config.eval_prompts
     if inline is not None and images is not None:
         raise ConfigError(f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}", inline,
@@ -350,19 +352,36 @@ def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None
     rows = read_prompt_file(path)
     if not rows and split == "train":
         raise ValueError(f"{path} holds no prompts")
-    return rows if images is None else [_with_image_path(row, number, path, images)
+    return rows if images is None else [_with_image_paths(row, number, path, images, max_images)
                                         for number, row in enumerate(rows, start=1)]
 
 
-def _with_image_path(row: dict[str, Any], number: int, source: Path, adapter: str) -> dict[str, Any]:
-    """``row`` with its ``"image"`` resolved against the folder of ``source`` (the prompt file), checked to exist."""
+def row_image_paths(row: dict[str, Any]) -> list[str]:
+    """The input image paths of a prompt row that :func:`load_rows` checked: ``[row["image"]]``, or the list."""
+    image = row["image"]
+    return [str(path) for path in image] if isinstance(image, list) else [str(image)]
+
+
+def _with_image_paths(row: dict[str, Any], number: int, source: Path, adapter: str,
+                      max_images: int | None) -> dict[str, Any]:
+    """``row`` with its ``"image"`` (a path or a list of paths) resolved against the folder of ``source`` (the
+    prompt file), each checked to exist."""
     image = row.get("image")
-    if not isinstance(image, str) or not image.strip():
-        raise ValueError(f"{source} row {number} has no 'image' (the path of its input image), which the {adapter} "
-                         "adapter needs in every row")
-    path = Path(image).expanduser()
-    path = path if path.is_absolute() else source.parent / path
-    if not path.is_file():
-        raise FileNotFoundError(f"{source} row {number}: image {image!r} is not a file (at {path}; relative paths are "
-                                "read from the prompt file's folder)")
-    return {**row, "image": str(path)}
+    several = isinstance(image, list)
+    names = image if several else [image]
+    if not names or any(not isinstance(name, str) or not name.strip() for name in names):
+        raise ValueError(f"{source} row {number} has no 'image' (the path of its input image, or a non-empty list of "
+                         f"paths), which the {adapter} adapter needs in every row; got {image!r}")
+    if max_images is not None and len(names) > max_images:
+        raise ValueError(f"{source} row {number} names {len(names)} input images; the {adapter} adapter takes "
+                         f"{'one' if max_images == 1 else f'at most {max_images}'} per row (several: qwen_image_edit "
+                         "with a QwenImageEditPlusPipeline, flux2_edit, flux2_klein_edit)")
+    paths = []
+    for name in names:
+        path = Path(name).expanduser()
+        path = path if path.is_absolute() else source.parent / path
+        if not path.is_file():
+            raise FileNotFoundError(f"{source} row {number}: image {name!r} is not a file (at {path}; relative paths "
+                                    "are read from the prompt file's folder)")
+        paths.append(str(path))
+    return {**row, "image": paths if several else paths[0]}

@@ -16,7 +16,9 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   scores the stored x_next with :func:`~.sde.sde_step`, so the first inner step has ratio 1;
 - ``payload["images"]`` ``[N, 3, H, W]`` in [0, 1] (decoded by the VAE; video adapters: ``payload["videos"]``
   ``[N, 3, F, H, W]``) and ``payload["prompts"]`` for rewards; image-editing adapters (FLUX.1 Kontext) add
-  ``payload["condition_images"]``, each row's input image as the model saw it, and the encoded image to the replay;
+  ``payload["condition_images"]``, each row's (first) input image as the model saw it, and the encoded image(s) to
+  the replay; rows naming several input images (Qwen-Image-Edit-Plus, FLUX.2) add ``more_condition_images`` and
+  ``condition_image_counts`` (:meth:`~.sampler.FlowSampler.row_conditioning`);
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 from mmrl.config import ConfigError
 from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
-from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows
+from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows, row_image_paths
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.sampler import FlowSampler
 from mmrl.policy import (
@@ -144,13 +146,17 @@ class FlowPlugin(Plugin):
         if config.gradient_checkpointing:
             for expert in self.trained_experts.values():
                 expert.enable_gradient_checkpointing()
-        images = adapter.name if adapter.image_conditioned else None  # every row names its input image
-        self._rows = {split: load_rows(config, split, images=images) for split in ("train", "eval")}
+        images = adapter.name if adapter.image_conditioned else None  # every row names its input image(s)
+        self._rows = {split: load_rows(config, split, images=images, max_images=adapter.max_condition_images)
+                      for split in ("train", "eval")}
+        # the most input images a row names: every batch's rows are laid out for that many (one: no change at all)
+        image_slots = max((len(row_image_paths(row)) for rows in self._rows.values() for row in rows), default=1) \
+            if adapter.image_conditioned else 0
         #: The sampling engine (:mod:`.sampler`), which the credit strategy builds its rollouts with.
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
                                    eval_guidance_scale=self.eval_guidance_scale, input_dtype=self.input_dtype,
                                    max_sequence_length=config.max_sequence_length
-                                   or adapter.default_max_sequence_length)
+                                   or adapter.default_max_sequence_length, image_slots=image_slots)
         self.credit = credit_strategies.get(config.credit.strategy)(config)
 
     @property
@@ -223,7 +229,7 @@ class FlowPlugin(Plugin):
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
         """An image grid ``{tag}.png`` captioned with each prompt and reward (videos: a filmstrip of frames per
-        sample; edits: the input image left of the result), and ``{tag}.jsonl``."""
+        sample; edits: the input image(s) left of the result), and ``{tag}.jsonl``."""
         from mmrl.plugins.flow.images import filmstrips, save_caption_grid
 
         directory = Path(directory)
@@ -232,8 +238,11 @@ class FlowPlugin(Plugin):
         captions = [f"{prompt} [{float(reward):.3f}]" for prompt, reward in zip(prompts, rewards.tolist(),
                                                                                   strict=True)]
         images = rollout.payload["images"] if "images" in rollout.payload else filmstrips(rollout.payload["videos"])
-        if "condition_images" in rollout.payload:  # an edit: the input image left of the result
-            images = torch.cat([rollout.payload["condition_images"].to(images), images], dim=-1)
+        if "condition_images" in rollout.payload:  # an edit: the input image(s) left of the result
+            inputs = [rollout.payload["condition_images"]]  # [N, 3, H, W]
+            if "more_condition_images" in rollout.payload:  # [N, K − 1, 3, H, W], black after a row's last image
+                inputs.extend(rollout.payload["more_condition_images"].unbind(1))
+            images = torch.cat([*(image.to(images) for image in inputs), images], dim=-1)
         grid = save_caption_grid(images, captions, directory / f"{tag}.png")
         records = directory / f"{tag}.jsonl"
         with records.open("w") as handle:

@@ -121,8 +121,22 @@ def test_rows_without_an_image_are_refused_in_one_line(make_plugin, edits, tmp_p
     lacking = tmp_path / "lacking.jsonl"
     lacking.write_text(json.dumps({"prompt": "make it red", "image": str(edits / "images" / "0.png")}) + "\n"
                        + json.dumps({"prompt": "no image"}) + "\n")
-    with pytest.raises(ValueError, match=r"lacking.jsonl row 2 has no 'image' \(the path of its input image\)"):
+    with pytest.raises(ValueError, match=r"lacking.jsonl row 2 has no 'image' \(the path of its input image, or a "
+                                         r"non-empty list of paths\), which the flux_kontext adapter needs in every "
+                                         r"row; got None$"):
         make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(lacking))
+    several = tmp_path / "several.jsonl"
+    several.write_text(json.dumps({"prompt": "make it red", "image": ["images/0.png", "images/1.png"]}) + "\n")
+    (tmp_path / "images").mkdir(exist_ok=True)
+    for name in ("0.png", "1.png"):
+        (tmp_path / "images" / name).write_bytes((edits / "images" / "0.png").read_bytes())
+    with pytest.raises(ValueError, match=r"several.jsonl row 1 names 2 input images; the flux_kontext adapter takes "
+                                         r"one per row \(several: qwen_image_edit with a QwenImageEditPlusPipeline, "
+                                         r"flux2_edit, flux2_klein_edit\)$"):
+        make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(several))
+    several.write_text(json.dumps({"prompt": "make it red", "image": []}) + "\n")
+    with pytest.raises(ValueError, match=r"several.jsonl row 1 has no 'image' .* got \[\]$"):
+        make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(several))
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"prompt": "make it red", "image": "nowhere.png"}) + "\n")
     with pytest.raises(FileNotFoundError, match=r"missing.jsonl row 1: image 'nowhere.png' is not a file"):

@@ -93,6 +93,11 @@ class FlowAdapter(ABC):
     #: the plugin then encodes each (prompt, image) pair, and for CFG each image with the negative prompt, instead
     #: of the prompts alone.
     prompt_sees_image: ClassVar[bool] = False
+    #: How many input images a prompt row may name (``"image"``: a path, or a list of paths): 1 for most editing
+    #: pipelines; None (any number) where the pipeline takes several (Qwen-Image-Edit-Plus, FLUX.2). An adapter that
+    #: takes several implements :meth:`join_condition_images` and reads ``condition_image_mask`` in
+    #: :meth:`call_transformer` (see :func:`by_image_count`).
+    max_condition_images: int | None = 1
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline
@@ -211,11 +216,18 @@ class FlowAdapter(ABC):
         which the plugin hands the rewards as ``payload["condition_images"]``)."""
         raise NotImplementedError(f"the {self.name} adapter takes no condition images")
 
-    def encode_prompts_with_images(self, prompts: list[str], images: list[Any], max_sequence_length: int
+    def encode_prompts_with_images(self, prompts: list[str], images: list[list[Any]], max_sequence_length: int
                                    ) -> Conditioning:
-        """Adapters whose prompt encoding sees the image (:attr:`prompt_sees_image`): ``prompts[i]`` read with
-        ``images[i]`` → the tensors :meth:`encode_prompts` would give, one row per pair."""
+        """Adapters whose prompt encoding sees the image (:attr:`prompt_sees_image`): ``prompts[i]`` read with its
+        row's input images ``images[i]`` (a list of one or, where :attr:`max_condition_images` allows, more PIL images)
+        → the tensors :meth:`encode_prompts` would give, one row per prompt."""
         raise NotImplementedError(f"the {self.name} adapter encodes prompts without images")
+
+    def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
+        """One row's conditioning from the :meth:`encode_condition_images` entries of its input images (one row each,
+        in the row's order), when the run's rows name up to ``slots`` > 1 images: adapters that take several
+        (:attr:`max_condition_images`) join the images' tokens (:func:`joined_image_tokens`)."""
+        raise NotImplementedError(f"the {self.name} adapter takes one input image per row")
 
     @abstractmethod
     def noise_shape(self) -> tuple[int, ...]:
@@ -351,6 +363,57 @@ class FlowAdapter(ABC):
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# ---------------------------------------------------------------------------------------- several input images
+IMAGE_MASK = "condition_image_mask"
+"""The conditioning key ``[n, slots]`` (1.0 where the row has that input image, 0.0 after its last) of runs whose rows
+name up to ``slots`` > 1 input images (:func:`joined_image_tokens`); runs with one image per row have none."""
+
+
+def joined_image_tokens(entries: list[Conditioning], slots: int, key: str = "image_latents") -> Conditioning:
+    """One row's ``key`` tokens ``[1, slots·T, D]``: its input images' ``[1, T, D]`` tokens one after the other in
+    the row's order (the Qwen-Image-Edit-Plus and FLUX.2 pipelines concatenate the images' tokens so), zero after the
+    last image, with :data:`IMAGE_MASK` ``[1, slots]`` saying how many are real. Zero-padding lets the rows of a batch
+    stack whatever their counts; :func:`by_image_count` never shows the padding to the model."""
+    if not 1 <= len(entries) <= slots:
+        raise ValueError(f"a row with {len(entries)} input images where the run's rows hold 1 to {slots}")
+    tokens = torch.cat([entry[key] for entry in entries], dim=1)  # [1, k·T, D]
+    per_image = entries[0][key].shape[1]
+    padded = tokens.new_zeros(1, slots * per_image, tokens.shape[-1])  # [1, slots·T, D]
+    padded[:, :tokens.shape[1]] = tokens
+    mask = torch.zeros(1, slots)
+    mask[0, :len(entries)] = 1
+    return {key: padded, IMAGE_MASK: mask.to(tokens.device)}
+
+
+def by_image_count(call: Any, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                   key: str = "image_latents") -> Tensor:
+    """``call(latents, timesteps, conditioning, count)`` on the rows that have ``count`` input images, once per count
+    present in the batch, the outputs put back in the rows' order. ``conditioning[key]`` holds each row's images'
+    tokens (:func:`joined_image_tokens`), cut here to the ``count`` real images (``[m, count·T, D]``, T = the
+    generated tokens: every input image is brought to the run's size); without :data:`IMAGE_MASK` every row has one
+    image and ``call`` gets the batch as it is. Rows of different counts cannot share a call (their token sequences
+    differ in length), so a batch that mixes counts costs one transformer call per count."""
+    mask = conditioning.get(IMAGE_MASK)
+    if mask is None:
+        return call(latents, timesteps, conditioning, 1)
+    rest = {name: value for name, value in conditioning.items() if name != IMAGE_MASK}
+    counts = mask.float().sum(dim=1).round().long()  # [n]
+    per_image = latents.shape[1]
+
+    def cut(rows: Tensor | None, count: int) -> Conditioning:
+        picked = rest if rows is None else {name: value.index_select(0, rows) for name, value in rest.items()}
+        return {**picked, key: picked[key][:, :count * per_image]}
+
+    present = counts.unique().tolist()
+    if len(present) == 1:
+        return call(latents, timesteps, cut(None, present[0]), present[0])
+    groups = [(counts == count).nonzero().flatten() for count in present]
+    parts = [call(latents.index_select(0, rows), timesteps.index_select(0, rows), cut(rows, count), count)
+             for rows, count in zip(groups, present, strict=True)]
+    order = torch.cat(groups)  # the batch's rows in the order of the parts
+    return torch.cat(parts).index_select(0, torch.argsort(order))
 
 
 # ---------------------------------------------------------------------------------------------------------- loading

@@ -17,7 +17,11 @@ grid, guidance and decode (:class:`~mmrl.plugins.flow.adapters.flux2.Flux2Adapte
 Where mmrl differs: the pipelines keep a reference image at its own size (floored to a multiple of 16, scaled down
 to 1024² pixels when larger) whatever the output size; here it is brought to the run's size, so the rows of a batch
 share one shape (the pipelines given a reference image of the run's size compute the same, which the tests check).
-One reference image per row (the pipelines take several, at T = 10, 20, ...).
+
+Several reference images per row (the pipelines' ``image=[...]``): a row's ``"image"`` may be a list of paths; the
+transformer then sees ``[generated tokens; image 1's tokens; image 2's; ...]`` with the pipelines' position ids, time
+coordinate T = 10, 20, ... for the first, second, ... image. A batch whose rows name different numbers of images
+makes one transformer call per number (:func:`~mmrl.plugins.flow.adapters.base.by_image_count`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count, joined_image_tokens
 from mmrl.plugins.flow.adapters.flux2 import Flux2Adapter
 from mmrl.plugins.flow.adapters.flux2_klein import Flux2KleinAdapter
 
@@ -36,6 +40,7 @@ class _ReferenceImage:
     """The reference-image conditioning both FLUX.2 pipelines share (mixed into their adapters)."""
 
     image_conditioned = True
+    max_condition_images = None  # the pipelines set no limit
     #: The pipeline class the adapter edits with (chosen by name, so checked when it loads).
     edits_with: str
 
@@ -54,24 +59,31 @@ class _ReferenceImage:
         latents = self.pipeline._encode_vae_image(image=pixels, generator=None)  # [n, 4C, h/2, w/2], normalised
         return {"image_latents": self.pipeline._pack_latents(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
 
-    def _reference_ids(self: Any, like: Tensor) -> Tensor:
-        """``[1, h/2·w/2, 4]``: (10, row, column, 0) on the run's token grid, ``_prepare_image_ids`` of one image;
-        cached with the adapter's other position ids."""
+    def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
+        return joined_image_tokens(entries, slots)
+
+    def _reference_ids(self: Any, like: Tensor, count: int = 1) -> Tensor:
+        """``[1, count·h/2·w/2, 4]``: (10·i, row, column, 0) for the i-th of ``count`` images on the run's token
+        grid, ``_prepare_image_ids`` of ``count`` images; cached with the adapter's other position ids."""
         rows, columns = self._token_grid()
-        key = (rows, columns, like.device)
+        key = (rows, columns, count, like.device)
         if key not in self._reference_ids_cache:
             self._reference_ids_cache[key] = self.pipeline._prepare_image_ids(
-                [like.new_empty(1, 1, rows, columns)]).to(like.device)
+                [like.new_empty(1, 1, rows, columns)] * count).to(like.device)
         return self._reference_ids_cache[key]
 
     def call_transformer(self: Any, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
         tokens = latents.shape[1]  # latents [n, h/2·w/2, 4C]
-        reference = conditioning["image_latents"].to(latents.dtype)  # [n, h/2·w/2, 4C]
         image_ids, text_ids = self._position_ids(tokens, conditioning["prompt_embeds"].shape[1], latents)
-        ids = torch.cat([image_ids, self._reference_ids(image_ids)], dim=1)  # [1, 2·T, 4]
-        both = torch.cat([latents, reference], dim=1)  # [n, 2·T, 4C]
-        return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]
+
+        def call(latents: Tensor, timesteps: Tensor, conditioning: Conditioning, count: int) -> Tensor:
+            reference = conditioning["image_latents"].to(latents.dtype)  # [m, k·h/2·w/2, 4C]
+            ids = torch.cat([image_ids, self._reference_ids(image_ids, count)], dim=1)  # [1, (1 + k)·T, 4]
+            both = torch.cat([latents, reference], dim=1)  # [m, (1 + k)·T, 4C]
+            return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]
+
+        return by_image_count(call, latents, timesteps, conditioning)
 
 
 class Flux2EditAdapter(_ReferenceImage, Flux2Adapter):

@@ -27,7 +27,15 @@ shape and the image costs as many tokens as the output) and the ratio is the run
 have the run's aspect ratio and ``height × width`` = 1024², the computation is the pipeline's (the tests check it with
 the pipelines' size rules set to the run's size). Flow-Factory likewise sizes its Qwen-Image-Edit-Plus condition
 images from its config (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/qwen_image/
-qwen_image_edit_plus.py``). One input image per row (the Plus pipeline takes several).
+qwen_image_edit_plus.py``).
+
+Several input images per row (the Plus pipeline's ``image=[...]``, "Picture 1: ... Picture 2: ..."): a row's
+``"image"`` may be a list of paths. As the Plus pipeline does, the text encoder reads every image after its
+"Picture i:" label, and the transformer sees ``[generated tokens; image 1's tokens; image 2's; ...]`` with one
+``img_shapes`` entry per image. Each image is brought to the run's size, so every entry is the generated image's
+grid (the pipeline gives each image its own size at its own aspect ratio). A batch whose rows name different numbers
+of images makes one transformer call per number (:func:`~mmrl.plugins.flow.adapters.base.by_image_count`).
+``QwenImageEditPipeline`` takes one image per row.
 """
 
 from __future__ import annotations
@@ -37,13 +45,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count, joined_image_tokens
 from mmrl.plugins.flow.adapters.qwen_image import QwenImageAdapter, padded_text
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
     """Adapter for ``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline`` (Qwen/Qwen-Image-Edit,
-    Qwen/Qwen-Image-Edit-2509, Qwen/Qwen-Image-Edit-2511 and fine-tunes): image editing, one input image per row."""
+    Qwen/Qwen-Image-Edit-2509, Qwen/Qwen-Image-Edit-2511 and fine-tunes): image editing, one input image per row
+    (the Plus pipeline: one or several)."""
 
     name = "qwen_image_edit"
     pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
@@ -54,6 +63,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def plus(self) -> bool:
         """Whether the pipeline is ``QwenImageEditPlusPipeline`` (2509 and later)."""
         return type(self.pipeline).__name__ == "QwenImageEditPlusPipeline"
+
+    @property
+    def max_condition_images(self) -> int | None:  # type: ignore[override]
+        """Any number of input images per row with the Plus pipeline (it sets no limit), one without."""
+        return None if self.plus else 1
+
+    def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
+        return joined_image_tokens(entries, slots)
 
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
         height, width = self.size
@@ -81,22 +98,30 @@ class QwenImageEditAdapter(QwenImageAdapter):
             width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, width / height)
         return self.pipeline.image_processor.resize(image, height, width)
 
-    def encode_prompts_with_images(self, prompts: list[str], images: list[Any], max_sequence_length: int
+    def encode_prompts_with_images(self, prompts: list[str], images: list[list[Any]], max_sequence_length: int
                                    ) -> Conditioning:
         rows = []
-        for prompt, image in zip(prompts, images, strict=True):  # alone: the Plus template counts all images given
-            text_image = self._text_image(image)
-            embeds, mask = self.pipeline.encode_prompt(prompt=[prompt], image=[text_image] if self.plus else text_image,
-                                                       device=self.device)
+        for prompt, row_images in zip(prompts, images, strict=True):  # alone: the Plus template numbers the images
+            text_images = [self._text_image(image) for image in row_images]
+            if not self.plus and len(text_images) != 1:
+                raise ValueError(f"QwenImageEditPipeline reads one input image per prompt, not {len(text_images)}")
+            embeds, mask = self.pipeline.encode_prompt(prompt=[prompt], image=text_images if self.plus
+                                                       else text_images[0], device=self.device)
             if embeds.shape[1] > max_sequence_length:
-                raise ValueError(f"plugin.max_sequence_length is {max_sequence_length}, but {prompt[:40]!r} with its "
-                                 f"image is {embeds.shape[1]} text tokens (the image's vision tokens count): raise it")
+                what = "its image is" if len(text_images) == 1 else f"its {len(text_images)} images is"
+                raise ValueError(f"plugin.max_sequence_length is {max_sequence_length}, but {prompt[:40]!r} with "
+                                 f"{what} {embeds.shape[1]} text tokens (the image's vision tokens count): raise it")
             rows.append(padded_text(embeds, mask, max_sequence_length))
         return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        grid = self._checked_grid(latents)  # (1, h/2, w/2); the input image has the same grid
-        both = torch.cat([latents, conditioning["image_latents"].to(latents.dtype)], dim=1)  # [n, 2·T, 4C]
-        output = self._transformer(module, both, [grid, grid], timesteps, conditioning, guidance_scale)
-        return output[:, :latents.shape[1]]
+        grid = self._checked_grid(latents)  # (1, h/2, w/2); every input image has the same grid
+
+        def call(latents: Tensor, timesteps: Tensor, conditioning: Conditioning, count: int) -> Tensor:
+            images = conditioning["image_latents"].to(latents.dtype)  # [m, k·T, 4C]
+            both = torch.cat([latents, images], dim=1)  # [m, (1 + k)·T, 4C]
+            output = self._transformer(module, both, [grid] * (1 + count), timesteps, conditioning, guidance_scale)
+            return output[:, :latents.shape[1]]
+
+        return by_image_count(call, latents, timesteps, conditioning)

@@ -71,7 +71,8 @@ def _eval_rows(run: Path) -> tuple[list[dict[str, Any]], str]:
         raise ValueError(f"{run}: not a flow-plugin run (plugin.name {config['plugin']['name']!r})")
     plugin = from_dict(FlowPluginConfig, options, "plugin")
     adapter = adapter_class(plugin)  # as the plugin loads its rows: an editing model's name their input images
-    return load_rows(plugin, "eval", images=adapter.name if adapter.image_conditioned else None), reward
+    return load_rows(plugin, "eval", images=adapter.name if adapter.image_conditioned else None,
+                     max_images=None), reward
 
 
 def _task_of(rows: list[dict[str, Any]]) -> dict[str, str]:
