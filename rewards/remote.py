@@ -9,6 +9,7 @@ Protocol (version 1, JSON only, never pickle)::
      "group_ids": [0, 0, 1, ...],
      "payload": {"images": {"png": ["<base64 PNG>", ...]},   # 8-bit RGB images, lossless
                  "videos": {"png_frames": [["<base64 PNG>", ...], ...]},  # per video, its frames in order
+                 "more_condition_images": {"png_sets": [["<base64 PNG>", ...], ...]},  # several images per sample
                  "completions": {"json": ["...", ...]}}}     # any other payload entry, as JSON
     → 200 {"scores": [0.81, null, ...]}                   # null = no score (NaN; rewards.on_nonfinite decides)
     → 4xx/5xx {"error": "one line"}
@@ -30,8 +31,11 @@ Images are converted to 8-bit RGB exactly as local image rewards do (:mod:`mmrl.
 reward scores what the same reward would score in-process. Videos (``videos`` option, e.g. the flow plugin's
 ``payload["videos"]`` ``[N, 3, F, H, W]``) travel as one PNG per frame, converted the same way, and the server
 hands them to its reward as a uint8 tensor ``[N, 3, F, H, W]`` (a list of ``[3, F, H, W]`` when sizes differ), the
-layout :mod:`mmrl.rewards.videos` reads. Samples whose images or videos have non-finite pixels are not sent; they
-score NaN locally.
+layout :mod:`mmrl.rewards.videos` reads. An ``extra_images`` entry holding several images per sample (a tensor
+``[N, K, C, H, W]``: the flow plugin's ``more_condition_images`` when prompt rows name several input images) travels
+as ``png_sets``, K PNGs per sample, and the server hands it over as uint8 ``[N, K, 3, H, W]`` (a list of
+``[K, 3, H, W]`` when sizes differ). Samples whose images or videos have non-finite pixels are not sent; they score
+NaN locally.
 
 A server started with a token (``MMRL_REWARD_TOKEN`` or ``--token-file``) answers 401 to every request without
 ``Authorization: Bearer <token>``; the client reads the same token from the environment variable ``token_env`` or
@@ -69,7 +73,7 @@ from mmrl.registry import Range
 from mmrl.reward import Reward, RewardError, RewardInput, check_reward_context
 from mmrl.rewards.images import encode_png, read_images
 from mmrl.rewards.server_requests import context_problem, shown_json
-from mmrl.rewards.videos import read_videos
+from mmrl.rewards.videos import VideoBatch, read_videos
 
 PROTOCOL = 1
 MAX_RESPONSE_BYTES = 16 << 20
@@ -235,7 +239,8 @@ class RemoteReward(Reward):
                 videos and images to null.
             extra_images: More payload entries sent as PNG images besides ``images``, e.g. [condition_images] for
                 an edit judge that compares each edit with its input image (a sample with a non-finite pixel in
-                any of them is not sent and scores NaN).
+                any of them is not sent and scores NaN). An entry with several images per sample (``[N, K, C, H,
+                W]``, e.g. more_condition_images) sends each sample's K images.
         """
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'remote': url {url!r} must start with http:// or https://")
@@ -343,7 +348,7 @@ class RemoteReward(Reward):
         if self.videos is not None:
             videos = read_videos(batch, self.videos, "remote")
             finite &= videos.finite
-        extra = {name: read_images(batch, name, "remote") for name in self.extra_images}
+        extra = {name: _read_extra(batch, name) for name in self.extra_images}
         for more in extra.values():
             finite &= more.finite
         keep = finite.nonzero().flatten().tolist()
@@ -354,7 +359,10 @@ class RemoteReward(Reward):
         if images is not None:
             payload[self.images] = {"png": [png(images.images[i]) for i in keep]}
         for name, more in extra.items():
-            payload[name] = {"png": [png(more.images[i]) for i in keep]}
+            if isinstance(more, VideoBatch):  # several images per sample: each sample's K images, in order
+                payload[name] = {"png_sets": [[png(image) for image in more.videos[i].unbind(1)] for i in keep]}
+            else:
+                payload[name] = {"png": [png(more.images[i]) for i in keep]}
         if videos is not None:
             payload[self.videos] = {"png_frames": [[png(frame) for frame in videos.videos[i].unbind(1)]
                                                    for i in keep]}
@@ -469,3 +477,14 @@ def _error_message(raw: bytes, reason: str) -> str:
     if isinstance(data, dict) and isinstance(data.get("error"), str):
         return data["error"].splitlines()[0] if data["error"] else reason
     return reason
+
+
+def _read_extra(batch: RewardInput, name: str) -> Any:
+    """An ``extra_images`` entry as 8-bit images: an :class:`~mmrl.rewards.images.ImageBatch`, or for several images
+    per sample (a tensor ``[N, K, C, H, W]``) a :class:`~mmrl.rewards.videos.VideoBatch` whose "frames" are each
+    sample's K images (``[3, K, H, W]``), converted exactly as image rewards convert images."""
+    value = batch.output(name)
+    if isinstance(value, Tensor) and value.dim() == 5:
+        sets = RewardInput(rows=batch.rows, payload={name: value.transpose(1, 2)}, group_ids=batch.group_ids)
+        return read_videos(sets, name, "remote")
+    return read_images(batch, name, "remote")

@@ -192,21 +192,25 @@ def decode_batch(request: dict[str, Any], max_pixels: int | None = None) -> Rewa
     if not isinstance(payload_in, dict):
         raise BadRequest(400, "'payload' must be a JSON object")
     encoded: dict[str, list[tuple[bytes, tuple[int, int]]]] = {}  # PNG bytes and header size, before any decoding
-    frame_counts: dict[str, list[int]] = {}  # frames of each video of a 'png_frames' entry
+    frame_counts: dict[str, list[int]] = {}  # images of each sample of a 'png_frames' or 'png_sets' entry
+    image_sets: set[str] = set()  # the 'png_sets' entries: several images per sample, stacked on a leading axis
     for key, entry in payload_in.items():
-        if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("png", "png_frames", "json"):
+        kind = next(iter(entry)) if isinstance(entry, dict) and len(entry) == 1 else None
+        if kind not in ("png", "png_frames", "png_sets", "json"):
             raise BadRequest(400, f"payload[{key!r}] must be {{'png': [base64, ...]}}, {{'png_frames': [[base64, "
-                                  "...], ...]}} or {'json': value}")
-        if "json" in entry:
+                                  "...], ...]}}, {'png_sets': [[base64, ...], ...]} or {'json': value}")
+        if kind == "json":
             continue
-        if "png_frames" in entry:
-            videos = entry["png_frames"]
+        if kind in ("png_frames", "png_sets"):
+            videos = entry[kind]
             if not isinstance(videos, list) or len(videos) != n or not all(
                     isinstance(frames, list) and frames and all(isinstance(item, str) for item in frames)
                     for frames in videos):
-                raise BadRequest(400, f"payload[{key!r}]['png_frames'] must be a list of {n} non-empty lists of "
+                raise BadRequest(400, f"payload[{key!r}][{kind!r}] must be a list of {n} non-empty lists of "
                                       "base64 strings")
             frame_counts[key] = [len(frames) for frames in videos]
+            if kind == "png_sets":
+                image_sets.add(key)
             items = [item for frames in videos for item in frames]
         else:
             items = entry["png"]
@@ -231,23 +235,26 @@ def decode_batch(request: dict[str, Any], max_pixels: int | None = None) -> Rewa
         images = [_decode_sized(data, f"payload[{key!r}][{index}]", size)
                   for index, (data, size) in enumerate(encoded[key])]
         if key in frame_counts:
-            payload[key] = _videos(images, frame_counts[key], key)
+            payload[key] = _videos(images, frame_counts[key], key, axis=0 if key in image_sets else 1)
             continue
         same_size = len({tuple(image.shape) for image in images}) <= 1
         payload[key] = torch.stack(images) if images and same_size else images
     return RewardInput(rows=rows, payload=payload, group_ids=torch.tensor(group_ids, dtype=torch.long))
 
 
-def _videos(frames: list[torch.Tensor], counts: list[int], key: str) -> torch.Tensor | list[torch.Tensor]:
+def _videos(frames: list[torch.Tensor], counts: list[int], key: str, axis: int = 1
+            ) -> torch.Tensor | list[torch.Tensor]:
     """Decoded frames (uint8 ``[3, H, W]``, videos one after another) → ``[N, 3, F, H, W]``, or a list of
-    ``[3, F, H, W]`` when the videos differ in size; the frames of one video must share a size."""
+    ``[3, F, H, W]`` when the videos differ in size; the frames of one video must share a size. With ``axis`` 0,
+    image sets (``png_sets``): ``[N, K, 3, H, W]`` (or a list of ``[K, 3, H, W]``)."""
     videos, start = [], 0
     for index, count in enumerate(counts):
         own = frames[start:start + count]
         start += count
         if len({tuple(frame.shape) for frame in own}) != 1:
-            raise BadRequest(400, f"payload[{key!r}] video {index} has frames of different sizes")
-        videos.append(torch.stack(own, dim=1))  # [3, F, H, W]
+            what = "image set {} has images" if axis == 0 else "video {} has frames"
+            raise BadRequest(400, f"payload[{key!r}] {what.format(index)} of different sizes")
+        videos.append(torch.stack(own, dim=axis))  # [3, F, H, W] or [K, 3, H, W]
     if len({tuple(video.shape) for video in videos}) == 1:
         return torch.stack(videos)
     return videos

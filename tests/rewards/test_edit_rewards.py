@@ -125,3 +125,46 @@ def test_an_empty_batch_scores_nothing(tiny_models):
     empty = RewardInput(rows=[], payload={"images": nothing, "condition_images": nothing})
     assert ClipImageSimilarity(**args)(empty).numel() == 0
     assert ClipDirectional(**args)(empty).numel() == 0
+
+
+def _second_input_brightness(batch: RewardInput) -> torch.Tensor:
+    """A test reward reading rows' further input images as the flow plugin hands them over (``more_condition_images``
+    ``[N, K, 3, H, W]``): float in [0, 1] in-process, uint8 from the reward server. The mean of each sample's first
+    further image, then ten times that of its last, so that the two images' order shows in the score."""
+    images = batch.output("more_condition_images")
+    stack = images if isinstance(images, torch.Tensor) else torch.stack(list(images))
+    stack = stack.double() / 255 if stack.dtype == torch.uint8 else stack.double()
+    return stack[:, 0].mean(dim=(1, 2, 3)) + 10 * stack[:, -1].mean(dim=(1, 2, 3))
+
+
+reward_functions.register("test_second_input_brightness", _second_input_brightness)
+
+
+def test_several_input_images_per_sample_travel_to_the_reward_server_as_png_sets():
+    """Rows with several input images (the flow plugin's ``more_condition_images`` ``[N, K, 3, H, W]``) sent with
+    extra_images: the server's reward gets the same 8-bit images in the same order, ``[N, K, 3, H, W]``, and scores
+    what it scores in-process on those 8-bit images; a sample with a non-finite pixel in any of them is not sent."""
+    from mmrl.rewards.remote import RemoteReward
+    from mmrl.rewards.server import RewardServer, build_rewards
+
+    rewards = build_rewards({"rewards": {"functions": [{"name": "test_second_input_brightness"}]}})
+    server = RewardServer(rewards, port=0).start()
+    try:
+        generator = torch.Generator().manual_seed(3)
+        more = torch.rand(3, 2, 3, 12, 12, generator=generator)  # [N, K, 3, H, W]
+        more[2, 1, 0, 0, 0] = float("nan")
+        batch = RewardInput(rows=[{"prompt": p} for p in ("a", "b", "c")],
+                            payload={"images": random_images(3), "more_condition_images": more})
+        remote = RemoteReward(url=server.url, extra_images=["more_condition_images"], retries=0, backoff=0.0,
+                              token_env=None)
+        got = remote(batch)
+        eight_bit = (more[:2] * 255).round().clamp(0, 255).to(torch.uint8)  # the 8-bit images the server gets
+        expected = _second_input_brightness(RewardInput(rows=batch.rows[:2],
+                                                        payload={"more_condition_images": eight_bit}))
+        torch.testing.assert_close(got[:2], expected, rtol=0, atol=1e-12)
+        assert torch.isnan(got[2])
+        swapped = RewardInput(rows=batch.rows, payload={"images": batch.payload["images"],
+                                                        "more_condition_images": more.flip(1)})
+        assert (remote(swapped)[:2] - got[:2]).abs().min() > 1e-3  # the order of a sample's images arrives intact
+    finally:
+        server.close()
