@@ -96,6 +96,20 @@ class FlowPluginConfig:
     )
     negative_prompt: str = config_field("", help="Negative prompt of the unconditional pass.",
                                         ref="Flow-GRPO eval protocol: ''")
+    cfg_normalization: float | None = config_field(
+        None, minimum=0.0, exclusive_minimum=True,
+        help="Z-Image only (with cfg): caps each sample's guided velocity at this multiple of its conditional "
+        "velocity's norm (over the whole latent), in rollouts, the training forward and evaluation alike "
+        "(ZImagePipeline's cfg_normalization; its true is 1.0). Null: no cap, the pipeline's default.",
+        ref="diffusers ZImagePipeline cfg_normalization; Flow-Factory z_image.py",
+    )
+    cfg_truncation: float | None = config_field(
+        None, minimum=0.0, maximum=1.0,
+        help="Z-Image only (with cfg): no guidance (the conditional velocity alone) at the steps whose "
+        "(1000 - timestep)/1000 = 1 - sigma exceeds it, late in sampling (ZImagePipeline's cfg_truncation). Null: "
+        "guidance at every step (the pipeline's default 1.0).",
+        ref="diffusers ZImagePipeline cfg_truncation; Flow-Factory z_image.py",
+    )
     sde: str = config_field(
         "flow_grpo", help="SDE of the stochastic steps: flow_grpo, dance_grpo, cps or another stochastic kind "
         "registered in mmrl.plugins.flow.sde.sde_kind_registry (`mmrl list`: sde_kinds; mmrl.plugins.flow.sde).",

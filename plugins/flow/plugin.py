@@ -111,6 +111,14 @@ class FlowPlugin(Plugin):
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg,
                               f"false or null: the {adapter.name} adapter {adapter.cfg_refusal}")
+        for key in ("cfg_normalization", "cfg_truncation"):  # Z-Image's optional guidance rules
+            value = getattr(config, key)
+            if value is not None and not (adapter.guidance_rules and self.cfg):
+                why = "takes no such rule" if not adapter.guidance_rules else "guides without cfg (cfg is false)"
+                raise ConfigError(f"plugin.{key}", value, f"null: the {adapter.name} adapter {why}; "
+                                  "cfg_normalization and cfg_truncation are ZImagePipeline's, with cfg")
+            if adapter.guidance_rules:
+                setattr(adapter, key, value)
         self.guidance_scale, self.eval_guidance_scale = config.resolved_guidance_scales(
             adapter.default_guidance_scale, guided_by_cfg=not adapter.guidance_embedded,
             unguided=adapter.unguided_scale, cfg=self.cfg)

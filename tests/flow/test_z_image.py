@@ -22,14 +22,14 @@ def pipelines(pipelines, tmp_path_factory):
     return {**pipelines, "z_image": folder}
 
 
-def _pipeline_images(plugin, prompts, seeds, steps, scale, height=16, width=16, max_sequence_length=16):
+def _pipeline_images(plugin, prompts, seeds, steps, scale, height=16, width=16, max_sequence_length=16, **rules):
     """ZImagePipeline's own output for ``prompts``, one generator per sample as the plugin seeds them (guidance 0:
-    no unconditional pass, as the pipeline decides)."""
+    no unconditional pass, as the pipeline decides; ``rules``: cfg_normalization, cfg_truncation)."""
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     with torch.no_grad():
         return plugin.adapter.pipeline(prompts, height=height, width=width, num_inference_steps=steps,
                                        guidance_scale=scale, generator=generators, output_type="pt",
-                                       max_sequence_length=max_sequence_length).images
+                                       max_sequence_length=max_sequence_length, **rules).images
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
@@ -77,6 +77,63 @@ def test_guidance_is_the_pipelines_conditional_plus_w_times_the_difference(make_
     torch.testing.assert_close(guided, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     standard = -(uncond + 3.0 * (cond - uncond))
     assert (guided - standard).abs().max() > 1e-3  # the check tells the two conventions apart
+
+
+@pytest.mark.parametrize("rules", [{"cfg_normalization": 1.0}, {"cfg_truncation": 0.5},
+                                   {"cfg_normalization": 1.2, "cfg_truncation": 0.6}],
+                         ids=["normalization", "truncation", "both"])
+def test_the_pipelines_optional_guidance_rules_are_its_own(make_plugin, rules):
+    # cfg_normalization caps a guided sample's norm at c times the conditional one's; cfg_truncation drops guidance
+    # at the steps past 1 - sigma = tau (the pipeline makes no unconditional pass there; the plugin weights it 0).
+    plugin = make_plugin("z_image", cfg=True, eval_num_steps=4, eval_guidance_scale=4.0, max_sequence_length=16,
+                         **rules)
+    prompts = ["a cat", "a big red dog"]
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
+    expected = _pipeline_images(plugin, prompts, (5, 6), 4, 4.0, **rules)
+    torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
+    plain = _pipeline_images(plugin, prompts, (5, 6), 4, 4.0)
+    assert (expected - plain).abs().max() > 1e-3  # the rules change the pipeline's images: the check can fail
+
+
+def test_guidance_rules_by_hand(make_plugin):
+    """The combination on hand-made velocities: c caps only guided rows over c·‖cond‖; a truncated row is cond."""
+    plugin = make_plugin("z_image", cfg=True, cfg_normalization=1.5, cfg_truncation=0.5, max_sequence_length=16)
+    adapter = plugin.adapter
+    cond = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]]).view(3, 2, 1, 1)  # norms 5, 1, 2
+    uncond = torch.tensor([[3.0, 3.0], [1.0, 0.5], [0.0, 0.0]]).view(3, 2, 1, 1)
+    # timesteps 900 and 400: 1 - sigma = 0.1 (guided) and 0.6 (> 0.5: truncated); the third row guided
+    scale = adapter.guidance_for(torch.tensor([900.0, 400.0, 700.0]), 2.0)
+    assert scale.flatten().tolist() == [2.0, 0.0, 2.0]
+    out = adapter.combine_guidance(uncond, cond, scale).flatten(1)
+    # row 0: (3, 6), norm 6.708 > 7.5? no: kept. row 1: truncated, cond itself. row 2: (0, 6), norm 6 > 3: to (0, 3)
+    torch.testing.assert_close(out, torch.tensor([[3.0, 6.0], [1.0, 0.0], [0.0, 3.0]]), rtol=0, atol=1e-6)
+    tight = make_plugin("z_image", cfg=True, cfg_normalization=0.5, cfg_truncation=0.5,
+                        max_sequence_length=16).adapter
+    out = tight.combine_guidance(uncond, cond, tight.guidance_for(torch.tensor([900.0, 400.0, 900.0]), 2.0))
+    # the guided rows capped at 0.5 × their conditional norms; the truncated row is cond, uncapped (no CFG branch)
+    torch.testing.assert_close(out.flatten(1).norm(dim=1)[[0, 2]], torch.tensor([2.5, 1.0]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[1], cond[1], rtol=0, atol=0)
+
+
+def test_guidance_rules_are_refused_without_cfg_and_for_other_models(make_plugin):
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.cfg_truncation': got 0.5; allowed: null: the z_image "
+                                          r"adapter guides without cfg \(cfg is false\); [^\n]*$"):
+        make_plugin("z_image", cfg=False, cfg_truncation=0.5)
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.cfg_normalization': got 1.0; allowed: null: the sd3 "
+                                          r"adapter takes no such rule; [^\n]*$"):
+        make_plugin("sd3", cfg_normalization=1.0)
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.cfg_truncation': got 1.5; [^\n]*$"):
+        make_plugin("z_image", cfg_truncation=1.5)
+
+
+def test_recomputed_logp_has_ratio_one_with_the_guidance_rules(make_plugin):
+    plugin = make_plugin("z_image", cfg=True, guidance_scale=4.0, cfg_normalization=1.0, cfg_truncation=0.5,
+                         max_sequence_length=16)
+    perturb_lora(plugin)
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat", "a dog", "a red car"], 2)).validate()
+    assert_ratio_one_for_any_split(plugin, rollout)
 
 
 def test_prompt_rows_are_the_pipelines_captions_whatever_their_batch(make_plugin):

@@ -93,6 +93,9 @@ class FlowAdapter(ABC):
     #: the plugin then encodes each (prompt, image) pair, and for CFG each image with the negative prompt, instead
     #: of the prompts alone.
     prompt_sees_image: ClassVar[bool] = False
+    #: Whether the adapter applies ZImagePipeline's optional guidance rules (``plugin.cfg_normalization``,
+    #: ``plugin.cfg_truncation``), which the plugin sets on it; other adapters refuse them.
+    guidance_rules: ClassVar[bool] = False
     #: How many input images a prompt row may name (``"image"``: a path, or a list of paths): 1 for most editing
     #: pipelines; None (any number) where the pipeline takes several (Qwen-Image-Edit-Plus, FLUX.2). An adapter that
     #: takes several implements :meth:`join_condition_images` and reads ``condition_image_mask`` in

@@ -20,9 +20,13 @@ What the adapter reproduces from ``ZImagePipeline.__call__`` (diffusers 0.42):
 - guidance: the pipeline's ``pred = pos + w·(pos − neg)`` (:meth:`ZImageAdapter.combine_guidance`), which is
   standard CFG at scale 1 + w: ``guidance_scale`` means what ``ZImagePipeline``'s does, not SD3's. The pipeline runs
   the unconditional pass whenever w > 0; here ``plugin.cfg`` decides (on by default). Z-Image-Turbo is distilled
-  for w = 0: its recipes set ``plugin.cfg: false``. The pipeline's optional ``cfg_normalization`` (a cap on the
-  guided velocity's norm) and ``cfg_truncation`` (no guidance late in sampling) default to off there and are not
-  reproduced.
+  for w = 0: its recipes set ``plugin.cfg: false``. The pipeline's optional rules, off by default there and here:
+  ``cfg_normalization`` c (``plugin.cfg_normalization``) rescales a sample's guided output whose norm (over the whole
+  latent) exceeds c·‖pos‖ down to c·‖pos‖; ``cfg_truncation`` τ (``plugin.cfg_truncation``) drops guidance at the
+  steps whose (1000 − timestep)/1000 exceeds τ, where the pipeline makes no unconditional pass and takes pos alone
+  (here the pass is still made and weighted 0, which gives pos exactly; the cap does not apply there, as in the
+  pipeline). Flow-Factory applies both the same way in its rollouts and training forward (z_image.py
+  ``forward``).
 - decode: latents / ``scaling_factor`` + ``shift_factor``, then the VAE (the base adapter's decode).
 
 Flow-Factory trains Z-Image the same way (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/z_image/
@@ -37,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale
 
 
 class ZImageAdapter(FlowAdapter):
@@ -52,6 +56,10 @@ class ZImageAdapter(FlowAdapter):
     supports_cfg = True
     unguided_scale = 0.0  # the pipeline's 'no guidance' (Z-Image-Turbo's setting)
     default_max_sequence_length = 512  # ZImagePipeline.__call__'s default
+    guidance_rules = True
+    #: ``plugin.cfg_normalization`` and ``plugin.cfg_truncation`` (None: off), set by the plugin.
+    cfg_normalization: float | None = None
+    cfg_truncation: float | None = None
 
     def resolution_multiple(self) -> int:
         return self.vae_scale_factor * 2  # 2×2 patches (the pipeline's image processor uses the same multiple)
@@ -87,7 +95,25 @@ class ZImageAdapter(FlowAdapter):
         )[0]
         return -torch.stack(output).squeeze(2)  # [n, C, h, w]: the model points from noise to data
 
+    def guidance_for(self, timesteps: Tensor, guidance_scale: GuidanceScale) -> float | Tensor:
+        """The scale w, or with ``cfg_truncation`` τ a per-row ``[n, 1, 1, 1]`` w that is 0 where
+        (1000 − timestep)/1000 > τ: the pipeline's rule, its t computed in float32 and compared in float64."""
+        scale = super().guidance_for(timesteps, guidance_scale)
+        if self.cfg_truncation is None:
+            return scale
+        late = ((1000 - timesteps.float()) / 1000).double() > self.cfg_truncation  # [n]
+        return torch.where(late, 0.0, float(scale)).float().view(-1, 1, 1, 1)
+
     def combine_guidance(self, uncond: Tensor, cond: Tensor, guidance_scale: float | Tensor) -> Tensor:
         """ZImagePipeline's guidance, ``cond + w·(cond − uncond)`` on the float32 velocities (the pipeline combines
-        the transformer outputs before negating them; negation commutes with the combination)."""
-        return cond + guidance_scale * (cond - uncond)
+        the transformer outputs before negating them; negation commutes with the combination and the norms), with
+        ``cfg_normalization`` c: a guided row (w > 0) whose norm exceeds c·‖cond‖ scaled down to it."""
+        guided = cond + guidance_scale * (cond - uncond)  # [n, C, h, w]
+        if self.cfg_normalization is None:
+            return guided
+        cap = self.cfg_normalization * torch.linalg.vector_norm(cond.flatten(1), dim=1)  # [n]
+        norm = torch.linalg.vector_norm(guided.flatten(1), dim=1)  # [n]
+        weight = torch.as_tensor(guidance_scale, device=guided.device).flatten()
+        rescale = (norm > cap) & (weight > 0)  # rows the pipeline guided (scale 0: no CFG branch, no cap)
+        factor = torch.where(rescale, cap / norm, torch.ones_like(norm))
+        return guided * factor.view(-1, *([1] * (guided.dim() - 1)))
