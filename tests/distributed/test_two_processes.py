@@ -163,6 +163,9 @@ MODALITY_RECIPES = {
     # passes go through it), so this checks that the encoder's share of the gradient is synchronised too.
     "dllm_canvas": ("configs/dllm/toy_canvas.yaml", ["plugin.eval_size=8"], 2, 16 * 8),
     "flow": ("configs/flow/shapes.yaml", [], 2, 8 * 8),  # two mini-batches
+    # Image editing (the edit world's Kontext recipe): every process reads and encodes its rows' input images, which
+    # ride in the replay and reach the rewards in the payload; each sample its own initial noise.
+    "flow_edit": ("configs/flow/shapes_edit.yaml", [], 2, 8 * 8),
     # Two mini-batches (the core's old-policy pass runs too); each training sample decoded alone, so that it depends
     # on its own seed only; a random tiny model never earns the recipe's format and iou rewards (all 0: no
     # gradient), so the completion length (record_toy.py) is added to give every group spread.
@@ -177,8 +180,9 @@ MODALITY_RECIPES = {
 def test_each_modality_recipe_applies_the_same_gradients_on_one_and_two_processes(tmp_path, plugin):
     """The diffusion-LLM recipe (μ = 2 inner epochs, each with its own mask plan drawn from per-sample streams, a KL
     reference pass, the core's old-policy pass), the shapes-world flow recipe (SDE noise per sample, 3 trained
-    denoising steps, two mini-batches) and the vlm grounding recipe (a tiny Qwen2.5-VL with LoRA, the KL reference
-    as the adapter-disabled model, two mini-batches), 2 steps each on 1 and 2 processes in the spread layout, where
+    denoising steps, two mini-batches), the edit world's recipe (the same with an input image per row) and the vlm
+    grounding recipe (a tiny Qwen2.5-VL with LoRA, the KL reference as the adapter-disabled model, two mini-batches),
+    2 steps each on 1 and 2 processes in the spread layout, where
     each process holds other samples of every group: the same advantages and the same gradient at every optimizer
     step (to float reduction order; see the shipped-recipe test above for the tolerance). A mask plan or a noise
     stream tied to a sample's local index instead of its global seed would differ by order 1.
