@@ -57,6 +57,17 @@ class FlowPluginConfig:
         None, minimum=1, help="Image (video frame) width in pixels, as the diffusers pipelines' width=; the same "
         "multiple as height. Null: resolution.", ref="Wan2.1 480p: height 480, width 832",
     )
+    eval_height: int | None = config_field(
+        None, minimum=1, eval_only=True,
+        help="Image (video frame) height of evaluation rollouts, the same multiple as height; the input images of "
+        "an editing run are brought to it too. Null: the training height.",
+        ref="Flow-Factory examples: train at 384 px, evaluate at 512 or 1024 (eval.resolution)",
+    )
+    eval_width: int | None = config_field(
+        None, minimum=1, eval_only=True,
+        help="Image (video frame) width of evaluation rollouts. Null: the training width.",
+        ref="Flow-Factory examples: train at 384 px, evaluate at 512 or 1024 (eval.resolution)",
+    )
     num_frames: int | None = config_field(
         None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
         "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
@@ -284,9 +295,15 @@ class FlowPluginConfig:
         return height, width
 
     def resolved_size(self) -> tuple[int, int]:
-        """``(height, width)`` in pixels of every generated image (video frame)."""
+        """``(height, width)`` in pixels of every generated image (video frame) of training rollouts."""
         (_, height), (_, width) = self.size_options()
         return height, width
+
+    def resolved_eval_size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels of evaluation rollouts: ``eval_height`` / ``eval_width``, else the training
+        size's."""
+        height, width = self.resolved_size()
+        return self.eval_height or height, self.eval_width or width
 
     def resolved_window_range(self) -> tuple[int, int]:
         if self.window_range is None:

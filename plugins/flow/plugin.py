@@ -102,6 +102,10 @@ class FlowPlugin(Plugin):
             if pixels % multiple:
                 raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
                                   f"{adapter.name} pipeline's VAE downsampling x patch size)")
+        for key, pixels in (("eval_height", config.eval_height), ("eval_width", config.eval_width)):
+            if pixels is not None and pixels % multiple:
+                raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
+                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
         adapter.set_size(*config.resolved_size())
         frames_problem = adapter.frames_requirement(config.num_frames)
         if frames_problem is not None:
@@ -186,8 +190,9 @@ class FlowPlugin(Plugin):
 
     @torch.no_grad()
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
-        if not batch.training:
-            return self.sampler.evaluation_rollout(policy, batch)
+        if not batch.training:  # at plugin.eval_height x eval_width, the adapter back at the training size after
+            with self.adapter.sized(*self.config.resolved_eval_size()):
+                return self.sampler.evaluation_rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
 
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:

@@ -31,6 +31,8 @@ import json
 import re
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -195,6 +197,19 @@ class FlowAdapter(ABC):
             raise ValueError(f"{self.name} adapter: height {height} and width {width} must be positive multiples of "
                              f"{multiple}")
         self.height, self.width = int(height), int(width)
+
+    @contextmanager
+    def sized(self, height: int, width: int) -> Iterator[None]:
+        """Generate ``height × width`` pixel images inside the block (an evaluation at ``plugin.eval_height`` ×
+        ``eval_width``), the previous size restored after it, also when the block raises. Everything that depends on
+        the size reads :attr:`size` or caches by it (σ grids, position ids, encoded input images), so nothing
+        computed at one size is reused at the other."""
+        previous = self.size
+        self.set_size(height, width)
+        try:
+            yield
+        finally:
+            self.set_size(*previous)
 
     @property
     def size(self) -> tuple[int, int]:

@@ -64,7 +64,7 @@ class FluxKontextAdapter(FluxAdapter):
     def _condition_ids(self, tokens: int, like: Tensor) -> Tensor:
         """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: the generated image's grid with the first
         coordinate 1 (the image is resized to the run's size, so the grids match); cached with the others."""
-        key = (tokens, like.device, like.dtype)
+        key = (self.size, tokens, like.device, like.dtype)  # by size: an evaluation size may have as many tokens
         if key not in self._condition_ids_cache:
             image_ids, _ = self._position_ids(tokens, 0, like)
             ids = image_ids.clone()
