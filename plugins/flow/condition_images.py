@@ -63,7 +63,7 @@ class ConditionImageCache:
         """(conditioning of ``rows``' images, each tensor ``[n, ...]``; the payload entries of the images as the
         model saw them, in [0, 1]: ``condition_images`` ``[n, 3, H, W]``, each row's first image, and with
         ``slots`` > 1 ``more_condition_images`` ``[n, slots − 1, 3, H, W]`` and ``condition_image_counts`` ``[n]``)."""
-        size = self.adapter.size
+        size = self.adapter.condition_size  # the input images' size: the cache keys carry it
         paths = [_image_paths(row, index, self.slots) for index, row in enumerate(rows)]  # a tuple per row
         loaded: dict[str, Any] = {}
 

@@ -68,6 +68,16 @@ class FlowPluginConfig:
         help="Image (video frame) width of evaluation rollouts. Null: the training width.",
         ref="Flow-Factory examples: train at 384 px, evaluate at 512 or 1024 (eval.resolution)",
     )
+    condition_size: list[int] | None = config_field(
+        None, help="[height, width] in pixels that image-editing adapters (flux_kontext, qwen_image_edit, flux2_edit, "
+        "flux2_klein_edit) bring every input image to, the same multiple as height. Null: the generated size. The "
+        "pipelines size input images on their own (Qwen-Image-Edit: about 1024x1024 whatever the output).",
+        ref="Flow-Factory condition_image_size; QwenImageEditPlusPipeline VAE_IMAGE_SIZE = 1024*1024",
+    )
+    eval_condition_size: list[int] | None = config_field(
+        None, eval_only=True, help="[height, width] of input images at evaluation. Null: condition_size, itself "
+        "null: the evaluation size.", ref="Flow-Factory examples: eval condition_image_size 1024",
+    )
     num_frames: int | None = config_field(
         None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
         "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
@@ -237,6 +247,11 @@ class FlowPluginConfig:
         if self.guidance_scale_2 is not None and self.cfg is False and self.guidance_scale_2 != 1.0:
             raise ConfigError(f"{path}.guidance_scale_2", self.guidance_scale_2, "null or 1.0 with plugin.cfg false: "
                               "the experts are guided only through the unconditional pass that cfg: false turns off")
+        for key in ("condition_size", "eval_condition_size"):
+            size = getattr(self, key)
+            if size is not None and (len(size) != 2 or any(isinstance(side, bool) or not isinstance(side, int)
+                                                            or side < 1 for side in size)):
+                raise ConfigError(f"{path}.{key}", size, "null or [height, width], two positive integers (pixels)")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
@@ -304,6 +319,13 @@ class FlowPluginConfig:
         size's."""
         height, width = self.resolved_size()
         return self.eval_height or height, self.eval_width or width
+
+    def resolved_condition_sizes(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """``(training, evaluation)`` input-image sizes, None where they follow the generated size."""
+        training = None if self.condition_size is None else (self.condition_size[0], self.condition_size[1])
+        evaluation = training if self.eval_condition_size is None else (self.eval_condition_size[0],
+                                                                         self.eval_condition_size[1])
+        return training, evaluation
 
     def resolved_window_range(self) -> tuple[int, int]:
         if self.window_range is None:

@@ -107,6 +107,19 @@ class FlowPlugin(Plugin):
                 raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
                                   f"{adapter.name} pipeline's VAE downsampling x patch size)")
         adapter.set_size(*config.resolved_size())
+        for key in ("condition_size", "eval_condition_size"):
+            size = getattr(config, key)
+            if size is None:
+                continue
+            if not adapter.condition_size_free:
+                raise ConfigError(f"plugin.{key}", size, f"null: the {adapter.name} adapter's input images are "
+                                  "brought to the generated size (condition_size is for the image-editing adapters "
+                                  "flux_kontext, qwen_image_edit, flux2_edit, flux2_klein_edit)")
+            if any(side % multiple for side in size):
+                raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {config.model} (the "
+                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
+        self.condition_sizes = config.resolved_condition_sizes()  # (training, evaluation); None: the output size
+        adapter.set_condition_size(self.condition_sizes[0])
         frames_problem = adapter.frames_requirement(config.num_frames)
         if frames_problem is not None:
             raise ConfigError("plugin.num_frames", config.num_frames, frames_problem)
@@ -191,7 +204,7 @@ class FlowPlugin(Plugin):
     @torch.no_grad()
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         if not batch.training:  # at plugin.eval_height x eval_width, the adapter back at the training size after
-            with self.adapter.sized(*self.config.resolved_eval_size()):
+            with self.adapter.sized(*self.config.resolved_eval_size(), condition=self.condition_sizes[1]):
                 return self.sampler.evaluation_rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
 
@@ -252,9 +265,14 @@ class FlowPlugin(Plugin):
                                                                                   strict=True)]
         images = rollout.payload["images"] if "images" in rollout.payload else filmstrips(rollout.payload["videos"])
         if "condition_images" in rollout.payload:  # an edit: the input image(s) left of the result
-            inputs = [rollout.payload["condition_images"]]  # [N, 3, H, W]
-            if "more_condition_images" in rollout.payload:  # [N, K − 1, 3, H, W], black after a row's last image
+            inputs = [rollout.payload["condition_images"]]  # [N, 3, H_in, W_in]
+            if "more_condition_images" in rollout.payload:  # [N, K − 1, 3, H_in, W_in], black after a row's last
                 inputs.extend(rollout.payload["more_condition_images"].unbind(1))
+            (height, width), tall = inputs[0].shape[-2:], images.shape[-2]
+            if height != tall:  # plugin.condition_size: shown at the result's height, their aspect ratio kept
+                size = (tall, max(1, round(width * tall / height)))
+                inputs = [torch.nn.functional.interpolate(image.float(), size=size, mode="bilinear", antialias=True)
+                          for image in inputs]
             images = torch.cat([*(image.to(images) for image in inputs), images], dim=-1)
         grid = save_caption_grid(images, captions, directory / f"{tag}.png")
         records = directory / f"{tag}.jsonl"

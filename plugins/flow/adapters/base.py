@@ -103,6 +103,10 @@ class FlowAdapter(ABC):
     #: takes several implements :meth:`join_condition_images` and reads ``condition_image_mask`` in
     #: :meth:`call_transformer` (see :func:`by_image_count`).
     max_condition_images: int | None = 1
+    #: Whether an input image may have another size than the generated image (``plugin.condition_size``): the
+    #: editing pipelines that size it independently (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2); not image-to-video,
+    #: whose input is the first frame.
+    condition_size_free: ClassVar[bool] = False
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline
@@ -116,6 +120,10 @@ class FlowAdapter(ABC):
         #: Image (frame) size in pixels; the plugin sets both from its config (:meth:`set_size`).
         self.height: int | None = None
         self.width: int | None = None
+        #: Input images' size in pixels for image-conditioned adapters (``plugin.condition_size``); None: the
+        #: generated images' size (:attr:`condition_size`).
+        self.condition_height: int | None = None
+        self.condition_width: int | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -198,18 +206,32 @@ class FlowAdapter(ABC):
                              f"{multiple}")
         self.height, self.width = int(height), int(width)
 
+    def set_condition_size(self, size: tuple[int, int] | None) -> None:
+        """Bring input images to ``(height, width)`` pixels from now on (None: the generated images' size), for
+        adapters whose pipeline sizes an input image independently of the output (:attr:`condition_size_free`)."""
+        if size is not None:
+            multiple = self.resolution_multiple()
+            if size[0] < 1 or size[1] < 1 or size[0] % multiple or size[1] % multiple:
+                raise ValueError(f"{self.name} adapter: input size {size[0]} x {size[1]} must be positive multiples "
+                                 f"of {multiple}")
+        self.condition_height, self.condition_width = (None, None) if size is None else (int(size[0]), int(size[1]))
+
     @contextmanager
-    def sized(self, height: int, width: int) -> Iterator[None]:
-        """Generate ``height × width`` pixel images inside the block (an evaluation at ``plugin.eval_height`` ×
-        ``eval_width``), the previous size restored after it, also when the block raises. Everything that depends on
-        the size reads :attr:`size` or caches by it (σ grids, position ids, encoded input images), so nothing
-        computed at one size is reused at the other."""
+    def sized(self, height: int, width: int, condition: tuple[int, int] | None = None) -> Iterator[None]:
+        """Generate ``height × width`` pixel images, from input images of ``condition`` pixels (None: the same size),
+        inside the block (an evaluation at ``plugin.eval_height`` × ``eval_width``), the previous sizes restored
+        after it, also when the block raises. Everything that depends on the sizes reads :attr:`size` and
+        :attr:`condition_size` or caches by them (σ grids, position ids, encoded input images), so nothing computed
+        at one size is reused at the other."""
         previous = self.size
+        previous_condition = None if self.condition_height is None else (self.condition_height, self.condition_width)
         self.set_size(height, width)
+        self.set_condition_size(condition)
         try:
             yield
         finally:
             self.set_size(*previous)
+            self.set_condition_size(previous_condition)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -217,6 +239,20 @@ class FlowAdapter(ABC):
         if self.height is None or self.width is None:
             raise RuntimeError(f"{self.name} adapter: no image size; call set_size(height, width) before sampling")
         return self.height, self.width
+
+    @property
+    def condition_size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels that image-conditioned adapters bring each input image to: ``plugin.
+        condition_size``, else :attr:`size`."""
+        if self.condition_height is None or self.condition_width is None:
+            return self.size
+        return self.condition_height, self.condition_width
+
+    def condition_grid(self, multiple: int = 1) -> tuple[int, int]:
+        """``(rows, columns)`` of an input image's latent grid at :attr:`condition_size`, over ``multiple`` (the
+        packing's patch side: 2 for FLUX-style 2×2 tokens)."""
+        height, width = self.condition_size
+        return height // self.vae_scale_factor // multiple, width // self.vae_scale_factor // multiple
 
     def latent_size(self) -> tuple[int, int]:
         """``(h, w)`` of the VAE latents of one image (frame): the pixel size over the VAE's spatial factor."""
@@ -409,16 +445,16 @@ def by_image_count(call: Any, latents: Tensor, timesteps: Tensor, conditioning: 
                    key: str = "image_latents") -> Tensor:
     """``call(latents, timesteps, conditioning, count)`` on the rows that have ``count`` input images, once per count
     present in the batch, the outputs put back in the rows' order. ``conditioning[key]`` holds each row's images'
-    tokens (:func:`joined_image_tokens`), cut here to the ``count`` real images (``[m, count·T, D]``, T = the
-    generated tokens: every input image is brought to the run's size); without :data:`IMAGE_MASK` every row has one
-    image and ``call`` gets the batch as it is. Rows of different counts cannot share a call (their token sequences
+    tokens (:func:`joined_image_tokens`), cut here to the ``count`` real images (``[m, count·T, D]``, T an input
+    image's tokens: every input image is brought to one size); without :data:`IMAGE_MASK` every row has one image
+    and ``call`` gets the batch as it is. Rows of different counts cannot share a call (their token sequences
     differ in length), so a batch that mixes counts costs one transformer call per count."""
     mask = conditioning.get(IMAGE_MASK)
     if mask is None:
         return call(latents, timesteps, conditioning, 1)
     rest = {name: value for name, value in conditioning.items() if name != IMAGE_MASK}
     counts = mask.float().sum(dim=1).round().long()  # [n]
-    per_image = latents.shape[1]
+    per_image = rest[key].shape[1] // mask.shape[1]  # an input image's tokens: slots·T_in in all
 
     def cut(rows: Tensor | None, count: int) -> Conditioning:
         picked = rest if rows is None else {name: value.index_select(0, rows) for name, value in rest.items()}

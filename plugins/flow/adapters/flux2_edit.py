@@ -15,8 +15,9 @@ grid, guidance and decode (:class:`~mmrl.plugins.flow.adapters.flux2.Flux2Adapte
   is kept. μ of the σ shift counts the generated tokens only, as the pipelines do.
 
 Where mmrl differs: the pipelines keep a reference image at its own size (floored to a multiple of 16, scaled down
-to 1024² pixels when larger) whatever the output size; here it is brought to the run's size, so the rows of a batch
-share one shape (the pipelines given a reference image of the run's size compute the same, which the tests check).
+to 1024² pixels when larger) whatever the output size; here it is brought to one size for the run,
+``plugin.condition_size`` (null: the output size), so the rows of a batch share one shape (the pipelines given a
+reference image of that size compute the same, which the tests check).
 
 Several reference images per row (the pipelines' ``image=[...]``): a row's ``"image"`` may be a list of paths; the
 transformer then sees ``[generated tokens; image 1's tokens; image 2's; ...]`` with the pipelines' position ids, time
@@ -40,6 +41,7 @@ class _ReferenceImage:
     """The reference-image conditioning both FLUX.2 pipelines share (mixed into their adapters)."""
 
     image_conditioned = True
+    condition_size_free = True
     max_condition_images = None  # the pipelines set no limit
     #: The pipeline class the adapter edits with (chosen by name, so checked when it loads).
     edits_with: str
@@ -53,7 +55,7 @@ class _ReferenceImage:
         self._reference_ids_cache: dict[tuple[Any, ...], Tensor] = {}
 
     def encode_condition_images(self: Any, images: list[Any]) -> tuple[Conditioning, Tensor]:
-        height, width = self.size
+        height, width = self.condition_size
         pixels = self.pipeline.image_processor.preprocess(images, height=height, width=width, resize_mode="crop")
         pixels = pixels.to(self.device, self.vae.dtype)  # [n, 3, H, W] in [-1, 1]
         latents = self.pipeline._encode_vae_image(image=pixels, generator=None)  # [n, 4C, h/2, w/2], normalised
@@ -63,9 +65,9 @@ class _ReferenceImage:
         return joined_image_tokens(entries, slots)
 
     def _reference_ids(self: Any, like: Tensor, count: int = 1) -> Tensor:
-        """``[1, count·h/2·w/2, 4]``: (10·i, row, column, 0) for the i-th of ``count`` images on the run's token
-        grid, ``_prepare_image_ids`` of ``count`` images; cached with the adapter's other position ids."""
-        rows, columns = self._token_grid()
+        """``[1, count·h/2·w/2, 4]``: (10·i, row, column, 0) for the i-th of ``count`` images on the token grid of
+        :attr:`condition_size`, ``_prepare_image_ids`` of ``count`` images; cached with the other position ids."""
+        rows, columns = self.condition_grid(2)
         key = (rows, columns, count, like.device)
         if key not in self._reference_ids_cache:
             self._reference_ids_cache[key] = self.pipeline._prepare_image_ids(
@@ -78,9 +80,9 @@ class _ReferenceImage:
         image_ids, text_ids = self._position_ids(tokens, conditioning["prompt_embeds"].shape[1], latents)
 
         def call(latents: Tensor, timesteps: Tensor, conditioning: Conditioning, count: int) -> Tensor:
-            reference = conditioning["image_latents"].to(latents.dtype)  # [m, k·h/2·w/2, 4C]
-            ids = torch.cat([image_ids, self._reference_ids(image_ids, count)], dim=1)  # [1, (1 + k)·T, 4]
-            both = torch.cat([latents, reference], dim=1)  # [m, (1 + k)·T, 4C]
+            reference = conditioning["image_latents"].to(latents.dtype)  # [m, k·T_in, 4C]
+            ids = torch.cat([image_ids, self._reference_ids(image_ids, count)], dim=1)  # [1, T + k·T_in, 4]
+            both = torch.cat([latents, reference], dim=1)  # [m, T + k·T_in, 4C]
             return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]
 
         return by_image_count(call, latents, timesteps, conditioning)

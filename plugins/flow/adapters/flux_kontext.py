@@ -15,9 +15,10 @@ noise, σ grid and guidance embedding (:class:`~mmrl.plugins.flow.adapters.flux.
 
 Where mmrl differs: the pipeline sizes the condition image itself (with ``_auto_resize``, the default, the
 ``PREFERRED_KONTEXT_RESOLUTIONS`` entry nearest its aspect ratio; without, its own size rounded down to a multiple
-of 16), independently of the output size. Here every condition image is resized to the output size, so that the
-rows of a batch share one shape (the pipeline with ``_auto_resize=False`` and a condition image of that size is the
-same computation, which the tests check). Flow-Factory lets a condition-image size differ from the output size
+of 16), independently of the output size. Here every condition image is resized to one size, ``plugin.
+condition_size`` (null: the output size), so that the rows of a batch share one shape (the pipeline with
+``_auto_resize=False`` and a condition image of that size is the same computation, which the tests check); its
+tokens get their own grid's position ids. Flow-Factory likewise sizes condition images from its config
 (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/flux/flux1_kontext.py``, ``condition_image_size``);
 its LoRA targets are FLUX.1's attention and feed-forward linears, this adapter's too. The pipeline's optional true
 CFG (``true_cfg_scale`` > 1 with a negative prompt; off by default) is not offered: Kontext [dev] is
@@ -42,32 +43,38 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_classes = ("FluxKontextPipeline",)
     default_guidance_scale = 3.5  # FluxKontextPipeline.__call__'s default
     image_conditioned = True
+    condition_size_free = True
 
     def __init__(self, pipeline: Any, device: torch.device):
         super().__init__(pipeline, device)
         self._condition_ids_cache: dict[tuple[Any, ...], Tensor] = {}
 
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
-        height, width = self.size
+        height, width = self.condition_size
         processor, vae = self.pipeline.image_processor, self.vae
         resized = [processor.resize(image, height, width) for image in images]  # as the pipeline resizes
         pixels = processor.preprocess(resized, height, width).to(self.device, vae.dtype)  # [n, 3, H, W] in [-1, 1]
         return {"image_latents": self.image_tokens(pixels)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
 
     def image_tokens(self, pixels: Tensor) -> Tensor:
-        """``[n, h/2·w/2, 4C]`` packed latent tokens of images ``[n, 3, H, W]`` in [-1, 1] at the run's size: the VAE's
-        deterministic latents (``retrieve_latents(sample_mode="argmax")``), shifted and scaled as the pipeline does."""
+        """``[n, h/2·w/2, 4C]`` packed latent tokens of images ``[n, 3, H, W]`` in [-1, 1] (any size on the packing's
+        grid; the plugin's are at :attr:`condition_size`): the VAE's deterministic latents
+        (``retrieve_latents(sample_mode="argmax")``), shifted and scaled as the pipeline does."""
         vae = self.vae
         latents = encoded_latents(vae.encode(pixels), vae)  # [n, C, h, w]
         return self.pack((latents - vae.config.shift_factor) * vae.config.scaling_factor)
 
     def _condition_ids(self, tokens: int, like: Tensor) -> Tensor:
-        """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: the generated image's grid with the first
-        coordinate 1 (the image is resized to the run's size, so the grids match); cached with the others."""
-        key = (self.size, tokens, like.device, like.dtype)  # by size: an evaluation size may have as many tokens
+        """Position ids of the condition image's tokens ``[h/2·w/2, 3]``: (1, row, column) on its own grid at
+        :attr:`condition_size`, as the pipeline's ``_prepare_latent_image_ids`` of the image latents with the first
+        coordinate set to 1; cached by grid (an evaluation size may have as many tokens on another grid)."""
+        rows, columns = self.condition_grid(2)
+        if rows * columns != tokens:
+            raise ValueError(f"FLUX.1 Kontext adapter: {tokens} condition tokens, but a {self.condition_size[0]}x"
+                             f"{self.condition_size[1]} input image has {rows * columns} ({rows} x {columns})")
+        key = (rows, columns, like.device, like.dtype)
         if key not in self._condition_ids_cache:
-            image_ids, _ = self._position_ids(tokens, 0, like)
-            ids = image_ids.clone()
+            ids = self.pipeline._prepare_latent_image_ids(1, rows, columns, like.device, like.dtype).clone()
             ids[:, 0] = 1
             self._condition_ids_cache[key] = ids
         return self._condition_ids_cache[key]
@@ -75,8 +82,8 @@ class FluxKontextAdapter(FluxAdapter):
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
         tokens = latents.shape[1]  # latents [n, h/2·w/2, 4C]
-        condition = conditioning["image_latents"].to(latents.dtype)  # [n, h/2·w/2, 4C]
+        condition = conditioning["image_latents"].to(latents.dtype)  # [n, T_in, 4C]
         image_ids, text_ids = self._position_ids(tokens, conditioning["prompt_embeds"].shape[1], latents)
-        ids = torch.cat([image_ids, self._condition_ids(condition.shape[1], latents)])  # [2·T, 3]
-        both = torch.cat([latents, condition], dim=1)  # [n, 2·T, 4C]
+        ids = torch.cat([image_ids, self._condition_ids(condition.shape[1], latents)])  # [T + T_in, 3]
+        both = torch.cat([latents, condition], dim=1)  # [n, T + T_in, 4C]
         return self._transformer(module, both, ids, text_ids, timesteps, conditioning, guidance_scale)[:, :tokens]

@@ -22,10 +22,11 @@ grid, guidance rescale and decode (:class:`~mmrl.plugins.flow.adapters.qwen_imag
 
 Where mmrl differs: the pipelines size the input image themselves, at about 1024² pixels whatever the output size
 (``calculate_dimensions(1024 * 1024, ratio)``; the Plus pipeline's ``VAE_IMAGE_SIZE``), with the input's aspect
-ratio. Here the VAE image is resized to the run's ``height`` × ``width`` (so that the rows of a batch share one
-shape and the image costs as many tokens as the output) and the ratio is the run's; with a dataset whose images
-have the run's aspect ratio and ``height × width`` = 1024², the computation is the pipeline's (the tests check it with
-the pipelines' size rules set to the run's size). Flow-Factory likewise sizes its Qwen-Image-Edit-Plus condition
+ratio. Here the VAE image is resized to one size for the run, ``plugin.condition_size`` (null: the output's
+``height`` × ``width``), so that the rows of a batch share one shape; its ``img_shapes`` entry is that size's grid.
+With a dataset whose images have that aspect ratio and ``plugin.condition_size`` at the pipelines' ~1024² (e.g.
+``[1024, 1024]``), the computation is the pipeline's whatever the output size (the tests check it with the
+pipelines' size rules set to the test's size). Flow-Factory likewise sizes its Qwen-Image-Edit-Plus condition
 images from its config (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/qwen_image/
 qwen_image_edit_plus.py``).
 
@@ -58,6 +59,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     image_conditioned = True
     prompt_sees_image = True
+    condition_size_free = True
 
     @property
     def plus(self) -> bool:
@@ -73,7 +75,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return joined_image_tokens(entries, slots)
 
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
-        height, width = self.size
+        height, width = self.condition_size
         processor, vae = self.pipeline.image_processor, self.vae
         pixels = processor.preprocess([processor.resize(image, height, width) for image in images], height, width)
         pixels = pixels.to(self.device, vae.dtype)  # [n, 3, H, W] in [-1, 1]
@@ -86,9 +88,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return {"image_latents": packed}, (pixels.float() / 2 + 0.5).clamp(0, 1)
 
     def _text_image(self, image: Any) -> Any:
-        """The image as the text encoder's processor gets it: the VAE image's size, or for the Plus pipeline an
-        area of 384² (``CONDITION_IMAGE_SIZE``) at the run's aspect ratio."""
-        height, width = self.size
+        """The image as the text encoder's processor gets it: the VAE image's size (:attr:`condition_size`), or for
+        the Plus pipeline an area of 384² (``CONDITION_IMAGE_SIZE``) at that size's aspect ratio."""
+        height, width = self.condition_size
         if self.plus:
             from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
                 CONDITION_IMAGE_SIZE,
@@ -116,12 +118,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:
-        grid = self._checked_grid(latents)  # (1, h/2, w/2); every input image has the same grid
+        grid = self._checked_grid(latents)  # (1, h/2, w/2)
+        image_grid = (1, *self.condition_grid(2))  # every input image's: (1, h_in/2, w_in/2)
 
         def call(latents: Tensor, timesteps: Tensor, conditioning: Conditioning, count: int) -> Tensor:
-            images = conditioning["image_latents"].to(latents.dtype)  # [m, k·T, 4C]
-            both = torch.cat([latents, images], dim=1)  # [m, (1 + k)·T, 4C]
-            output = self._transformer(module, both, [grid] * (1 + count), timesteps, conditioning, guidance_scale)
+            images = conditioning["image_latents"].to(latents.dtype)  # [m, k·T_in, 4C]
+            both = torch.cat([latents, images], dim=1)  # [m, T + k·T_in, 4C]
+            output = self._transformer(module, both, [grid] + [image_grid] * count, timesteps, conditioning,
+                                       guidance_scale)
             return output[:, :latents.shape[1]]
 
         return by_image_count(call, latents, timesteps, conditioning)
