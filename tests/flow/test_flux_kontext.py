@@ -188,7 +188,8 @@ def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path)
     edit rows and the test reward: the combination loads, trains at ratio 1 and evaluates."""
     run_recipe_step("flux_kontext_pickscore.yaml", pipelines["flux_kontext"], tmp_path,
                     f"plugin.dataset={edits / 'train.jsonl'}", f"plugin.eval_dataset={edits / 'train.jsonl'}",
-                    "plugin.resolution=16", "plugin.max_sequence_length=8",
+                    "plugin.resolution=16", "plugin.eval_height=32", "plugin.eval_width=32",
+                    "plugin.eval_condition_size=[32, 32]", "plugin.max_sequence_length=8",
                     "rewards.functions=[{name: test_edit_distance}]")
 
 
