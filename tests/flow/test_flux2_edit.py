@@ -14,6 +14,7 @@ from tests.flow.checks import (
     image_batch,
     image_rows,
     perturb_lora,
+    run_recipe_step,
     train_two_steps,
     write_image_rows,
 )
@@ -96,3 +97,16 @@ def test_two_grpo_steps_train_the_lora_with_ratio_one(train_config, references, 
     train_two_steps(Trainer(train_config("flux2_klein", tmp_path, adapter=adapter, dataset=str(references),
                                          prompts=None, eval_prompts=None, eval_dataset=str(references),
                                          max_sequence_length=text, resolution=64)))
+
+
+def test_the_klein_edit_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, references, tmp_path):
+    """configs/flow/flux2_klein_edit_pickscore.yaml as written (no CFG pass, 4 steps with one trained step drawn from
+    1-2, condition and evaluation sizes, EMA, gradient checkpointing, two optimizer steps per rollout), on the tiny
+    klein pipeline at 64 px (evaluation at 128 px with 128 px references) with the edit rows and the test reward."""
+    trainer = run_recipe_step("flux2_klein_edit_pickscore.yaml", pipelines["flux2_klein"], tmp_path,
+                              f"plugin.dataset={references}", f"plugin.eval_dataset={references}",
+                              "plugin.resolution=64", "plugin.condition_size=[64, 64]", "plugin.eval_height=128",
+                              "plugin.eval_width=128", "plugin.eval_condition_size=[128, 128]",
+                              f"plugin.max_sequence_length={KINDS['flux2_klein'][1]}",
+                              "rewards.functions=[{name: test_brightness}]")
+    assert trainer.plugin.adapter.name == "flux2_klein_edit" and not trainer.plugin.cfg

@@ -124,6 +124,7 @@ def test_the_distilled_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, tmp_pa
     trainer = run_recipe_step("flux2_klein_pickscore.yaml", pipelines["flux2_klein_distilled"], tmp_path,
                               "plugin.dataset=null", "plugin.prompts=[a cat, a dog, a red car]",
                               "plugin.eval_prompts=[a blue house]", "plugin.resolution=16",
+                              "plugin.eval_height=32", "plugin.eval_width=32",
                               f"plugin.max_sequence_length={TEXT_TOKENS}",
                               "rewards.functions=[{name: test_brightness}]")
     assert (trainer.plugin.cfg, trainer.plugin.guidance_scale) == (False, 1.0)
