@@ -46,23 +46,28 @@ class ConditionImageCache:
         negative_prompt: The negative prompt of CFG (None without CFG), encoded with each image when the prompt
             encoding sees it.
         slots: The most input images a row of the run names (1: one image per row, laid out as before).
+        last_images: Whether the run's rows name a ``"last_image"`` (Wan first-and-last-frame video): each row's
+            (first, last) pair is then encoded together, as the condition video holds both.
     """
 
     def __init__(self, adapter: Any, capacity: int, max_sequence_length: int, negative_prompt: str | None,
-                 slots: int = 1):
+                 slots: int = 1, last_images: bool = False):
         self.adapter = adapter
         self.capacity = capacity
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
         self.slots = slots
-        self._images: OrderedDict[Hashable, Entry] = OrderedDict()  # (path, H, W) → latents [1, ...], pixels
+        self.last_images = last_images
+        # (path, H, W), or with last images (first, last or None, H, W) → latents [1, ...], pixels
+        self._images: OrderedDict[Hashable, Entry] = OrderedDict()
         self._prompts: OrderedDict[Hashable, Entry] = OrderedDict()  # (prompt, paths, H, W) → prompt encoding
         self._negatives: OrderedDict[Hashable, Entry] = OrderedDict()  # (paths, H, W) → negative_* encoding
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """(conditioning of ``rows``' images, each tensor ``[n, ...]``; the payload entries of the images as the
-        model saw them, in [0, 1]: ``condition_images`` ``[n, 3, H, W]``, each row's first image, and with
-        ``slots`` > 1 ``more_condition_images`` ``[n, slots − 1, 3, H, W]`` and ``condition_image_counts`` ``[n]``)."""
+        model saw them, in [0, 1]: ``condition_images`` ``[n, 3, H, W]``, each row's first image, with ``slots`` > 1
+        ``more_condition_images`` ``[n, slots − 1, 3, H, W]`` and ``condition_image_counts`` ``[n]``, and with
+        ``last_images`` ``condition_last_images`` ``[n, 3, H, W]``)."""
         size = self.adapter.condition_size  # the input images' size: the cache keys carry it
         paths = [_image_paths(row, index, self.slots) for index, row in enumerate(rows)]  # a tuple per row
         loaded: dict[str, Any] = {}
@@ -79,9 +84,21 @@ class ConditionImageCache:
             pixels = (pixels.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
             return [{**_row(encoded, i), "pixels": pixels[i:i + 1].clone()} for i in range(len(keys))]
 
-        flat = [(path, *size) for row_paths in paths for path in row_paths]
-        encoded = iter(self._lookup(self._images, flat, encode_images))
-        per_row = [[next(encoded) for _ in row_paths] for row_paths in paths]  # each row's images' entries
+        def encode_pairs(keys: list[Hashable]) -> list[Entry]:  # (first, last or None, H, W): one condition video
+            encoded, pixels = self.adapter.encode_condition_images(
+                [image(key[0]) for key in keys], [None if key[1] is None else image(key[1]) for key in keys])
+            pixels = (pixels.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()  # [n, 2, 3, H, W]
+            return [{**_row(encoded, i), "pixels": pixels[i:i + 1, 0].clone(), "last_pixels": pixels[i:i + 1, 1]
+                     .clone()} for i in range(len(keys))]
+
+        if self.last_images:
+            pairs = [(row_paths[0], None if row.get("last_image") is None else str(row["last_image"]), *size)
+                     for row, row_paths in zip(rows, paths, strict=True)]
+            per_row = [[entry] for entry in self._lookup(self._images, pairs, encode_pairs)]
+        else:
+            flat = [(path, *size) for row_paths in paths for path in row_paths]
+            encoded = iter(self._lookup(self._images, flat, encode_images))
+            per_row = [[next(encoded) for _ in row_paths] for row_paths in paths]  # each row's images' entries
         if self.slots == 1:
             entries = [[row[0] for row in per_row]]
         else:
@@ -112,6 +129,8 @@ class ConditionImageCache:
         merged = {name: torch.cat([entry[name] for entry in picked]) for picked in entries for name in picked[0]}
         device = self.adapter.device
         payload = {"condition_images": merged.pop("pixels").to(device).float() / 255}  # [n, 3, H, W] in [0, 1]
+        if self.last_images:  # [n, 3, H, W], zero where a row has no last frame
+            payload["condition_last_images"] = merged.pop("last_pixels").to(device).float() / 255
         if self.slots > 1:
             payload["more_condition_images"] = merged.pop("more_pixels").to(device).float() / 255  # [n, K−1, 3, H, W]
             payload["condition_image_counts"] = merged.pop("image_count").to(device)  # [n]

@@ -374,13 +374,15 @@ def adapter_class(config: FlowPluginConfig) -> Any:
 
 
 def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None,
-              max_images: int | None = 1) -> list[dict[str, Any]]:
+              max_images: int | None = 1, last_image: bool = False) -> list[dict[str, Any]]:
     """Prompt rows ``{"prompt": ..., **metadata}`` of ``split`` from the inline lists or the files.
 
     With ``images``, the name of an image-conditioned adapter, every row must name the image to condition on:
     ``"image"``, a path relative to the prompt file's folder (or absolute), which must exist, or a non-empty list of
     such paths (several input images: at most ``max_images``, None for any number); rows come back with the
-    absolute path(s), a list staying a list. Inline prompt lists hold no images and are refused."""
+    absolute path(s), a list staying a list. With ``last_image`` a row may also name a ``"last_image"`` (a video's
+    last frame), resolved the same way; without, such a row is refused. Inline prompt lists hold no images and are
+    refused."""
     inline = config.prompts if split == "train" else config.eval_prompts
     if inline is not None and images is not None:
         raise ConfigError(f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}", inline,
@@ -405,7 +407,7 @@ def load_rows(config: FlowPluginConfig, split: str, *, images: str | None = None
     rows = read_prompt_file(path)
     if not rows and split == "train":
         raise ValueError(f"{path} holds no prompts")
-    return rows if images is None else [_with_image_paths(row, number, path, images, max_images)
+    return rows if images is None else [_with_image_paths(row, number, path, images, max_images, last_image)
                                         for number, row in enumerate(rows, start=1)]
 
 
@@ -416,9 +418,9 @@ def row_image_paths(row: dict[str, Any]) -> list[str]:
 
 
 def _with_image_paths(row: dict[str, Any], number: int, source: Path, adapter: str,
-                      max_images: int | None) -> dict[str, Any]:
-    """``row`` with its ``"image"`` (a path or a list of paths) resolved against the folder of ``source`` (the
-    prompt file), each checked to exist."""
+                      max_images: int | None, last_image: bool = False) -> dict[str, Any]:
+    """``row`` with its ``"image"`` (a path or a list of paths) and ``"last_image"`` resolved against the folder of
+    ``source`` (the prompt file), each checked to exist."""
     image = row.get("image")
     several = isinstance(image, list)
     names = image if several else [image]
@@ -429,12 +431,22 @@ def _with_image_paths(row: dict[str, Any], number: int, source: Path, adapter: s
         raise ValueError(f"{source} row {number} names {len(names)} input images; the {adapter} adapter takes "
                          f"{'one' if max_images == 1 else f'at most {max_images}'} per row (several: qwen_image_edit "
                          "with a QwenImageEditPlusPipeline, flux2_edit, flux2_klein_edit)")
+    last = row.get("last_image")
+    if last is not None and not last_image:
+        raise ValueError(f"{source} row {number} names a 'last_image' (a video's last frame), which the {adapter} "
+                         "adapter does not take (wan_i2v does: first-and-last-frame video)")
+    if last is not None and (not isinstance(last, str) or not last.strip()):
+        raise ValueError(f"{source} row {number}: 'last_image' must be the path of the video's last frame, got "
+                         f"{last!r}")
     paths = []
-    for name in names:
+    for name in [*names, *([] if last is None else [last])]:
         path = Path(name).expanduser()
         path = path if path.is_absolute() else source.parent / path
         if not path.is_file():
             raise FileNotFoundError(f"{source} row {number}: image {name!r} is not a file (at {path}; relative paths "
                                     "are read from the prompt file's folder)")
         paths.append(str(path))
-    return {**row, "image": paths if several else paths[0]}
+    resolved = {**row, "image": paths[:len(names)] if several else paths[0]}
+    if last is not None:
+        resolved["last_image"] = paths[-1]
+    return resolved

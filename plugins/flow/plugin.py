@@ -172,8 +172,16 @@ class FlowPlugin(Plugin):
             for expert in self.trained_experts.values():
                 expert.enable_gradient_checkpointing()
         images = adapter.name if adapter.image_conditioned else None  # every row names its input image(s)
-        self._rows = {split: load_rows(config, split, images=images, max_images=adapter.max_condition_images)
-                      for split in ("train", "eval")}
+        self._rows = {split: load_rows(config, split, images=images, max_images=adapter.max_condition_images,
+                                       last_image=adapter.takes_last_image) for split in ("train", "eval")}
+        last_images = False  # whether the run's rows name last frames (Wan first-and-last-frame video)
+        if adapter.takes_last_image:
+            rows = [row for split_rows in self._rows.values() for row in split_rows]
+            with_last = sum(row.get("last_image") is not None for row in rows)
+            problem = adapter.last_image_problem(with_last, len(rows))
+            if problem is not None:
+                raise ValueError(f"{config.dataset}: {problem}")
+            last_images = with_last > 0
         # the most input images a row names: every batch's rows are laid out for that many (one: no change at all)
         image_slots = max((len(row_image_paths(row)) for rows in self._rows.values() for row in rows), default=1) \
             if adapter.image_conditioned else 0
@@ -181,7 +189,8 @@ class FlowPlugin(Plugin):
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
                                    eval_guidance_scale=self.eval_guidance_scale, input_dtype=self.input_dtype,
                                    max_sequence_length=config.max_sequence_length
-                                   or adapter.default_max_sequence_length, image_slots=image_slots)
+                                   or adapter.default_max_sequence_length, image_slots=image_slots,
+                                   last_images=last_images)
         self.credit = credit_strategies.get(config.credit.strategy)(config)
 
     @property
@@ -273,7 +282,9 @@ class FlowPlugin(Plugin):
                 size = (tall, max(1, round(width * tall / height)))
                 inputs = [torch.nn.functional.interpolate(image.float(), size=size, mode="bilinear", antialias=True)
                           for image in inputs]
-            images = torch.cat([*(image.to(images) for image in inputs), images], dim=-1)
+            ending = [rollout.payload["condition_last_images"].to(images)] if "condition_last_images" in \
+                rollout.payload else []  # a first-and-last-frame video: its last frame right of the filmstrip
+            images = torch.cat([*(image.to(images) for image in inputs), images, *ending], dim=-1)
         grid = save_caption_grid(images, captions, directory / f"{tag}.png")
         records = directory / f"{tag}.jsonl"
         with records.open("w") as handle:

@@ -58,7 +58,7 @@ class FlowSampler:
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime, adapter: FlowAdapter, *, cfg: bool,
                  guidance_scale: GuidanceScale, eval_guidance_scale: GuidanceScale, input_dtype: torch.dtype,
-                 max_sequence_length: int, image_slots: int = 0):
+                 max_sequence_length: int, image_slots: int = 0, last_images: bool = False):
         self.config = config
         self.runtime = runtime
         self.adapter = adapter
@@ -73,7 +73,8 @@ class FlowSampler:
         self._images = None  # condition images of image-editing adapters, encoded once (.condition_images)
         if adapter.image_conditioned:
             self._images = ConditionImageCache(adapter, config.embedding_cache_size, max_sequence_length,
-                                               config.negative_prompt if cfg else None, slots=max(image_slots, 1))
+                                               config.negative_prompt if cfg else None, slots=max(image_slots, 1),
+                                               last_images=last_images)
         #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
         self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}
 
@@ -264,7 +265,8 @@ class FlowSampler:
         encoded ``row["image"]`` of each row (each tensor ``[n, ...]``), the payload entries this adds: for an
         image-conditioned adapter ``{"condition_images": [n, 3, H, W]}`` in [0, 1], each row's (first) input image,
         and where the run's rows name up to K > 1 images ``"more_condition_images"`` ``[n, K − 1, 3, H, W]`` (a row's
-        second, third, ... image, zero after its last) and ``"condition_image_counts"`` ``[n]``; else nothing)."""
+        second, third, ... image, zero after its last) and ``"condition_image_counts"`` ``[n]``, where they name last
+        frames ``"condition_last_images"`` ``[n, 3, H, W]`` (zero for a row without); else nothing)."""
         prompts = [str(row["prompt"]) for row in rows]
         if self._images is None:
             return prompts, self.conditioning(prompts), {}

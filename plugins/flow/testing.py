@@ -562,12 +562,14 @@ def _tiny_umt5(tokenizer: Any, width: int) -> Any:
     ))
 
 
-def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = False) -> Any:
+def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = False, flf2v: bool = False) -> Any:
     """A ``WanImageToVideoPipeline`` with the text encoder, VAE and scheduler of :func:`build_wan_pipeline` and
     image-to-video transformers (``in_channels`` = 2 × 4 latent channels + the VAE's temporal factor 2 for the mask).
     Wan 2.1 I2V (default): one transformer with an image cross-attention (``image_dim``, ``added_kv_proj_dim``) and a
     two-layer CLIP vision tower with its processor. ``experts``: Wan 2.2 I2V-A14B, two experts (t >= 900 the first,
-    Wan2.2-I2V-A14B's ``boundary_ratio`` 0.9) and no image encoder."""
+    Wan2.2-I2V-A14B's ``boundary_ratio`` 0.9) and no image encoder. ``flf2v``: Wan2.1-FLF2V (first and last frame),
+    whose image embedder reads the two images' CLIP features side by side (``pos_embed_seq_len`` = 2 × 17 tokens of
+    the tiny CLIP tower), its position embedding random so that the two images' places differ."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -576,6 +578,8 @@ def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = Fa
         torch.manual_seed(seed + 1)
         channels, temporal, width = 4, 2, 32
         image = {} if experts else {"image_dim": 16, "added_kv_proj_dim": 24}
+        if flf2v:
+            image["pos_embed_seq_len"] = 2 * (32 // 8) ** 2 + 2  # two images of 16 patches and a class token each
 
         def transformer() -> Any:
             return WanTransformer3DModel(
@@ -585,6 +589,9 @@ def build_wan_i2v_pipeline(seed: int = 0, size: str = "tiny", experts: bool = Fa
             )
 
         parts: dict[str, Any] = {"transformer": transformer()}
+        if flf2v:
+            with torch.no_grad():
+                parts["transformer"].condition_embedder.image_embedder.pos_embed.normal_(0, 0.5)
         if experts:
             parts.update(transformer_2=transformer(), boundary_ratio=0.9)
         else:
@@ -604,6 +611,11 @@ def build_wan22_ti2v_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     ti2v = build_wan22_ti2v_pipeline(seed=seed, size=size)
     return WanImageToVideoPipeline(tokenizer=ti2v.tokenizer, text_encoder=ti2v.text_encoder, vae=ti2v.vae,
                                    scheduler=ti2v.scheduler, transformer=ti2v.transformer, expand_timesteps=True)
+
+
+def build_wan_flf2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """:func:`build_wan_i2v_pipeline` as Wan2.1-FLF2V: first-and-last-frame-to-video."""
+    return build_wan_i2v_pipeline(seed=seed, size=size, flf2v=True)
 
 
 def build_wan22_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
@@ -686,7 +698,8 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
-            "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline}
+            "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
+            "wan_flf2v": build_wan_flf2v_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -694,7 +707,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
-    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``) and
+    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -103,6 +103,9 @@ class FlowAdapter(ABC):
     #: takes several implements :meth:`join_condition_images` and reads ``condition_image_mask`` in
     #: :meth:`call_transformer` (see :func:`by_image_count`).
     max_condition_images: int | None = 1
+    #: Whether a prompt row may also name a ``"last_image"``, the video's last frame (Wan first-and-last-frame): such
+    #: an adapter's :meth:`encode_condition_images` takes ``last_images`` and it implements ``last_image_problem``.
+    takes_last_image: ClassVar[bool] = False
     #: Whether an input image may have another size than the generated image (``plugin.condition_size``): the
     #: editing pipelines that size it independently (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2); not image-to-video,
     #: whose input is the first frame.

@@ -26,7 +26,13 @@ schedule, experts, guidance and decode (:class:`~mmrl.plugins.flow.adapters.wan.
   them (its ``wan2_i2v.py`` ``forward``): those elements never reach the video, so they are noise in the ratio, not
   signal.
 
-Not supported: ``last_image`` (first-and-last-frame interpolation). Flow-Factory trains Wan image-to-video the same
+First and last frame (the pipeline's ``last_image``; Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers, and Wan 2.2 I2V-A14B):
+a row's ``"last_image"`` ends the condition video, ``[image, F − 2 black frames, last image]``, encoded together, and
+the mask is one on the last frame too (``prepare_latents``); Wan2.1-FLF2V's transformer reads both images' CLIP
+features side by side (``encode_image([image, last_image])``: its image embedder joins each pair with a learned
+position embedding, ``pos_embed_seq_len``), so every one of its rows needs a last image; rows with and without one
+mix in a batch for Wan 2.2 I2V-A14B. Refused for TI2V-5B, whose pipeline ignores ``last_image``, and for Wan 2.1 I2V,
+whose image embedder reads one image. Flow-Factory trains Wan image-to-video the same
 way (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/wan/wan2_i2v.py``); its LoRA targets, like this
 adapter's, are the Wan text-to-video adapter's (the image cross-attention's ``add_k_proj``/``add_v_proj`` of Wan 2.1
 I2V are not adapted by default: add them to ``lora.target_modules``).
@@ -51,20 +57,54 @@ class WanImageToVideoAdapter(WanAdapter):
     name = "wan_i2v"
     pipeline_classes = ("WanImageToVideoPipeline",)
     image_conditioned = True
+    takes_last_image = True
+
+    @property
+    def reads_image_pairs(self) -> bool:
+        """Whether the transformer's image embedder reads two images' CLIP features per sample (Wan2.1-FLF2V:
+        ``pos_embed_seq_len``)."""
+        return self.pipeline.transformer.config.get("pos_embed_seq_len") is not None
+
+    def last_image_problem(self, with_last: int, rows: int) -> str | None:
+        """Why ``with_last`` of the run's ``rows`` prompt rows naming a ``"last_image"`` cannot run, or None."""
+        if self.reads_image_pairs and with_last < rows:
+            return (f"{rows - with_last} of {rows} rows have no 'last_image', which this transformer (Wan2.1-FLF2V: "
+                    "two images' features per sample) needs in every row")
+        if with_last and self.expand_timesteps:
+            return "rows name a 'last_image', which Wan 2.2 TI2V-5B's pipeline ignores (it conditions on the first"\
+                   " frame only)"
+        if with_last and self.pipeline.transformer.config.image_dim is not None and not self.reads_image_pairs:
+            return ("rows name a 'last_image', but this transformer's image embedder reads one image per sample "
+                    "(Wan 2.1 I2V; first-and-last-frame needs Wan2.1-FLF2V or Wan 2.2 I2V-A14B)")
+        return None
 
     def noise_shape(self) -> tuple[int, ...]:
         # prepare_latents draws z_dim channels; the transformer's in_channels also count the condition and its mask
         return (self.vae.config.z_dim, self.latent_frames(self.num_frames), *self.latent_size())
 
-    def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
+    def encode_condition_images(self, images: list[Any], last_images: list[Any] | None = None
+                                ) -> tuple[Conditioning, Tensor]:
+        """The rows' conditioning from their first frames ``images`` and, where given, their last frames
+        (``last_images[i]``: a PIL image or None); the images as the model saw them, ``[n, 3, H, W]``, or with
+        ``last_images`` ``[n, 2, 3, H, W]`` (first, last; zeros where a row has none)."""
         height, width = self.size
         frames, vae = self.num_frames, self.vae
-        pixels = self.pipeline.video_processor.preprocess(images, height=height, width=width)
+        processor = self.pipeline.video_processor
+        pixels = processor.preprocess(images, height=height, width=width)
         pixels = pixels.to(self.device, torch.float32)  # [n, 3, H, W] in [-1, 1]
         n = pixels.shape[0]
+        has_last = [False] * n if last_images is None else [image is not None for image in last_images]
+        last = pixels.new_zeros(n, 3, height, width)  # [n, 3, H, W]: the given last frames, zero elsewhere
+        if any(has_last):
+            given = [i for i in range(n) if has_last[i]]
+            assert last_images is not None
+            last[given] = processor.preprocess([last_images[i] for i in given], height=height,
+                                               width=width).to(self.device, torch.float32)
         video = pixels.unsqueeze(2)  # [n, 3, 1, H, W]: TI2V-5B encodes the image alone
-        if not self.expand_timesteps:  # the image, then black frames
+        if not self.expand_timesteps:  # the image, then black frames (the last one the last image where given)
             video = torch.cat([video, pixels.new_zeros(n, 3, frames - 1, height, width)], dim=2)
+            if any(has_last):
+                video[:, :, -1] = last  # zero where a row has none: the black (0) frame the pipeline puts there
         latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()  # [n, C, F_lat, h, w]
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
@@ -73,14 +113,26 @@ class WanImageToVideoAdapter(WanAdapter):
         if self.expand_timesteps:  # [n, C, 1, h, w]: the first latent frame of every step's input
             return {"image_condition": latents}, (pixels / 2 + 0.5).clamp(0, 1)
         temporal, (h, w) = self.temporal_scale_factor, latents.shape[3:]
-        mask = torch.zeros(n, 1, frames, h, w, device=latents.device)  # [n, 1, F, h, w]: 1 on the given frame
+        mask = torch.zeros(n, 1, frames, h, w, device=latents.device)  # [n, 1, F, h, w]: 1 on the given frames
         mask[:, :, 0] = 1
+        mask[torch.tensor(has_last, device=latents.device), :, -1] = 1
         mask = torch.cat([mask[:, :, :1].repeat_interleave(temporal, dim=2), mask[:, :, 1:]], dim=2)
         mask = mask.view(n, -1, temporal, h, w).transpose(1, 2)  # [n, t, F_lat, h, w]
         conditioning = {"image_condition": torch.cat([mask, latents], dim=1)}  # [n, t + C, F_lat, h, w]
-        if self.pipeline.transformer.config.image_dim is not None:  # Wan 2.1 I2V: CLIP features of the original image
+        if self.reads_image_pairs:  # Wan2.1-FLF2V: both images' CLIP features, first then last, per row
+            if not all(has_last):
+                raise ValueError("Wan2.1-FLF2V reads a last image for every sample; a row has none")
+            assert last_images is not None
+            pairs = [image for pair in zip(images, last_images, strict=True) for image in pair]
+            features = self.pipeline.encode_image(pairs, self.device)  # [2n, 257, D_image]
+            conditioning["image_embeds"] = features.view(n, 2, *features.shape[1:])  # [n, 2, 257, D_image]
+        elif self.pipeline.transformer.config.image_dim is not None:  # Wan 2.1 I2V: the original image's features
             conditioning["image_embeds"] = self.pipeline.encode_image(images, self.device)  # [n, 257, D_image]
-        return conditioning, (pixels / 2 + 0.5).clamp(0, 1)
+        seen = (pixels / 2 + 0.5).clamp(0, 1)
+        if last_images is None:
+            return conditioning, seen
+        return conditioning, torch.stack([seen, (last / 2 + 0.5).clamp(0, 1) * torch.tensor(
+            has_last, device=last.device, dtype=last.dtype).view(n, 1, 1, 1)], dim=1)  # [n, 2, 3, H, W]
 
     def _first_frame_mask(self, latents: Tensor) -> Tensor:
         """``[1, 1, F_lat, h, w]``: 0 on the first latent frame (given by the image), 1 elsewhere (TI2V-5B)."""
@@ -105,6 +157,8 @@ class WanImageToVideoAdapter(WanAdapter):
                           encoder_hidden_states=conditioning["prompt_embeds"], return_dict=False)[0]
         both = torch.cat([latents, conditioning["image_condition"].to(latents.dtype)], dim=1)  # [n, 2C + t, ...]
         image = conditioning.get("image_embeds")
+        if image is not None and image.dim() == 4:  # Wan2.1-FLF2V: [n, 2, 257, D] → [2n, 257, D], pairs in order
+            image = image.flatten(0, 1)
         return module(
             hidden_states=both,
             timestep=timesteps,  # [n] raw t in [0, 1000], as the pipeline passes t.expand(batch)
