@@ -18,7 +18,9 @@ A row may name several input images (``"image"``: a list of paths) where the ada
 (:attr:`FlowAdapter.max_condition_images`: Qwen-Image-Edit-Plus, FLUX.2). Each image is encoded and cached alone; a
 row's conditioning joins its images' (:meth:`FlowAdapter.join_condition_images`) in ``slots`` places, the most
 images any row of the run names, so that rows of any count stack; a prompt encoding that sees the images is cached
-per (prompt, images).
+per (prompt, images). A row of a first-and-last-frame video (Wan: ``"last_image"``) is encoded and cached per
+(first, last) pair, since its condition video holds both. Input images are brought to the adapter's
+:attr:`~FlowAdapter.condition_size` (``plugin.condition_size``, else the generated size), which the keys carry.
 """
 
 from __future__ import annotations
