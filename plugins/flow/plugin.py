@@ -61,6 +61,25 @@ LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_w
 __all__ = ["LORA_WEIGHTS", "FlowLoraConfig", "FlowPlugin", "FlowPluginConfig"]
 
 
+def _check_sizes(config: FlowPluginConfig, adapter: Any) -> None:
+    """Every size option a multiple of the adapter's VAE factor × patch size, each refusal naming the option the user
+    wrote; ``condition_size`` / ``eval_condition_size`` only for adapters that size input images on their own."""
+    multiple = adapter.resolution_multiple()
+    why = f"{config.model} (the {adapter.name} pipeline's VAE downsampling x patch size)"
+    sides = [*config.size_options(), ("eval_height", config.eval_height), ("eval_width", config.eval_width)]
+    for key, pixels in sides:  # (height, width), each named by the option that set it
+        if pixels is not None and pixels % multiple:
+            raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {why}")
+    for key in ("condition_size", "eval_condition_size"):
+        size = getattr(config, key)
+        if size is not None and not adapter.condition_size_free:
+            raise ConfigError(f"plugin.{key}", size, f"null: the {adapter.name} adapter's input images are brought "
+                              "to the generated size (condition_size is for the image-editing adapters "
+                              "flux_kontext, qwen_image_edit, flux2_edit, flux2_klein_edit)")
+        if size is not None and any(side % multiple for side in size):
+            raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {why}")
+
+
 class FlowPlugin(Plugin):
     """Group-relative RL for diffusers flow-matching text-to-image models (Flow-GRPO, DanceGRPO, Flow-GRPO-Fast, and
     the credit strategies of :mod:`.credit`)."""
@@ -97,27 +116,8 @@ class FlowPlugin(Plugin):
         for component in pipeline.components.values():
             if isinstance(component, nn.Module):
                 component.requires_grad_(False).eval()
-        multiple = adapter.resolution_multiple()
-        for key, pixels in config.size_options():  # (height, width), each named by the option that set it
-            if pixels % multiple:
-                raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
-                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
-        for key, pixels in (("eval_height", config.eval_height), ("eval_width", config.eval_width)):
-            if pixels is not None and pixels % multiple:
-                raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {config.model} (the "
-                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
+        _check_sizes(config, adapter)
         adapter.set_size(*config.resolved_size())
-        for key in ("condition_size", "eval_condition_size"):
-            size = getattr(config, key)
-            if size is None:
-                continue
-            if not adapter.condition_size_free:
-                raise ConfigError(f"plugin.{key}", size, f"null: the {adapter.name} adapter's input images are "
-                                  "brought to the generated size (condition_size is for the image-editing adapters "
-                                  "flux_kontext, qwen_image_edit, flux2_edit, flux2_klein_edit)")
-            if any(side % multiple for side in size):
-                raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {config.model} (the "
-                                  f"{adapter.name} pipeline's VAE downsampling x patch size)")
         self.condition_sizes = config.resolved_condition_sizes()  # (training, evaluation); None: the output size
         adapter.set_condition_size(self.condition_sizes[0])
         frames_problem = adapter.frames_requirement(config.num_frames)
