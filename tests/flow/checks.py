@@ -90,6 +90,19 @@ def image_rows(path: Path, adapter: str, *indices: int) -> list[dict[str, Any]]:
     return [rows[index] for index in indices]
 
 
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """The RGB PIL images a loaded prompt row names (``"image"``: a path or a list of paths), in its order."""
+    from PIL import Image
+
+    from mmrl.plugins.flow.config import row_image_paths
+
+    opened = []
+    for path in row_image_paths(row):
+        with Image.open(path) as image:
+            opened.append(image.convert("RGB"))
+    return opened
+
+
 def image_batch(rows: list[dict[str, Any]], group_size: int, **options: Any) -> Any:
     """A PromptBatch of each row (prompt and image) repeated ``group_size`` times (:func:`prompt_batch`'s seeds)."""
     batch = prompt_batch([row["prompt"] for row in rows], group_size, **options)

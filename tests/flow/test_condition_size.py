@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.flow.checks import assert_ratio_one_for_any_split, image_batch, perturb_lora
+from tests.flow.checks import assert_ratio_one_for_any_split, image_batch, perturb_lora, row_images
 
 KINDS = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus", "flux2_klein", "wan_i2v")
 
@@ -42,18 +42,6 @@ def _dataset(root, size, several=False):
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-def _images(row):
-    from PIL import Image
-
-    from mmrl.plugins.flow.config import row_image_paths
-
-    opened = []
-    for path in row_image_paths(row):
-        with Image.open(path) as image:
-            opened.append(image.convert("RGB"))
-    return opened
 
 
 # kind → (adapter, text length, output size, input size, the pipeline's options)
@@ -88,7 +76,7 @@ def test_evaluation_is_the_pipeline_given_inputs_of_the_condition_size(make_plug
     assert rollout.payload["images"].shape == (3, 3, height, width)
     assert rollout.payload["condition_images"].shape == (3, 3, in_height, in_width)
     for k, row in enumerate(rows):
-        images = _images(row)
+        images = row_images(row)
         options = {"true_cfg_scale": 1.0} if qwen else {"guidance_scale": 2.5, "max_sequence_length": text}
         if kind == "flux_kontext":
             options.update(max_area=height * width, _auto_resize=False)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mmrl.trainer import Trainer
-from tests.flow.checks import assert_ratio_one_for_any_split, image_batch, perturb_lora, train_two_steps
+from tests.flow.checks import assert_ratio_one_for_any_split, image_batch, perturb_lora, row_images, train_two_steps
 
 # pipeline kind → (adapter, text length, run size)
 KINDS = {"qwen_image_edit_plus": ("qwen_image_edit", 64, 32), "flux2": ("flux2_edit", 48, 64),
@@ -61,21 +61,9 @@ def _plugin(make_plugin, datasets, kind, **overrides):
                        max_sequence_length=text, resolution=size, **overrides)
 
 
-def _images(row):
-    from PIL import Image
-
-    from mmrl.plugins.flow.config import row_image_paths
-
-    opened = []
-    for path in row_image_paths(row):
-        with Image.open(path) as image:
-            opened.append(image.convert("RGB"))
-    return opened
-
-
 def _pipeline_output(plugin, kind, row, seed, steps, images=None):
     _, text, size = KINDS[kind]
-    images = _images(row) if images is None else images
+    images = row_images(row) if images is None else images
     options = {"true_cfg_scale": 1.0} if kind.startswith("qwen") else {"guidance_scale": 3.0,
                                                                         "max_sequence_length": text}
     with torch.no_grad():
@@ -107,10 +95,10 @@ def test_evaluation_is_the_pipeline_ode_with_each_rows_images_in_a_mixed_batch(m
     # checks above can fail. (FLUX.2's tiny transformers barely tell the order apart, 1e-4 and 3e-5 here: their
     # rotary time axis turns little between T = 10 and 20; the order of the tokens is checked in the next test.)
     first = rows[0]
-    alone = _pipeline_output(plugin, kind, first, 5, 3, images=_images(first)[:1])
+    alone = _pipeline_output(plugin, kind, first, 5, 3, images=row_images(first)[:1])
     assert (alone - rollout.payload["images"][:1]).abs().max() > 1e-3
     if kind.startswith("qwen"):
-        swapped = _pipeline_output(plugin, kind, first, 5, 3, images=_images(first)[::-1])
+        swapped = _pipeline_output(plugin, kind, first, 5, 3, images=row_images(first)[::-1])
         assert (swapped - rollout.payload["images"][:1]).abs().max() > 1e-3
 
 
@@ -123,7 +111,7 @@ def test_the_rewards_get_every_input_image_and_the_counts(make_plugin, datasets)
     assert payload["condition_image_counts"].tolist() == [2, 1, 2, 2]
     assert conditioning["condition_image_mask"].tolist() == [[1, 1], [1, 0], [1, 1], [1, 1]]
     assert conditioning["image_latents"].shape == (4, 2 * 256, 16)  # [n, slots·(64/4)², 4·4]
-    pictures = [torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 255 for image in _images(rows[0])]
+    pictures = [torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 255 for image in row_images(rows[0])]
     torch.testing.assert_close(payload["condition_images"][0], pictures[0], rtol=0, atol=1e-6)  # cropped at its size
     torch.testing.assert_close(payload["more_condition_images"][0, 0], pictures[1], rtol=0, atol=1e-6)
     assert payload["more_condition_images"][1].abs().max() == 0  # a one-image row: nothing in the second place
@@ -149,7 +137,7 @@ def test_each_image_is_encoded_once_and_the_plus_text_reads_all_of_a_rows_images
     # row 3 has row 0's images swapped: the text encoder reads "Picture 1:" and "Picture 2:" in the row's order
     with torch.no_grad():
         embeds, _ = adapter.pipeline.encode_prompt(prompt=[rows[3]["prompt"]], image=[
-            adapter._text_image(image) for image in _images(rows[3])])
+            adapter._text_image(image) for image in row_images(rows[3])])
     torch.testing.assert_close(conditioning["prompt_embeds"][3, :embeds.shape[1]], embeds[0], rtol=1e-5, atol=1e-6)
 
 
