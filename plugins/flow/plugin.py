@@ -184,7 +184,7 @@ class FlowPlugin(Plugin):
             last_images = with_last > 0
         # the most input images a row names: every batch's rows are laid out for that many (one: no change at all)
         image_slots = max((len(row_image_paths(row)) for rows in self._rows.values() for row in rows), default=1) \
-            if adapter.image_conditioned else 0
+            if adapter.image_conditioned else 1
         #: The sampling engine (:mod:`.sampler`), which the credit strategy builds its rollouts with.
         self.sampler = FlowSampler(config, runtime, adapter, cfg=self.cfg, guidance_scale=self.guidance_scale,
                                    eval_guidance_scale=self.eval_guidance_scale, input_dtype=self.input_dtype,

@@ -58,7 +58,7 @@ class FlowSampler:
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime, adapter: FlowAdapter, *, cfg: bool,
                  guidance_scale: GuidanceScale, eval_guidance_scale: GuidanceScale, input_dtype: torch.dtype,
-                 max_sequence_length: int, image_slots: int = 0, last_images: bool = False):
+                 max_sequence_length: int, image_slots: int = 1, last_images: bool = False):
         self.config = config
         self.runtime = runtime
         self.adapter = adapter
@@ -73,7 +73,7 @@ class FlowSampler:
         self._images = None  # condition images of image-editing adapters, encoded once (.condition_images)
         if adapter.image_conditioned:
             self._images = ConditionImageCache(adapter, config.embedding_cache_size, max_sequence_length,
-                                               config.negative_prompt if cfg else None, slots=max(image_slots, 1),
+                                               config.negative_prompt if cfg else None, slots=image_slots,
                                                last_images=last_images)
         #: Transformer rows evaluated (one row = one sample's velocity; a CFG pass counts once), by phase.
         self.model_evaluations: dict[str, int] = {"rollout": 0, "forward": 0, "evaluation": 0}

@@ -121,6 +121,9 @@ def test_pipelines_that_cannot_take_a_last_frame_refuse_it(make_plugin, tmp_path
         _plugin(make_plugin, "wan_i2v", with_last)
     with pytest.raises(ValueError, match=r"rows name a 'last_image', which Wan 2.2 TI2V-5B's pipeline ignores"):
         _plugin(make_plugin, "wan22_ti2v_i2v", with_last)
+    with pytest.raises(ValueError, match=r"rows name a 'last_image', but a video of 1 frame has no last frame apart "
+                                         r"from its first: plugin.num_frames must be larger$"):
+        make_plugin("wan22_i2v", dataset=str(with_last), prompts=None, eval_prompts=None, num_frames=1, resolution=16)
     mixed = _dataset(tmp_path / "mixed", [("a cat walks", 0, 1), ("a dog runs", 2, None)])
     with pytest.raises(ValueError, match=r"1 of 2 rows have no 'last_image', which this transformer \(Wan2.1-FLF2V"):
         _plugin(make_plugin, "wan_flf2v", mixed)

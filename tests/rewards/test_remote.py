@@ -273,6 +273,13 @@ def _request_body(**overrides) -> dict:
     return body
 
 
+def _png(side: int) -> str:
+    """A base64 PNG of a black ``side`` x ``side`` RGB image."""
+    from mmrl.rewards.images import encode_png
+
+    return base64.b64encode(encode_png(torch.zeros(3, side, side, dtype=torch.uint8))).decode()
+
+
 class Boom:
     """Unpickling this would create a folder: proof that nothing is unpickled."""
 
@@ -304,6 +311,10 @@ def test_server_refuses_bad_requests_and_never_unpickles(served, tmp_path):
         (json.dumps(_request_body(payload={"images": {"pickle": "x"}})).encode(), 400, "must be {'png'"),
         (json.dumps(_request_body(payload={"images": {"png": ["***"]}})).encode(), 400, "is not base64"),
         (json.dumps(_request_body(payload={"images": {"png": []}})).encode(), 400, "list of 1 base64 strings"),
+        (json.dumps(_request_body(payload={"more": {"png_sets": [[]]}})).encode(), 400,
+         "['png_sets'] must be a list of 1 non-empty lists of base64 strings"),
+        (json.dumps(_request_body(payload={"more": {"png_sets": [[_png(2), _png(3)]]}})).encode(), 400,
+         "payload['more'] image set 0 has images of different sizes"),
     ]:
         status, answer = post(url, body)
         assert (status, message in answer["error"]) == (code, True), answer

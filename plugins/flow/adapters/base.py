@@ -99,9 +99,9 @@ class FlowAdapter(ABC):
     #: ``plugin.cfg_truncation``), which the plugin sets on it; other adapters refuse them.
     guidance_rules: ClassVar[bool] = False
     #: How many input images a prompt row may name (``"image"``: a path, or a list of paths): 1 for most editing
-    #: pipelines; None (any number) where the pipeline takes several (Qwen-Image-Edit-Plus, FLUX.2). An adapter that
-    #: takes several implements :meth:`join_condition_images` and reads ``condition_image_mask`` in
-    #: :meth:`call_transformer` (see :func:`by_image_count`).
+    #: pipelines; None (any number) where the pipeline takes several (Qwen-Image-Edit-Plus, FLUX.2). A row's images
+    #: are joined by :meth:`join_condition_images`, and such an adapter's :meth:`call_transformer` reads
+    #: ``condition_image_mask`` (see :func:`by_image_count`).
     max_condition_images: int | None = 1
     #: Whether a prompt row may also name a ``"last_image"``, the video's last frame (Wan first-and-last-frame): such
     #: an adapter's :meth:`encode_condition_images` takes ``last_images`` and it implements ``last_image_problem``.
@@ -282,9 +282,11 @@ class FlowAdapter(ABC):
 
     def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
         """One row's conditioning from the :meth:`encode_condition_images` entries of its input images (one row each,
-        in the row's order), when the run's rows name up to ``slots`` > 1 images: adapters that take several
-        (:attr:`max_condition_images`) join the images' tokens (:func:`joined_image_tokens`)."""
-        raise NotImplementedError(f"the {self.name} adapter takes one input image per row")
+        in the row's order), when the run's rows name up to ``slots`` > 1 images (only adapters whose
+        :attr:`max_condition_images` allows several get here): their ``image_latents`` tokens one after the other
+        (:func:`joined_image_tokens`), as the Qwen-Image-Edit-Plus and FLUX.2 pipelines lay them out. An adapter whose
+        input images condition it otherwise overrides this."""
+        return joined_image_tokens(entries, slots)
 
     @abstractmethod
     def noise_shape(self) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count, joined_image_tokens
+from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count
 from mmrl.plugins.flow.adapters.flux2 import Flux2Adapter
 from mmrl.plugins.flow.adapters.flux2_klein import Flux2KleinAdapter
 
@@ -60,9 +60,6 @@ class _ReferenceImage:
         pixels = pixels.to(self.device, self.vae.dtype)  # [n, 3, H, W] in [-1, 1]
         latents = self.pipeline._encode_vae_image(image=pixels, generator=None)  # [n, 4C, h/2, w/2], normalised
         return {"image_latents": self.pipeline._pack_latents(latents)}, (pixels.float() / 2 + 0.5).clamp(0, 1)
-
-    def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
-        return joined_image_tokens(entries, slots)
 
     def _reference_ids(self: Any, like: Tensor, count: int = 1) -> Tensor:
         """``[1, count·h/2·w/2, 4]``: (10·i, row, column, 0) for the i-th of ``count`` images on the token grid of

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count, joined_image_tokens
+from mmrl.plugins.flow.adapters.base import Conditioning, by_image_count
 from mmrl.plugins.flow.adapters.qwen_image import QwenImageAdapter, padded_text
 
 
@@ -70,9 +70,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def max_condition_images(self) -> int | None:  # type: ignore[override]
         """Any number of input images per row with the Plus pipeline (it sets no limit), one without."""
         return None if self.plus else 1
-
-    def join_condition_images(self, entries: list[Conditioning], slots: int) -> Conditioning:
-        return joined_image_tokens(entries, slots)
 
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
         height, width = self.condition_size

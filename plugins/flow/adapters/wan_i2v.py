@@ -70,6 +70,9 @@ class WanImageToVideoAdapter(WanAdapter):
         if self.reads_image_pairs and with_last < rows:
             return (f"{rows - with_last} of {rows} rows have no 'last_image', which this transformer (Wan2.1-FLF2V: "
                     "two images' features per sample) needs in every row")
+        if with_last and self.num_frames < 2:
+            return (f"rows name a 'last_image', but a video of {self.num_frames} frame has no last frame apart from "
+                    "its first: plugin.num_frames must be larger")
         if with_last and self.expand_timesteps:
             return "rows name a 'last_image', which Wan 2.2 TI2V-5B's pipeline ignores (it conditions on the first"\
                    " frame only)"
