@@ -260,6 +260,26 @@ class Plugin(ABC):
         """The action budget (e.g. ``max_new_tokens``); Dr.GRPO's constant in ``seq_mean_token_sum_norm``."""
         return None
 
+    def row_buckets(self, split: str) -> list[str] | None:
+        """The bucket of each row of ``self.dataset(split)``, in order: rows of different buckets never share a batch.
+
+        A bucket is an opaque key to the core, a short string usable in a file name (the flow plugin's are output
+        sizes such as ``"512x384"``: images of different sizes cannot be stacked in one tensor). Every training step
+        draws its prompts, on all processes and in every rollout call, from one bucket (the stream deals each
+        bucket's rows into chunks of a step's prompts; see :class:`mmrl.trainer.sampler.PromptStream`), and the
+        evaluation samples each bucket apart (``save_samples`` is called once per bucket, with ``tag`` ending in
+        ``_{key}``). With several training buckets the trainer refuses ``rollout.dynamic_sampling.enabled``: a
+        step's sampling rounds would draw different buckets.
+
+        Args:
+            split: ``"train"`` or ``"eval"``.
+
+        Returns:
+            One key per row of ``self.dataset(split)`` (same length, same order), or None (the default): any rows can
+            share a batch. A list with one distinct key behaves as None.
+        """
+        return None
+
     def reward_context(self) -> dict[str, Any]:
         """Facts about the model being trained that rewards may read, as a JSON-serialisable dict (default ``{}``).
 

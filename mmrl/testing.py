@@ -47,6 +47,7 @@ PROPERTIES = (
     "config validation",
     "construction",
     "datasets",
+    "row buckets",
     "reward context",
     "training rollout",
     "rollout reproducibility",
@@ -112,6 +113,8 @@ def check_plugin(
       config (``train_config``'s sections, defaults elsewhere).
     - **construction**: ``plugin_cls(config, runtime)`` builds; ``policy()`` is a module with trainable parameters.
     - **datasets**: ``dataset("train")`` and ``dataset("eval")`` are non-empty sequences of dicts.
+    - **row buckets**: :meth:`Plugin.row_buckets` of ``"train"`` and ``"eval"`` is None or a list of strings, one
+      per row of that split.
     - **reward context**: :meth:`Plugin.reward_context` is a JSON-serialisable dict.
     - **training rollout**: a :class:`Rollout` that passes :meth:`Rollout.validate` (shapes, per-sample payload and
       replay), whose ``group_ids`` equal the batch's, ``mask`` is float32 of 0s and 1s with at least one active
@@ -153,7 +156,8 @@ def check_plugin(
             :meth:`Plugin.check_config` sees and the runtime is derived from; missing sections take their defaults.
         runtime: The runtime to build the plugin with. Default: this CPU process, with a reference policy
             (``needs_reference``), the policy loss's ratio level and two inner epochs.
-        num_prompts: Prompts per rollout (the first rows of each split).
+        num_prompts: Prompts per rollout (the first rows of each split; of its first row's bucket when the plugin has
+            :meth:`Plugin.row_buckets`).
         group_size: Samples per prompt.
         seed: Base seed of the sample seeds.
         logp_tolerance: Largest allowed difference between log-probs that must agree (and of ``|ratio - 1|``).
@@ -228,6 +232,11 @@ class _Checker:
                 self.expect(len(split_rows) > 0, f"dataset({split!r}) is empty (every run trains and evaluates)")
                 self.expect(all(isinstance(row, Mapping) for row in split_rows),
                             f"dataset({split!r}) holds rows that are not dicts")
+        with self.check("row buckets"):
+            for split, split_rows in rows.items():
+                self.row_buckets(plugin, split, len(split_rows))
+            # The kit's batches, as the trainer's, hold rows of one bucket: the first row's.
+            rows = {split: _first_bucket(split_rows, plugin.row_buckets(split)) for split, split_rows in rows.items()}
         with self.check("reward context"):
             context = plugin.reward_context()
             self.expect(isinstance(context, dict), f"reward_context() returned a {type(context).__name__}")
@@ -340,6 +349,19 @@ class _Checker:
         if not rollout.rows:
             rollout.rows = batch.rows  # as the trainer fills them in
         return rollout
+
+    def row_buckets(self, plugin: Plugin, split: str, size: int) -> None:
+        buckets = plugin.row_buckets(split)
+        if buckets is None:
+            return
+        self.expect(isinstance(buckets, list), f"row_buckets({split!r}) returned {_describe(buckets)}, not None or "
+                    "a list of strings")
+        self.expect(len(buckets) == size, f"row_buckets({split!r}) returned {len(buckets)} keys for the {size} rows "
+                    f"of dataset({split!r}) (one per row)")
+        wrong = [row for row, key in enumerate(buckets) if not isinstance(key, str)]
+        if wrong:
+            raise self.fail(f"row_buckets({split!r}) holds {len(wrong)} keys that are not strings (row {wrong[0]}: "
+                            f"{buckets[wrong[0]]!r})")
 
     def same_rollout(self, first: Rollout, second: Rollout) -> None:
         self.expect(torch.equal(first.mask, second.mask), "the same batch and seeds gave a different mask")
@@ -582,8 +604,8 @@ def _train_config(name: str, plugin_config: Any, sections: Mapping[str, Any]) ->
 
 def _prompt_batch(rows: Any, num_prompts: int, group_size: int, seed: int, tag: int, runtime: Runtime,
                   training: bool) -> PromptBatch:
-    """The first ``num_prompts`` rows, each repeated ``group_size`` times, one seed per sample (as the trainer
-    derives them)."""
+    """The first ``num_prompts`` rows (cycled when there are fewer), each repeated ``group_size`` times, one seed per
+    sample (as the trainer derives them)."""
     chosen = [rows[i % len(rows)] for i in range(num_prompts)]
     n = num_prompts * group_size
     return PromptBatch(
@@ -594,6 +616,13 @@ def _prompt_batch(rows: Any, num_prompts: int, group_size: int, seed: int, tag: 
         generator=torch.Generator(device=runtime.device).manual_seed(derive_seed(seed, tag)),
         training=training,
     )
+
+
+def _first_bucket(rows: Any, buckets: list[str] | None) -> Any:
+    """The rows of the first row's bucket, in order (all of them without buckets)."""
+    if buckets is None:
+        return rows
+    return [row for row, key in zip(rows, buckets, strict=True) if key == buckets[0]]
 
 
 def _perturb(params: list[Any], tag: int) -> None:

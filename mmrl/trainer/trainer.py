@@ -35,7 +35,7 @@ from mmrl import __version__
 from mmrl.config import ConfigError, TrainConfig, dump_config, eval_only_keys, to_dict
 from mmrl.plugin import Plugin, PromptBatch, Runtime, plugin_registry
 from mmrl.reward import RewardScorer
-from mmrl.rollout import Rollout
+from mmrl.rollout import Rollout, RolloutError
 from mmrl.seeding import derive_seed
 from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.collect import Collector
@@ -146,7 +146,17 @@ class Trainer:
             raise ConfigError("plugin", f"{config.plugin.name} with an empty 'eval' split",
                               "held-out prompts (every run is evaluated at its end): set the plugin's evaluation "
                               "prompts, see `mmrl explain`")
-        self.stream = PromptStream(len(self.train_rows), seed=config.run.seed)
+        # Rows that cannot share a batch (opaque bucket keys): each step then draws one bucket's chunk of prompts.
+        train_buckets = self._row_buckets("train", len(self.train_rows))
+        self._refuse_dynamic_sampling_over_buckets(train_buckets)
+        self.stream = PromptStream(len(self.train_rows), seed=config.run.seed, buckets=train_buckets,
+                                   batch_prompts=self.geometry.prompts)
+        eval_buckets = self._row_buckets("eval", len(self.eval_rows))
+        # The evaluated prompts' buckets (None: any of them can share a batch); evaluate() samples each apart.
+        # One key is no bucketing; several make every process sample (and name its files) per bucket, even one whose
+        # own samples all share a bucket, so the file names do not depend on how prompts were dealt out.
+        evaluated = None if eval_buckets is None else eval_buckets[: len(self._evaluated_rows())]
+        self.eval_buckets = evaluated if evaluated is not None and len(set(evaluated)) > 1 else None
 
         policy = self.plugin.policy()
         parameters = list(self.plugin.trainable_parameters(policy))
@@ -176,6 +186,40 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the checkpoint this run last wrote or resumed from
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=acc.is_main_process,
                                     accelerator=acc, use_trackers=bool(config.run.trackers))
+
+    def _row_buckets(self, split: str, size: int) -> list[str] | None:
+        """The plugin's :meth:`~mmrl.plugin.Plugin.row_buckets` of ``split`` (``size`` rows), checked against the
+        contract."""
+        buckets = self.plugin.row_buckets(split)
+        if buckets is None:
+            return None
+        if not isinstance(buckets, list):
+            found = f"a {type(buckets).__name__}"
+        elif len(buckets) != size:
+            found = f"{len(buckets)} keys"
+        elif not all(isinstance(key, str) for key in buckets):
+            row = next(row for row, key in enumerate(buckets) if not isinstance(key, str))
+            found = f"a key that is not a string (row {row}: {buckets[row]!r})"
+        else:
+            return buckets
+        raise RolloutError(f"plugin {self.config.plugin.name!r}'s row_buckets({split!r}) returned {found}; allowed: "
+                           f"None or a list of {size} strings, one per row of dataset({split!r})")
+
+    def _refuse_dynamic_sampling_over_buckets(self, buckets: list[str] | None) -> None:
+        """Dynamic sampling pools a step's rounds into one batch, and each round takes the stream's next chunk, which
+        may be another bucket's."""
+        keys = list(dict.fromkeys(buckets or []))
+        if len(keys) > 1 and self.config.rollout.dynamic_sampling.enabled:
+            shown = ", ".join(keys[:3]) + (f", ... ({len(keys)} in all)" if len(keys) > 3 else "")
+            raise ConfigError("rollout.dynamic_sampling.enabled", True,
+                              f"false when plugin {self.config.plugin.name}'s training rows fall in several buckets "
+                              f"({shown}): a step's sampling rounds would draw different buckets, which cannot "
+                              "share a batch")
+
+    def _evaluated_rows(self) -> list[dict[str, Any]]:
+        """The held-out rows the evaluation samples: the first ``eval.num_prompts`` (all without it)."""
+        num_prompts = self.config.eval.num_prompts
+        return self.eval_rows[:num_prompts] if num_prompts else self.eval_rows
 
     def _build_accelerator(self) -> tuple[Accelerator, BatchGeometry]:
         """The Accelerator, with gradient accumulation set from the batch geometry of this many processes."""
@@ -315,30 +359,22 @@ class Trainer:
         """
         config, acc = self.config, self.accelerator
         started = time.perf_counter()
-        rows = self.eval_rows[: config.eval.num_prompts] if config.eval.num_prompts else self.eval_rows
-        per_prompt = config.eval.samples_per_prompt
-        mine = evaluation_share(len(rows), per_prompt, acc.process_index, acc.num_processes)
-        rollout: Rollout | None = None
+        rows = self._evaluated_rows()
+        mine = evaluation_share(len(rows), config.eval.samples_per_prompt, acc.process_index, acc.num_processes)
         scorer = self.eval_scorer
-        scores, valid = torch.zeros(0, len(scorer.weights)), torch.zeros(0, dtype=torch.bool)
+        # (bucket key or None, rollout, scores [n, K], valid [n]) per plugin call of this process, buckets in order
+        # of first appearance among its samples; the scores below are concatenated in that order.
+        parts: list[tuple[str | None, Rollout, torch.Tensor, torch.Tensor]] = []
         context = self.ema.swapped_in() if self.ema is not None and config.ema.use_for_eval else nullcontext()
         with context:
             self.policy.eval()
-            if mine:
-                batch = PromptBatch(
-                    rows=[rows[k // per_prompt] for k in mine],
-                    group_ids=torch.tensor([k // per_prompt for k in mine], dtype=torch.long),
-                    group_size=per_prompt,
-                    seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in mine]),
-                    generator=self.collector.generator(EVAL_SEED_TAG, 0),
-                    training=False,
-                    step=self.step,
-                    max_steps=config.run.max_steps,
-                )
-                rollout, scored = self.collector.sample_and_score(self.policy, batch, {}, scorer)
-                scores, valid = scored.scores, scored.valid
+            for key, samples in self._evaluation_pieces(mine):
+                rollout, scored = self.collector.sample_and_score(self.policy, self._evaluation_batch(rows, samples),
+                                                                  {}, scorer)
+                parts.append((key, rollout, scored.scores, scored.valid))
             self.policy.train()
-        combined = scores @ scorer.weights if scores.numel() else torch.zeros(0)
+        scores = torch.cat([part[2] for part in parts]) if parts else torch.zeros(0, len(scorer.weights))  # [n, K]
+        valid = torch.cat([part[3] for part in parts]) if parts else torch.zeros(0, dtype=torch.bool)  # [n]
         gathered = gather_object([(scores.tolist(), valid.tolist())])
         all_scores = [row for part, _ in gathered for row in part]
         all_valid = [flag for _, part in gathered for flag in part]
@@ -350,12 +386,44 @@ class Trainer:
                 metrics[f"eval/{name}_mean"] = float(table[:, k].mean()) if len(table) else math.nan
         metrics["eval/samples"] = float(len(all_scores))
         metrics["time/eval"] = time.perf_counter() - started
-        if config.eval.save_samples and rollout is not None:
+        if config.eval.save_samples and parts:
             folder = (samples_dir or self.run_dir / "samples") / f"step_{self.step:06d}"
             tag = "eval" if acc.num_processes == 1 else f"eval_rank{acc.process_index}"
-            self.plugin.save_samples(rollout, combined, folder, tag=tag)
+            for key, rollout, part_scores, _ in parts:
+                combined = part_scores @ scorer.weights if part_scores.numel() else torch.zeros(0)  # [n_part]
+                self.plugin.save_samples(rollout, combined, folder, tag=tag if key is None else f"{tag}_{key}")
         (writer or self.writer).write(self.step, metrics)
         return metrics
+
+    def _evaluation_pieces(self, mine: list[int]) -> list[tuple[str | None, list[int]]]:
+        """This process's evaluation samples in pieces that may share a batch: ``(bucket key, samples)`` per bucket
+        of :attr:`eval_buckets`, in order of first appearance among ``mine``, when the evaluated prompts span several
+        buckets; else one piece ``(None, mine)`` (none when ``mine`` is empty)."""
+        if not mine:
+            return []
+        if self.eval_buckets is None:
+            return [(None, mine)]
+        per_prompt = self.config.eval.samples_per_prompt
+        pieces: dict[str, list[int]] = {}
+        for k in mine:
+            pieces.setdefault(self.eval_buckets[k // per_prompt], []).append(k)
+        return list(pieces.items())
+
+    def _evaluation_batch(self, rows: list[dict[str, Any]], samples: list[int]) -> PromptBatch:
+        """The evaluation samples ``samples`` (indices ``prompt * samples_per_prompt + j``) as one plugin batch; each
+        sample's seed depends on its index only, so not on the piece it is sampled in."""
+        config = self.config
+        per_prompt = config.eval.samples_per_prompt
+        return PromptBatch(
+            rows=[rows[k // per_prompt] for k in samples],
+            group_ids=torch.tensor([k // per_prompt for k in samples], dtype=torch.long),
+            group_size=per_prompt,
+            seeds=torch.tensor([derive_seed(config.run.seed, EVAL_SEED_TAG, k) for k in samples]),
+            generator=self.collector.generator(EVAL_SEED_TAG, 0),
+            training=False,
+            step=self.step,
+            max_steps=config.run.max_steps,
+        )
 
     def evaluate_checkpoint(self) -> dict[str, float]:
         """``mmrl eval``: evaluate the checkpoint ``run.resume`` names (or the initial policy without it).
@@ -448,10 +516,13 @@ class Trainer:
         if state.get("num_processes", 1) != self.accelerator.num_processes and self.accelerator.is_main_process:
             print(f"resuming a run of {state['num_processes']} process(es) on {self.accelerator.num_processes}",
                   flush=True)
+        try:  # before the weights load: a stream of another layout (the rows' buckets changed) fails in one line
+            self.stream.load_state_dict(state["stream"])
+        except ValueError as error:
+            raise ckpt.CheckpointError(f"cannot resume from {found}: {error}") from error
         self.accelerator.load_state(str(found / "accelerate"))
         self.step = int(state["step"])
         self.learner.optimizer_steps = int(state["optimizer_steps"])
-        self.stream.load_state_dict(state["stream"])
         if self.accelerator.is_main_process:
             print(f"resumed from {found} at step {self.step}", flush=True)
         return found
