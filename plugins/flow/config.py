@@ -70,13 +70,27 @@ class FlowPluginConfig:
     )
     condition_size: list[int] | None = config_field(
         None, help="[height, width] in pixels that image-editing adapters (flux_kontext, qwen_image_edit, flux2_edit, "
-        "flux2_klein_edit) bring every input image to, the same multiple as height. Null: the generated size. The "
-        "pipelines size input images on their own (Qwen-Image-Edit: about 1024x1024 whatever the output).",
+        "flux2_klein_edit) bring every input image to, the same multiple as height; with buckets, the input images' "
+        "area (each at its bucket's aspect ratio). Null: the generated size. The pipelines size input images on "
+        "their own (Qwen-Image-Edit: about 1024x1024 whatever the output).",
         ref="Flow-Factory condition_image_size; QwenImageEditPlusPipeline VAE_IMAGE_SIZE = 1024*1024",
     )
     eval_condition_size: list[int] | None = config_field(
         None, eval_only=True, help="[height, width] of input images at evaluation. Null: condition_size, itself "
         "null: the evaluation size.", ref="Flow-Factory examples: eval condition_image_size 1024",
+    )
+    buckets: list[list[int]] | None = config_field(
+        None, help="Aspect-ratio buckets: a list of [height, width] output sizes in pixels (each side the same "
+        "multiple as height). Every prompt row is generated at the bucket whose aspect ratio is nearest its own: an "
+        "editing or image-to-video row's input image's (the image its pipeline sizes the output by), a text-to-image "
+        "row's 'aspect_ratio' (width / height, or \"W:H\"), else height x width's; each training step draws its "
+        "prompts from one bucket. Null: every row at height x width.",
+        ref="FluxKontextPipeline PREFERRED_KONTEXT_RESOLUTIONS; QwenImageEdit(Plus)Pipeline: output at 1024x1024 "
+        "area with the input's aspect ratio; Flow-Factory auto_resize",
+    )
+    eval_buckets: list[list[int]] | None = config_field(
+        None, eval_only=True, help="Aspect-ratio buckets of evaluation rollouts, as buckets. Null: buckets.",
+        ref="Flow-Factory examples: evaluate at 1024 px (Qwen-Image-Edit) with the input's aspect ratio",
     )
     num_frames: int | None = config_field(
         None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
@@ -252,6 +266,23 @@ class FlowPluginConfig:
             if size is not None and (len(size) != 2 or any(isinstance(side, bool) or not isinstance(side, int)
                                                             or side < 1 for side in size)):
                 raise ConfigError(f"{path}.{key}", size, "null or [height, width], two positive integers (pixels)")
+        for key in ("buckets", "eval_buckets"):
+            buckets = getattr(self, key)
+            if buckets is not None and (not isinstance(buckets, list) or not buckets or any(
+                    not isinstance(size, list) or len(size) != 2 or any(
+                        isinstance(side, bool) or not isinstance(side, int) or side < 1 for side in size)
+                    for size in buckets)):
+                raise ConfigError(f"{path}.{key}", buckets, "null or a non-empty list of [height, width] sizes, each "
+                                  "two positive integers (pixels)")
+            if buckets is not None and len({tuple(size) for size in buckets}) != len(buckets):
+                raise ConfigError(f"{path}.{key}", buckets, "distinct [height, width] sizes")
+        if self.eval_buckets is not None and self.buckets is None:
+            raise ConfigError(f"{path}.eval_buckets", self.eval_buckets, "null without plugin.buckets (evaluation "
+                              "then runs at eval_height x eval_width)")
+        for key in ("eval_height", "eval_width"):
+            if self.buckets is not None and getattr(self, key) is not None:
+                raise ConfigError(f"{path}.{key}", getattr(self, key), "null with plugin.buckets: evaluation sizes "
+                                  "are set by plugin.eval_buckets then")
         if (self.dataset is None) == (self.prompts is None):
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
@@ -326,6 +357,12 @@ class FlowPluginConfig:
         evaluation = training if self.eval_condition_size is None else (self.eval_condition_size[0],
                                                                          self.eval_condition_size[1])
         return training, evaluation
+
+    def resolved_buckets(self, split: str) -> list[tuple[int, int]] | None:
+        """The ``(height, width)`` buckets of ``split`` ('train': ``buckets``; 'eval': ``eval_buckets``, else
+        ``buckets``), None without buckets."""
+        chosen = self.eval_buckets if split == "eval" and self.eval_buckets is not None else self.buckets
+        return None if chosen is None else [(int(size[0]), int(size[1])) for size in chosen]
 
     def resolved_window_range(self) -> tuple[int, int]:
         if self.window_range is None:

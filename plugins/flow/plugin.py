@@ -19,6 +19,9 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   ``payload["condition_images"]``, each row's (first) input image as the model saw it, and the encoded image(s) to
   the replay; rows naming several input images (Qwen-Image-Edit-Plus, FLUX.2) add ``more_condition_images`` and
   ``condition_image_counts`` (:meth:`~.sampler.FlowSampler.row_conditioning`);
+- with ``plugin.buckets`` (:mod:`.buckets`) each row has its own output size, the nearest bucket by aspect ratio;
+  :meth:`FlowPlugin.row_buckets` tells the core, which never mixes buckets in a batch, and a training rollout
+  carries its size in ``replay["output_size"]`` ``[N, 2]`` for the forward;
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
@@ -32,7 +35,7 @@ classes of :data:`~.sde.sde_kind_registry`.
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from torch import Tensor, nn
 from mmrl.config import ConfigError
 from mmrl.extras import require_extra
 from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
+from mmrl.plugins.flow.buckets import BUCKET_KEY, assign_buckets, bucket_name, condition_size_for, row_size
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows, row_image_paths
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.sampler import FlowSampler
@@ -70,6 +74,11 @@ def _check_sizes(config: FlowPluginConfig, adapter: Any) -> None:
     for key, pixels in sides:  # (height, width), each named by the option that set it
         if pixels is not None and pixels % multiple:
             raise ConfigError(f"plugin.{key}", pixels, f"a multiple of {multiple} for {why}")
+    for key in ("buckets", "eval_buckets"):
+        for size in getattr(config, key) or []:
+            if any(side % multiple for side in size):
+                raise ConfigError(f"plugin.{key}", getattr(config, key), f"[height, width] sizes of multiples of "
+                                  f"{multiple} for {why}; {size} is not")
     for key in ("condition_size", "eval_condition_size"):
         size = getattr(config, key)
         if size is not None and not adapter.condition_size_free:
@@ -182,6 +191,14 @@ class FlowPlugin(Plugin):
             if problem is not None:
                 raise ValueError(f"{config.dataset}: {problem}")
             last_images = with_last > 0
+        self._buckets = {split: config.resolved_buckets(split) for split in ("train", "eval")}
+        for split, buckets in self._buckets.items():  # each row's size: a bucket by its aspect ratio
+            if buckets is not None:
+                source = config.dataset if split == "train" else config.eval_dataset or config.dataset
+                inline = "plugin.prompts" if split == "train" else "plugin.eval_prompts"
+                assign_buckets(self._rows[split], buckets, default=config.resolved_size(),
+                               aspect_image=adapter.aspect_image if adapter.image_conditioned else None,
+                               source=str(source or inline))
         # the most input images a row names: every batch's rows are laid out for that many (one: no change at all)
         image_slots = max((len(row_image_paths(row)) for rows in self._rows.values() for row in rows), default=1) \
             if adapter.image_conditioned else 1
@@ -207,15 +224,43 @@ class FlowPlugin(Plugin):
             raise KeyError(f"flow plugin has splits {sorted(self._rows)}, not {split!r}")
         return self._rows[split]
 
+    def row_buckets(self, split: str) -> list[str] | None:
+        """With ``plugin.buckets``, each row's output size ``"{height}x{width}"``: the core draws every training step
+        from one and evaluates each apart; None without buckets (every row at ``height`` x ``width``)."""
+        if self._buckets[split] is None:
+            return None
+        return [bucket_name(row_size(row)) for row in self.dataset(split)]
+
     def max_actions(self) -> int:
         return self.config.num_actions()
 
     @torch.no_grad()
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        split = "train" if batch.training else "eval"
+        if self._buckets[split] is not None:  # the rows' bucket, the adapter back at the run's size after
+            size = self._batch_size(batch.rows)
+            condition = condition_size_for(size, self.condition_sizes[0 if batch.training else 1],
+                                           self.adapter.resolution_multiple())
+            with self.adapter.sized(*size, condition=condition):
+                if not batch.training:
+                    return self.sampler.evaluation_rollout(policy, batch)
+                rollout = self.credit.rollout(self.sampler, policy, batch)
+            # the training forward regenerates at this size: every sample carries it
+            rollout.replay[BUCKET_KEY] = torch.tensor([size], dtype=torch.long).expand(len(batch), 2).clone()
+            return rollout
         if not batch.training:  # at plugin.eval_height x eval_width, the adapter back at the training size after
             with self.adapter.sized(*self.config.resolved_eval_size(), condition=self.condition_sizes[1]):
                 return self.sampler.evaluation_rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
+
+    @staticmethod
+    def _batch_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
+        """The one bucket of a batch's rows (the core never mixes them); a mixed batch is a RolloutError."""
+        sizes = {row_size(row) for row in rows}
+        if len(sizes) != 1:
+            raise RolloutError(f"a batch mixes the output sizes {sorted(sizes)} of plugin.buckets; rows of different "
+                               "buckets cannot share a batch (the trainer draws each step from one bucket)")
+        return sizes.pop()
 
     def action_rewards(self, rollout: Rollout, rewards: Tensor) -> Tensor | None:
         """Per-action rewards of the credit strategy ('branch': the sample's reward at its branch point; 'tree': the
@@ -258,8 +303,22 @@ class FlowPlugin(Plugin):
             active = active.clone()
             active[0, 0] = True
         reference = self._reference_module if need_reference else None
-        logp, kl, means = self.sampler.score(policy, rollout, columns, active, forced=forced, reference=reference)
+        with self._rollout_size(rollout):
+            logp, kl, means = self.sampler.score(policy, rollout, columns, active, forced=forced, reference=reference)
         return PolicyOutput(logp=logp, kl=kl, replay=None if means is None else {"means": means})
+
+    def _rollout_size(self, rollout: Rollout) -> AbstractContextManager[None]:
+        """The adapter at the size a bucketed training rollout was generated at (``replay["output_size"]``); nothing
+        to change without buckets."""
+        sizes = rollout.replay.get(BUCKET_KEY)
+        if sizes is None:
+            return nullcontext()
+        distinct = {tuple(size) for size in sizes.tolist()}
+        if len(distinct) != 1:
+            raise RolloutError(f"a training micro-batch mixes the output sizes {sorted(distinct)} of plugin.buckets")
+        size = distinct.pop()
+        condition = condition_size_for(size, self.condition_sizes[0], self.adapter.resolution_multiple())
+        return self.adapter.sized(*size, condition=condition)
 
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:

@@ -110,6 +110,9 @@ class FlowAdapter(ABC):
     #: editing pipelines that size it independently (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2); not image-to-video,
     #: whose input is the first frame.
     condition_size_free: ClassVar[bool] = False
+    #: Which of a row's input images sets its aspect ratio under ``plugin.buckets`` ('first' or 'last'): the image
+    #: the pipeline sizes its output by when no height and width are given (Qwen-Image-Edit-Plus: the last).
+    aspect_image: str = "first"
 
     def __init__(self, pipeline: Any, device: torch.device):
         self.pipeline = pipeline

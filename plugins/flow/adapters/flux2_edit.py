@@ -17,7 +17,9 @@ grid, guidance and decode (:class:`~mmrl.plugins.flow.adapters.flux2.Flux2Adapte
 Where mmrl differs: the pipelines keep a reference image at its own size (floored to a multiple of 16, scaled down
 to 1024² pixels when larger) whatever the output size; here it is brought to one size for the run,
 ``plugin.condition_size`` (null: the output size), so the rows of a batch share one shape (the pipelines given a
-reference image of that size compute the same, which the tests check).
+reference image of that size compute the same, which the tests check). With ``plugin.buckets``
+(:mod:`~mmrl.plugins.flow.buckets`) a row's output and references take the bucket nearest the first reference's
+aspect ratio, the image whose size the pipelines give the output when no height and width are passed.
 
 Several reference images per row (the pipelines' ``image=[...]``): a row's ``"image"`` may be a list of paths; the
 transformer then sees ``[generated tokens; image 1's tokens; image 2's; ...]`` with the pipelines' position ids, time

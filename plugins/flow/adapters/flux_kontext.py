@@ -18,7 +18,10 @@ Where mmrl differs: the pipeline sizes the condition image itself (with ``_auto_
 of 16), independently of the output size. Here every condition image is resized to one size, ``plugin.
 condition_size`` (null: the output size), so that the rows of a batch share one shape (the pipeline with
 ``_auto_resize=False`` and a condition image of that size is the same computation, which the tests check); its
-tokens get their own grid's position ids. Flow-Factory likewise sizes condition images from its config
+tokens get their own grid's position ids. With ``plugin.buckets`` (:mod:`~mmrl.plugins.flow.buckets`) each row is
+generated, and its input brought, to the bucket nearest its input's aspect ratio, as the pipeline's
+``_auto_resize`` picks from its list (``buckets`` can be that list; the pipeline compares the ratios, mmrl their
+logarithms). Flow-Factory likewise sizes condition images from its config
 (X-GenGroup/Flow-Factory@a0b2bc5, ``src/flow_factory/models/flux/flux1_kontext.py``, ``condition_image_size``);
 its LoRA targets are FLUX.1's attention and feed-forward linears, this adapter's too. The pipeline's optional true
 CFG (``true_cfg_scale`` > 1 with a negative prompt; off by default) is not offered: Kontext [dev] is

@@ -24,6 +24,9 @@ Where mmrl differs: the pipelines size the input image themselves, at about 1024
 (``calculate_dimensions(1024 * 1024, ratio)``; the Plus pipeline's ``VAE_IMAGE_SIZE``), with the input's aspect
 ratio. Here the VAE image is resized to one size for the run, ``plugin.condition_size`` (null: the output's
 ``height`` × ``width``), so that the rows of a batch share one shape; its ``img_shapes`` entry is that size's grid.
+With ``plugin.buckets`` (:mod:`~mmrl.plugins.flow.buckets`) each row's output, and its input at the output's size
+or at ``condition_size``'s area, take the bucket nearest the first image's aspect ratio (the Plus pipeline's: the
+last image's, :attr:`aspect_image`), the pipelines' rule up to the snapping to a bucket.
 With a dataset whose images have that aspect ratio and ``plugin.condition_size`` at the pipelines' ~1024² (e.g.
 ``[1024, 1024]``), the computation is the pipeline's whatever the output size (the tests check it with the
 pipelines' size rules set to the test's size). Flow-Factory likewise sizes its Qwen-Image-Edit-Plus condition
@@ -65,6 +68,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def plus(self) -> bool:
         """Whether the pipeline is ``QwenImageEditPlusPipeline`` (2509 and later)."""
         return type(self.pipeline).__name__ == "QwenImageEditPlusPipeline"
+
+    @property
+    def aspect_image(self) -> str:  # type: ignore[override]
+        """The image whose aspect ratio the output takes: the Plus pipeline's last (``image[-1].size``), the first
+        otherwise (``image[0].size``; diffusers 0.42 ``__call__``)."""
+        return "last" if self.plus else "first"
 
     @property
     def max_condition_images(self) -> int | None:  # type: ignore[override]
