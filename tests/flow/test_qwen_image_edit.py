@@ -172,6 +172,6 @@ def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path)
     evaluates."""
     trainer = run_recipe_step("qwen_image_edit_pickscore.yaml", pipelines["qwen_image_edit_plus"], tmp_path,
                               f"plugin.dataset={edits / 'train.jsonl'}", f"plugin.eval_dataset={edits / 'train.jsonl'}",
-                              "plugin.resolution=32", "plugin.eval_height=64", "plugin.eval_width=64",
-                              "plugin.eval_condition_size=[64, 64]", "rewards.functions=[{name: test_brightness}]")
+                              "plugin.resolution=32", "plugin.buckets=[[32, 32], [32, 48], [48, 32]]",
+                              "plugin.eval_buckets=[[64, 64], [48, 80]]", "rewards.functions=[{name: test_brightness}]")
     assert trainer.plugin.cfg and trainer.plugin.adapter.plus
