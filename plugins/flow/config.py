@@ -35,9 +35,9 @@ class FlowPluginConfig:
     model: str = config_field(help="A diffusers pipeline folder or hub id, e.g. stabilityai/stable-diffusion-3.5-"
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
-        "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'flux2', "
-        "'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or another registered one "
-        "(`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
+        "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
+        "'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or another registered "
+        "one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -50,7 +50,8 @@ class FlowPluginConfig:
     )
     height: int | None = config_field(
         None, minimum=1, help="Image (video frame) height in pixels, as the diffusers pipelines' height=; a multiple "
-        "of the adapter's VAE factor x patch size (16 for every shipped family). Null: resolution.",
+        "of the adapter's VAE factor x patch size (16 for the shipped families, 32 for Qwen-Image 2.1). Null: "
+        "resolution.",
         ref="Wan2.1 480p: height 480, width 832",
     )
     width: int | None = config_field(
@@ -126,7 +127,8 @@ class FlowPluginConfig:
     )
     cfg: bool | None = config_field(
         None, help="True classifier-free guidance (an unconditional pass with negative_prompt) in rollouts and in "
-        "the training forward. Null: on for SD3, off for FLUX (guidance-distilled, no CFG pass).",
+        "the training forward. Null: on for SD3, off for FLUX (guidance-distilled, no CFG pass) and Qwen-Image 2.1 "
+        "(sampled without guidance).",
         ref="Flow-GRPO train.cfg",
     )
     negative_prompt: str = config_field("", help="Negative prompt of the unconditional pass.",

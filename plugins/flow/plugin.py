@@ -133,7 +133,7 @@ class FlowPlugin(Plugin):
         if frames_problem is not None:
             raise ConfigError("plugin.num_frames", config.num_frames, frames_problem)
         adapter.num_frames = config.num_frames or adapter.default_num_frames or 1
-        self.cfg = adapter.supports_cfg if config.cfg is None else config.cfg
+        self.cfg = adapter.supports_cfg and adapter.cfg_by_default if config.cfg is None else config.cfg
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg,
                               f"false or null: the {adapter.name} adapter {adapter.cfg_refusal}")

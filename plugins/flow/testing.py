@@ -321,6 +321,51 @@ def build_qwen_image_edit_plus_pipeline(seed: int = 0, size: str = "tiny") -> An
     return build_qwen_image_edit_pipeline(seed=seed, size=size, plus=True)
 
 
+def build_qwen_image21_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``QwenImage21Pipeline`` (Qwen-Image 2.1) with random weights: a two-layer Qwen3-VL text encoder with a vision
+    tower and a ``Qwen3VLProcessor`` (the tiny ones of the VLM tests: 16-pixel patches merged 2×2, so one image slot
+    covers 32 px, the 2×2 latent tokens the transformer gives a slot), the processor's Qwen chat template, whose
+    system turn sets the pipeline's ``_drop_idx``; a two-block single-stream transformer (block-causal attention,
+    ``causal_condition``, RoPE axes 2/2/4); the 4-channel (RGBA) 3-D VAE with four spatial downsamplings, the
+    pipeline's fixed factor 16 (32 px images have 2×2 latents), random per-channel ``latents_mean``/``latents_std``;
+    and Qwen-Image's dynamically shifted scheduler. ``sample_sigmas`` is left unset (the pipeline's linspace grid)."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from mmrl.plugins.vlm.testing import build_processor, build_tokenizer, tiny_config
+
+    if size != "tiny":
+        raise ValueError(f"unknown Qwen-Image 2.1 pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = build_tokenizer()
+        processor = build_processor("qwen3_vl", tokenizer, min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32)
+        text_encoder = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl", tokenizer))
+        text_width, latent_channels = text_encoder.config.text_config.hidden_size, 8
+        transformer = QwenImage21Transformer2DModel(
+            patch_size=1, in_channels=latent_channels, out_channels=latent_channels, num_layers=2,
+            attention_head_dim=8, num_attention_heads=2, context_in_dim=text_width, mlp_ratio=2,
+            axes_dims_rope=(2, 2, 4),
+        )
+        statistics = torch.randn(2, latent_channels)
+        vae = AutoencoderKLQwenImage21(
+            base_dim=8, decoder_base_dim=8, z_dim=latent_channels, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, False, False, False], latents_mean=statistics[0].mul(0.5).tolist(),
+            latents_std=statistics[1].abs().add(0.5).tolist(),
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler config
+            num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        )
+    return QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor,
+                               transformer=transformer)
+
+
 _FLUX2_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                          "[IMG]", "[IMG_BREAK]", "[IMG_END]")
 _FLUX2_CHAT_TEMPLATE = (
@@ -693,6 +738,7 @@ def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
 
 
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
+            "qwen_image21": build_qwen_image21_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
@@ -704,7 +750,8 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
                        dtype: torch.dtype | None = None) -> Path:
-    """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"flux2"``,
+    """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``,
+    ``"qwen_image21"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
     ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``) and

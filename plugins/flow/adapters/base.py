@@ -70,6 +70,9 @@ class FlowAdapter(ABC):
     default_guidance_scale: ClassVar[float]
     #: Whether the model takes true classifier-free guidance (an unconditional pass with a negative prompt).
     supports_cfg: ClassVar[bool]
+    #: Whether a null ``plugin.cfg`` turns the unconditional pass on, for an adapter that :attr:`supports_cfg`: False
+    #: where the pipeline samples without guidance by default (Qwen-Image 2.1's ``true_cfg_scale`` 1.0).
+    cfg_by_default: ClassVar[bool] = True
     #: Whether the guidance scale reaches the model through a guidance embedding (FLUX.1, FLUX.2 [dev]) rather than
     #: the CFG pass alone. A model guided only by the pass is unguided without it: with the pass off the plugin
     #: resolves a null scale to :attr:`unguided_scale` and refuses any other.
