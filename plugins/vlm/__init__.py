@@ -1,4 +1,5 @@
-"""GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): see :mod:`.plugin` and docs/vlm.md.
+"""GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V, InternVL): see
+:mod:`.plugin` and docs/vlm.md.
 
 Import-light: importing this package loads neither transformers nor peft; the names below are imported on first
 access.

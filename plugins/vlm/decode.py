@@ -195,7 +195,8 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
         model: The model (a transformers VL model, possibly inside a peft wrapper), called as ``model(**kwargs)``.
         inputs: Collated prompts (:meth:`VLMAdapter.collate`), left-padded: ``input_ids [u, P]``,
             ``attention_mask [u, P]`` and the image inputs.
-        positions: ``[3, u, P]`` their M-RoPE position ids (:meth:`VLMAdapter.rope_positions`).
+        positions: ``[3, u, P]`` their M-RoPE position ids (:meth:`VLMAdapter.rope_positions`), or ``[u, P]`` plain
+            rotary positions for a family without M-RoPE (InternVL).
         settings: The sampling recipe.
         select: ``[n]`` long, the prompt of each of the n decoded rows (a shared prefill: ``u`` distinct prompts, the
             cache indexed out to the samples); None: row i decodes prompt i.
@@ -206,9 +207,9 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     """
     attention = inputs["attention_mask"]  # [u, P]
     device = attention.device
-    if positions.shape != (3, *attention.shape):
-        raise ValueError(f"decode: positions must be [3, u, P] = [3, {attention.shape[0]}, {attention.shape[1]}], "
-                         f"got {tuple(positions.shape)}")
+    if positions.shape not in ((3, *attention.shape), tuple(attention.shape)):
+        raise ValueError(f"decode: positions must be [3, u, P] (M-RoPE) or [u, P] = [{attention.shape[0]}, "
+                         f"{attention.shape[1]}], got {tuple(positions.shape)}")
     output = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
     cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
     if cache is None:
@@ -216,7 +217,8 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
     logits = output.logits[:, -1]  # [u, V]
     # The next M-RoPE position of each prompt: one past its last token's (left padding: the last column is a real
     # token, text, whose three components are equal), as the teacher-forced sequence continues it (module docstring).
-    next_position = positions[:, :, -1].amax(dim=0) + 1  # [u]
+    last = positions[..., -1]  # [3, u] or [u]
+    next_position = (last.amax(dim=0) if positions.dim() == 3 else last) + 1  # [u]
     if select is not None:
         select_cache_rows(cache, select)
         logits, attention, next_position = logits[select], attention[select], next_position[select]
@@ -242,7 +244,9 @@ def decode(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, setti
             running = running & ~torch.isin(token, eos)
             if index + 1 == steps or not bool(running.any()):
                 break
-            position = (next_position + index).view(1, n, 1).expand(3, n, 1)  # [3, n, 1]
+            position = (next_position + index).view(n, 1)  # [n, 1]
+            if positions.dim() == 3:
+                position = position.unsqueeze(0).expand(3, n, 1)  # [3, n, 1]: text, its components equal
             logits = step(token.unsqueeze(1), width + index + 1, position, cache)  # [n, V]
     return DecodeOutput(torch.stack(tokens, dim=1), scores_out)
 

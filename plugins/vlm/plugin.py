@@ -1,4 +1,5 @@
-"""The VLM plugin: GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) through transformers.
+"""The VLM plugin: GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V,
+InternVL) through transformers.
 
 How it maps onto the rollout contract (docs/vlm.md has the long version):
 
@@ -125,11 +126,11 @@ class VLMPluginConfig:
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
-        "glm4v_moe (when transformers has them) or another registered one; 'auto' reads model_type from the "
+        "glm4v_moe, internvl (when transformers has them) or another registered one; 'auto' reads model_type from the "
         "checkpoint's config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
-                        "glm4v_moe"] | None = config_field(
+                        "glm4v_moe", "internvl"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )
@@ -308,7 +309,8 @@ class VLMPlugin(Plugin):
         if config.lora is None:
             model.requires_grad_(True)
             if config.freeze_vision:
-                self.adapter.vision_tower(model).requires_grad_(False)
+                for module in self.adapter.vision_modules(model):
+                    module.requires_grad_(False)
         else:
             attach_lora(model, config.lora, default_targets=self.adapter.lora_target_modules,
                         what="the language model", base_model=config.model,
@@ -331,6 +333,10 @@ class VLMPlugin(Plugin):
         # A dataset with any video row gives every prompt the video entries, so that every rollout's replay has the
         # same keys whichever rows it drew (rollouts of several chunks or rounds are concatenated).
         self.video_rows = any(row.get("video") is not None for rows in self._rows.values() for row in rows)
+        if self.video_rows and not self.adapter.supports_videos:
+            split = next(name for name, rows in self._rows.items() if any(row.get("video") is not None for row in rows))
+            raise ValueError(f"vlm family {self.adapter.name!r} does not take videos, and the {split!r} split holds "
+                             "video rows: train this family on image rows only")
         if not self.adapter.batches_images_with_videos:
             for split, rows in self._rows.items():
                 if any(row_images(row) for row in rows) and any(row_videos(row) for row in rows):
@@ -377,7 +383,7 @@ class VLMPlugin(Plugin):
         mask = (torch.arange(num_actions, device=lengths.device) < lengths.unsqueeze(1)).float()  # [n, A]
         replay: dict[str, Any] = {key: [p[key] for p in prompts] for key in REPLAY_PROMPT_KEYS if key in prompts[0]}
         replay["completion_ids"] = completions
-        image_tokens = [float(p["image_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2 for p in prompts]
+        image_tokens = [self.adapter.image_token_count(p) for p in prompts]
         video_tokens = [float(p["video_grid_thw"].prod(-1).sum()) / self.adapter.merge_size ** 2
                         for p in prompts if "video_grid_thw" in p]
         clipped = completion_clipped(generated, lengths, self.eos_ids)  # [n] out of budget without an EOS
@@ -726,7 +732,7 @@ def completion_clipped(tokens: Tensor, lengths: Tensor, eos_ids: Sequence[int]) 
 
 def replay_prompts(replay: dict[str, Any]) -> list[dict[str, Tensor]]:
     """Per-sample prompt inputs stored in a rollout's replay (lists of tensors, one entry per sample)."""
-    missing = [key for key in ("input_ids", "image_grid_thw", "completion_ids") if key not in replay]
+    missing = [key for key in ("input_ids", "completion_ids") if key not in replay]
     if "pixel_values" not in replay and "image_embeds" not in replay:
         missing.append("pixel_values or image_embeds")
     if missing:
@@ -803,8 +809,8 @@ def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], patch_si
     """The rows' ``resized_size`` (computed with smart_resize for the qwen2_5_vl box convention) must be what the
     processor produced; otherwise box rewards would rescale with the wrong frame."""
     expected = row.get("resized_size")
-    grid = prompt["image_grid_thw"]
-    if expected is None or grid.numel() == 0:
+    grid = prompt.get("image_grid_thw")  # none for InternVL: its tiles have no grid (its boxes do not read the size)
+    if expected is None or grid is None or grid.numel() == 0:
         return
     actual = [int(grid[0, 2]) * patch_size, int(grid[0, 1]) * patch_size]
     if [int(v) for v in expected] != actual:

@@ -82,7 +82,7 @@ class PromptSplit:
     Attributes:
         prefix: ``collate(unique)``'s inputs of the u distinct prompts, ``[u, P]``.
         index: ``[n]`` long, the position of each sample's prompt among them.
-        positions: ``[3, u, P]`` the prompts' M-RoPE position ids.
+        positions: ``[3, u, P]`` the prompts' M-RoPE position ids (``[u, P]`` for plain rotary positions).
     """
 
     prefix: dict[str, Tensor]
@@ -111,7 +111,7 @@ def prompt_split(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[Prompt
     if "mm_token_type_ids" in prefix and bool(prefix["mm_token_type_ids"][:, -1].any()):
         return None  # the completions would continue a vision segment: its positions are not the text positions
     index = torch.tensor(index_list, device=device)  # [n]
-    return PromptSplit(prefix, index, adapter.rope_positions(model, prefix))  # positions [3, u, P]
+    return PromptSplit(prefix, index, adapter.rope_positions(model, prefix))  # positions [3, u, P] or [u, P]
 
 
 def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequence[PromptInputs],
@@ -155,8 +155,9 @@ def shared_prompt_hidden(adapter: VLMAdapter, model: nn.Module, prompts: Sequenc
             raise RuntimeError(f"{type(hf_model).__name__} returned no KV cache for the shared prompt pass")
         select_cache_rows(cache, index)  # every layer's [u, heads, P, d] (and linear states) -> [n, ...]
         steps = torch.arange(1, num_completion, device=device)  # [C - 1]
-        # [3, n, C - 1]: the last prompt token is text, so its three components are equal; text continues by one.
-        completion_positions = positions[:, :, -1:].index_select(1, index) + steps
+        # [3, n, C - 1] ([n, C - 1] without M-RoPE): the last prompt token is text, so its three components are
+        # equal; text continues by one.
+        completion_positions = positions[..., -1:].index_select(-2, index) + steps
         rest = {"input_ids": inputs["input_ids"][:, prompt_width:prompt_width + num_completion - 1],
                 "attention_mask": inputs["attention_mask"][:, :prompt_width + num_completion - 1]}
         if "mm_token_type_ids" in inputs:

@@ -1,5 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V) checkpoints built offline, for tests,
-benchmarks and the toy run.
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL) checkpoints built offline,
+for tests, benchmarks and the toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
 words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
@@ -13,7 +13,9 @@ Sizes (about 105k parameters): text hidden 32, intermediate 64, 2 layers, 4 head
 patches for Qwen3-VL and Qwen3.5), merger output = text hidden size; Qwen3.5 alternates Gated DeltaNet and
 full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image tokens. The GLM builds use a tokenizer with
 GLM-4.1V's special tokens and chat layout (:data:`GLM_CHAT_TEMPLATE`) and half as many, twice as wide heads (GLM rotates
-half of each head).
+half of each head). The InternVL build has InternVL3-hf's tokens and chat layout (:data:`INTERNVL_CHAT_TEMPLATE`), a
+ViT on 56-pixel tiles (4 image tokens per tile; an image becomes 1 to ``max_pixels / 56²`` tiles, plus a thumbnail
+when more than one) and a Qwen2 language model of the same text size.
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -27,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
+            "internvl")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
 
 SPECIAL_TOKENS = (
@@ -76,6 +79,35 @@ next role token ends a turn, so ``<|user|>`` and ``<|observation|>`` are generat
 ``<|begin_of_image|><|image|><|end_of_image|>`` and each video ``<|begin_of_video|><|video|><|end_of_video|>``
 (without the released template's thinking switches)."""
 
+INTERNVL_SPECIAL_TOKENS = SPECIAL_TOKENS + (
+    "<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>",
+)
+"""The InternVL3-hf tokenizer's added tokens beside Qwen's: the image delimiters and context token, the video
+placeholder, and the grounding tags ``<ref>``/``<box>``/``<quad>``."""
+
+INTERNVL_TOKENIZER_ROLES = {"start_image_token": "<img>", "end_image_token": "</img>",
+                            "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+"""The tokenizer attributes ``InternVLProcessor`` reads (``tokenizer.start_image_token`` and its ``_id``, ...): the
+``extra_special_tokens`` of the InternVL3-hf tokenizer_config.json."""
+
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'video' or 'video' in part %}<video>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""InternVL3-hf's chat layout (Qwen's ``<|im_start|>role\n...<|im_end|>``); each image is ``<IMG_CONTEXT>\n``, which the
+processor expands to ``<img>`` + the tiles' context tokens + ``</img>`` (the turns and image lines only, not every
+detail of the released template)."""
+
+INTERNVL_TILE = 56
+"""Tile side of the tiny InternVL builds (the released checkpoints: 448): 4 × 4 patches of 14 pixels, 2 × 2 image
+tokens per tile after pixel shuffle."""
+
 _CORPUS = (
     "Where is the red circle? Where is the green square? Where is the blue triangle? Where is the yellow circle? "
     "How many squares are there in the image? How many circles are there? How many triangles are there? "
@@ -118,9 +150,32 @@ def build_glm_tokenizer(vocab_size: int = 384) -> Any:
                                    pad_token="<|endoftext|>")
 
 
+def build_internvl_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with the Qwen special tokens and InternVL's (:data:`INTERNVL_SPECIAL_TOKENS`,
+    the roles of :data:`INTERNVL_TOKENIZER_ROLES`), trained on the same small corpus; deterministic."""
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer(tokenizer_object=_bpe(INTERNVL_SPECIAL_TOKENS, vocab_size), eos_token="<|im_end|>",
+                          pad_token="<|endoftext|>", unk_token=None,
+                          extra_special_tokens=dict(INTERNVL_TOKENIZER_ROLES))
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
+
+    if family == "internvl":  # tiles of INTERNVL_TILE pixels, as many as the pixel bounds allow (the adapter's rule)
+        from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+        tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+        area = INTERNVL_TILE ** 2
+        image_processor = transformers.GotOcr2ImageProcessor(
+            size=tile, crop_to_patches=True, min_patches=max(1, -(-min_pixels // area)),
+            max_patches=max(1, max_pixels // area))
+        return transformers.InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                              video_processor=InternVLVideoProcessor(size=tile),
+                                              image_seq_length=(INTERNVL_TILE // 14 // 2) ** 2,
+                                              chat_template=INTERNVL_CHAT_TEMPLATE)
 
     if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
         from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
@@ -165,6 +220,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
     dims = SIZES[size]
     if family in GLM_FAMILIES:
         return _glm_config(family, tokenizer, dims)
+    if family == "internvl":
+        return _internvl_config(tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -250,6 +307,26 @@ def _glm_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
     return transformers.Glm4vConfig(text_config=text, vision_config=vision, **special)
 
 
+def _internvl_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """InternVL3: InternViT on :data:`INTERNVL_TILE`-pixel tiles (14-pixel patches, a CLS token dropped by the
+    "default" feature strategy, pixel shuffle 0.5) and a Qwen2 language model with plain 1-D rotary positions (the
+    size's text dimensions; InternVL3.5 has a Qwen3 language model instead)."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in INTERNVL_SPECIAL_TOKENS}
+    text = dict(
+        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=dims["hidden"],
+        intermediate_size=dims["intermediate"], num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"], max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(hidden_size=dims["vision"], num_hidden_layers=dims["depth"], num_attention_heads=4,
+                  intermediate_size=2 * dims["vision"], image_size=INTERNVL_TILE, patch_size=14)
+    return transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
+                                       image_seq_length=(INTERNVL_TILE // 14 // 2) ** 2, downsample_ratio=0.5,
+                                       tie_word_embeddings=True)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -270,7 +347,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     glm = family in GLM_FAMILIES
-    tokenizer = build_glm_tokenizer() if glm else build_tokenizer()
+    tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family == "internvl"
+                 else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -281,7 +359,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                                              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                                              "glm4v": "Glm4vForConditionalGeneration",
-                                             "glm4v_moe": "Glm4vMoeForConditionalGeneration"}[family])
+                                             "glm4v_moe": "Glm4vMoeForConditionalGeneration",
+                                             "internvl": "InternVLForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)

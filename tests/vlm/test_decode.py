@@ -1,5 +1,6 @@
 """The plugin's own decode loop (``plugin.decoder: mmrl``, mmrl.plugins.vlm.decode) against transformers' ``generate``
-(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V/4.5V builds (and MoE) with LoRA:
+(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V (and MoE) and InternVL builds with
+LoRA:
 the same tokens greedy and sampled (the same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that
 end early padded after their EOS, ``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it
 samples from against hand-computed values and against the teacher-forced log-probs (an independent check of the
@@ -25,7 +26,8 @@ from mmrl.plugins.vlm.decode import SamplingSettings, next_token_scores
 from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
-ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe")
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
+                "internvl")
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 
@@ -67,8 +69,15 @@ def _prompts(plugin):
     rows = plugin.dataset("train")[:3]
     model = plugin.model if plugin.cache_features else None
     prompts = plugin.encode_rows([rows[g] for g in GROUPS.tolist()], GROUPS, model=model)
-    assert len({tuple(p["image_grid_thw"].flatten().tolist()) for p in prompts}) > 1  # mixed image sizes
+    assert len({_image_layout(p) for p in prompts}) > 1  # mixed image sizes (InternVL: tile counts)
     return prompts
+
+
+def _image_layout(prompt):
+    """What tells a prompt's image sizes apart: its grids, or (InternVL, no grids) its tiles' or features' shape."""
+    if "image_grid_thw" in prompt:
+        return tuple(prompt["image_grid_thw"].flatten().tolist())
+    return tuple(prompt.get("image_embeds", prompt.get("pixel_values")).shape)
 
 
 def _generate(plugin, prompts, config, decoder, share, seed):

@@ -105,6 +105,14 @@ class VLMAdapter:
     #: Whether one forward may hold images and videos (several prompts, or one prompt with both); the plugin refuses
     #: a dataset split that mixes image and video rows for a family that cannot (GLM-4.1V/4.5V).
     batches_images_with_videos: ClassVar[bool] = True
+    #: Whether the family takes videos. A family that cannot (InternVL, whose processor writes a video as frames of
+    #: image tokens the plugin's video bookkeeping does not describe) is refused a dataset with video rows when the
+    #: plugin starts, and its :meth:`encode` refuses videos.
+    supports_videos: ClassVar[bool] = True
+    #: Whether the language model's rotary positions are M-RoPE (``[3, n, L]`` position ids from the model's own
+    #: ``get_rope_index``, which the model also computes itself when none are passed) or plain 1-D text positions
+    #: (``[n, L]``, InternVL's Qwen2/Qwen3 language model), which a left-padded call must be given explicitly.
+    mrope: ClassVar[bool] = True
     #: Whether the language model has routed mixture-of-experts layers whose forward can return the router
     #: load-balancing loss (``output_router_logits=True`` → ``output.aux_loss``; plugin.router_aux_loss_coef).
     moe: ClassVar[bool] = False
@@ -532,7 +540,10 @@ class VLMAdapter:
         unique_inputs, _ = self.collate(unique, device=inputs["input_ids"].device)
         per_token = ("input_ids", "attention_mask", "mm_token_type_ids")
         prefix = {key: value[:, :-1] if key in per_token else value for key, value in unique_inputs.items()}
-        output = model(**prefix, use_cache=True, logits_to_keep=1)  # only the cache is used: no [u, P, V] logits
+        # M-RoPE families compute their positions (and rope_deltas, which generate continues) from the inputs;
+        # plain-RoPE families get them from the padding mask, as generate computes them for the rest.
+        prefill_positions = {} if self.mrope else {"position_ids": self.rope_positions(model, prefix)}  # [u, P - 1]
+        output = model(**prefix, **prefill_positions, use_cache=True, logits_to_keep=1)  # only the cache is used
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         index = torch.tensor([positions[id(p)] for p in prompts], device=inputs["input_ids"].device)  # [n]
         select_cache_rows(cache, index)
@@ -577,7 +588,7 @@ class VLMAdapter:
         """
         if num_completion < 1:
             raise ValueError("completion_logits needs at least one completion token")
-        output = model(**inputs, logits_to_keep=num_completion + 1, use_cache=False)
+        output = model(**self._positioned(inputs), logits_to_keep=num_completion + 1, use_cache=False)
         logits = output.logits  # [n, C + 1, V]
         if logits.shape[1] != num_completion + 1:  # a model that ignores logits_to_keep returns every position
             logits = logits[:, -(num_completion + 1):]
@@ -594,21 +605,32 @@ class VLMAdapter:
         if num_completion < 1:
             raise ValueError("completion_hidden needs at least one completion token")
         with identity_head(model) as head:
-            output = model(**inputs, logits_to_keep=num_completion + 1, use_cache=False)
+            output = model(**self._positioned(inputs), logits_to_keep=num_completion + 1, use_cache=False)
         hidden = output.logits  # [n, C + 1, H]: the identity head returned the hidden states
         if hidden.shape[1] != num_completion + 1:
             hidden = hidden[:, -(num_completion + 1):]
         check_head(head, hidden.shape[-1])
         return hidden[:, :-1], head
 
+    def _positioned(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``inputs`` for a teacher-forced call: a plain-RoPE family (:attr:`mrope` false) gets explicit position ids
+        from the padding mask, which its language model would otherwise number from the first (padding) column, so
+        that each left-padded row sees the positions it has alone; M-RoPE families compute theirs from the inputs."""
+        if self.mrope or "position_ids" in inputs:
+            return inputs
+        return {**inputs, "position_ids": text_positions(inputs["attention_mask"])}  # [n, P + C]
+
     def rope_positions(self, model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
         """The M-RoPE position ids ``[3, n, L]`` the model would compute itself for collated ``inputs`` (prompts
-        without completions), so that a caller can pass them explicitly and continue them past the prompt."""
+        without completions), so that a caller can pass them explicitly and continue them past the prompt. A family
+        with plain rotary positions (:attr:`mrope` false) returns ``[n, L]`` instead (see
+        :func:`text_positions`)."""
         attention = inputs["attention_mask"]  # [n, L]
+        if not self.mrope:
+            return text_positions(attention)  # [n, L]
         if "image_grid_thw" not in inputs and "video_grid_thw" not in inputs:
             # text only: the three components are the plain text positions
-            positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)  # [n, L]
-            return positions.unsqueeze(0).expand(3, -1, -1)
+            return text_positions(attention).unsqueeze(0).expand(3, -1, -1)
         backbone = _base_model(model).model
         extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}
         positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
@@ -617,10 +639,20 @@ class VLMAdapter:
                                               **extra)
         return positions
 
+    def image_token_count(self, prompt: PromptInputs) -> float:
+        """How many image tokens ``prompt`` holds (the ``image_tokens`` rollout metric): its grids' patches over the
+        spatial merge."""
+        return float(prompt["image_grid_thw"].prod(-1).sum()) / self.merge_size ** 2
+
     # ------------------------------------------------------------------ modules
     def vision_tower(self, model: nn.Module) -> nn.Module:
         """The vision encoder of ``model`` (a transformers model, possibly inside a peft wrapper)."""
         return find_submodule(_base_model(model), self.vision_attributes, what=f"{self.name} vision tower")
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules ``freeze_vision`` freezes under full fine-tuning: the vision tower, whose output (Qwen-VL: the
+        merger's) is what the feature cache keeps. A family whose projector sits outside the tower adds it."""
+        return [self.vision_tower(model)]
 
     def suppressed_token_ids(self) -> list[int]:
         """Token ids a completion must never contain: the image/video placeholders and vision delimiters. A sampled
@@ -673,6 +705,13 @@ def split_images(pixel_values: Tensor, image_grid_thw: Tensor, images_per_sample
         image += count
         row += rows
     return result
+
+
+def text_positions(attention_mask: Tensor) -> Tensor:
+    """Plain rotary position ids ``[n, L]`` of left-padded rows: each row's real tokens at 0, 1, 2, ..., its padding
+    at 0 — what transformers' ``generate`` computes from the mask (``_prepare_position_ids_for_generation``, 5.25),
+    and what a row gets alone without padding, so a batched pass sees each row at its own positions."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 
 def find_submodule(module: nn.Module, paths: Sequence[str], *, what: str) -> nn.Module:
@@ -817,4 +856,4 @@ def _to_rgb(image: Any) -> Any:
 
 
 __all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "select_cache_rows",
-           "split_images"]
+           "split_images", "text_positions"]

@@ -1,0 +1,255 @@
+"""InternVL (InternVL3, InternVL3.5 and the other "-hf" checkpoints) through transformers'
+``InternVLForConditionalGeneration``: a ViT on fixed-size tiles, pixel shuffle and an MLP projector in front of a
+Qwen2/Qwen3 language model with plain 1-D rotary positions.
+
+Registered when the installed transformers has ``transformers.models.internvl``. What differs from the Qwen-VL
+conventions of the base class, against transformers 5.25's ``models/internvl/modeling_internvl.py`` and
+``processing_internvl.py`` and the image processor they use (``models/got_ocr2/image_processing_got_ocr2.py``):
+
+- **Images are tiles.** The processor resizes each image to the grid of ``S × S`` tiles (``S`` = the image
+  processor's ``size``, 448 in the released checkpoints) whose aspect ratio is closest to the image's, among grids of
+  ``min_patches`` to ``max_patches`` tiles (``get_optimal_tiled_canvas``), cuts it into those tiles and, when there
+  is more than one, appends a thumbnail of the whole image (``crop_image_to_patches``). ``pixel_values`` is
+  ``[tiles, 3, S, S]`` for the whole batch, images in text order; there is no ``image_grid_thw``. An image becomes
+  ``<img>`` + ``image_seq_length`` ``<IMG_CONTEXT>`` tokens per tile + ``</img>`` (``replace_image_token``), and the
+  model fills the ``<IMG_CONTEXT>`` tokens with the tiles' features in order (``get_placeholder_mask``). A prompt's
+  tiles are therefore the next ``<IMG_CONTEXT>`` count / ``image_seq_length`` tiles of the batch (:meth:`encode`).
+- **Pixel bounds become tile bounds.** ``plugin.min_pixels`` / ``max_pixels`` bound the tiled canvas's area, so the
+  adapter sets ``min_patches = ⌈min_pixels / S²⌉`` and ``max_patches = ⌊max_pixels / S²⌋`` (at least one tile;
+  the thumbnail comes on top). :meth:`resized_size` is the canvas, ``(columns·S, rows·S)``. Images reach the
+  processor unresized (its tiling reads their own aspect ratio).
+- **Plain rotary positions.** The language model numbers positions 0, 1, 2, ... from the first column when none are
+  given, so left-padded rows would start past their padding; the adapter passes ``attention_mask.cumsum − 1`` (what
+  ``generate`` computes) to every call (:attr:`~VLMAdapter.mrope` false), so a batched row sees the positions it has
+  alone.
+- **The feature cache** keeps ``get_image_features``'s output (vision tower, pixel shuffle and projector:
+  ``[tiles, image_seq_length, hidden]`` per batch, kept per prompt as ``[tiles·image_seq_length, hidden]``), which
+  the model takes back through ``mm_encoder_outputs["image"].pooler_output``. Because the projector is part of what
+  is cached, ``freeze_vision`` freezes it with the tower (:meth:`vision_modules`) and excludes both from LoRA.
+- **No videos.** InternVL's processor writes a video as ``Frame k: <img>…</img>`` lines of image tokens with its
+  frames among the image tiles; the plugin's video bookkeeping (``video_grid_thw``, frame rates, T-GRPO) does not
+  describe that, so this family takes image rows only (:attr:`~VLMAdapter.supports_videos` false).
+- **Boxes** are ``<ref>label</ref><box>[[x1, y1, x2, y2]]</box>`` on a 0–1000 grid of the image: InternVL's own
+  RefCOCO evaluation reads the first ``[[x1,y1,x2,y2]]`` of the answer, divides by 1000 and multiplies by the image's
+  width and height (OpenGVLab/InternVL@0355722 ``internvl_chat/eval/refcoco/evaluate_grounding.py``; the chat data
+  format of internvl.readthedocs.io, "Grounding Detection Data"). That is the ``qwen2_vl`` convention of
+  :mod:`mmrl.rewards.boxes` (x_abs = x / 1000 · W); its parser reads the list inside ``<box>[[…]]</box>`` as a plain
+  list, several boxes included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, _local_path, _to_rgb, find_submodule
+
+
+class InternVLAdapter(VLMAdapter):
+    """InternVL3 / InternVL3.5 (``-hf`` checkpoints, ``model_type: internvl``) through
+    ``transformers.InternVLForConditionalGeneration`` (see the module docstring)."""
+
+    name = "internvl"
+    model_types = ("internvl",)
+    model_class = "InternVLForConditionalGeneration"
+    box_convention = "qwen2_vl"
+    vision_attributes: ClassVar[tuple[str, ...]] = ("model.vision_tower",)
+    projector_attributes: ClassVar[tuple[str, ...]] = ("model.multi_modal_projector",)
+    # The ViT's attention names its projections q_proj/k_proj/v_proj like the language model's: the pattern keeps
+    # LoRA off the tower and the projector (linear_1/linear_2).
+    vision_module_pattern: ClassVar[str] = r".*(^|\.)(vision_tower|multi_modal_projector)(\.|$).*"
+    vision_tokens: ClassVar[tuple[str, ...]] = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+    supports_videos = False
+    mrope = False
+
+    def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
+                 video_max_pixels: int | None = None, video_total_pixels: float | None = None):
+        super().__init__(model, min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
+                         video_max_pixels=video_max_pixels, video_total_pixels=video_total_pixels)
+        self.image_seq_length = int(self.processor.image_seq_length)
+        self.image_token_id = int(self.processor.image_token_id)
+
+    # ------------------------------------------------------------------ loading and sizes
+    def load_processor(self) -> Any:
+        """``AutoProcessor.from_pretrained`` with the tile bounds set from [min_pixels, max_pixels] (module
+        docstring)."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(self.model_path)
+        image_processor = processor.image_processor
+        tile = self._tile_size(image_processor)
+        area = tile[0] * tile[1]
+        image_processor.max_patches = max(1, self.max_pixels // area)
+        image_processor.min_patches = min(image_processor.max_patches, max(1, math.ceil(self.min_pixels / area)))
+        return processor
+
+    @staticmethod
+    def _tile_size(image_processor: Any) -> tuple[int, int]:
+        """``(height, width)`` of one tile: the image processor's ``size`` (a ``SizeDict`` or a dict)."""
+        size = image_processor.size
+        height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+        width = size.get("width") if isinstance(size, dict) else getattr(size, "width", None)
+        if not height or not width:
+            raise ValueError(f"internvl: the image processor's size {size!r} has no tile height and width")
+        return int(height), int(width)
+
+    def tile_grid(self, image_size: Sequence[float]) -> tuple[int, int]:
+        """``(columns, rows)`` of tiles the processor cuts an image of ``image_size`` ``(width, height)`` into
+        (transformers' ``get_optimal_tiled_canvas`` within the adapter's tile bounds; a thumbnail is added when
+        there is more than one tile)."""
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+        from mmrl.rewards.boxes import checked_size
+
+        width, height = checked_size(image_size, "image_size")
+        image_processor = self.processor.image_processor
+        columns, rows = get_optimal_tiled_canvas((int(height), int(width)), self._tile_size(image_processor),
+                                                 int(image_processor.min_patches), int(image_processor.max_patches))
+        return int(columns), int(rows)
+
+    def tiles_per_image(self, image_size: Sequence[float]) -> int:
+        """How many tiles (the thumbnail included) the processor makes of an image of ``image_size``."""
+        columns, rows = self.tile_grid(image_size)
+        return columns * rows + (1 if columns * rows > 1 else 0)
+
+    def resized_size(self, image_size: Sequence[float]) -> tuple[int, int]:
+        """``(width, height)`` of the tiled canvas the processor resizes an image of ``image_size`` to before cutting
+        it into tiles: ``(columns·S, rows·S)``."""
+        columns, rows = self.tile_grid(image_size)
+        tile_height, tile_width = self._tile_size(self.processor.image_processor)
+        return columns * tile_width, rows * tile_height
+
+    def load_images(self, images: Sequence[Any], *, use_qwen_vl_utils: bool | None = None) -> list[Any]:
+        """Open the images of one prompt as RGB, unresized: InternVL's processor tiles them from their own size.
+
+        Raises:
+            ValueError: ``use_qwen_vl_utils=True`` (a Qwen helper; InternVL does not use it).
+        """
+        if use_qwen_vl_utils:
+            raise ValueError("InternVL images are tiled by InternVL's processor, not resized by qwen-vl-utils")
+        from PIL import Image
+
+        return [_to_rgb(image if isinstance(image, Image.Image) else Image.open(_local_path(image)))
+                for image in images]
+
+    def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """Refuse videos (module docstring); an empty list passes."""
+        self._refuse_videos(bool(videos))
+        return []
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
+               videos: Sequence[Sequence[Sequence[Any]]] | None = None,
+               video_fps: Sequence[Sequence[float]] | None = None, *, video_entries: bool = False
+               ) -> list[PromptInputs]:
+        """Run the processor once on a batch of prompts and give each prompt its own tiles.
+
+        The batch's ``pixel_values`` hold every image's tiles in text order (the processor concatenates them in the
+        order its image placeholders appear in the texts), and the model fills the ``<IMG_CONTEXT>`` tokens with the
+        tiles' features in the same order, ``image_seq_length`` per tile. Prompt i's tiles are thus the next
+        (its ``<IMG_CONTEXT>`` count) / ``image_seq_length`` tiles, however many the dynamic tiling gave each of its
+        images.
+
+        Returns:
+            Per prompt ``{"input_ids": [P_i], "pixel_values": [tiles_i, 3, S, S]}`` (no padding).
+
+        Raises:
+            ValueError: videos, or a processor output whose image tokens do not account for its tiles.
+        """
+        if len(texts) != len(images):
+            raise ValueError(f"encode: {len(texts)} texts but {len(images)} image lists")
+        self._refuse_videos(video_entries or any(group for group in videos or []))
+        flat = [image for group in images for image in group]
+        batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
+                               return_tensors="pt")
+        attention = batch["attention_mask"].bool()  # [B, P]
+        tile_height, tile_width = self._tile_size(self.processor.image_processor)
+        pixels = batch["pixel_values"] if flat else torch.zeros(0, 3, tile_height, tile_width)  # [Σ tiles, 3, S, S]
+        prompts: list[PromptInputs] = []
+        start = 0
+        for i in range(len(texts)):
+            ids = batch["input_ids"][i][attention[i]]  # [P_i]
+            tokens = int((ids == self.image_token_id).sum())
+            tiles, rest = divmod(tokens, self.image_seq_length)
+            if rest:
+                raise ValueError(f"internvl: prompt {i} holds {tokens} image tokens, not a multiple of "
+                                 f"image_seq_length {self.image_seq_length}")
+            prompts.append({"input_ids": ids, "pixel_values": pixels[start:start + tiles]})
+            start += tiles
+        if start != pixels.shape[0]:
+            raise ValueError(f"internvl: the prompts' image tokens describe {start} tiles, the processor made "
+                             f"{pixels.shape[0]}")
+        return prompts
+
+    def image_features(self, model: nn.Module, prompts: Sequence[PromptInputs]) -> list[PromptInputs]:
+        """The prompts with ``pixel_values`` replaced by ``image_embeds`` ``[tiles_i·image_seq_length, hidden]``:
+        ``get_image_features`` (vision tower, pixel shuffle, projector) on all prompts' tiles in one call, no
+        gradients; valid for every pass of a step while the tower and projector are frozen."""
+        result = [dict(prompt) for prompt in prompts]
+        hf_model = _base_model(model)
+        device = next(hf_model.parameters()).device
+        holding = [p["pixel_values"] for p in prompts if p["pixel_values"].numel()]
+        features = None
+        if holding:
+            with torch.no_grad():
+                output = hf_model.get_image_features(pixel_values=torch.cat(holding).to(device), return_dict=True)
+            features = output.pooler_output  # [Σ tiles, image_seq_length, hidden]
+        start = 0
+        for updated in result:
+            tiles = int(updated.pop("pixel_values").shape[0])
+            if tiles and features is not None:
+                updated["image_embeds"] = features[start:start + tiles].flatten(0, 1)  # [tiles·seq, hidden]
+            else:
+                updated["image_embeds"] = torch.zeros(0, 0)
+            start += tiles
+        return result
+
+    # ------------------------------------------------------------------ batching
+    def collate(self, prompts: Sequence[PromptInputs], completions: Sequence[Tensor] | None = None,
+                device: torch.device | str | None = None) -> tuple[dict[str, Tensor], int]:
+        """The base class's token collation (prompts left-padded, completions right-padded) with the samples' tiles
+        concatenated in sample order, ``pixel_values [Σ tiles, 3, S, S]`` — the order in which the model assigns
+        tile features to image tokens — or, for prompts carrying cached features, ``mm_encoder_outputs`` whose
+        ``"image"`` entry's ``pooler_output`` is ``[Σ image tokens, hidden]`` (the model scatters it into the image
+        tokens as it scatters its own ``[tiles, image_seq_length, hidden]``)."""
+        inputs, width = super().collate(prompts, completions, device)
+        device = inputs["input_ids"].device
+        cached = [p for p in prompts if "image_embeds" in p]
+        if cached and len(cached) != len(prompts):
+            raise ValueError("internvl: a batch mixes prompts with cached image features and prompts with pixels; "
+                             "encode every prompt of a pass the same way")
+        if cached:
+            embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
+            if embeds:
+                from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+                pooled = torch.cat(embeds)  # [Σ image tokens, hidden]
+                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=pooled)}
+            return inputs, width
+        tiles = [p["pixel_values"].to(device) for p in prompts if p["pixel_values"].numel()]
+        if tiles:
+            inputs["pixel_values"] = torch.cat(tiles)  # [Σ tiles, 3, S, S]
+        return inputs, width
+
+    def image_token_count(self, prompt: PromptInputs) -> float:
+        """The prompt's ``<IMG_CONTEXT>`` tokens (tiles × ``image_seq_length``)."""
+        return float((prompt["input_ids"] == self.image_token_id).sum())
+
+    # ------------------------------------------------------------------ modules
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The vision tower and the projector (pixel shuffle has no weights): together they make the features the
+        cache keeps."""
+        projector = find_submodule(_base_model(model), self.projector_attributes, what="internvl projector")
+        return [self.vision_tower(model), projector]
+
+    def _refuse_videos(self, has_videos: bool) -> None:
+        if has_videos:
+            raise ValueError("internvl: videos are not supported for this family (its processor writes frames as "
+                             "image tiles the plugin does not track); give image rows only")
+
+
+__all__ = ["InternVLAdapter"]
