@@ -26,7 +26,9 @@ as written by Qwen2.5-VL and Visual-RFT, arXiv:2503.01785), plain lists ``[x1, y
 corner pairs ``(x1, y1), (x2, y2)``, and Qwen2-VL box tokens
 ``<|object_ref_start|>label<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`` (the format Perception-R1,
 arXiv:2504.07954, trains), and GLM-4.1V/4.5V box tokens ``<|begin_of_box|>[[x1,y1,x2,y2]]<|end_of_box|>`` (any bracket
-style, one or several boxes). Integers and floats (including exponents) are accepted.
+style, one or several boxes), and InternVL's ``<ref>label</ref><box>[[x1, y1, x2, y2]]</box>`` (one box or several in
+one ``<box>``, each taking the ``<ref>`` label; OpenGVLab/InternVL@0355722 ``internvl_chat/eval/refcoco/
+evaluate_grounding.py`` reads the list inside ``<box>``). Integers and floats (including exponents) are accepted.
 """
 
 from __future__ import annotations
@@ -347,6 +349,8 @@ _BOX_TOKENS = re.compile(
 # GLM-4.1V / GLM-4.5V mark an answer's boxes with <|begin_of_box|> … <|end_of_box|>, in any bracket style ([], [[]],
 # (), <>), one box or several ([[x1,y1,x2,y2], [x1,y1,x2,y2]]): zai-org/GLM-V@8fc9756 README "Grounding".
 _GLM_BOX_TOKENS = re.compile(r"<\|begin_of_box\|>(?P<body>[^|]{0,2000})<\|end_of_box\|>")
+# InternVL: an optional <ref>label</ref> and one or several boxes between <box> and </box>.
+_INTERNVL_BOX_TOKENS = re.compile(r"(?:<ref>(?P<label>[^<]{0,200})</ref>\s*)?<box>(?P<body>[^<]{0,2000})</box>")
 _OBJECT = re.compile(r"\{[^{}]{0,2000}\}")
 _KEYED_LIST4 = re.compile(
     rf"""["']?(?:bbox_2d|bbox|box|bounding_box|position)["']?{_WS}:{_WS}{_LIST4.pattern}""", re.IGNORECASE
@@ -396,7 +400,13 @@ def _raw_detections(text: str) -> list[tuple[int, list[float], str | None, float
         numbers = _NUMBER.findall(match.group("body"))
         if numbers and len(numbers) % 4 == 0:  # one box or several, four numbers each
             found.extend((match.start(), _numbers(numbers[i:i + 4]), None, None) for i in range(0, len(numbers), 4))
-    taken = sorted([match.span() for match in tokens] + [match.span() for match in glm_tokens])
+    internvl_tokens = list(_INTERNVL_BOX_TOKENS.finditer(text))
+    for match in internvl_tokens:
+        numbers = _NUMBER.findall(match.group("body"))
+        if numbers and len(numbers) % 4 == 0:  # every box of a <box> takes its <ref> label
+            label = (match.group("label") or "").strip() or None
+            found.extend((match.start(), _numbers(numbers[i:i + 4]), label, None) for i in range(0, len(numbers), 4))
+    taken = sorted([match.span() for match in (*tokens, *glm_tokens, *internvl_tokens)])
 
     objects = list(_OBJECT.finditer(text))
     used = []

@@ -256,6 +256,18 @@ def test_glm_box_tokens_hand_computed():
     assert parse_boxes("<|begin_of_box|>42<|end_of_box|>", "glm4v", ORIGINAL) == []  # GLM boxes answers too
 
 
+def test_internvl_box_tokens_hand_computed():
+    """InternVL: <ref>label</ref><box>[[x1, y1, x2, y2], ...]</box> on the 0–1000 grid (InternVL's RefCOCO evaluation);
+    every box of a <box> takes its label; x = 100/1000 · 640 = 64, y = 50/1000 · 480 = 24."""
+    text = "<answer><ref>the dog</ref><box>[[100, 50, 300, 150]]</box> and <ref>cats</ref><box>[[500,500,1000,1000]," \
+           " [0, 0, 100, 100]]</box></answer>"
+    found = [(d.box, d.label) for d in parse_detections(text, "qwen2_vl", ORIGINAL)]
+    assert found == [((64, 24, 192, 72), "the dog"), ((320, 240, 640, 480), "cats"), ((0, 0, 64, 48), "cats")]
+    assert parse_boxes("<box>[[100,50,300,150]]</box>", "qwen2_vl", ORIGINAL) == [[64, 24, 192, 72]]  # no <ref>
+    assert parse_detections("<ref> </ref><box>[[100,50,300,150]]</box>", "qwen2_vl", ORIGINAL)[0].label is None
+    assert parse_boxes("<box>[100,50,300]</box>", "qwen2_vl", ORIGINAL) == []  # not 4k numbers
+
+
 def test_parse_prefers_answer_block():
     text = "<think>maybe [0, 0, 5, 5]?</think><answer>[10, 10, 20, 20]</answer>"
     assert parse_boxes(text, "absolute", (100, 100)) == [[10, 10, 20, 20]]
