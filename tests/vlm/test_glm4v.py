@@ -60,7 +60,7 @@ def test_resized_size_is_the_processors(glm_models):
     for bad in ((0, 10), (float("nan"), 10), (-5, 10), (10,)):
         with pytest.raises(ValueError, match="image_size must be \\(width, height\\) with two positive numbers"):
             adapter.resized_size(bad)
-    with pytest.raises(ValueError, match="not qwen-vl-utils"):
+    with pytest.raises(ValueError, match="resized by GLM.s processor, not by qwen-vl-utils"):
         adapter.load_images([random_image(63, 67, 0)], use_qwen_vl_utils=True)
 
 

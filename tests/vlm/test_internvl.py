@@ -75,7 +75,7 @@ def test_tile_counts_are_the_processors_and_follow_the_pixel_bounds(internvl_mod
     assert one.tiles_per_image((300, 40)) == 1 and one.resized_size((300, 40)) == (56, 56)
     wide = InternVLAdapter(str(internvl_model), min_pixels=2 * 56 * 56, max_pixels=6 * 56 * 56 + 55)
     assert (wide.processor.image_processor.min_patches, wide.processor.image_processor.max_patches) == (2, 6)
-    with pytest.raises(ValueError, match="not resized by qwen-vl-utils"):
+    with pytest.raises(ValueError, match="tiled by InternVL.s processor, not by qwen-vl-utils"):
         adapter.load_images([random_image(60, 60, 0)], use_qwen_vl_utils=True)
     assert adapter.load_images([random_image(63, 67, 0)])[0].size == (63, 67)  # unresized: the processor tiles
 

@@ -714,6 +714,16 @@ def text_positions(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 
+def open_unresized(images: Sequence[Any], *, use_qwen_vl_utils: bool | None, resized_by: str) -> list[Any]:
+    """Open the images of one prompt as RGB at their own size, for a family whose processor resizes them itself
+    (GLM-4.1V's, InternVL's tiling); ``resized_by`` says which, in the refusal of ``use_qwen_vl_utils=True``."""
+    if use_qwen_vl_utils:
+        raise ValueError(f"{resized_by}, not by qwen-vl-utils")
+    from PIL import Image
+
+    return [_to_rgb(image if isinstance(image, Image.Image) else Image.open(_local_path(image))) for image in images]
+
+
 def find_submodule(module: nn.Module, paths: Sequence[str], *, what: str) -> nn.Module:
     """The first ``module.<path>`` of ``paths`` that exists and is a module; a clear error otherwise."""
     for path in paths:
@@ -855,5 +865,5 @@ def _to_rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "select_cache_rows",
-           "split_images", "text_positions"]
+__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "open_unresized",
+           "select_cache_rows", "split_images", "text_positions"]

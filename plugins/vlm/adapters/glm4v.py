@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _local_path, _to_rgb
+from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, open_unresized
 
 GLM_VIDEO_MAX_PIXELS = 28 * 28 * 2 * 30000
 """GLM's video processor's default upper bound on ``frames·height·width`` (``Glm4vVideoProcessor.size``)."""
@@ -138,12 +138,8 @@ class Glm4vAdapter(VLMAdapter):
         Raises:
             ValueError: ``use_qwen_vl_utils=True`` (a Qwen helper; GLM does not use it).
         """
-        if use_qwen_vl_utils:
-            raise ValueError("GLM-4.1V/4.5V images are resized by GLM's processor, not qwen-vl-utils")
-        from PIL import Image
-
-        return [_to_rgb(image if isinstance(image, Image.Image) else Image.open(_local_path(image)))
-                for image in images]
+        return open_unresized(images, use_qwen_vl_utils=use_qwen_vl_utils,
+                              resized_by="GLM-4.1V/4.5V images are resized by GLM's processor")
 
     def video_frame_size(self, frame_size: Sequence[float], num_frames: int) -> tuple[int, int]:
         """``(width, height)`` every frame of a ``num_frames``-frame clip of ``frame_size`` is resized to (the base

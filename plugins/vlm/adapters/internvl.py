@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, _local_path, _to_rgb, find_submodule
+from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, find_submodule, open_unresized
 
 
 class InternVLAdapter(VLMAdapter):
@@ -129,12 +129,8 @@ class InternVLAdapter(VLMAdapter):
         Raises:
             ValueError: ``use_qwen_vl_utils=True`` (a Qwen helper; InternVL does not use it).
         """
-        if use_qwen_vl_utils:
-            raise ValueError("InternVL images are tiled by InternVL's processor, not resized by qwen-vl-utils")
-        from PIL import Image
-
-        return [_to_rgb(image if isinstance(image, Image.Image) else Image.open(_local_path(image)))
-                for image in images]
+        return open_unresized(images, use_qwen_vl_utils=use_qwen_vl_utils,
+                              resized_by="InternVL images are tiled by InternVL's processor")
 
     def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """Refuse videos (module docstring); an empty list passes."""
