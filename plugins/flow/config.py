@@ -36,8 +36,9 @@ class FlowPluginConfig:
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
-        "'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or another registered "
-        "one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
+        "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or "
+        "another registered one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name "
+        "only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -70,10 +71,11 @@ class FlowPluginConfig:
         ref="Flow-Factory examples: train at 384 px, evaluate at 512 or 1024 (eval.resolution)",
     )
     condition_size: list[int] | None = config_field(
-        None, help="[height, width] in pixels that image-editing adapters (flux_kontext, qwen_image_edit, flux2_edit, "
-        "flux2_klein_edit) bring every input image to, the same multiple as height; with buckets, the input images' "
-        "area (each at its bucket's aspect ratio). Null: the generated size. The pipelines size input images on "
-        "their own (Qwen-Image-Edit: about 1024x1024 whatever the output).",
+        None, help="[height, width] in pixels that image-editing adapters (flux_kontext, qwen_image_edit, "
+        "qwen_image21_edit, flux2_edit, flux2_klein_edit) bring every input image to, the same multiple as height; "
+        "with buckets, the input images' area (each at its bucket's aspect ratio). Null: the generated size. The "
+        "pipelines size input images on their own (Qwen-Image-Edit: about 1024x1024 whatever the output; "
+        "Qwen-Image 2.1: output_resolution² at each input's aspect ratio).",
         ref="Flow-Factory condition_image_size; QwenImageEditPlusPipeline VAE_IMAGE_SIZE = 1024*1024",
     )
     eval_condition_size: list[int] | None = config_field(
@@ -469,7 +471,7 @@ def _with_image_paths(row: dict[str, Any], number: int, source: Path, adapter: s
     if max_images is not None and len(names) > max_images:
         raise ValueError(f"{source} row {number} names {len(names)} input images; the {adapter} adapter takes "
                          f"{'one' if max_images == 1 else f'at most {max_images}'} per row (several: qwen_image_edit "
-                         "with a QwenImageEditPlusPipeline, flux2_edit, flux2_klein_edit)")
+                         "with a QwenImageEditPlusPipeline, qwen_image21_edit, flux2_edit, flux2_klein_edit)")
     last = row.get("last_image")
     if last is not None and not last_image:
         raise ValueError(f"{source} row {number} names a 'last_image' (a video's last frame), which the {adapter} "

@@ -84,7 +84,7 @@ def _check_sizes(config: FlowPluginConfig, adapter: Any) -> None:
         if size is not None and not adapter.condition_size_free:
             raise ConfigError(f"plugin.{key}", size, f"null: the {adapter.name} adapter's input images are brought "
                               "to the generated size (condition_size is for the image-editing adapters "
-                              "flux_kontext, qwen_image_edit, flux2_edit, flux2_klein_edit)")
+                              "flux_kontext, qwen_image_edit, qwen_image21_edit, flux2_edit, flux2_klein_edit)")
         if size is not None and any(side % multiple for side in size):
             raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {why}")
 

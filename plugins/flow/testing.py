@@ -324,11 +324,13 @@ def build_qwen_image_edit_plus_pipeline(seed: int = 0, size: str = "tiny") -> An
 def build_qwen_image21_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     """A ``QwenImage21Pipeline`` (Qwen-Image 2.1) with random weights: a two-layer Qwen3-VL text encoder with a vision
     tower and a ``Qwen3VLProcessor`` (the tiny ones of the VLM tests: 16-pixel patches merged 2×2, so one image slot
-    covers 32 px, the 2×2 latent tokens the transformer gives a slot), the processor's Qwen chat template, whose
-    system turn sets the pipeline's ``_drop_idx``; a two-block single-stream transformer (block-causal attention,
-    ``causal_condition``, RoPE axes 2/2/4); the 4-channel (RGBA) 3-D VAE with four spatial downsamplings, the
-    pipeline's fixed factor 16 (32 px images have 2×2 latents), random per-channel ``latents_mean``/``latents_std``;
-    and Qwen-Image's dynamically shifted scheduler. ``sample_sigmas`` is left unset (the pipeline's linspace grid)."""
+    covers 32 px, the 2×2 latent tokens the transformer gives a slot; images of 32² to 128² pixels, a multiple of 32
+    each side, keep their size, so ``image=`` inputs of that size fill as many slots as the pipeline's VAE gives
+    their latents 2×2 groups), the processor's Qwen chat template, whose system turn sets the pipeline's
+    ``_drop_idx``; a two-block single-stream transformer (block-causal attention, ``causal_condition``, RoPE axes
+    2/2/4); the 4-channel (RGBA) 3-D VAE with four spatial downsamplings, the pipeline's fixed factor 16 (32 px images
+    have 2×2 latents), random per-channel ``latents_mean``/``latents_std``; and Qwen-Image's dynamically shifted
+    scheduler. ``sample_sigmas`` is left unset (the pipeline's linspace grid)."""
     from diffusers import (
         AutoencoderKLQwenImage21,
         FlowMatchEulerDiscreteScheduler,
@@ -344,7 +346,9 @@ def build_qwen_image21_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tokenizer = build_tokenizer()
-        processor = build_processor("qwen3_vl", tokenizer, min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32)
+        # images of 32² to 128² pixels keep their size (one to 16 slots): the editing tests' inputs, as small as a
+        # 32 px output (the pipeline's slots must match the VAE's 2×2 latent tokens, or its transformer refuses)
+        processor = build_processor("qwen3_vl", tokenizer, min_pixels=32 * 32, max_pixels=16 * 32 * 32)
         text_encoder = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl", tokenizer))
         text_width, latent_channels = text_encoder.config.text_config.hidden_size, 8
         transformer = QwenImage21Transformer2DModel(

@@ -132,7 +132,7 @@ def test_rows_without_an_image_are_refused_in_one_line(make_plugin, edits, tmp_p
         (tmp_path / "images" / name).write_bytes((edits / "images" / "0.png").read_bytes())
     with pytest.raises(ValueError, match=r"several.jsonl row 1 names 2 input images; the flux_kontext adapter takes "
                                          r"one per row \(several: qwen_image_edit with a QwenImageEditPlusPipeline, "
-                                         r"flux2_edit, flux2_klein_edit\)$"):
+                                         r"qwen_image21_edit, flux2_edit, flux2_klein_edit\)$"):
         make_plugin("flux_kontext", prompts=None, eval_prompts=None, dataset=str(several))
     several.write_text(json.dumps({"prompt": "make it red", "image": []}) + "\n")
     with pytest.raises(ValueError, match=r"several.jsonl row 1 has no 'image' .* got \[\]$"):

@@ -179,6 +179,7 @@ def test_saved_samples_show_each_rows_input_images_left_of_the_result(make_plugi
 def test_rows_with_several_images_are_refused_where_the_pipeline_takes_one(make_plugin, datasets):
     with pytest.raises(ValueError, match=r"^.*train.jsonl row 1 names 2 input images; the qwen_image_edit adapter "
                                          r"takes one per row \(several: qwen_image_edit with a "
-                                         r"QwenImageEditPlusPipeline, flux2_edit, flux2_klein_edit\)$"):
+                                         r"QwenImageEditPlusPipeline, qwen_image21_edit, flux2_edit, "
+                                         r"flux2_klein_edit\)$"):
         make_plugin("qwen_image_edit", dataset=str(datasets[32]), prompts=None, eval_prompts=None, resolution=32,
                     max_sequence_length=64)

@@ -34,6 +34,8 @@ flow_adapters.register_lazy("flux2_klein_edit", "mmrl.plugins.flow.adapters.flux
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
 flow_adapters.register_lazy("qwen_image_edit", "mmrl.plugins.flow.adapters.qwen_image_edit:QwenImageEditAdapter")
 flow_adapters.register_lazy("qwen_image21", "mmrl.plugins.flow.adapters.qwen_image21:QwenImage21Adapter")
+flow_adapters.register_lazy("qwen_image21_edit",
+                            "mmrl.plugins.flow.adapters.qwen_image21_edit:QwenImage21EditAdapter")
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
 flow_adapters.register_lazy("wan_i2v", "mmrl.plugins.flow.adapters.wan_i2v:WanImageToVideoAdapter")
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")

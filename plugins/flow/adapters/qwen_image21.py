@@ -70,8 +70,9 @@ TOKENS_PER_SLOT = 4
 
 class QwenImage21Adapter(FlowAdapter):
     """Adapter for ``QwenImage21Pipeline`` (Qwen/Qwen-Image-2.1 and fine-tunes with the same pipeline class),
-    text-to-image. The pipeline's image-conditioned path (``image=``) has no adapter yet; :meth:`_by_text_length`
-    already lays out condition-image tokens and slots the way that path would need them."""
+    text-to-image. The pipeline's image-conditioned path (``image=``) is the ``qwen_image21_edit`` adapter
+    (:mod:`~mmrl.plugins.flow.adapters.qwen_image21_edit`), whose condition-image tokens and slots
+    :meth:`_by_text_length` lays out."""
 
     name = "qwen_image21"
     pipeline_classes = ("QwenImage21Pipeline",)
