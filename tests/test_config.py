@@ -230,7 +230,7 @@ def test_evaluation_only_keys_are_named_per_plugin_and_only_they_may_differ_from
     expected = {
         "configs/toy.yaml": ["plugin.eval_size", "ema.use_for_eval"],
         "configs/dllm/toy.yaml": ["plugin.eval_dataset", "plugin.eval_temperature", "plugin.eval_remasking",
-                                  "ema.use_for_eval"],
+                                  "plugin.dream_sampler.eval_top_p", "ema.use_for_eval"],
         "configs/flow/shapes.yaml": ["plugin.eval_height", "plugin.eval_width", "plugin.eval_condition_size",
                                      "plugin.eval_buckets", "plugin.eval_num_steps", "plugin.eval_guidance_scale",
                                      "plugin.eval_dataset",

@@ -81,6 +81,9 @@ class DLLMAdapter:
     noise: ClassVar[str] = "mask"
     #: peft ``exclude_modules`` of the default LoRA (None: nothing excluded).
     lora_exclude_modules: ClassVar[str | None] = None
+    #: The rollout sampler of a null ``plugin.sampler`` for a masked model: ``"llada"`` (LLaDA's blocks) or
+    #: ``"dream"`` (Dream's ``diffusion_generate``, :mod:`mmrl.plugins.dllm.dream_sampler`).
+    default_sampler: ClassVar[str] = "llada"
 
     def __init__(self, model: str, *, trust_remote_code: bool = False, mask_id: int | None = None,
                  stop_ids: Sequence[int] | None = None, pad_id: int | None = None):
@@ -282,6 +285,7 @@ class DreamAdapter(DLLMAdapter):
 
     name = "dream"
     model_types = ("Dream", "dream")
+    default_sampler = "dream"  # the checkpoints' diffusion_generate, which DiffuCoder's coupled-GRPO rollouts call
     shifted_logits = True
     default_mask_id = 151666
     needs_remote_code = True

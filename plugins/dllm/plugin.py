@@ -71,6 +71,7 @@ from mmrl.plugins.dllm.canvas import (
     draw_uniform_plan,
     uniform_one_step_scores,
 )
+from mmrl.plugins.dllm.dream_sampler import DreamSamplerConfig, dream_generate
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
 from mmrl.plugins.dllm.masking import SampleStreams
@@ -163,7 +164,8 @@ class DLLMPluginConfig:
                                      ref="LLaDA, d1: 32; DiffusionGemma: 256")
     steps: int = config_field(toy.GEN_LENGTH, minimum=1, help="Decoding steps over the whole completion; a multiple "
                               "of G / block_length.", ref="d1 rollouts: 128 for G = 256")
-    temperature: float = config_field(1.0, minimum=0.0, help="Gumbel-max temperature of training rollouts.",
+    temperature: float = config_field(1.0, minimum=0.0, help="Sampling temperature of training rollouts (LLaDA: "
+                                      "Gumbel-max; Dream: softmax).",
                                       ref="d1 / wd1 / SPG: 0.9")
     remasking: Literal["low_confidence", "random"] = config_field(
         "low_confidence", help="Which masked positions of the block are committed each step.", ref="LLaDA")
@@ -178,6 +180,15 @@ class DLLMPluginConfig:
         ref="LLaDA generate.py; d1 get_logits (diffu_grpo_trainer.py L269-283)",
     )
     generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
+    sampler: Literal["llada", "dream"] | None = config_field(
+        None, help="Rollout sampler of masked models: 'llada' (LLaDA's semi-autoregressive blocks with remasking: "
+        "d1, wd1, SPG) or 'dream' (Dream's diffusion_generate over the whole completion, set by dream_sampler: "
+        "DiffuCoder's coupled-GRPO rollouts; block_length must be gen_length, no remasking or cfg_scale). Null: "
+        "dream for the dream adapter, llada otherwise. Canvas models run their own.",
+        ref="Dream generation_utils.py _sample; apple/ml-diffucoder coupled_grpo.py L419-431")
+    dream_sampler: DreamSamplerConfig = config_field(
+        default_factory=DreamSamplerConfig, help="Dream's sampler (sampler: dream): alg, alg_temp, top_p, top_k, "
+        "eps; its temperatures are temperature and eval_temperature.", ref="DiffuCoder: entropy, 0.0, top_p 0.95")
     canvas_sampler: CanvasSamplerConfig = config_field(
         default_factory=CanvasSamplerConfig, help="Canvas models (DiffusionGemma) only: temperatures, entropy bound "
         "and adaptive stopping of their sampler (null values: the checkpoint's generation_config.json, else "
@@ -312,6 +323,10 @@ class DLLMPlugin(Plugin):
             raise ConfigError("plugin.model", model_path, str(error)) from None
         self.canvas = self.adapter.noise == "uniform"  # a canvas model (DiffusionGemma): its own sampler/likelihood
         self.canvas_sampling = self._check_canvas_options() if self.canvas else None
+        #: The masked models' rollout sampler, 'llada' or 'dream' (None for canvas models).
+        self.sampler = None if self.canvas else (config.sampler or self.adapter.default_sampler)
+        if self.sampler == "dream":
+            self._check_dream_options()
         if not self.canvas and config.resolved_estimator == CANVAS_ESTIMATOR:
             raise ConfigError("plugin.estimator", CANVAS_ESTIMATOR, f"a masked-model estimator for {model_path} "
                               f"({self.adapter.name} adapter); {CANVAS_ESTIMATOR} scores canvas models only")
@@ -336,6 +351,21 @@ class DLLMPlugin(Plugin):
         self._inner_epoch = 0  # set by start_inner_epoch; selects the mask plan of the epoch
         self._rows = {split: self._load_rows(split) for split in ("train", "eval")}
 
+    def _check_dream_options(self) -> None:
+        """Dream's sampler decodes the whole completion at once and commits by its own ``alg``: refuse LLaDA's block
+        length, remasking and guidance, which it has no place for."""
+        config = self.config
+        why = "with Dream's sampler (plugin.sampler dream"
+        why += ", the dream adapter's default)" if config.sampler is None else ")"
+        if config.block_length != config.gen_length:
+            raise ConfigError("plugin.block_length", config.block_length, f"gen_length ({config.gen_length}) {why}: "
+                              "it decodes the whole completion as one block; plugin.sampler llada decodes blocks")
+        for key, default in {"remasking": "low_confidence", "eval_remasking": "low_confidence",
+                             "cfg_scale": 0.0}.items():
+            if getattr(config, key) != default:
+                raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) {why}: "
+                                  "plugin.dream_sampler.alg chooses what is committed, and it has no guidance")
+
     def _check_canvas_options(self) -> Any:
         """Canvas models: settle the estimator (``uniform_one_step``, the only one that fits them) and refuse the
         masked-model options that mean nothing to them; return the resolved sampler settings."""
@@ -355,7 +385,7 @@ class DLLMPlugin(Plugin):
             raise ConfigError("plugin.block_length", config.block_length,
                               f"{adapter.canvas_length}, the canvas_length of {adapter.model_path}")
         refused = {"temperature": 1.0, "eval_temperature": 0.0, "remasking": "low_confidence",
-                   "eval_remasking": "low_confidence", "cfg_scale": 0.0}
+                   "eval_remasking": "low_confidence", "cfg_scale": 0.0, "sampler": None}
         for key, default in refused.items():
             if getattr(config, key) != default:
                 raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) for the "
@@ -574,18 +604,27 @@ class DLLMPlugin(Plugin):
             return self._decode_canvases(module, prompt_ids, generators)
         temperature = config.temperature if batch.training else config.eval_temperature
         remasking = config.remasking if batch.training else config.eval_remasking
+        dream = config.dream_sampler
+        top_p = dream.top_p if batch.training or dream.eval_top_p is None else dream.eval_top_p
         size = config.generation_batch_size or len(batch) or 1
         scorer = self.adapter.scorer(module)
         completions, step_maps = [], []
         with self.runtime.autocast():
             for start in range(0, prompt_ids.shape[0], size):
                 part = slice(start, start + size)
-                out = generate(
-                    scorer, prompt_ids[part], mask_id=self.adapter.mask_id, gen_length=config.gen_length,
-                    block_length=config.block_length, steps=config.steps, temperature=temperature,
-                    remasking=remasking, generators=generators[part], cfg_scale=config.cfg_scale,
-                    prompt_mask=padding_inputs(prompt_ids[part], self.adapter.pad_id)[0].bool(),  # real prompt tokens
-                )
+                if self.sampler == "dream":
+                    out = dream_generate(
+                        scorer, prompt_ids[part], mask_id=self.adapter.mask_id, gen_length=config.gen_length,
+                        steps=config.steps, temperature=temperature, alg=dream.alg, alg_temp=dream.alg_temp,
+                        top_p=top_p, top_k=dream.top_k, eps=dream.eps, generators=generators[part],
+                    )
+                else:
+                    out = generate(
+                        scorer, prompt_ids[part], mask_id=self.adapter.mask_id, gen_length=config.gen_length,
+                        block_length=config.block_length, steps=config.steps, temperature=temperature,
+                        remasking=remasking, generators=generators[part], cfg_scale=config.cfg_scale,
+                        prompt_mask=padding_inputs(prompt_ids[part], self.adapter.pad_id)[0].bool(),  # real prompt
+                    )
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
         return torch.cat(completions), torch.cat(step_maps), {}
