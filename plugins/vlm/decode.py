@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, select_cache_rows
+from mmrl.plugins.vlm.adapters.base import _base_model, cache_argument, logit_softcap, select_cache_rows
 
 DECODERS = ("mmrl", "hf")
 """``plugin.decoder`` values: this module's loop, or transformers' ``generate``."""
@@ -273,9 +273,12 @@ def _single_token_step(model: nn.Module, attention: Tensor, *, whole_model: bool
     A decode step has no image inputs, so it calls the language model and the LM head directly when the model has
     them (``model.language_model`` and ``get_output_embeddings()``, transformers >= 4.52), skipping the
     vision-language wrapper's per-call work (its input checks, placeholder masks and position logic, the output
-    dataclasses), with the attention mask prebuilt once in the kernel's 4D form (:func:`decode_step_mask`); LoRA
-    layers live inside those modules, so they apply alike. Otherwise, or with ``whole_model`` (sharded parameters,
-    :func:`has_sharded_parameters`), it calls the whole model.
+    dataclasses), with the attention mask prebuilt once in the kernel's 4D form (:func:`decode_step_mask`; the 2D
+    mask for a language model with sliding-window layers, whose masks differ per layer type); LoRA layers live
+    inside those modules, so they apply alike. A model that soft-caps its logits after the head (Gemma's
+    ``final_logit_softcapping``, :func:`~mmrl.plugins.vlm.adapters.base.logit_softcap`) has the cap applied to the
+    head's output. Otherwise, or with ``whole_model`` (sharded parameters, :func:`has_sharded_parameters`), it calls
+    the whole model.
     """
     base = _base_model(model)
     backbone = getattr(base, "model", None)
@@ -283,13 +286,23 @@ def _single_token_step(model: nn.Module, attention: Tensor, *, whole_model: bool
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not whole_model and isinstance(language_model, nn.Module) and isinstance(head, nn.Module):
         name = cache_argument(language_model)
-        kind = getattr(getattr(language_model, "config", None), "_attn_implementation", None)
-        mask = decode_step_mask(attention, kind, language_model.get_input_embeddings().weight.dtype)
+        config = getattr(language_model, "config", None)
+        kind = getattr(config, "_attn_implementation", None)
+        # A 4D mask is taken as it is by every layer, so sliding-window layers (Gemma 4's) would attend past their
+        # window, over keys their cache no longer holds: they get the 2D mask, from which transformers builds each
+        # layer type's own mask.
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        mask = attention if sliding else decode_step_mask(attention, kind,
+                                                          language_model.get_input_embeddings().weight.dtype)
+        cap = logit_softcap(base)  # the model caps its logits after the head (Gemma): so must a step that calls it
 
         def step(tokens: Tensor, length: int, positions: Tensor, cache: Any) -> Tensor:
             hidden = language_model(input_ids=tokens, attention_mask=mask[..., :length], position_ids=positions,
                                     use_cache=True, **{name: cache})[0]  # [n, 1, H]
-            return head(hidden[:, -1:])[:, -1]  # [n, V]
+            logits = head(hidden[:, -1:])  # [n, 1, V]
+            if cap is not None:  # in the logits' dtype and order, as the model's forward does
+                logits = torch.tanh(logits / cap) * cap
+            return logits[:, -1]  # [n, V]
 
         return step
     name = cache_argument(base)

@@ -59,6 +59,7 @@ def selective_log_softmax(
 def fused_head_log_softmax(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, *, temperature: float = 1.0,
     chunk_size: int | None = 256, with_entropy: bool = False, suppress: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`selective_log_softmax` of ``hidden @ weight.T + bias``, computing the logits chunk by chunk.
 
@@ -70,6 +71,10 @@ def fused_head_log_softmax(
         weight: ``[V, H]`` the LM head's weight (gets a gradient when it requires one).
         bias: ``[V]`` or None.
         tokens, temperature, chunk_size, with_entropy, suppress: as in :func:`selective_log_softmax`.
+        softcap: The model's final logit soft-capping ``c`` (Gemma 2/3/4's ``final_logit_softcapping``), or None:
+            the logits are ``c · tanh((hidden @ weight.T + bias) / c)``, computed in the weight's dtype as the
+            model's forward computes them after its head (transformers' ``modeling_gemma4.py``
+            ``Gemma4ForConditionalGeneration.forward``); the backward multiplies by ``1 − tanh²``.
 
     Returns:
         ``(logp [N, T], entropy [N, T] or None)``, float32, differentiable with respect to ``hidden``, ``weight``
@@ -81,8 +86,11 @@ def fused_head_log_softmax(
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(tokens.shape)}")
     chunk, suppress = _checked("fused_head_log_softmax", hidden.shape[1], weight.shape[0], temperature, chunk_size,
                                suppress, hidden.device)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_head_log_softmax: softcap must be > 0 or None, got {softcap}")
     logp, entropy = _FusedHeadLogSoftmax.apply(hidden, weight, bias, tokens.long(), float(temperature), chunk,
-                                               bool(with_entropy), suppress)
+                                               bool(with_entropy), suppress,
+                                               None if softcap is None else float(softcap))
     return logp, (entropy if with_entropy else None)
 
 
@@ -202,10 +210,17 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
-def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """One chunk's logits ``[N, c, V]`` in the weight's dtype, autocast off (the same in forward and backward)."""
+def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None = None
+                 ) -> tuple[Tensor, Tensor | None]:
+    """One chunk's logits ``[N, c, V]`` in the weight's dtype, autocast off (the same in forward and backward), and,
+    with ``softcap`` c, the ``tanh(raw / c)`` ``[N, c, V]`` they are ``c ·`` of (the backward's ``1 − tanh²``; None
+    without). The cap is applied in the logits' dtype, dividing, then ``tanh``, then multiplying, as the model does."""
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+        if softcap is None:
+            return logits, None
+        squashed = torch.tanh(logits / softcap)
+        return squashed * softcap, squashed
 
 
 class _FusedHeadLogSoftmax(torch.autograd.Function):
@@ -213,20 +228,21 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                chunk: int, with_entropy: bool, suppress: Tensor | None):
+                chunk: int, with_entropy: bool, suppress: Tensor | None, softcap: float | None):
         n, t, _ = hidden.shape
         dtype = torch.promote_types(weight.dtype, torch.float32)
         logp = torch.empty(n, t, dtype=dtype, device=hidden.device)  # [N, T]
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
         for start, end in _spans(t, chunk):
-            z = _tempered(_head_logits(hidden[:, start:end], weight, bias), temperature, suppress)  # [N, c, V]
+            logits, _ = _head_logits(hidden[:, start:end], weight, bias, softcap)  # [N, c, V]
+            z = _tempered(logits, temperature, suppress)
             chunk_logp, norm, chunk_entropy = _chunk_forward(z, tokens[:, start:end], with_entropy, suppress)
             logp[:, start:end], lse[:, start:end] = chunk_logp, norm
             if chunk_entropy is not None:
                 entropy[:, start:end] = chunk_entropy
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy, suppress)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.softcap = temperature, chunk, with_entropy, softcap
         return logp, entropy
 
     @staticmethod
@@ -240,11 +256,14 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=weight.device) if needs_bias else None
         for start, end in _spans(hidden.shape[1], ctx.chunk):
             states = hidden[:, start:end]  # [N, c, H]
-            z = _tempered(_head_logits(states, weight, bias), ctx.temperature, suppress)  # [N, c, V]
+            logits, squashed = _head_logits(states, weight, bias, ctx.softcap)  # [N, c, V]
+            z = _tempered(logits, ctx.temperature, suppress)
             grad_z = _chunk_backward(z, lse[:, start:end], entropy[:, start:end], tokens[:, start:end],
                                      None if grad_logp is None else grad_logp[:, start:end],
                                      None if grad_entropy is None else grad_entropy[:, start:end], suppress)
             grad_out = grad_z / ctx.temperature  # ∂/∂logits, [N, c, V]
+            if squashed is not None:  # ∂(c·tanh(x / c))/∂x = 1 − tanh²(x / c)
+                grad_out = grad_out * (1 - squashed.to(grad_out.dtype).square())
             if grad_hidden is not None:
                 grad_hidden[:, start:end] = (grad_out.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
@@ -252,7 +271,7 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_out.sum(dim=(0, 1)).to(accumulate)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None, None)
 
 
 __all__ = ["fused_head_log_softmax", "naive_log_softmax", "selective_log_softmax"]

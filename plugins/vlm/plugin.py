@@ -52,9 +52,9 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and f
                "tags.")
 """The R1-style format instruction of R1-V, Visual-RFT and VLM-R1 (vlm.md §2.3), usable as ``prompt_template``."""
 
-REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_embeds", "image_deepstack",
-                      "image_grid_thw", "pixel_values_videos", "video_embeds", "video_deepstack", "video_grid_thw",
-                      "second_per_grid_ts")
+REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_position_ids", "image_embeds",
+                      "image_deepstack", "image_grid_thw", "pixel_values_videos", "video_embeds", "video_deepstack",
+                      "video_grid_thw", "second_per_grid_ts")
 
 
 VLMLoraConfig = lora_config_class(
@@ -126,11 +126,11 @@ class VLMPluginConfig:
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
-        "glm4v_moe, internvl (when transformers has them) or another registered one; 'auto' reads model_type from the "
-        "checkpoint's config.json.",
+        "glm4v_moe, internvl, gemma4 (when transformers has them) or another registered one; 'auto' reads model_type "
+        "from the checkpoint's config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
-                        "glm4v_moe", "internvl"] | None = config_field(
+                        "glm4v_moe", "internvl", "gemma4"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )
@@ -447,6 +447,7 @@ class VLMPlugin(Plugin):
         ``router_logits``: an MoE model's forward also computes its routers' load-balancing loss
         (``output_router_logits``), over the whole sequences of the plain pass.
         """
+        from mmrl.plugins.vlm.adapters.base import logit_softcap
         from mmrl.plugins.vlm.logprobs import fused_head_log_softmax, selective_log_softmax
         from mmrl.plugins.vlm.prefix import shared_prompt_hidden
 
@@ -468,7 +469,9 @@ class VLMPlugin(Plugin):
                 shared = (shared_prompt_hidden(self.adapter, model, prompts, inputs, prompt_width, num_completion,
                                                split=split) if split is not None else None)
                 hidden, head = shared or self.adapter.completion_hidden(model, inputs, num_completion)  # [n, C, H]
-            logp, entropy = fused_head_log_softmax(hidden, head.weight, head.bias, tokens, **options)
+            # The head is applied here, so its logit soft-capping too (Gemma: identity_head switched the model's off)
+            logp, entropy = fused_head_log_softmax(hidden, head.weight, head.bias, tokens, **options,
+                                                   softcap=logit_softcap(model))
         else:
             with self.runtime.autocast():
                 logits = self.adapter.completion_logits(model, inputs, num_completion)  # [n, C, V]

@@ -37,8 +37,9 @@ from mmrl.plugins.vlm.adapters.base import (
     select_cache_rows,
 )
 
-_PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "image_deepstack", "pixel_values", "video_grid_thw",
-                   "video_embeds", "video_deepstack", "pixel_values_videos", "second_per_grid_ts")
+_PROMPT_TENSORS = ("input_ids", "image_grid_thw", "image_embeds", "image_deepstack", "pixel_values",
+                   "image_position_ids", "video_grid_thw", "video_embeds", "video_deepstack", "pixel_values_videos",
+                   "second_per_grid_ts")
 
 
 def distinct_prompts(prompts: Sequence[PromptInputs]) -> tuple[list[PromptInputs], list[int]]:

@@ -1,5 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL) checkpoints built offline,
-for tests, benchmarks and the toy run.
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4) checkpoints built
+offline, for tests, benchmarks and the toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
 words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
@@ -15,7 +15,9 @@ full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image token
 GLM-4.1V's special tokens and chat layout (:data:`GLM_CHAT_TEMPLATE`) and half as many, twice as wide heads (GLM rotates
 half of each head). The InternVL build has InternVL3-hf's tokens and chat layout (:data:`INTERNVL_CHAT_TEMPLATE`), a
 ViT on 56-pixel tiles (4 image tokens per tile; an image becomes 1 to ``max_pixels / 56²`` tiles, plus a thumbnail
-when more than one) and a Qwen2 language model of the same text size.
+when more than one) and a Qwen2 language model of the same text size. The Gemma 4 build has Gemma 4's tokens and chat
+layout (:data:`GEMMA4_CHAT_TEMPLATE`), a ViT on 4-pixel patches pooled 3 × 3 (70 soft tokens per image at the tests'
+pixel bounds) and a 4-layer language model with every text feature of the released variants (:func:`_gemma4_config`).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl")
+            "internvl", "gemma4")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
 
 SPECIAL_TOKENS = (
@@ -104,6 +106,39 @@ INTERNVL_CHAT_TEMPLATE = (
 processor expands to ``<img>`` + the tiles' context tokens + ``</img>`` (the turns and image lines only, not every
 detail of the released template)."""
 
+GEMMA4_SPECIAL_TOKENS = (
+    "<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>",
+    "<|audio>", "<audio|>", "<|channel>", "<channel|>", "<|think|>",
+)
+"""The Gemma 4 tokenizer's special tokens that the chat, the image input and the tiny build use: PAD, EOS and BOS
+(ids 0, 1, 2 as in the released vocabulary), the turn markers, the image placeholder and its delimiters, the video and
+audio placeholders (the processor looks the audio delimiters up even for images) and the thinking channel."""
+
+GEMMA4_TOKENIZER_ROLES = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                          "video_token": "<|video|>", "audio_token": "<|audio|>", "boa_token": "<|audio>",
+                          "eoa_token": "<audio|>", "sot_token": "<|turn>", "eot_token": "<turn|>"}
+"""The tokenizer attributes ``Gemma4Processor`` reads (``tokenizer.image_token`` and its ``_id``, ``boi_token``, ...):
+the ``extra_special_tokens`` transformers' ``models/gemma4/convert_gemma4_weights.py`` writes."""
+
+GEMMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}<|image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|video|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+"""Gemma 4's chat layout (``<bos>``, then ``<|turn>role\n...<turn|>\n`` per turn, the assistant's role written
+``model``); each image is ``<|image|>``, which the processor expands to ``<|image>`` + the image's soft tokens +
+``<image|>`` (the turns and image markers only, not the released template's thinking and tool-call parts)."""
+
+GEMMA4_PATCH, GEMMA4_POOLING = 4, 3
+"""Patch side and pooling kernel of the tiny Gemma 4 builds (the released checkpoints: 16 and 3): an image becomes
+soft tokens of 12 × 12 pixels, at most ``max_soft_tokens`` of them (70 at the tests' pixel bounds)."""
+
 INTERNVL_TILE = 56
 """Tile side of the tiny InternVL builds (the released checkpoints: 448): 4 × 4 patches of 14 pixels, 2 × 2 image
 tokens per tile after pixel shuffle."""
@@ -160,6 +195,17 @@ def build_internvl_tokenizer(vocab_size: int = 384) -> Any:
                           extra_special_tokens=dict(INTERNVL_TOKENIZER_ROLES))
 
 
+def build_gemma4_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with Gemma 4's special tokens (:data:`GEMMA4_SPECIAL_TOKENS`, BOS ``<bos>``, EOS
+    ``<eos>``, PAD ``<pad>``, the roles of :data:`GEMMA4_TOKENIZER_ROLES`), trained on the same small corpus;
+    deterministic."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe(GEMMA4_SPECIAL_TOKENS, vocab_size), bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>",
+                                   extra_special_tokens=dict(GEMMA4_TOKENIZER_ROLES))
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
@@ -176,6 +222,17 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
                                               video_processor=InternVLVideoProcessor(size=tile),
                                               image_seq_length=(INTERNVL_TILE // 14 // 2) ** 2,
                                               chat_template=INTERNVL_CHAT_TEMPLATE)
+
+    if family == "gemma4":  # every image resized to fill its soft-token budget (min_pixels plays no part)
+        from mmrl.plugins.vlm.adapters.gemma4 import soft_token_budget
+
+        budget = dict(patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOLING,
+                      max_soft_tokens=soft_token_budget(max_pixels, GEMMA4_PATCH, GEMMA4_POOLING))
+        return transformers.Gemma4Processor(
+            feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+            image_processor=transformers.Gemma4ImageProcessor(**budget), tokenizer=tokenizer,
+            video_processor=transformers.Gemma4VideoProcessor(**budget), chat_template=GEMMA4_CHAT_TEMPLATE,
+            image_seq_length=budget["max_soft_tokens"])
 
     if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
         from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
@@ -222,6 +279,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         return _glm_config(family, tokenizer, dims)
     if family == "internvl":
         return _internvl_config(tokenizer, dims)
+    if family == "gemma4":
+        return _gemma4_config(tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -327,6 +386,43 @@ def _internvl_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
                                        tie_word_embeddings=True)
 
 
+def _gemma4_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """Gemma 4 with every text feature of the released variants in one tiny model (transformers'
+    ``models/gemma4/convert_gemma4_weights.py`` ``_VARIANTS``): sliding-window and full-attention layers (a window of
+    16 tokens, shorter than the tests' prompts, so the windows bind), the last two layers reusing the first two's keys
+    and values (E2B/E4B's ``num_kv_shared_layers``), per-layer input embeddings (E2B/E4B), bidirectional attention
+    inside image blocks, shared key/value projections and their own KV heads and head width on the full-attention
+    layers (31B, 26B-A4B: ``use_bidirectional_attention: vision``, ``attention_k_eq_v``), and the final logit
+    soft-capping every variant has, at 2.0 instead of 30.0 with embeddings initialised 15 times wider than the default
+    (0.3 against 0.02) so that the random model's logits reach the cap's bend and dropping it shows in the log-probs.
+    The vision tower: 2 layers on :data:`GEMMA4_PATCH`-pixel patches pooled :data:`GEMMA4_POOLING` × 3."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in GEMMA4_SPECIAL_TOKENS}
+    hidden, heads = dims["hidden"], dims["heads"]
+    text = dict(
+        vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer), hidden_size=hidden,
+        intermediate_size=dims["intermediate"], num_hidden_layers=4, num_attention_heads=heads,
+        num_key_value_heads=dims["kv_heads"], head_dim=hidden // heads, global_head_dim=2 * hidden // heads,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+        use_bidirectional_attention="vision", final_logit_softcapping=2.0, max_position_embeddings=1024,
+        initializer_range=0.3,
+        pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0}},
+    )
+    vision = dict(hidden_size=dims["vision"], intermediate_size=2 * dims["vision"], num_hidden_layers=dims["depth"],
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=dims["vision"] // 4,
+                  patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOLING, position_embedding_size=128)
+    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                     image_token_id=ids["<|image|>"], boi_token_id=ids["<|image>"],
+                                     eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
+                                     audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"],
+                                     eoa_token_index=ids["<audio|>"], tie_word_embeddings=True)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -348,7 +444,7 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     directory.parent.mkdir(parents=True, exist_ok=True)
     glm = family in GLM_FAMILIES
     tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family == "internvl"
-                 else build_tokenizer())
+                 else build_gemma4_tokenizer() if family == "gemma4" else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -360,13 +456,16 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                                              "glm4v": "Glm4vForConditionalGeneration",
                                              "glm4v_moe": "Glm4vMoeForConditionalGeneration",
-                                             "internvl": "InternVLForConditionalGeneration"}[family])
+                                             "internvl": "InternVLForConditionalGeneration",
+                                             "gemma4": "Gemma4ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
-    # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>.
-    eos = [tokenizer.convert_tokens_to_ids(token) for token in
-           (("<|endoftext|>", "<|user|>", "<|observation|>") if glm else ("<|im_end|>", "<|endoftext|>"))]
+    # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>; Gemma 4's
+    # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]).
+    ends = {"gemma4": ("<turn|>", "<eos>")}.get(family, ("<|endoftext|>", "<|user|>", "<|observation|>") if glm
+                                                  else ("<|im_end|>", "<|endoftext|>"))
+    eos = [tokenizer.convert_tokens_to_ids(token) for token in ends]
     model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                                             bos_token_id=tokenizer.pad_token_id)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))

@@ -1,6 +1,6 @@
 """The plugin's own decode loop (``plugin.decoder: mmrl``, mmrl.plugins.vlm.decode) against transformers' ``generate``
-(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V (and MoE) and InternVL builds with
-LoRA:
+(``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V (and MoE), InternVL and Gemma 4
+builds with LoRA (Gemma 4: soft-capped logits and sliding-window layers whose window the prompts exceed):
 the same tokens greedy and sampled (the same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that
 end early padded after their EOS, ``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it
 samples from against hand-computed values and against the teacher-forced log-probs (an independent check of the
@@ -27,7 +27,7 @@ from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-                "internvl")
+                "internvl", "gemma4")
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 

@@ -152,6 +152,42 @@ def test_fused_head_gradcheck_in_float64():
     )
 
 
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_fused_head_applies_the_logit_softcap_in_value_and_gradient(chunk_size):
+    """``softcap`` c (Gemma's ``final_logit_softcapping``): the log-probs, entropies and gradients are those of the
+    naive log-softmax of ``c · tanh((hidden @ W.T + b) / c)`` through autograd; a cap small enough to bind changes
+    them (dropping it would score another distribution); a cap that is not positive is refused."""
+    hidden, weight, bias, tokens = _head_inputs()
+    logp, entropy = fused_head_log_softmax(hidden, weight, bias, tokens, temperature=0.8, chunk_size=chunk_size,
+                                           with_entropy=True, softcap=1.5)
+    weights = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(6))
+    ((logp * weights).sum() + 0.5 * entropy.sum()).backward()
+    ours = [t.grad.clone() for t in (hidden, weight, bias)]
+    for tensor in (hidden, weight, bias):
+        tensor.grad = None
+    capped = torch.tanh((hidden @ weight.T + bias) / 1.5) * 1.5
+    expected_logp, expected_entropy = naive_log_softmax(capped, tokens, temperature=0.8)
+    torch.testing.assert_close(logp, expected_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=2e-6)
+    ((expected_logp * weights).sum() + 0.5 * expected_entropy.sum()).backward()
+    for mine, reference in zip(ours, (hidden.grad, weight.grad, bias.grad), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        uncapped, _ = fused_head_log_softmax(hidden, weight, bias, tokens, temperature=0.8, chunk_size=chunk_size)
+    assert float((uncapped - logp.detach()).abs().max()) > 0.1
+    with pytest.raises(ValueError, match=r"softcap must be > 0 or None, got 0.0"):
+        fused_head_log_softmax(hidden, weight, bias, tokens, softcap=0.0)
+
+
+def test_fused_head_softcap_gradcheck_in_float64():
+    hidden, weight, bias, tokens = _head_inputs(torch.float64, n=2, t=4, h=3, v=7)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: fused_head_log_softmax(h, w, b, tokens, temperature=0.7, chunk_size=3, with_entropy=True,
+                                               softcap=0.8),
+        (hidden, weight, bias),
+    )
+
+
 def test_fused_head_keeps_neither_logits_nor_float32_copies_for_backward():
     """Only the hidden states, the head's weight and [N, T] tensors are saved: no [N, T, V] tensor of any dtype."""
     hidden, weight, _, tokens = _head_inputs(torch.bfloat16, n=2, t=16, h=8, v=64)

@@ -417,11 +417,12 @@ def test_fused_lm_head_matches_the_model_logits(tiny_models):
         plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions, with_entropy=False)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl", "gemma4"])
 def test_shared_prefill_generates_from_the_same_distribution(tiny_models, family, tmp_path):
     """Prefilling each distinct prompt once and copying its cache to its samples (groups interleaved as the spread
-    layout deals them, images of different sizes) gives the logits of a plain batched generate; InternVL's shared
-    prefill passes the plain positions generate computes from the padding mask."""
+    layout deals them, images of different sizes) gives the logits of a plain batched generate; InternVL's and Gemma
+    4's shared prefill passes the plain positions generate computes from the padding mask (Gemma 4: with the
+    bidirectional image blocks inside the shared prompt)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 

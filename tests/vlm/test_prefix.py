@@ -42,13 +42,14 @@ def _pass(plugin, prompts, completions, width, share):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe",
-                                    "glm4v", "glm4v_moe", "internvl"])
+                                    "glm4v", "glm4v_moe", "internvl", "gemma4"])
 def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
     """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
     sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
     features) and Qwen3.5 (the completions continue the prompt's Gated DeltaNet conv and recurrent states, which
-    the gradients flow back through) and InternVL (plain 1-D positions continued past the left-padded prompts, tiles
-    instead of grids) too when transformers has them."""
+    the gradients flow back through), InternVL (plain 1-D positions continued past the left-padded prompts, tiles
+    instead of grids) and Gemma 4 (bidirectional attention inside the prompt's images, sliding windows, key/value
+    sharing across layers, soft-capped logits) too when transformers has them."""
     if family not in tiny_models:
         from mmrl.plugins.vlm.adapters import vlm_adapters
         from mmrl.plugins.vlm.testing import build_tiny_model
@@ -71,8 +72,9 @@ def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path
     torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared[1], plain[1], rtol=0, atol=1e-5)
     assert shared[2].keys() == plain[2].keys() and shared[2]
-    for name in plain[2]:
-        torch.testing.assert_close(shared[2][name], plain[2][name], rtol=1e-4, atol=1e-6)
+    for name in plain[2]:  # to float32 rounding at the gradient's own scale (Gemma 4's tiny build has large ones)
+        scale = float(plain[2][name].abs().max())
+        torch.testing.assert_close(shared[2][name], plain[2][name], rtol=1e-4, atol=max(1e-6, 2e-5 * scale))
     mask = torch.arange(rollout.num_actions) < torch.tensor(cut).unsqueeze(1)
     assert (shared[0][~mask] == 0).all() and (shared[0][mask] < 0).all()
     # Without gradients (the reference and old-policy passes) every family splits; with them, a family whose cache

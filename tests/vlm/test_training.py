@@ -170,7 +170,8 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
     assert "eval/iou_mean" in result.evaluations[1]
 
 
-@pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("internvl", "qwen2_vl")])
+@pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("internvl", "qwen2_vl"),
+                                                    ("gemma4", "absolute")])
 def test_toy_recipe_runs_with_a_tiny_build_of_another_family(tmp_path, family, convention):
     """plugin.tiny_model builds every family the tests build, e.g. GLM-4.1V and InternVL: the toy recipe's step on
     it, boxes read in the family's convention (InternVL: 0-1000 of the image, Qwen2-VL's)."""
@@ -273,6 +274,7 @@ LORA_KINDS = {
     "glm4v": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"},  # GLM-4.1V's fused MLP input
     "glm4v_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # peft would move MLP names onto the experts
     "internvl": ATTENTION_AND_MLP,  # its ViT's q/k/v_proj are excluded with the tower and the projector
+    "gemma4": ATTENTION_AND_MLP,  # its ViT's q/k/v and gate/up/down_proj are excluded with the tower and embedder
 }
 # The test reward needs spread at step 1 for the LoRA to move: the tiny InternVL's six first completions at run seed 0
 # hold no digit (reward std 0, no update), at seed 2 they do.

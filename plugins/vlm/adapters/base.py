@@ -551,8 +551,8 @@ class VLMAdapter:
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas[index]
         name = cache_argument(hf_model)
-        rest = {key: value for key, value in inputs.items()
-                if key not in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
+        rest = {key: value for key, value in inputs.items()  # the vision inputs are in the cache already
+                if key not in ("pixel_values", "image_position_ids", "pixel_values_videos", "mm_encoder_outputs")}
         return model.generate(**rest, **{name: cache}, generation_config=generation_config), width
 
     def _decode(self, model: nn.Module, prompts: Sequence[PromptInputs], generation_config: Any, *,
@@ -740,18 +740,46 @@ def find_submodule(module: nn.Module, paths: Sequence[str], *, what: str) -> nn.
 @contextmanager
 def identity_head(model: nn.Module) -> Iterator[nn.Module]:
     """Swap the LM head of ``model`` for an identity for the duration (its "logits" are then the final hidden
-    states) and yield the head module."""
+    states) and yield the head module.
+
+    A model that soft-caps its logits after the head (Gemma 2/3/4: ``logits = c · tanh(logits / c)`` with
+    ``c = config.get_text_config().final_logit_softcapping``, read at every forward; transformers'
+    ``modeling_gemma4.py`` ``Gemma4ForConditionalGeneration.forward``) would cap the hidden states instead, so the cap
+    is switched off for the duration too: the caller applies it to the head's output (:func:`logit_softcap`,
+    :func:`~mmrl.plugins.vlm.logprobs.fused_head_log_softmax`'s ``softcap``)."""
     hf_model = _base_model(model)
     head = hf_model.get_output_embeddings()
     name = next((child for child, module in hf_model.named_children() if module is head), None)
     if head is None or name is None:
         raise AttributeError(f"{type(hf_model).__name__} has no LM head child module to fuse; set "
                              "plugin.fused_lm_head: false")
+    text_config = _text_config(hf_model)
+    cap = logit_softcap(hf_model)
     setattr(hf_model, name, nn.Identity())
+    if cap is not None:
+        text_config.final_logit_softcapping = None
     try:
         yield head
     finally:
         setattr(hf_model, name, head)
+        if cap is not None:
+            text_config.final_logit_softcapping = cap
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """The final logit soft-capping ``c`` the model applies after its LM head (``logits = c · tanh(logits / c)``:
+    Gemma 2/3/4's ``final_logit_softcapping``), or None for a model without one. Whoever applies the head to hidden
+    states itself (the fused log-softmax, the decode loop's steps) must apply it too: log-probs of the uncapped logits
+    are those of another distribution, and the ratio of two such log-probs is still 1, so nothing else would show it."""
+    value = getattr(_text_config(_base_model(model)), "final_logit_softcapping", None)
+    return None if value is None else float(value)
+
+
+def _text_config(hf_model: nn.Module) -> Any:
+    """The language model's config of a transformers model (``get_text_config()`` where the config has one)."""
+    config = getattr(hf_model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 class RouterAuxLoss:
@@ -865,5 +893,5 @@ def _to_rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "open_unresized",
+__all__ = ["DEFAULT_LORA_TARGETS", "PromptInputs", "VLMAdapter", "find_submodule", "logit_softcap", "open_unresized",
            "select_cache_rows", "split_images", "text_positions"]
