@@ -36,9 +36,9 @@ class FlowPluginConfig:
                               "medium or black-forest-labs/FLUX.1-dev.")
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
-        "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image' or "
-        "another registered one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name "
-        "only)."
+        "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
+        "'hunyuan_video15' or another registered one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters "
+        "are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -96,8 +96,9 @@ class FlowPluginConfig:
         ref="Flow-Factory examples: evaluate at 1024 px (Qwen-Image-Edit) with the input's aspect ratio",
     )
     num_frames: int | None = config_field(
-        None, minimum=1, help="Frames per video for video adapters (wan), 1 + a multiple of the VAE's temporal "
-        "factor (Wan: 4). Null: the adapter's default (Wan 33); image adapters take null only.",
+        None, minimum=1, help="Frames per video for video adapters (wan, hunyuan_video15), 1 + a multiple of the VAE's "
+        "temporal factor (Wan, HunyuanVideo 1.5: 4). Null: the adapter's default (Wan 33, HunyuanVideo 1.5 121); "
+        "image adapters take null only.",
         ref="DanceGRPO HunyuanVideo: 53 frames at 480x480; WanPipeline default: 81",
     )
     num_steps: int = config_field(10, minimum=1, help="Denoising steps of a training rollout.",

@@ -1,5 +1,5 @@
-"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), Wan (2.1, 2.2 two-expert and 2.2 TI2V) and
-Z-Image pipelines with random weights and locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), Wan (2.1, 2.2 two-expert and 2.2 TI2V),
+Z-Image and HunyuanVideo 1.5 pipelines with random weights and locally built tokenizers, for tests and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -217,16 +217,30 @@ def tiny_qwen_image_tokenizer() -> Any:
     return _qwen_template_tokenizer(corpus, _QWEN_IMAGE_TEMPLATE_PREFIX, 34, "Qwen-Image")
 
 
-def _qwen_template_tokenizer(corpus: str, prefix: str, prefix_tokens: int, what: str) -> Any:
+#: The pre-tokenizer split of Qwen2's tokenizer.json (Qwen2.5-VL's too): unlike GPT-2's byte-level split it keeps
+#: each digit and the space before it apart, so a numbered list costs the tokens it does in the real tokenizer.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _qwen_template_tokenizer(corpus: str, prefix: str, prefix_tokens: int, what: str,
+                             qwen_split: bool = False) -> Any:
     """A byte-level BPE ``Qwen2Tokenizer`` with Qwen's special tokens trained on ``corpus``; ``prefix`` (a pipeline's
-    dropped template start) must come out as ``prefix_tokens`` tokens, as in the real tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    dropped template start) must come out as ``prefix_tokens`` tokens, as in the real tokenizer. ``qwen_split``
+    pre-tokenizes with Qwen2's own split (:data:`_QWEN2_SPLIT`) instead of GPT-2's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
     from mmrl.plugins.vlm.testing import SPECIAL_TOKENS
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen_split:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -741,6 +755,89 @@ def build_wan22_ti2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                        scheduler=scheduler, expand_timesteps=True)
 
 
+TINY_HUNYUAN_VIDEO15_FRAMES = 5
+"""Frames of the tiny HunyuanVideo 1.5 videos: its tiny VAE compresses time by 4 (as the released one), so 5 frames
+are 2 latent frames."""
+
+
+def _hunyuan_video15_system_message() -> str:
+    """HunyuanVideo15Pipeline's system message (the default of its ``_get_mllm_prompt_embeds``, which ``__init__``
+    sets as ``system_message`` too), read from diffusers rather than copied."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    return inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+
+
+def tiny_hunyuan_video15_tokenizer() -> Any:
+    """A byte-level BPE ``Qwen2Tokenizer`` with Qwen's special tokens, Qwen2's pre-tokenizer split and Qwen's chat
+    template (the VLM tests' :data:`~mmrl.plugins.vlm.testing.CHAT_TEMPLATE`), trained on HunyuanVideo15Pipeline's
+    system turn and the test words, so that the rendered system turn and ``<|im_start|>user\\n`` are 108 tokens as
+    in Qwen2.5-VL's tokenizer: the pipeline's fixed ``prompt_template_encode_start_idx`` (108) then crops exactly
+    the template, as it does for the released model. Right padding, as the released tokenizer is saved."""
+    from mmrl.plugins.vlm.testing import CHAT_TEMPLATE
+
+    prefix = f"<|im_start|>system\n{_hunyuan_video15_system_message()}<|im_end|>\n<|im_start|>user\n"
+    corpus = prefix + " ".join(_WORDS) + "<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = _qwen_template_tokenizer(corpus, prefix, 108, "HunyuanVideo 1.5", qwen_split=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def build_hunyuan_video15_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``HunyuanVideo15Pipeline`` (the layout of hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v) with
+    random weights: a three-layer ``Qwen2_5_VLTextModel`` (the VLM tests' tiny Qwen2.5-VL text config with one more
+    layer, so the pipeline's third-to-last hidden state is a layer's output) on
+    :func:`tiny_hunyuan_video15_tokenizer`; a one-layer ``T5EncoderModel`` on diffusers' ``ByT5Tokenizer`` (byte-level,
+    nothing to download) as the glyph encoder; a two-block ``HunyuanVideo15Transformer3DModel`` (one refiner block,
+    patch 1, RoPE axes 2/2/4, the released ``in_channels`` = 2·C + 1 layout); an ``AutoencoderKLHunyuanVideo15`` with
+    4 latent channels, 4× spatial and 4× temporal compression (16 px frames have 4×4 latents, 5 frames 2 latent
+    frames) and the released ``scaling_factor``; the 480p scheduler (``FlowMatchEulerDiscreteScheduler``, shift 5)
+    and guider (``ClassifierFreeGuidance``, scale 6), both as diffusers' conversion script
+    (scripts/convert_hunyuan_video1_5_to_diffusers.py, ``SCHEDULER_CONFIGS`` / ``GUIDANCE_CONFIGS``) builds them."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from mmrl.plugins.vlm.testing import tiny_config
+
+    if size != "tiny":
+        raise ValueError(f"unknown HunyuanVideo 1.5 pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_hunyuan_video15_tokenizer()
+        fields = tiny_config("qwen2_5_vl", tokenizer).text_config.to_dict()
+        fields.pop("layer_types", None)  # rebuilt for the new depth
+        text_config = Qwen2_5_VLTextConfig(**{**fields, "num_hidden_layers": 3})  # the pipeline reads hidden_states[-3]
+        text_encoder = Qwen2_5_VLTextModel(text_config)
+        tokenizer_2 = ByT5Tokenizer()
+        glyph_width = 16
+        text_encoder_2 = _t5_encoder(len(tokenizer_2), glyph_width, layers=1, heads=2, d_ff=32)
+        latent_channels = 4
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=2 * latent_channels + 1, out_channels=latent_channels, num_attention_heads=2,
+            attention_head_dim=8, num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
+            text_embed_dim=text_config.hidden_size, text_embed_2_dim=glyph_width, image_embed_dim=8,
+            rope_axes_dim=(2, 2, 4), target_size=TINY_RESOLUTION, task_type="t2v",
+        )
+        vae = AutoencoderKLHunyuanVideo15(
+            latent_channels=latent_channels, block_out_channels=(8, 16, 16), layers_per_block=1,
+            spatial_compression_ratio=4, temporal_compression_ratio=4,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+        guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    return HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                                  scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                  guider=guider)
+
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "qwen_image21": build_qwen_image21_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
@@ -749,7 +846,7 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
             "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
-            "wan_flf2v": build_wan_flf2v_pipeline}
+            "wan_flf2v": build_wan_flf2v_pipeline, "hunyuan_video15": build_hunyuan_video15_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -758,7 +855,8 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     ``"qwen_image21"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
-    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``) and
+    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``,
+    ``"hunyuan_video15"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

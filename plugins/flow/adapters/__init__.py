@@ -39,6 +39,8 @@ flow_adapters.register_lazy("qwen_image21_edit",
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
 flow_adapters.register_lazy("wan_i2v", "mmrl.plugins.flow.adapters.wan_i2v:WanImageToVideoAdapter")
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
+flow_adapters.register_lazy("hunyuan_video15",
+                            "mmrl.plugins.flow.adapters.hunyuan_video15:HunyuanVideo15Adapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:
