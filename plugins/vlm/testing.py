@@ -17,7 +17,8 @@ half of each head). The InternVL build has InternVL3-hf's tokens and chat layout
 ViT on 56-pixel tiles (4 image tokens per tile; an image becomes 1 to ``max_pixels / 56²`` tiles, plus a thumbnail
 when more than one) and a Qwen2 language model of the same text size. The Gemma 4 build has Gemma 4's tokens and chat
 layout (:data:`GEMMA4_CHAT_TEMPLATE`), a ViT on 4-pixel patches pooled 3 × 3 (70 soft tokens per image at the tests'
-pixel bounds) and a 4-layer language model with every text feature of the released variants (:func:`_gemma4_config`).
+pixel bounds) and a 4-layer language model with every text feature of the released variants (:func:`_gemma4_config`);
+``gemma4_moe`` adds the 26B-A4B's routed experts to every layer (4 experts, 2 per token).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -32,8 +33,11 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl", "gemma4")
+            "internvl", "gemma4", "gemma4_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
+GEMMA4_FAMILIES = ("gemma4", "gemma4_moe")
+"""The Gemma 4 builds: ``gemma4_moe`` is the same model with 26B-A4B's routed experts (both ``model_type: gemma4``,
+loaded by ``family: gemma4``)."""
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -223,7 +227,7 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
                                               image_seq_length=(INTERNVL_TILE // 14 // 2) ** 2,
                                               chat_template=INTERNVL_CHAT_TEMPLATE)
 
-    if family == "gemma4":  # every image resized to fill its soft-token budget (min_pixels plays no part)
+    if family in GEMMA4_FAMILIES:  # every image resized to fill its soft-token budget (min_pixels plays no part)
         from mmrl.plugins.vlm.adapters.gemma4 import soft_token_budget
 
         budget = dict(patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOLING,
@@ -279,8 +283,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         return _glm_config(family, tokenizer, dims)
     if family == "internvl":
         return _internvl_config(tokenizer, dims)
-    if family == "gemma4":
-        return _gemma4_config(tokenizer, dims)
+    if family in GEMMA4_FAMILIES:
+        return _gemma4_config(tokenizer, dims, moe=family == "gemma4_moe")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -386,7 +390,7 @@ def _internvl_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
                                        tie_word_embeddings=True)
 
 
-def _gemma4_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+def _gemma4_config(tokenizer: Any, dims: dict[str, Any], *, moe: bool = False) -> Any:
     """Gemma 4 with every text feature of the released variants in one tiny model (transformers'
     ``models/gemma4/convert_gemma4_weights.py`` ``_VARIANTS``): sliding-window and full-attention layers (a window of
     16 tokens, shorter than the tests' prompts, so the windows bind), the last two layers reusing the first two's keys
@@ -395,7 +399,12 @@ def _gemma4_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
     layers (31B, 26B-A4B: ``use_bidirectional_attention: vision``, ``attention_k_eq_v``), and the final logit
     soft-capping every variant has, at 2.0 instead of 30.0 with embeddings initialised 15 times wider than the default
     (0.3 against 0.02) so that the random model's logits reach the cap's bend and dropping it shows in the log-probs.
-    The vision tower: 2 layers on :data:`GEMMA4_PATCH`-pixel patches pooled :data:`GEMMA4_POOLING` × 3."""
+    The vision tower: 2 layers on :data:`GEMMA4_PATCH`-pixel patches pooled :data:`GEMMA4_POOLING` × 3.
+
+    ``moe``: the 26B-A4B's mixture of experts (``enable_moe_block``): every decoder layer adds, beside its dense MLP,
+    a router (``router.proj``, ``router.scale``, ``router.per_expert_scale``) and fused experts
+    (``experts.gate_up_proj [E, 2·I, H]``, ``experts.down_proj [E, H, I]``; transformers' ``Gemma4TextDecoderLayer``),
+    here 4 experts of width intermediate / 2, 2 per token."""
     import transformers
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in GEMMA4_SPECIAL_TOKENS}
@@ -408,6 +417,8 @@ def _gemma4_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
         layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
         use_bidirectional_attention="vision", final_logit_softcapping=2.0, max_position_embeddings=1024,
         initializer_range=0.3,
+        **(dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=dims["intermediate"] // 2)
+           if moe else {}),
         pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -444,7 +455,7 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     directory.parent.mkdir(parents=True, exist_ok=True)
     glm = family in GLM_FAMILIES
     tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family == "internvl"
-                 else build_gemma4_tokenizer() if family == "gemma4" else build_tokenizer())
+                 else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -457,14 +468,15 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "glm4v": "Glm4vForConditionalGeneration",
                                              "glm4v_moe": "Glm4vMoeForConditionalGeneration",
                                              "internvl": "InternVLForConditionalGeneration",
-                                             "gemma4": "Gemma4ForConditionalGeneration"}[family])
+                                             "gemma4": "Gemma4ForConditionalGeneration",
+                                             "gemma4_moe": "Gemma4ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
     # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>; Gemma 4's
     # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]).
-    ends = {"gemma4": ("<turn|>", "<eos>")}.get(family, ("<|endoftext|>", "<|user|>", "<|observation|>") if glm
-                                                  else ("<|im_end|>", "<|endoftext|>"))
+    ends = (("<turn|>", "<eos>") if family in GEMMA4_FAMILIES else ("<|endoftext|>", "<|user|>", "<|observation|>")
+            if glm else ("<|im_end|>", "<|endoftext|>"))
     eos = [tokenizer.convert_tokens_to_ids(token) for token in ends]
     model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                                             bos_token_id=tokenizer.pad_token_id)

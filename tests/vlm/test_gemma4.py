@@ -5,10 +5,12 @@ forward's ``logits`` of the chat written by hand with the processor on the raw i
 cache), and would not without the soft-capping; a batched processor output is split into each prompt's own padded
 patch sets and re-padded at collation; left-padded rows get the positions they have alone; the cache holds the
 embedder's output and freezing covers it; the pixel bounds pick the soft-token budget; videos are refused and
-``family: auto`` finds the adapter.
+``family: auto`` finds the adapter. On the MoE build (the 26B-A4B's routed experts): the adapter is MoE per checkpoint,
+and the batched rollout's log-probs equal a plain per-sample forward.
 
 The decode loop against ``generate``, the shared prompt forward, the shared prefill and LoRA training steps run for
-Gemma 4 in test_decode.py, test_prefix.py, test_plugin.py and test_training.py."""
+Gemma 4 in test_decode.py, test_prefix.py, test_plugin.py and test_training.py; the MoE build's router loss, LoRA on
+its experts and full fine-tuning in test_training.py."""
 
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ def gemma4_model(tmp_path_factory):
     if "gemma4" not in vlm_adapters:
         pytest.skip("transformers has no gemma4")
     return build_tiny_model("gemma4", tmp_path_factory.mktemp("gemma4") / "gemma4")
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe_model(tmp_path_factory):
+    from mmrl.plugins.vlm.adapters import vlm_adapters
+    from mmrl.plugins.vlm.testing import build_tiny_model
+
+    if "gemma4" not in vlm_adapters:
+        pytest.skip("transformers has no gemma4")
+    return build_tiny_model("gemma4_moe", tmp_path_factory.mktemp("gemma4_moe") / "gemma4_moe")
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +301,32 @@ def test_videos_are_refused_and_the_tokens_and_family_are_gemmas(gemma4_model, a
     plugin = make_plugin(gemma4_model)
     assert plugin.eos_ids == sorted([vocab["<turn|>"], vocab["<eos>"]])
     assert not {vocab["<|turn>"], vocab["<turn|>"]} & set(plugin.suppressed_ids)
+
+
+def test_the_moe_build_is_moe_per_checkpoint_and_scores_as_a_plain_forward(gemma4_model, gemma4_moe_model, adapter):
+    """``family: auto`` loads the MoE build with the same adapter, MoE from its config (the dense build's is not);
+    its batched rollout (mixed image sizes, left padding, shared prefill and prompt forward, the feature cache) gives
+    each sample the log-probs of a plain per-sample transformers forward of the hand-written chat. What
+    ``output_router_logits`` records per layer are the router's probabilities (rows sum to 1), which the router loss
+    (test_training.py) reads as such."""
+    from mmrl.plugins.vlm.adapters import adapter_for
+
+    assert adapter_for("auto", str(gemma4_moe_model)) is type(adapter) and not adapter.moe
+    plugin = make_plugin(gemma4_moe_model, max_new_tokens=8, temperature=0.9)
+    assert plugin.cache_features and plugin.config.share_prompt_forward
+    assert plugin.adapter.name == "gemma4" and plugin.adapter.moe and plugin.adapter.top_k_experts == 2
+    text = plugin.model.config.text_config
+    assert text.enable_moe_block and text.num_experts == 4
+    rows = plugin.dataset("train")[:3]
+    group = 2
+    rollout = old_policy_pass(plugin, plugin.policy(),
+                              plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=4))).validate()
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, _processor_inputs(plugin), atol=2e-6)
+    prompt = plugin.encode_rows(rows[:1])[0]
+    inputs, _ = plugin.adapter.collate([prompt])
+    with torch.no_grad():
+        routed = plugin.model(**inputs, output_router_logits=True).router_logits
+    assert len(routed) == text.num_hidden_layers
+    for probabilities in routed:  # [P, E]: the router's softmax, which output_router_logits records
+        assert probabilities.shape == (len(prompt["input_ids"]), 4)
+        torch.testing.assert_close(probabilities.sum(-1), torch.ones(len(prompt["input_ids"])))

@@ -315,52 +315,73 @@ def test_newer_families_train_with_lora(tmp_path, family):
     assert vision and not vision & changed
 
 
-def _moe_changes(tmp_path, family, **plugin_overrides):
-    """Two GRPO steps on the tiny ``family`` model (skipped when transformers has none) at ratio 1; the names of the
-    parameters they changed."""
+# The tiny MoE builds, the adapter that loads each (Gemma 4's is family gemma4, MoE read from the checkpoint), and
+# each one's fused expert tensor and router weight (Gemma 4's decoder layer holds them beside its dense MLP).
+MOE_BUILDS = {"qwen3_vl_moe": "qwen3_vl_moe", "qwen3_5_moe": "qwen3_5_moe", "glm4v_moe": "glm4v_moe",
+              "gemma4_moe": "gemma4"}
+MOE_NAMES = {"gemma4_moe": ("experts.gate_up_proj", "router.proj.weight")}
+DEFAULT_MOE_NAMES = ("mlp.experts.gate_up_proj", "mlp.gate.weight")
+
+
+def _moe_trainer(tmp_path, build, **plugin_overrides):
+    """A Trainer on the tiny MoE ``build`` (skipped when transformers has not its adapter)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    if family not in vlm_adapters:
-        pytest.skip(f"transformers has no {family}")
-    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family, **plugin_overrides))
-    before = _snapshot(trainer.plugin.model)
+    if MOE_BUILDS[build] not in vlm_adapters:
+        pytest.skip(f"transformers has no {MOE_BUILDS[build]}")
+    trainer = Trainer(_config(tmp_path, build_tiny_model(build, tmp_path / build), MOE_BUILDS[build],
+                              **plugin_overrides))
+    assert trainer.plugin.adapter.name == MOE_BUILDS[build] and trainer.plugin.adapter.moe
+    return trainer
+
+
+def _moe_changes(tmp_path, build, **plugin_overrides):
+    """Two GRPO steps on the tiny MoE ``build`` at ratio 1; the names of the parameters they changed and of the
+    vision modules' parameters."""
+    trainer = _moe_trainer(tmp_path, build, **plugin_overrides)
+    plugin = trainer.plugin
+    vision_ids = {id(p) for module in plugin.adapter.vision_modules(plugin.model) for p in module.parameters()}
+    vision = {name for name, p in plugin.model.named_parameters() if id(p) in vision_ids}
+    before = _snapshot(plugin.model)
     result = trainer.train()
     assert all(r["loss/first_step_ratio_deviation"] < 1e-5 for r in result.history)
-    after = _snapshot(trainer.plugin.model)
-    return {name for name in before if not torch.equal(before[name], after[name])}
+    after = _snapshot(plugin.model)
+    return {name for name in before if not torch.equal(before[name], after[name])}, vision
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
-def test_moe_full_finetuning_trains_the_experts(tmp_path, family):
+@pytest.mark.parametrize("build", sorted(MOE_BUILDS))
+def test_moe_full_finetuning_trains_the_experts(tmp_path, build):
     """lora: null on the MoE models: the fused expert tensors and the routers train with the rest of the language
     model, the vision tower stays frozen, ratio 1."""
-    changed = _moe_changes(tmp_path, family, lora=None)
-    assert any(name.endswith("mlp.experts.gate_up_proj") for name in changed)
-    assert any(name.endswith("mlp.gate.weight") for name in changed)
-    assert not any(name.startswith("model.visual.") for name in changed)
+    changed, vision = _moe_changes(tmp_path, build, lora=None)
+    experts, router = MOE_NAMES.get(build, DEFAULT_MOE_NAMES)
+    assert any(name.endswith(experts) for name in changed)
+    assert any(name.endswith(router) for name in changed)
+    assert vision and not vision & changed
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
-def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, family):
+@pytest.mark.parametrize("build", sorted(MOE_BUILDS))
+def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, build):
     """``lora.target_parameters`` adds LoRA on the fused expert tensors (peft's target_parameters) to the attention
     LoRA: two GRPO steps at ratio 1 move the experts' adapters and only adapters."""
     lora = {"rank": 4, "alpha": 8.0, "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
-    changed = _moe_changes(tmp_path, family, lora=lora)
+    changed, _ = _moe_changes(tmp_path, build, lora=lora)
     assert changed and all("lora_" in name for name in changed)
-    assert any(".mlp.experts." in name and ".lora_B." in name for name in changed)
+    assert any(".experts." in name and ".lora_B." in name for name in changed)
 
 
-def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k):
+def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k, *, probabilities_given=False):
     """transformers' load_balancing_loss_func written out: over every layer's real tokens together, the fraction
     of top-k assignments f_e and the mean router probability P_e of each expert; num_experts · Σ_e f_e · P_e (Switch
-    Transformer eqs. 4-6, with the layers pooled)."""
+    Transformer eqs. 4-6, with the layers pooled). ``probabilities_given``: the router outputs are already its
+    softmax (Gemma 4)."""
     real = attention_mask.reshape(-1).bool()
     assignments = torch.zeros(num_experts)
     probabilities = torch.zeros(num_experts)
     rows = 0
     for logits in router_logits:
-        probs = logits.float().softmax(-1)[real]  # [tokens, E]
+        probs = (logits.float() if probabilities_given else logits.float().softmax(-1))[real]  # [tokens, E]
         chosen = probs.topk(top_k, dim=-1).indices  # [tokens, k]
         assignments += torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
         probabilities += probs.sum(0)
@@ -368,31 +389,29 @@ def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k):
     return num_experts * float(((assignments / rows) * (probabilities / rows)).sum())
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
-def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, family):
+@pytest.mark.parametrize("build", sorted(MOE_BUILDS))
+def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, build):
     """The training forward of an MoE model returns aux_loss = router_aux_loss_coef × the routers' load-balancing
-    loss over the micro-batch's real tokens (prompt and completion), computed by hand from the router logits; the
-    log-probs are the same as without it; no-grad passes and router_aux_loss_coef 0 return none; a run logs
-    loss/aux."""
-    from mmrl.plugins.vlm.adapters import vlm_adapters
+    loss over the micro-batch's real tokens (prompt and completion), computed by hand from the router logits (Gemma
+    4: the router probabilities it records; transformers computes no aux_loss for it); the log-probs are the same as
+    without it; no-grad passes and router_aux_loss_coef 0 return none; a run logs loss/aux."""
     from mmrl.plugins.vlm.plugin import PassInputs
-    from mmrl.plugins.vlm.testing import build_tiny_model
 
-    if family not in vlm_adapters:
-        pytest.skip(f"transformers has no {family}")
-    trainer = Trainer(_config(tmp_path, build_tiny_model(family, tmp_path / family), family,
-                              router_aux_loss_coef=0.5))
+    trainer = _moe_trainer(tmp_path, build, router_aux_loss_coef=0.5)
     plugin = trainer.plugin
     batch = prompt_batch(plugin.dataset("train")[:2], 2, seed=3)
     rollout = plugin.rollout(plugin.policy(), batch)
     output = plugin.forward(plugin.policy(), rollout, need_reference=False)
     prepared = PassInputs(plugin, replay_prompts(rollout.replay), rollout.replay["completion_ids"])
     with torch.no_grad():
-        routed = plugin.model(**prepared.inputs, output_router_logits=True, use_cache=False)
+        # the positions the plugin passes (Gemma 4's plain rotary positions of left-padded rows; M-RoPE: none)
+        routed = plugin.model(**plugin.adapter._positioned(prepared.inputs), output_router_logits=True,
+                              use_cache=False)
         text = plugin.model.config.text_config
         experts = getattr(text, "num_experts", None) or text.num_local_experts  # GLM-4.5V: n_routed_experts
-        expected = _switch_load_balancing(routed.router_logits, prepared.inputs["attention_mask"], experts,
-                                          text.num_experts_per_tok)
+        top_k = getattr(text, "top_k_experts", None) or text.num_experts_per_tok  # Gemma 4: top_k_experts
+        expected = _switch_load_balancing(routed.router_logits, prepared.inputs["attention_mask"], experts, top_k,
+                                          probabilities_given=build == "gemma4_moe")
         plain = plugin.forward(plugin.policy(), rollout, need_reference=False)
     assert output.aux_loss.requires_grad and plain.aux_loss is None
     assert float(output.aux_loss) == pytest.approx(0.5 * expected, rel=1e-5)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -113,9 +113,10 @@ class VLMAdapter:
     #: ``get_rope_index``, which the model also computes itself when none are passed) or plain 1-D text positions
     #: (``[n, L]``, InternVL's Qwen2/Qwen3 language model), which a left-padded call must be given explicitly.
     mrope: ClassVar[bool] = True
-    #: Whether the language model has routed mixture-of-experts layers whose forward can return the router
-    #: load-balancing loss (``output_router_logits=True`` → ``output.aux_loss``; plugin.router_aux_loss_coef).
-    moe: ClassVar[bool] = False
+    #: Whether the language model has routed mixture-of-experts layers whose forward can return router outputs
+    #: (``output_router_logits=True``) from which :meth:`router_load_balancing_loss` computes the load-balancing loss
+    #: (plugin.router_aux_loss_coef). A family with dense and MoE checkpoints (Gemma 4) sets it per checkpoint.
+    moe: bool = False
     #: Vision placeholder and delimiter tokens (see :meth:`suppressed_token_ids`).
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                 "<|vision_end|>", "<|vision_pad|>")
@@ -639,6 +640,12 @@ class VLMAdapter:
                                               **extra)
         return positions
 
+    def router_load_balancing_loss(self, output: Any, attention_mask: Tensor | None) -> Tensor | None:
+        """The routers' load-balancing loss of one forward of an MoE model called with ``output_router_logits=True``
+        (0-dim, with gradients), or None when the output carries none: transformers' own ``output.aux_loss``
+        (``load_balancing_loss_func`` over the real tokens of ``attention_mask [n, L]``)."""
+        return getattr(output, "aux_loss", None)
+
     def image_token_count(self, prompt: PromptInputs) -> float:
         """How many image tokens ``prompt`` holds (the ``image_tokens`` rollout metric): its grids' patches over the
         spatial merge."""
@@ -782,28 +789,64 @@ def _text_config(hf_model: nn.Module) -> Any:
     return get_text_config() if callable(get_text_config) else config
 
 
+def switch_load_balancing(router_probabilities: Sequence[Tensor], attention_mask: Tensor | None, top_k: int
+                          ) -> Tensor:
+    """Switch Transformer's load-balancing loss (eqs. 4-6) from router *probabilities*, as transformers'
+    ``load_balancing_loss_func`` (e.g. ``models/qwen3_vl_moe/modeling_qwen3_vl_moe.py``) computes it from router
+    logits: over every MoE layer's real tokens together, the fraction f_e of top-k assignments that go to expert e
+    and its mean router probability P_e; ``E · Σ_e f_e · P_e`` (f sums to k; k at a uniform router).
+
+    For routers whose forward records probabilities (Gemma 4's ``Gemma4TextRouter`` returns the softmax first, which
+    ``output_router_logits`` collects): softmaxing them again, as the logits function would, flattens them.
+
+    Args:
+        router_probabilities: One ``[n·L, E]`` per MoE layer, rows in ``attention_mask``'s row-major order.
+        attention_mask: ``[n, L]``, 1 on real tokens; None: every token.
+        top_k: Experts per token (the router's top-k over the same probabilities).
+
+    Returns:
+        The 0-dim float32 loss, with gradients through the probabilities (not through the top-k choice).
+    """
+    probabilities = torch.cat([p.float() for p in router_probabilities])  # [layers·n·L, E]
+    num_experts = probabilities.shape[-1]
+    rows = router_probabilities[0].shape[0]
+    real = (torch.ones(rows, device=probabilities.device) if attention_mask is None
+            else attention_mask.reshape(-1).to(probabilities.device, torch.float32))  # [n·L]
+    if real.shape[0] != rows:
+        raise ValueError(f"router outputs hold {rows} tokens per layer, the attention mask {real.shape[0]}")
+    real = real.repeat(len(router_probabilities)).unsqueeze(-1)  # [layers·n·L, 1]
+    chosen = probabilities.topk(top_k, dim=-1).indices  # [layers·n·L, k]
+    assigned = nn.functional.one_hot(chosen, num_experts).sum(1).float()  # [layers·n·L, E]: 1 where routed
+    tokens = real.sum()
+    fraction = (assigned * real).sum(0) / tokens  # [E]: f_e
+    mean_probability = (probabilities * real).sum(0) / tokens  # [E]: P_e
+    return num_experts * (fraction * mean_probability).sum()
+
+
 class RouterAuxLoss:
-    """Context manager that records the router load-balancing loss (``output.aux_loss``) of every forward of a
-    transformers MoE model made inside it (a forward hook on the transformers model inside DDP and peft wrappers).
+    """Context manager that records the router load-balancing loss of every forward of a transformers MoE model
+    made inside it (a forward hook on the transformers model inside DDP and peft wrappers): ``loss(output,
+    attention_mask)`` (:meth:`VLMAdapter.router_load_balancing_loss`), by default the output's ``aux_loss``.
 
     Attributes:
         values: The recorded losses, one 0-dim tensor per forward, with gradients.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, loss: Callable[[Any, Tensor | None], Tensor | None] | None = None):
         self.model = _base_model(model)
+        self.loss = loss or (lambda output, _mask: getattr(output, "aux_loss", None))
         self.values: list[Tensor] = []
         self._handle: Any = None
 
     def __enter__(self) -> RouterAuxLoss:
-        def record(_module: nn.Module, _args: Any, output: Any) -> None:
-            value = getattr(output, "aux_loss", None)
+        def record(_module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            value = self.loss(output, kwargs.get("attention_mask"))
             if value is None:
-                raise RuntimeError(f"{type(self.model).__name__} returned no aux_loss with output_router_logits=True; "
-                                   "set plugin.router_aux_loss_coef: 0")
+                raise RuntimeError(f"{type(self.model).__name__} returned no router loss with "
+                                   "output_router_logits=True; set plugin.router_aux_loss_coef: 0")
             self.values.append(value)
 
-        self._handle = self.model.register_forward_hook(record)
+        self._handle = self.model.register_forward_hook(record, with_kwargs=True)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

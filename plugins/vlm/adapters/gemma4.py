@@ -39,6 +39,15 @@ conventions of the base class, against transformers 5.25's ``models/gemma4/model
   hidden]``), which the model takes back through ``mm_encoder_outputs["image"].pooler_output``. Since the projection
   is inside what is cached, ``freeze_vision`` freezes ``embed_vision`` with the tower (:meth:`vision_modules`) and
   keeps LoRA off both (the tower's MLP also names its projections ``gate_proj``/``up_proj``/``down_proj``).
+- **Mixture of experts** (26B-A4B: ``enable_moe_block`` in the text config). Every decoder layer adds to its dense
+  MLP a router (``router.proj``, ``router.scale``, ``router.per_expert_scale``) and fused experts
+  (``experts.gate_up_proj [E, 2·I, H]``, ``experts.down_proj [E, H, I]``: parameters, not linear modules; LoRA
+  reaches them through ``lora.target_parameters``). :attr:`moe` is read from each checkpoint's config, so the dense
+  variants stay dense. With ``output_router_logits`` the model returns each layer's ``router_logits``, which are the
+  router's softmax probabilities (``Gemma4TextRouter.forward`` returns them first, and ``Gemma4TextModel`` records
+  that output), and no ``aux_loss``: :meth:`router_load_balancing_loss` computes Switch load balancing from them
+  (:func:`~mmrl.plugins.vlm.adapters.base.switch_load_balancing`, top-k over the same probabilities the router picks
+  from).
 - **No videos, no audio.** Gemma 4 writes a video as ``mm:ss`` timestamps before each frame's image tokens and
   encodes frames with their own position ids and frame counts, which the plugin's video bookkeeping
   (``video_grid_thw``, frame rates, T-GRPO) does not describe: this family takes image rows only. Audio inputs are
@@ -57,7 +66,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, find_submodule, open_unresized
+from mmrl.plugins.vlm.adapters.base import (
+    PromptInputs,
+    VLMAdapter,
+    _base_model,
+    find_submodule,
+    open_unresized,
+    switch_load_balancing,
+)
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 """The soft-token budgets per image Gemma 4's image processor accepts (``_SUPPORTED_SOFT_TOKENS``, transformers 5.25
@@ -92,6 +108,12 @@ class Gemma4Adapter(VLMAdapter):
         image_processor = self.processor.image_processor
         self.merge_size = int(image_processor.pooling_kernel_size)  # soft token = pooling² patches
         self.image_token_id = int(self.processor.image_token_id)
+        from transformers import AutoConfig
+
+        # Dense (E2B, E4B, 31B) or MoE (26B-A4B) per checkpoint, not per family: one model_type covers both
+        text_config = AutoConfig.from_pretrained(self.model_path).get_text_config()
+        self.moe = bool(getattr(text_config, "enable_moe_block", False))
+        self.top_k_experts = int(text_config.top_k_experts) if self.moe else 0
 
     # ------------------------------------------------------------------ loading and sizes
     def load_processor(self) -> Any:
@@ -247,6 +269,16 @@ class Gemma4Adapter(VLMAdapter):
     def image_token_count(self, prompt: PromptInputs) -> float:
         """The prompt's ``<|image|>`` tokens (its images' soft tokens)."""
         return float((prompt["input_ids"] == self.image_token_id).sum())
+
+    def router_load_balancing_loss(self, output: Any, attention_mask: Tensor | None) -> Tensor | None:
+        """Switch load balancing (:func:`~mmrl.plugins.vlm.adapters.base.switch_load_balancing`) from the output's
+        ``router_logits``, one ``[n·L, E]`` per layer that holds the router's softmax probabilities (module
+        docstring), over the real tokens of ``attention_mask [n, L]``; None when the output has none. transformers'
+        Gemma 4 computes no ``aux_loss`` of its own."""
+        probabilities = getattr(output, "router_logits", None)
+        if not probabilities:
+            return None
+        return switch_load_balancing(probabilities, attention_mask, self.top_k_experts)
 
     # ------------------------------------------------------------------ modules and tokens
     def vision_modules(self, model: nn.Module) -> list[nn.Module]:
