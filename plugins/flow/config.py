@@ -37,8 +37,8 @@ class FlowPluginConfig:
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
         "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
-        "'hunyuan_video15' or another registered one (`mmrl list`); 'auto' reads model_index.json (the *_edit adapters "
-        "are chosen by name only)."
+        "'hunyuan_video15', 'hunyuan_video15_i2v' or another registered one (`mmrl list`); 'auto' reads "
+        "model_index.json (the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."

@@ -838,6 +838,32 @@ def build_hunyuan_video15_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                                   guider=guider)
 
 
+def build_hunyuan_video15_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``HunyuanVideo15ImageToVideoPipeline`` (the layout of hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v) with
+    :func:`build_hunyuan_video15_pipeline`'s text encoders, VAE, scheduler and guider, its transformer's weights under
+    the i2v config (``task_type="i2v"``, nothing else differs), and a one-layer ``SiglipVisionModel`` (32 px input,
+    8 px patches: 16 image tokens of the transformer's ``image_embed_dim`` 8, where the released SigLIP gives 729 of
+    1152) with a ``SiglipImageProcessor`` resizing to 32 × 32 as ``feature_extractor``."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Transformer3DModel
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    base = build_hunyuan_video15_pipeline(seed=seed, size=size)
+    transformer = HunyuanVideo15Transformer3DModel.from_config({**base.transformer.config, "task_type": "i2v"})
+    transformer.load_state_dict(base.transformer.state_dict())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        image_encoder = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=int(transformer.config.image_embed_dim), intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, image_size=32, patch_size=8,
+        ))
+    feature_extractor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    return HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=transformer, vae=base.vae,
+        scheduler=base.scheduler, text_encoder_2=base.text_encoder_2, tokenizer_2=base.tokenizer_2, guider=base.guider,
+        image_encoder=image_encoder, feature_extractor=feature_extractor,
+    )
+
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "qwen_image21": build_qwen_image21_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
@@ -846,7 +872,8 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
             "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
-            "wan_flf2v": build_wan_flf2v_pipeline, "hunyuan_video15": build_hunyuan_video15_pipeline}
+            "wan_flf2v": build_wan_flf2v_pipeline, "hunyuan_video15": build_hunyuan_video15_pipeline,
+            "hunyuan_video15_i2v": build_hunyuan_video15_i2v_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -856,7 +883,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
     ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``,
-    ``"hunyuan_video15"``) and
+    ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -41,6 +41,8 @@ flow_adapters.register_lazy("wan_i2v", "mmrl.plugins.flow.adapters.wan_i2v:WanIm
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
 flow_adapters.register_lazy("hunyuan_video15",
                             "mmrl.plugins.flow.adapters.hunyuan_video15:HunyuanVideo15Adapter")
+flow_adapters.register_lazy("hunyuan_video15_i2v",
+                            "mmrl.plugins.flow.adapters.hunyuan_video15_i2v:HunyuanVideo15ImageToVideoAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:

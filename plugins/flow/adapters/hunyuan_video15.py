@@ -67,7 +67,8 @@ class HunyuanVideo15Adapter(FlowAdapter):
     """Adapter for ``HunyuanVideo15Pipeline``: HunyuanVideo 1.5 text-to-video (hunyuanvideo-community/
     HunyuanVideo-1.5-480p_t2v, the pipeline's example; the 720p and step-distilled conversions; fine-tunes with the
     same pipeline class). Image-to-video (``HunyuanVideo15ImageToVideoPipeline``: the condition channels and SigLIP
-    ``image_embeds`` filled from an input image) has no adapter."""
+    ``image_embeds`` filled from an input image) is :class:`~mmrl.plugins.flow.adapters.hunyuan_video15_i2v.
+    HunyuanVideo15ImageToVideoAdapter`."""
 
     name = "hunyuan_video15"
     pipeline_classes = ("HunyuanVideo15Pipeline",)
@@ -89,16 +90,16 @@ class HunyuanVideo15Adapter(FlowAdapter):
         expected = 2 * channels + 1
         in_channels = int(pipeline.transformer.config.in_channels)
         if in_channels != expected:
-            raise ValueError(f"hunyuan_video15 adapter: the transformer takes {in_channels} input channels; "
-                             f"text-to-video needs 2 x {channels} + 1 = {expected} (latents, condition latents and "
-                             "mask, as HunyuanVideo15Pipeline concatenates them)")
+            raise ValueError(f"{self.name} adapter: the transformer takes {in_channels} input channels; "
+                             f"it needs 2 x {channels} + 1 = {expected} (latents, condition latents and mask, as "
+                             "the HunyuanVideo 1.5 pipelines concatenate them)")
         guider = pipeline.guider
         if type(guider).__name__ != "ClassifierFreeGuidance":
-            raise ValueError(f"hunyuan_video15 adapter: the pipeline's guider is {type(guider).__name__}; the adapter "
+            raise ValueError(f"{self.name} adapter: the pipeline's guider is {type(guider).__name__}; the adapter "
                              "reproduces ClassifierFreeGuidance only")
         start, stop = float(guider.config.start), float(guider.config.stop)
         if start != 0.0 or stop != 1.0:
-            raise ValueError(f"hunyuan_video15 adapter: the pipeline's guider guides steps from {start} to {stop} of "
+            raise ValueError(f"{self.name} adapter: the pipeline's guider guides steps from {start} to {stop} of "
                              "the schedule; the plugin guides every step or none, so its start must be 0 and stop 1")
         #: The guider's formulation: v_c + w·(v_c − v_u) instead of v_u + w·(v_c − v_u).
         self.original_formulation = bool(guider.config.use_original_formulation)
@@ -174,14 +175,21 @@ class HunyuanVideo15Adapter(FlowAdapter):
     def default_sigmas(self, num_steps: int) -> list[float]:
         return np.linspace(1.0, 0.0, num_steps + 1)[:-1].tolist()  # as HunyuanVideo15Pipeline.__call__; shifted later
 
-    def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
-                         guidance_scale: float) -> Tensor:
+    def condition_inputs(self, latents: Tensor, conditioning: Conditioning) -> tuple[Tensor, Tensor]:
+        """The transformer's condition channels ``[n, C + 1, F_lat, h, w]`` (condition latents, then the mask) and
+        ``image_embeds [n, T, D_image]`` for ``latents [n, C, F_lat, h, w]``: text-to-video's all-zero ones
+        (``prepare_cond_latents_and_mask`` and the zero image slots); image-to-video fills them from the image."""
         n, channels, frames, height, width = latents.shape  # [n, C, F_lat, h, w]
         # prepare_cond_latents_and_mask: condition latents (C channels) and mask (1 channel), all zero for t2v
         condition = latents.new_zeros(n, channels + 1, frames, height, width)
         config = self.transformer.config
         # all zero: the transformer's text-to-video switch (is_t2v), which zeroes and masks these slots
         image_embeds = latents.new_zeros(n, int(self.pipeline.vision_num_semantic_tokens), int(config.image_embed_dim))
+        return condition, image_embeds
+
+    def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
+                         guidance_scale: float) -> Tensor:
+        condition, image_embeds = self.condition_inputs(latents, conditioning)
         return module(
             hidden_states=torch.cat([latents, condition], dim=1),  # [n, 2C + 1, F_lat, h, w]
             image_embeds=image_embeds,  # [n, 729, D_image]
