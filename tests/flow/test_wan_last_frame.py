@@ -130,3 +130,17 @@ def test_pipelines_that_cannot_take_a_last_frame_refuse_it(make_plugin, tmp_path
     with pytest.raises(ValueError, match=r"train.jsonl row 1 names a 'last_image' \(a video's last frame\), which the "
                                          r"flux_kontext adapter does not take \(wan_i2v does[^\n]*$"):
         make_plugin("flux_kontext", dataset=str(with_last), prompts=None, eval_prompts=None)
+
+
+def test_the_first_and_last_frame_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, tmp_path):
+    """configs/flow/wan_flf2v.yaml as written (the wan_i2v recipe with the FLF2V checkpoint and last-frame rows), on
+    the tiny Wan2.1-FLF2V pipeline at 16 px with the test image reward per frame: loads, trains at ratio 1,
+    evaluates."""
+    from tests.flow.checks import run_recipe_step
+
+    dataset = _dataset(tmp_path / "data", [("the cat turns", 0, 1), ("the dog jumps", 2, 3)])
+    trainer = run_recipe_step("wan_flf2v.yaml", pipelines["wan_flf2v"], tmp_path / "run",
+                              f"plugin.dataset={dataset}", f"plugin.eval_dataset={dataset}", "plugin.resolution=16",
+                              "plugin.max_sequence_length=8",
+                              "rewards.functions=[{name: per_frame, args: {reward: test_brightness}}]")
+    assert all(row.get("last_image") for row in trainer.plugin.dataset("train"))  # the rows' last frames
