@@ -193,12 +193,18 @@ class FlowPlugin(Plugin):
             last_images = with_last > 0
         self._buckets = {split: config.resolved_buckets(split) for split in ("train", "eval")}
         for split, buckets in self._buckets.items():  # each row's size: a bucket by its aspect ratio
+            source = config.dataset if split == "train" else config.eval_dataset or config.dataset
+            source = str(source or ("plugin.prompts" if split == "train" else "plugin.eval_prompts"))
             if buckets is not None:
-                source = config.dataset if split == "train" else config.eval_dataset or config.dataset
-                inline = "plugin.prompts" if split == "train" else "plugin.eval_prompts"
                 assign_buckets(self._rows[split], buckets, default=config.resolved_size(),
                                aspect_image=adapter.aspect_image if adapter.image_conditioned else None,
-                               source=str(source or inline))
+                               source=source)
+            else:  # an aspect ratio no bucket reads would be ignored without a word
+                asking = next((number for number, row in enumerate(self._rows[split], start=1)
+                               if "aspect_ratio" in row), None)
+                if asking is not None:
+                    raise ValueError(f"{source} row {asking} names an 'aspect_ratio', which only plugin.buckets reads "
+                                     "(every row is generated at height x width without them): set plugin.buckets")
         # the most input images a row names: every batch's rows are laid out for that many (one: no change at all)
         image_slots = max((len(row_image_paths(row)) for rows in self._rows.values() for row in rows), default=1) \
             if adapter.image_conditioned else 1

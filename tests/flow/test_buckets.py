@@ -155,6 +155,14 @@ def test_a_bucketed_rollout_is_a_run_at_its_size_and_the_forward_follows_it(make
         plugin.rollout(plugin.policy(), bucket_batch(rows, 1))
 
 
+def test_an_aspect_ratio_without_buckets_is_refused(make_plugin, tmp_path):
+    prompts = write_prompt_rows(tmp_path / "prompts.jsonl", [{"prompt": "a cat"}, {"prompt": "a dog",
+                                                                                   "aspect_ratio": "2:1"}])
+    with pytest.raises(ValueError, match=r"prompts.jsonl row 2 names an 'aspect_ratio', which only plugin.buckets "
+                                         r"reads [^\n]*: set plugin.buckets$"):
+        make_plugin("flux", prompts=None, dataset=str(prompts))
+
+
 def test_evaluation_rows_take_the_evaluation_buckets(make_plugin, tmp_path):
     prompts = write_prompt_rows(tmp_path / "prompts.jsonl", [{"prompt": "a cat", "aspect_ratio": "1:2"}])
     plugin = make_plugin("flux", prompts=None, eval_prompts=None, dataset=str(prompts), eval_dataset=str(prompts),
