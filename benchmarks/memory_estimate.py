@@ -3,9 +3,9 @@ estimator checked against measurements on tiny models on the CPU (issue 26 item 
 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
 published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
-``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel`` and
-``ZImageTransformer2DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``, ``Glm4vForConditionalGeneration``
-and ``Qwen3Model``, and ``LlamaForCausalLM`` for
+``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel``, ``ZImageTransformer2DModel``
+and ``HunyuanVideo15Transformer3DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``,
+``Glm4vForConditionalGeneration``, ``Qwen2_5_VLTextModel`` and ``Qwen3Model``, and ``LlamaForCausalLM`` for
 LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
 ``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
 
@@ -29,10 +29,11 @@ Not counted: the CUDA context and allocator fragmentation (budget 1–3 GiB), th
 text-encoder peaks, temporary copies inside kernels. The numbers are a floor to plan with, not a guarantee.
 
 ``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted on,
-except Wan and Qwen-Image, checked at the tiny test pipelines' configs of plugins/flow/testing.py, one of the sizes
-their terms were fitted on), runs a forward and one AdamW step in float32 on the CPU and compares the measured bytes
-(saved activations; weights, gradients and optimizer state) with the estimator's; the Wan and Qwen-Image LoRA blocks are
-also measured at bfloat16 under autocast, as the recipes train (reported, not fitted: float32 norms and peft's input
+except Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5, checked at the tiny test pipelines' configs of
+plugins/flow/testing.py, one of the sizes their terms were fitted on), runs a forward and one AdamW step in float32 on
+the CPU and compares the measured bytes (saved activations; weights, gradients and optimizer state) with the
+estimator's; the Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5 LoRA blocks are also measured at bfloat16 under
+autocast, as the recipes train (reported, not fitted: float32 norms and peft's input
 casts keep more than 2 bytes per counted value). ``--json`` writes ``settings`` (``gpus``, ``torch``), ``recipes`` (per
 recipe and variant: ``parameters``, ``trainable``, ``gib`` per component, ``peak_gib``) and, with ``--check``, ``check``
 (per tiny model: ``estimated_bytes``, ``measured_bytes``, ``ratio``).
@@ -64,6 +65,8 @@ FLOW_QWEN_IMAGE_TARGETS = FLOW_SD3_TARGETS + ("img_mlp.net.0.proj", "img_mlp.net
                                               "txt_mlp.net.2")  # plugins/flow/adapters/qwen_image.py
 FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                         "ff_context.net.2")  # plugins/flow/adapters/flux.py
+# plugins/flow/adapters/hunyuan_video15.py: both streams' attention projections and MLPs (the FLUX double-block names)
+FLOW_HUNYUAN_VIDEO15_TARGETS = FLOW_FLUX_TARGETS
 FLOW_Z_IMAGE_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")  # plugins/flow/adapters/z_image.py
 LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
@@ -89,6 +92,12 @@ GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_p
 # per token and ``z_image_sequence`` per sequence (the modulation); ``z_image_caption`` per caption token of a
 # context-refiner block (no modulation). Fitted at h = 32…64 (2 and 4 heads, 32…64 image and caption tokens, LoRA
 # ranks 4…16, each adapted linear keeping its r-wide intermediate), where they reproduce the measured bytes exactly.
+# HunyuanVideo 1.5 (HunyuanVideo15TransformerBlock: MMDiT over the video and the concatenated Qwen2.5-VL, ByT5 and
+# image-slot tokens, LayerNorm adaLN per stream, tanh-GELU MLP of width f, qk RMSNorm per head): per token of either
+# stream, ``hunyuan_video15_sequence`` per sequence, and ``hunyuan_video15_mask`` per token² and sequence: its attention
+# processor expands the padding mask to a dense [B, 1, L, L] mask that SDPA converts to the query's dtype and keeps for
+# the backward (one value per token pair). Fitted at h = 16…64 (2…6 heads, MLP 32…256, 45…146 tokens, LoRA ranks
+# 4…16): the LoRA terms reproduce the measured bytes exactly, the full ones within 0.2 values per block.
 ACTIVATION_BYTES = {
     ("decoder", "full"): lambda h, kv, f, r, heads: 8 * h + 2 * kv + 4 * f,
     ("decoder", "lora"): lambda h, kv, f, r, heads: 6 * h + 2 * kv + 4 * f + 7 * r,
@@ -116,6 +125,12 @@ ACTIVATION_BYTES = {
     ("z_image_sequence", "lora"): lambda h, kv, f, r, heads: 4 * h,
     ("z_image_caption", "full"): lambda h, kv, f, r, heads: 18 * h + 4 * f + 3 * heads + 4,
     ("z_image_caption", "lora"): lambda h, kv, f, r, heads: 12 * h + 4 * f + 7 * r + 3 * heads + 4,
+    ("hunyuan_video15", "full"): lambda h, kv, f, r, heads: 17 * h + 2 * f + 3 * heads + 4,
+    ("hunyuan_video15", "lora"): lambda h, kv, f, r, heads: 11 * h + 2 * f + 6 * r + 3 * heads + 4,
+    ("hunyuan_video15_sequence", "full"): lambda h, kv, f, r, heads: 18 * h,
+    ("hunyuan_video15_sequence", "lora"): lambda h, kv, f, r, heads: 16 * h,
+    ("hunyuan_video15_mask", "full"): lambda h, kv, f, r, heads: 1,
+    ("hunyuan_video15_mask", "lora"): lambda h, kv, f, r, heads: 1,
 }
 
 
@@ -256,6 +271,31 @@ def build_z_image_extras() -> list[nn.Module]:
     return [qwen3, build_vae()]
 
 
+def build_hunyuan_video15() -> nn.Module:
+    """HunyuanVideo 1.5's dual-stream DiT: ``HunyuanVideo15Transformer3DModel``'s defaults are the released 480p
+    checkpoints' layout (54 blocks of 16 heads × 128, MLP ratio 4, patch 1, in_channels 65 = 2 × 32 latent channels
+    + the condition mask, text_embed_dim 3584 from Qwen2.5-VL-7B, text_embed_2_dim 1472 from the ByT5 glyph encoder,
+    image_embed_dim 1152 for SigLIP's 729 tokens): 8.33B parameters, the published 8.3B (docs/flow.md, section 15)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel()
+
+
+def build_hunyuan_video15_extras() -> list[nn.Module]:
+    """HunyuanVideo15Pipeline's Qwen2.5-VL-7B text model (``Qwen2_5_VLTextModel``: the 7B text config of
+    :func:`build_qwen25vl`, no vision tower, no LM head) and its VAE (``AutoencoderKLHunyuanVideo15``'s defaults:
+    32 latent channels, 16× spatial and 4× temporal compression and the scaling factor 1.03682 of the released
+    checkpoints, as plugins/flow/testing.py notes). Not counted: the ByT5 glyph encoder and, for image-to-video, the
+    SigLIP vision tower, whose full configurations are not established here (only their output widths, 1472 and
+    1152, are the transformer's)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                                    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064))
+    return [text, AutoencoderKLHunyuanVideo15()]
+
+
 def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, exclude: str | None = None) -> int:
     """``rank · (in + out)`` over the ``nn.Linear`` modules whose name ends with one of ``targets`` (PEFT's rule)."""
     total = 0
@@ -371,6 +411,20 @@ def recipes() -> list[Recipe]:
                       checkpointing=True, ema=True, extras=build_z_image_extras,
                       notes=["micro-batch 2, no CFG pass, one denoising step per backward (action_chunk_size 1)"])
 
+    def hunyuan_video15(task: str) -> Recipe:
+        # 53 frames at 480 x 480: the VAE compresses 16x in space and 4x in time, the transformer patches 1 x 1 x 1, so
+        # 14 x 30 x 30 = 12,600 video tokens; the text sequence is max_sequence_length 256 Qwen2.5-VL tokens, 256 ByT5
+        # glyph tokens and 729 image slots (masked in text-to-video, the SigLIP features in image-to-video): 1,241.
+        # Micro-batch 1 x 2 (true CFG's [uncond; cond] call), rank-128 LoRA, no EMA, no KL.
+        tokens = 14 * (480 // 16) ** 2 + 256 + 256 + 729
+        name = f"HunyuanVideo-1.5 {task} LoRA r128 53f"
+        return Recipe(name, f"configs/flow/hunyuan_video15_{task}.yaml", build_hunyuan_video15, 2048, 2048, 8192,
+                      [Blocks("hunyuan_video15", 54, tokens)], sequences=1 * 2,
+                      lora_targets=FLOW_HUNYUAN_VIDEO15_TARGETS, lora_rank=128, weight_bytes=2, heads=16,
+                      checkpointing=True, extras=build_hunyuan_video15_extras,
+                      notes=["micro-batch 1 x 2 (CFG), one denoising step per backward (action_chunk_size 1)",
+                             "not counted: the ByT5 glyph encoder" + (" and SigLIP" if task == "i2v" else "")])
+
     def edits() -> list[Recipe]:
         # The editing recipes at 384 px: 24 x 24 = 576 packed tokens for the edited image and as many for the input
         # image appended to the sequence (both resized to the run's size); the blocks are the text-to-image models'
@@ -443,6 +497,8 @@ def recipes() -> list[Recipe]:
         qwen_image(1024),
         z_image_turbo(),
         *edits(),
+        hunyuan_video15("t2v"),
+        hunyuan_video15("i2v"),
     ]
 
 
@@ -463,6 +519,8 @@ def activation_bytes(recipe: Recipe, mode: str) -> float:
             per_block += ACTIVATION_BYTES[(blocks.kind + "_context", mode)](*shape) * blocks.context_tokens
         if (blocks.kind + "_sequence", mode) in ACTIVATION_BYTES:
             per_block += ACTIVATION_BYTES[(blocks.kind + "_sequence", mode)](*shape)
+        if (blocks.kind + "_mask", mode) in ACTIVATION_BYTES:  # a dense per-pair attention mask (HunyuanVideo 1.5)
+            per_block += ACTIVATION_BYTES[(blocks.kind + "_mask", mode)](*shape) * blocks.tokens ** 2
         per_block *= d * recipe.sequences
         largest_block = max(largest_block, per_block)
         if recipe.checkpointing:  # each block keeps its input; one block at a time is recomputed in the backward
@@ -624,11 +682,17 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
     """The Wan, Qwen-Image and Z-Image blocks at the tiny test pipelines' transformer configs (plugins/flow/testing.py,
     the depth changed to 2 and 4 blocks): a 5-frame 16 px video (3 × 8 × 8 latents, 48 tokens) with 12 text tokens,
     a 16 px image (16 packed tokens) with 12 text tokens, the second prompt padded (masked) after 7 as the plugin
-    pads, and a 16 px Z-Image sample (16 image and 12 caption tokens, each padded to 32 by the transformer).
+    pads, a 16 px Z-Image sample (16 image and 12 caption tokens, each padded to 32 by the transformer), and a 5-frame
+    16 px HunyuanVideo 1.5 video (2 × 4 × 4 latents, 32 tokens) with 12 Qwen2.5-VL, 8 ByT5 and 4 image-slot tokens.
     """
     from peft import LoraConfig, get_peft_model
 
-    from mmrl.plugins.flow.testing import build_qwen_image_pipeline, build_wan_pipeline, build_z_image_pipeline
+    from mmrl.plugins.flow.testing import (
+        build_hunyuan_video15_pipeline,
+        build_qwen_image_pipeline,
+        build_wan_pipeline,
+        build_z_image_pipeline,
+    )
 
     wan_config = dict(build_wan_pipeline().transformer.config)
     qwen_config = dict(build_qwen_image_pipeline().transformer.config)
@@ -643,10 +707,17 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
     timestep = torch.rand(batch)
 
     def build(config: dict[str, Any], layers: int, lora: bool, targets: tuple[str, ...], bf16: bool) -> nn.Module:
-        from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel
+        from diffusers import (
+            HunyuanVideo15Transformer3DModel,
+            QwenImageTransformer2DModel,
+            WanTransformer3DModel,
+            ZImageTransformer2DModel,
+        )
 
         kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
-        if "cap_feat_dim" in config:  # Z-Image: n_layers main blocks (the refiners cancel in the difference)
+        if "text_embed_2_dim" in config:  # HunyuanVideo 1.5 (its refiner blocks cancel in the difference)
+            model = HunyuanVideo15Transformer3DModel(**{**kwargs, "num_layers": layers})
+        elif "cap_feat_dim" in config:  # Z-Image: n_layers main blocks (the refiners cancel in the difference)
             model = ZImageTransformer2DModel(**{**kwargs, "n_layers": layers})
         else:
             model_class = WanTransformer3DModel if "text_dim" in config else QwenImageTransformer2DModel
@@ -679,15 +750,33 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
                                          cap_feats=[c.to(dtype) for c in z_captions], return_dict=False)[0]
                                    ).float().sum()
 
+    hy_config = dict(build_hunyuan_video15_pipeline().transformer.config)
+    hy_video = torch.randn(batch, hy_config["in_channels"], 2, 4, 4)  # [B, 2C + 1, F_lat, h, w]: 32 tokens
+    hy_text = torch.randn(batch, text, hy_config["text_embed_dim"])  # [B, T, D]
+    hy_glyph, hy_slots = torch.randn(batch, 8, hy_config["text_embed_2_dim"]), 4
+    hy_image = torch.randn(batch, hy_slots, hy_config["image_embed_dim"])
+
+    def run_hunyuan_video15(model: nn.Module, dtype: torch.dtype) -> Any:
+        return lambda: model(hidden_states=hy_video.to(dtype), timestep=(timestep * 1000).to(dtype),
+                             encoder_hidden_states=hy_text.to(dtype), encoder_attention_mask=mask.float(),
+                             encoder_hidden_states_2=hy_glyph.to(dtype),
+                             encoder_attention_mask_2=torch.ones(batch, hy_glyph.shape[1]),
+                             image_embeds=hy_image.to(dtype), return_dict=False)[0].float().sum()
+
     cases = [("wan", wan_config, FLOW_WAN_TARGETS, run_wan, Blocks("wan", 2, 3 * 4 * 4, context_tokens=text)),
              ("qwen_image", qwen_config, FLOW_QWEN_IMAGE_TARGETS, run_qwen,
               Blocks("qwen_image", 2, side * side + text)),
-             ("z_image", z_config, FLOW_Z_IMAGE_TARGETS, run_z_image, Blocks("z_image", 2, 32 + 32))]
+             ("z_image", z_config, FLOW_Z_IMAGE_TARGETS, run_z_image, Blocks("z_image", 2, 32 + 32)),
+             ("hunyuan_video15", hy_config, FLOW_HUNYUAN_VIDEO15_TARGETS, run_hunyuan_video15,
+              Blocks("hunyuan_video15", 2, 32 + text + hy_glyph.shape[1] + hy_slots))]
     rows = []
     for kind, config, targets, runner, blocks in cases:
         if "cap_feat_dim" in config:  # Z-Image: dim, n_heads, SwiGLU width int(dim / 3 * 8)
             heads, hidden = config["n_heads"], config["dim"]
             mlp = int(hidden / 3 * 8)
+        elif "text_embed_2_dim" in config:  # HunyuanVideo 1.5: FeedForward(mult=mlp_ratio)
+            heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
+            mlp = int(hidden * config["mlp_ratio"])
         else:
             heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
             mlp = config.get("ffn_dim", 4 * hidden)

@@ -289,16 +289,18 @@ def test_step_floors(tmp_path, plugin):
 
 
 def test_memory_estimate(tmp_path):
-    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe, the Qwen-Image and Z-Image-Turbo recipes (built on the
-    meta device), FSDP over 2, with the tiny-model check."""
+    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe, the Qwen-Image, Z-Image-Turbo and HunyuanVideo 1.5 recipes
+    (built on the meta device), FSDP over 2, with the tiny-model check."""
     out = tmp_path / "memory.json"
     run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
-                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "Kontext", "--check", "--json", str(out))
+                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "Kontext", "HunyuanVideo-1.5 t2v", "--check",
+                  "--json", str(out))
     result = read_json(out)
     assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
     assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
                                        "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px",
-                                       "Z-Image-Turbo LoRA r64 512px", "FLUX.1-Kontext LoRA r64 384px"]
+                                       "Z-Image-Turbo LoRA r64 512px", "FLUX.1-Kontext LoRA r64 384px",
+                                       "HunyuanVideo-1.5 t2v LoRA r128 53f"]
     # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
     # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
     glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
@@ -367,14 +369,28 @@ def test_memory_estimate(tmp_path):
     assert one["trainable"] == 64 * (19 * (8 * (3072 + 3072) + 4 * (3072 + 12288)) + 38 * 3 * (3072 + 3072))
     per_token = (19 * 19.63 + 38 * 12.41) * 3072 * 2  # bytes per token and sequence
     assert one["gib"]["activations"] == pytest.approx(per_token * (2 * 576 + 512) * 2 / 2**30, rel=1e-6)
-    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan, Qwen-Image
-    # and Z-Image blocks included.
-    assert len(result["check"]) == 21
-    assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image", "z_image"}
+    # HunyuanVideo 1.5 480p, configs/flow/hunyuan_video15_t2v.yaml: 8.33B parameters, the published 8.3B; rank-128
+    # LoRA on 54 dual-stream blocks (8 attention projections 2048 -> 2048, both streams' MLPs 2048 -> 8192 -> 2048)
+    # and the text token refiner's 2 blocks (to_q/k/v/out 2048 -> 2048, MLP 2048 -> 8192 -> 2048, after its 3584 ->
+    # 2048 input projection), which share the suffixes;
+    # checkpointed: 53 frames at 480 x 480 are 14 x 30 x 30 = 12,600 video tokens + 1,241 text tokens, each
+    # block keeps its input, one is recomputed with its dense L x L attention mask (micro-batch 1 x 2, bf16).
+    hunyuan = result["recipes"]["HunyuanVideo-1.5 t2v LoRA r128 53f"]["with_checkpointing"]["one_gpu"]
+    assert 8.3e9 < hunyuan["parameters"] < 8.35e9
+    assert hunyuan["trainable"] == 128 * (54 * (8 * 4096 + 4 * (2048 + 8192)) + 2 * (4 * 4096 + 2 * (2048 + 8192)))
+    h, f, r, tokens = 2048, 8192, 128, 12600 + 1241
+    block = tokens * (11 * h + 2 * f + 6 * r + 3 * 16 + 4) + 16 * h + tokens**2
+    assert hunyuan["gib"]["activations"] == pytest.approx((54 * tokens * h + block) * 2 * 2 / 2**30)
+    # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan, Qwen-Image,
+    # Z-Image and HunyuanVideo 1.5 blocks included.
+    assert len(result["check"]) == 24
+    assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image", "z_image",
+                                                                       "hunyuan_video15"}
     for row in result["check"]:
         if "bf16" in row["model"]:
-            # Wan, Qwen-Image and Z-Image LoRA blocks at bfloat16 under autocast keep float32 norms and peft's input
-            # casts besides what the coefficients count: more than the estimate, as docs/distributed.md reports.
+            # Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5 LoRA blocks at bfloat16 under autocast keep float32 norms
+            # and peft's input casts besides what the coefficients count: more than the estimate, as
+            # docs/distributed.md reports.
             assert 1.2 < row["ratio"] < 2.0, row
         else:
             assert 0.95 < row["ratio"] < 1.05, row
