@@ -88,11 +88,12 @@ def test_log_probs_are_the_log_softmax_of_the_models_soft_capped_logits(gemma4_m
                               plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=4))).validate()
     vision = {"image_embeds"} if cache else {"pixel_values", "image_position_ids"}
     assert set(rollout.replay) == {"input_ids", "mm_token_type_ids", "completion_ids"} | vision
-    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, _processor_inputs(plugin), atol=2e-6)
+    # to float32 rounding of log-probs near -7 (other CPU kernels round the batched and the plain pass apart by 7e-6)
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, _processor_inputs(plugin), atol=3e-5)
     part = rollout.select([5, 0, 3])
     with torch.no_grad():
         output = plugin.forward(plugin.policy(), part, need_reference=True)
-    assert float((output.logp - part.old_logp).abs().max()) < 1e-6
+    assert float((output.logp - part.old_logp).abs().max()) < 1e-5
     # the same pass with the cap taken out of the fused head: another distribution, far beyond rounding
     import mmrl.plugins.vlm.adapters.base as base
 
@@ -196,8 +197,9 @@ def test_the_feature_cache_holds_the_embedders_output_and_freezing_covers_it(gem
 def test_left_padded_rows_get_the_positions_they_have_alone(gemma4_model):
     """Gemma 4 numbers positions from the first column when given none, padding included: a left-padded row's
     logits then differ from the row's alone. The teacher-forced pass, the decode loop's prefill and HF generate's
-    shared prefill give each left-padded row the positions 0, 1, 2, ... of its real tokens, and with them a batched
-    row's logits are the row's alone."""
+    shared prefill give each left-padded row the positions 0, 1, 2, ... of its real tokens (checked on the position
+    ids themselves: the logits' difference without them, 2.6e-5 on AVX2, is as small as what other CPU kernels round
+    a batched row apart from the row alone), and with them a batched row's logits are the row's alone to rounding."""
     plugin = make_plugin(gemma4_model, max_new_tokens=3)
     rows = plugin.dataset("train")[:3]
     prompts = plugin.encode_rows([rows[0], rows[1], rows[2], rows[0]], torch.tensor([0, 1, 2, 0]), model=plugin.model)
@@ -207,12 +209,13 @@ def test_left_padded_rows_get_the_positions_they_have_alone(gemma4_model):
     inputs, width = plugin.adapter.collate(prompts)
     short = int(np.argmin(lengths))
     alone, _ = plugin.adapter.collate([prompts[short]])
+    positioned_inputs = plugin.adapter._positioned(inputs)
+    real = positioned_inputs["position_ids"][short, width - lengths[short]:]  # the short row's real tokens
+    assert real.tolist() == list(range(lengths[short]))
     with torch.no_grad():
         reference = model(**alone).logits[0]  # [P_short, V]
-        unpositioned = model(**inputs).logits[short, width - lengths[short]:]
-        positioned = model(**plugin.adapter._positioned(inputs)).logits[short, width - lengths[short]:]
-    assert float((unpositioned - reference).abs().max()) > 1e-6
-    torch.testing.assert_close(positioned, reference, rtol=0, atol=1e-6)
+        positioned = model(**positioned_inputs).logits[short, width - lengths[short]:]
+    torch.testing.assert_close(positioned, reference, rtol=0, atol=2e-4)
     seen = []
     language_model = model.model.language_model  # LoRA is injected in place: the transformers model
     hook = language_model.register_forward_pre_hook(
