@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import ConfigError, config_field
-from mmrl.plugins.dllm.generation import GenerationOutput
+from mmrl.plugins.dllm.generation import GenerationOutput, masked_completions
 
 DREAM_ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 _ENTROPY_EPS = 1e-10  # Dream's epsilon inside log(p + eps)
@@ -160,11 +160,8 @@ def dream_generate(
     if steps < 1 or not 0 < eps < 1 or not temperature >= 0:
         raise ValueError(f"need steps >= 1, 0 < eps < 1 and temperature >= 0; got {steps}, {eps}, {temperature}")
     batch, prompt_length = prompt_ids.shape
-    if generators is not None and len(generators) != batch:
-        raise ValueError(f"got {len(generators)} generators for {batch} prompts")
+    x, step_map = masked_completions(prompt_ids, gen_length, mask_id, generators)
     device = prompt_ids.device
-    x = torch.cat([prompt_ids, torch.full((batch, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
-    step_map = torch.full((batch, gen_length), -1, dtype=torch.long, device=device)
     times = torch.linspace(1, eps, steps + 1, device=device)  # float32, as Dream's
     for i in range(steps):
         masked = x == mask_id  # [B, T]

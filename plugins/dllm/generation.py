@@ -154,11 +154,8 @@ def generate(
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids must be [B, P], got {tuple(prompt_ids.shape)}")
     batch, prompt_length = prompt_ids.shape
-    if generators is not None and len(generators) != batch:
-        raise ValueError(f"got {len(generators)} generators for {batch} prompts")
+    x, step_map = masked_completions(prompt_ids, gen_length, mask_id, generators)
     device = prompt_ids.device
-    x = torch.cat([prompt_ids, torch.full((batch, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
-    step_map = torch.full((batch, gen_length), -1, dtype=torch.long, device=device)
     if cfg_scale > 0:
         uncond_prompt = prompt_mask if prompt_mask is not None else torch.ones_like(prompt_ids, dtype=torch.bool)
     order = torch.arange(block_length, device=device)
@@ -204,6 +201,18 @@ def generate(
                 commit, block * steps_per_block + j, step_map[:, start - prompt_length : end - prompt_length]
             )
     return GenerationOutput(completion_ids=x[:, prompt_length:], step_map=step_map, steps_per_block=steps_per_block)
+
+
+def masked_completions(prompt_ids: Tensor, gen_length: int, mask_id: int,
+                       generators: Sequence[torch.Generator] | None) -> tuple[Tensor, Tensor]:
+    """The decoders' start: each prompt followed by ``gen_length`` mask tokens, ``[B, P + G]``, and an empty step map
+    ``[B, G]`` (−1: not committed yet); one generator per prompt when given."""
+    batch = prompt_ids.shape[0]
+    if generators is not None and len(generators) != batch:
+        raise ValueError(f"got {len(generators)} generators for {batch} prompts")
+    device = prompt_ids.device
+    masks = torch.full((batch, gen_length), mask_id, dtype=torch.long, device=device)
+    return torch.cat([prompt_ids, masks], dim=1), torch.full((batch, gen_length), -1, dtype=torch.long, device=device)
 
 
 def apply_guidance(conditional: Tensor, unconditional: Tensor, scale: float) -> Tensor:

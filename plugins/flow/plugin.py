@@ -244,7 +244,7 @@ class FlowPlugin(Plugin):
     def rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
         split = "train" if batch.training else "eval"
         if self._buckets[split] is not None:  # the rows' bucket, the adapter back at the run's size after
-            size = self._batch_size(batch.rows)
+            size = self._batch_image_size(batch.rows)
             condition = condition_size_for(size, self.condition_sizes[0 if batch.training else 1],
                                            self.adapter.resolution_multiple())
             with self.adapter.sized(*size, condition=condition):
@@ -260,7 +260,7 @@ class FlowPlugin(Plugin):
         return self.credit.rollout(self.sampler, policy, batch)
 
     @staticmethod
-    def _batch_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    def _batch_image_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
         """The one bucket of a batch's rows (the core never mixes them); a mixed batch is a RolloutError."""
         sizes = {row_size(row) for row in rows}
         if len(sizes) != 1:

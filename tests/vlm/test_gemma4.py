@@ -324,7 +324,8 @@ def test_the_moe_build_is_moe_per_checkpoint_and_scores_as_a_plain_forward(gemma
     group = 2
     rollout = old_policy_pass(plugin, plugin.policy(),
                               plugin.rollout(plugin.policy(), prompt_batch(rows, group, seed=4))).validate()
-    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, _processor_inputs(plugin), atol=2e-6)
+    # to float32 rounding of log-probs near -7 (as the dense test above)
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, _processor_inputs(plugin), atol=3e-5)
     prompt = plugin.encode_rows(rows[:1])[0]
     inputs, _ = plugin.adapter.collate([prompt])
     with torch.no_grad():

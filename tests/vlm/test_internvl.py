@@ -124,11 +124,11 @@ def test_image_log_probs_equal_a_plain_transformers_forward(internvl_model, cach
         return plugin.adapter.processor(text=[hand_written_chat(plugin.question(row))], images=images,
                                         return_tensors="pt")
 
-    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs, atol=1e-6)
+    assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_inputs, atol=1e-5)
     part = rollout.select([5, 0, 3])
     with torch.no_grad():
         output = plugin.forward(plugin.policy(), part, need_reference=True)
-    assert float((output.logp - part.old_logp).abs().max()) < 1e-6
+    assert float((output.logp - part.old_logp).abs().max()) < 1e-5
 
 
 def test_the_feature_cache_holds_the_projectors_output_and_freezing_covers_it(internvl_model):

@@ -109,6 +109,8 @@ class VLMAdapter:
     #: image tokens the plugin's video bookkeeping does not describe) is refused a dataset with video rows when the
     #: plugin starts, and its :meth:`encode` refuses videos.
     supports_videos: ClassVar[bool] = True
+    #: Why a family without videos cannot take them (the end of :meth:`refuse_videos`' message).
+    video_refusal: ClassVar[str] = ""
     #: Whether the language model's rotary positions are M-RoPE (``[3, n, L]`` position ids from the model's own
     #: ``get_rope_index``, which the model also computes itself when none are passed) or plain 1-D text positions
     #: (``[n, L]``, InternVL's Qwen2/Qwen3 language model), which a left-padded call must be given explicitly.
@@ -234,8 +236,15 @@ class VLMAdapter:
         width, height = self.resized_size(rgb.size)
         return rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
 
+    def refuse_videos(self, has_videos: bool) -> None:
+        """A family without videos (:attr:`supports_videos` false) refuses them in one line naming why."""
+        if has_videos and not self.supports_videos:
+            raise ValueError(f"{self.name}: videos are not supported for this family ({self.video_refusal}); give "
+                             "image rows only")
+
     def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Open and resize the frames of each video of one prompt.
+        """Open and resize the frames of each video of one prompt (a family without videos refuses any, and an empty
+        list gives an empty list).
 
         A video is given as its frames (paths or PIL images, in time order, already sampled at the rate the row
         declares). Every frame of a video is resized to the one size :meth:`video_frame_size` gives its first frame
@@ -248,6 +257,7 @@ class VLMAdapter:
         """
         from PIL import Image
 
+        self.refuse_videos(bool(videos))
         loaded = []
         for number, frames in enumerate(videos):
             if not frames:

@@ -99,6 +99,7 @@ class Gemma4Adapter(VLMAdapter):
                                                 "<|audio>", "<audio|>")
     end_of_turn: ClassVar[str] = "<turn|>"
     supports_videos = False
+    video_refusal = "its processor writes timestamped frames the plugin does not track"
     mrope = False
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
@@ -159,11 +160,6 @@ class Gemma4Adapter(VLMAdapter):
         return open_unresized(images, use_qwen_vl_utils=use_qwen_vl_utils,
                               resized_by="Gemma 4 images are resized by Gemma 4's processor")
 
-    def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Refuse videos (module docstring); an empty list passes."""
-        self._refuse_videos(bool(videos))
-        return []
-
     # ------------------------------------------------------------------ prompts
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
                videos: Sequence[Sequence[Sequence[Any]]] | None = None,
@@ -185,7 +181,7 @@ class Gemma4Adapter(VLMAdapter):
         """
         if len(texts) != len(images):
             raise ValueError(f"encode: {len(texts)} texts but {len(images)} image lists")
-        self._refuse_videos(video_entries or any(group for group in videos or []))
+        self.refuse_videos(video_entries or any(group for group in videos or []))
         # Gemma4Processor takes the images nested per text (make_nested_list_of_images) and checks each text's count
         nested = [list(group) for group in images] if any(images) else None
         batch = self.processor(text=list(texts), images=nested, padding=True, padding_side="left",
@@ -305,11 +301,6 @@ class Gemma4Adapter(VLMAdapter):
         if end is not None:
             ids.add(int(end))
         return sorted(ids)
-
-    def _refuse_videos(self, has_videos: bool) -> None:
-        if has_videos:
-            raise ValueError("gemma4: videos are not supported for this family (its processor writes timestamped "
-                             "frames the plugin does not track); give image rows only")
 
 
 def soft_token_budget(max_pixels: int, patch_size: int, pooling_kernel_size: int) -> int:

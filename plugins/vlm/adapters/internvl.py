@@ -64,6 +64,7 @@ class InternVLAdapter(VLMAdapter):
     vision_module_pattern: ClassVar[str] = r".*(^|\.)(vision_tower|multi_modal_projector)(\.|$).*"
     vision_tokens: ClassVar[tuple[str, ...]] = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
     supports_videos = False
+    video_refusal = "its processor writes frames as image tiles the plugin does not track"
     mrope = False
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
@@ -132,11 +133,6 @@ class InternVLAdapter(VLMAdapter):
         return open_unresized(images, use_qwen_vl_utils=use_qwen_vl_utils,
                               resized_by="InternVL images are tiled by InternVL's processor")
 
-    def load_videos(self, videos: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Refuse videos (module docstring); an empty list passes."""
-        self._refuse_videos(bool(videos))
-        return []
-
     # ------------------------------------------------------------------ prompts
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
                videos: Sequence[Sequence[Sequence[Any]]] | None = None,
@@ -158,7 +154,7 @@ class InternVLAdapter(VLMAdapter):
         """
         if len(texts) != len(images):
             raise ValueError(f"encode: {len(texts)} texts but {len(images)} image lists")
-        self._refuse_videos(video_entries or any(group for group in videos or []))
+        self.refuse_videos(video_entries or any(group for group in videos or []))
         flat = [image for group in images for image in group]
         batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
                                return_tensors="pt")
@@ -241,11 +237,6 @@ class InternVLAdapter(VLMAdapter):
         cache keeps."""
         projector = find_submodule(_base_model(model), self.projector_attributes, what="internvl projector")
         return [self.vision_tower(model), projector]
-
-    def _refuse_videos(self, has_videos: bool) -> None:
-        if has_videos:
-            raise ValueError("internvl: videos are not supported for this family (its processor writes frames as "
-                             "image tiles the plugin does not track); give image rows only")
 
 
 __all__ = ["InternVLAdapter"]
