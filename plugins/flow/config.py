@@ -37,7 +37,7 @@ class FlowPluginConfig:
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
         "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
-        "'hunyuan_video15', 'hunyuan_video15_i2v' or another registered one (`mmrl list`); 'auto' reads "
+        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2' or another registered one (`mmrl list`); 'auto' reads "
         "model_index.json (the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
@@ -149,6 +149,13 @@ class FlowPluginConfig:
         "(1000 - timestep)/1000 = 1 - sigma exceeds it, late in sampling (ZImagePipeline's cfg_truncation). Null: "
         "guidance at every step (the pipeline's default 1.0).",
         ref="diffusers ZImagePipeline cfg_truncation; Flow-Factory z_image.py",
+    )
+    adapter_options: dict[str, Any] = config_field(
+        default_factory=dict,
+        help="Settings only one model family has, by name, in rollouts, the training forward and evaluation alike: "
+        "each adapter documents the keys it takes (ltx2: its audio CFG scale, guidance rescale, spatio-temporal and "
+        "modality-isolation guidance, frame rate; docs/flow.md section 15) and refuses any other in one line. "
+        "Empty: the pipeline's defaults.",
     )
     sde: str = config_field(
         "flow_grpo", help="SDE of the stochastic steps: flow_grpo, dance_grpo, cps or another stochastic kind "

@@ -137,6 +137,10 @@ class FlowPlugin(Plugin):
         if self.cfg and not adapter.supports_cfg:
             raise ConfigError("plugin.cfg", config.cfg,
                               f"false or null: the {adapter.name} adapter {adapter.cfg_refusal}")
+        try:  # family-specific settings (plugin.adapter_options), refused by adapters that take none
+            adapter.configure(dict(config.adapter_options), cfg=self.cfg)
+        except ValueError as error:
+            raise ConfigError("plugin.adapter_options", config.adapter_options, str(error)) from None
         for key in ("cfg_normalization", "cfg_truncation"):  # Z-Image's optional guidance rules
             value = getattr(config, key)
             if value is not None and not (adapter.guidance_rules and self.cfg):

@@ -57,8 +57,8 @@ def test_height_and_width_default_to_resolution_one_by_one():
 
 
 def test_recipes_resolve_their_sizes():
-    """wan_t2v and wan22_t2v train at Wan's 480p (832 wide, 480 high); every other flow recipe keeps its square
-    side."""
+    """wan_t2v and wan22_t2v train at Wan's 480p (832 wide, 480 high); every other flow recipe at its height and
+    width where it sets them, else its square side."""
     import yaml
 
     from mmrl.config import load_config
@@ -68,8 +68,9 @@ def test_recipes_resolve_their_sizes():
         if recipe.name in ("wan_t2v.yaml", "wan22_t2v.yaml"):
             assert config.resolved_size() == (480, 832)
             continue
-        side = yaml.safe_load(recipe.read_text())["plugin"].get("resolution", 512)
-        assert config.resolved_size() == (side, side), recipe.name
+        plugin = yaml.safe_load(recipe.read_text())["plugin"]
+        side = plugin.get("resolution", 512)
+        assert config.resolved_size() == (plugin.get("height", side), plugin.get("width", side)), recipe.name
 
 
 @pytest.mark.parametrize("kind", KINDS)

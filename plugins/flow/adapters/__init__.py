@@ -43,6 +43,7 @@ flow_adapters.register_lazy("hunyuan_video15",
                             "mmrl.plugins.flow.adapters.hunyuan_video15:HunyuanVideo15Adapter")
 flow_adapters.register_lazy("hunyuan_video15_i2v",
                             "mmrl.plugins.flow.adapters.hunyuan_video15_i2v:HunyuanVideo15ImageToVideoAdapter")
+flow_adapters.register_lazy("ltx2", "mmrl.plugins.flow.adapters.ltx2:LTX2Adapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:

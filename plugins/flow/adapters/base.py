@@ -157,6 +157,14 @@ class FlowAdapter(ABC):
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
+    def configure(self, options: dict[str, Any], *, cfg: bool) -> None:
+        """Apply ``plugin.adapter_options`` (settings only this family has), once, after the plugin resolved
+        ``plugin.cfg`` to ``cfg``. A problem is a one-line ValueError naming the key and what is allowed (the plugin
+        reports it as the option's ConfigError). The base adapter takes no options."""
+        if options:
+            raise ValueError(f"an empty mapping: the {self.name} adapter takes no options "
+                             f"({', '.join(map(repr, options))} given)")
+
     def experts(self) -> dict[str, nn.Module]:
         """The trainable denoisers by pipeline component name (``plugin.train_experts`` picks among them): the one
         ``{"transformer": ...}``, or Wan 2.2's ``transformer`` and ``transformer_2``, which :attr:`transformer` (the
