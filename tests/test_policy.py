@@ -74,6 +74,22 @@ def test_attach_lora_freezes_the_base_starts_at_it_and_trains_float32_adapters(i
         attach_lora(_model(), LoraConfig(target_modules=["nope"]), default_targets=["0"], what="the toy model")
 
 
+def test_a_long_target_list_that_peft_shortens_is_not_taken_for_an_moe_rewrite():
+    """peft replaces 20 or more module targets by the fewest suffixes matching the same modules: the adapter lands on
+    exactly the named modules and attach_lora accepts it (the MoE-rewrite check refused it, which the LTX-2 adapter's
+    28 Flow-Factory targets hit)."""
+    blocks = nn.ModuleList(nn.ModuleDict({name: nn.Linear(2, 2) for name in ("q", "k", "v", "o", "skip")})
+                           for _ in range(5))
+    model = nn.Module()
+    model.blocks = blocks
+    targets = [f"blocks.{i}.{name}" for i in range(5) for name in ("q", "k", "v", "o")]  # 20 targets
+    attach_lora(model, LoraConfig(rank=2, target_modules=targets), default_targets=["q"])
+    adapted = sorted(name.removesuffix(".lora_A.default.weight") for name, _ in model.named_parameters()
+                     if name.endswith("lora_A.default.weight"))
+    assert adapted == sorted(targets)
+    assert sorted(model.peft_config["default"].target_modules) != sorted(targets)  # peft did shorten them
+
+
 def test_reference_policy_is_the_adapter_off_model_or_the_frozen_copy():
     x = torch.randn(5, 4)
     base_out = _model()(x)

@@ -145,6 +145,7 @@ def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequ
                           f"parameter-name suffixes present in {what} ({missing[0]!r} matches no parameter)")
     module.requires_grad_(False)
     requested = sorted(config.target_modules)
+    requested_parameters = set(config.target_parameters or ())
     try:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
     except ValueError as error:  # peft: no module matched
@@ -153,8 +154,12 @@ def attach_lora(module: nn.Module, options: LoraConfig, *, default_targets: Sequ
     # peft >= 0.18 rewrites, in place, module targets of MoE models whose experts transformers 5 fused (its v4
     # compatibility mapping, peft/utils/transformers_weight_conversion.py): e.g. GLM-4.5V's gate_proj/up_proj/
     # down_proj become target_parameters on the routed experts, and its dense and shared-expert MLPs lose their LoRA.
+    # peft also shortens a list of 20 or more module targets into the fewest suffixes that match the same modules
+    # (tuners_utils._find_minimal_target_modules): that changes target_modules but adds no parameter targets, and is
+    # not a rewrite.
+    added_parameters = set(config.target_parameters or ()) - requested_parameters
     rewritten = sorted(target for target in requested if target not in set(config.target_modules))
-    if rewritten:
+    if rewritten and added_parameters:
         raise ConfigError(f"{key}.target_modules", requested,
                           f"module names peft keeps for {what}: peft rewrote {', '.join(rewritten)} into the fused "
                           f"experts' parameters ({', '.join(sorted(config.target_parameters or ()))}); drop them and "
