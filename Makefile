@@ -12,6 +12,11 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= all,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmrl-installed
+# The tests run in TEST_WORKERS pytest-xdist processes (2, the CI machine's cores; 0 runs them in this process). Each
+# worker keeps torch's own thread count, so `make test` still runs the multi-threaded native kernels; worksteal hands
+# a finished worker tests from the other's queue, so one long test file does not leave a core idle at the end.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: install demo demo-edit demo-vlm shapes toy test test-fast lint clean
 
@@ -51,10 +56,10 @@ toy: install
 	$(VENV)/bin/mmrl train configs/toy.yaml run.resume=latest
 
 test: install
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(PY) -m ruff check .
