@@ -1,4 +1,5 @@
-"""Test helpers: small configs of the reference plugin, a call recorder and a gradient recorder."""
+"""Test helpers: small configs of the reference plugin, a call recorder, a gradient recorder and a bucketed variant
+of the reference plugin."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mmrl.config import TrainConfig, load_config
+from mmrl.plugins.toy.plugin import ToyPlugin
 
 # A fast, fixed-length variant of configs/toy.yaml: it learns clearly within a few dozen steps.
 BASE = {
@@ -64,3 +66,24 @@ def record_gradients(trainer, module: torch.nn.Module) -> list[dict[str, torch.T
 
     trainer.optimizer.step = recorded
     return steps
+
+
+class BucketToy(ToyPlugin):
+    """The toy plugin with its rows bucketed by prompt length (``Plugin.row_buckets``, as image rows are by size),
+    which refuses batches that mix buckets and records the bucket of every rollout call as ``(training, bucket)``."""
+
+    name = "bucket_toy"
+
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        self.calls: list[tuple[bool, str]] = []  # (training, bucket) per rollout call
+
+    def row_buckets(self, split):
+        return [f"len{len(row['digits'])}" for row in self.dataset(split)]
+
+    def rollout(self, policy, batch):
+        keys = {f"len{len(row['digits'])}" for row in batch.rows}
+        if len(keys) != 1:
+            raise AssertionError(f"a batch mixes buckets {sorted(keys)}")
+        self.calls.append((batch.training, keys.pop()))
+        return super().rollout(policy, batch)

@@ -16,7 +16,7 @@ from mmrl.testing import PROPERTIES, ConformanceError, check_plugin
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import CheckpointError
 from mmrl.trainer.sampler import PromptStream
-from tests.helpers import toy_config
+from tests.helpers import BucketToy, toy_config
 
 # 14 rows in three buckets, interleaved: a has 7 rows, b 2 (fewer than a chunk of 3), c 5.
 KEYS = ["a", "c", "a", "b", "a", "c", "a", "c", "a", "b", "a", "c", "a", "c"]
@@ -103,27 +103,6 @@ def test_the_state_resumes_exactly_and_a_changed_layout_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
-class BucketToy(ToyPlugin):
-    """The toy plugin with its rows bucketed by prompt length (as image rows are by size), which refuses batches
-    that mix buckets, and records the bucket of every rollout call."""
-
-    name = "bucket_toy"
-
-    def __init__(self, config, runtime):
-        super().__init__(config, runtime)
-        self.calls: list[tuple[bool, str]] = []  # (training, bucket) per rollout call
-
-    def row_buckets(self, split):
-        return [f"len{len(row['digits'])}" for row in self.dataset(split)]
-
-    def rollout(self, policy, batch):
-        keys = {f"len{len(row['digits'])}" for row in batch.rows}
-        if len(keys) != 1:
-            raise AssertionError(f"a batch mixes buckets {sorted(keys)}")
-        self.calls.append((batch.training, keys.pop()))
-        return super().rollout(policy, batch)
-
-
 class OneBucketToy(ToyPlugin):
     name = "one_bucket_toy"
 

@@ -6,14 +6,17 @@ depends only on its global index) and the per-step losses; the main process also
 to ``params.pt`` and the gradient of every optimizer step (as the optimizer saw it: reduced over processes, clipped)
 to ``gradients.pt``.
 
-    python tests/distributed/record_toy.py OUT_DIR [--plugin-old-logp] [--rollout-per-sample] [--config PATH]
-        [key=value overrides...]
+    python tests/distributed/record_toy.py OUT_DIR [--plugin-old-logp] [--rollout-per-sample] [--bucketed]
+        [--config PATH] [key=value overrides...]
 
 ``--config PATH`` starts from a shipped recipe (e.g. configs/toy.yaml) instead of the tests' small toy config.
 
 ``--plugin-old-logp`` makes the plugin return training rollouts with their own ``old_logp`` (the sampling weights'
 log-probs through the forward's computation); the toy plugin leaves them out, and the learner then substitutes the
 detached training log-probs (one optimizer step per rollout) or computes them (several).
+
+``--bucketed`` runs :class:`tests.helpers.BucketToy` (rows bucketed by prompt length; a batch that mixes buckets
+fails) and writes each rank's training buckets, one per rollout call, into its ``rank{r}.json``.
 
 ``--rollout-per-sample`` decodes each training batch one sample at a time (:func:`per_sample_rollout`) and joins
 the rollouts: for plugins whose samples depend on the batch composition by design (the vlm plugin seeds one RNG
@@ -35,12 +38,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mmrl.config import load_config  # noqa: E402
-from mmrl.plugin import PromptBatch  # noqa: E402
+from mmrl.plugin import PromptBatch, plugin_registry  # noqa: E402
 from mmrl.reward import reward_functions  # noqa: E402
 from mmrl.rewards.text_match import token_accuracy  # noqa: E402
 from mmrl.rollout import Rollout  # noqa: E402
 from mmrl.trainer import Trainer  # noqa: E402
-from tests.helpers import toy_config  # noqa: E402
+from tests.helpers import BucketToy, toy_config  # noqa: E402
 
 
 @reward_functions.register("test_constant_on_rank_1")
@@ -81,7 +84,11 @@ def main() -> None:
     arguments = sys.argv[2:]
     plugin_old_logp = "--plugin-old-logp" in arguments
     rollout_per_sample = "--rollout-per-sample" in arguments
-    arguments = [arg for arg in arguments if arg not in ("--plugin-old-logp", "--rollout-per-sample")]
+    bucketed = "--bucketed" in arguments
+    arguments = [arg for arg in arguments if arg not in ("--plugin-old-logp", "--rollout-per-sample", "--bucketed")]
+    if bucketed:
+        plugin_registry.register(BucketToy.name, BucketToy)
+        arguments = ["plugin.name=bucket_toy", *arguments]
     if "--config" in arguments:
         at = arguments.index("--config")
         recipe = arguments[at + 1]
@@ -130,7 +137,8 @@ def main() -> None:
     record = {"advantages": advantages, "losses": [r["loss/total"] for r in result.history],
               "rewards": [r["reward/mean"] for r in result.history],
               "padded": [r["samples/padded"] for r in result.history],
-              "num_processes": trainer.accelerator.num_processes}
+              "num_processes": trainer.accelerator.num_processes,
+              "buckets": [key for training, key in getattr(trainer.plugin, "calls", []) if training]}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if trainer.accelerator.is_main_process:
         model = getattr(trainer.plugin, "model", None)  # the flow plugin holds a pipeline: its trained parameters

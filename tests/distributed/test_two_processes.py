@@ -75,6 +75,47 @@ def test_two_processes_match_one(tmp_path, single, layout, config_file):
 
 
 @pytest.mark.slow
+def test_bucketed_rows_train_alike_on_one_and_two_processes(tmp_path):
+    """Rows that cannot share a batch (``Plugin.row_buckets``; tests.helpers.BucketToy, whose rollout fails on a batch
+    that mixes buckets) over two processes: at every step both processes draw that step's bucket, the one process
+    draws at that step, the optimizer steps apply the same gradients (to float reduction order, as above), and the
+    evaluation's per-bucket sample files hold the same samples. A process that drew its own bucket would fail in its
+    rollout or train other rows."""
+    overrides = [*COMMON, "plugin.min_length=3", "plugin.max_length=5", "eval.num_prompts=12",
+                 "eval.samples_per_prompt=2"]
+    single = _run(tmp_path / "one", 1, "--bucketed", *overrides)
+    double = _run(tmp_path / "two", 2, "--bucketed", *overrides)
+
+    def per_step(buckets: list[str]) -> list[str]:  # each step's one bucket, from its rollout calls' buckets
+        calls = len(buckets) // 3
+        assert len(buckets) == 3 * calls and calls > 0
+        steps = [buckets[k * calls:(k + 1) * calls] for k in range(3)]
+        assert all(len(set(step)) == 1 for step in steps), steps
+        return [step[0] for step in steps]
+
+    drawn = per_step(single["ranks"][0]["buckets"])
+    assert len(set(drawn)) > 1  # the steps do change bucket (three buckets of prompt lengths 3 to 5)
+    assert [per_step(rank["buckets"]) for rank in double["ranks"]] == [drawn, drawn]
+    for step, (one, two) in enumerate(zip(single["gradients"], double["gradients"], strict=True)):
+        assert float((one - two).norm() / one.norm()) < 1e-4, step
+    for seed, value in single["advantages"].items():
+        assert double["advantages"][seed] == pytest.approx(value, abs=1e-6), seed
+
+    def samples(out: Path) -> dict[str, list[str]]:  # bucket -> its records, over the processes' files
+        folder = out / "run" / "samples" / "step_000003"
+        found: dict[str, list[str]] = {}
+        for path in sorted(folder.iterdir()):  # eval_{bucket}.jsonl, or eval_rank{r}_{bucket}.jsonl on 2 processes
+            bucket = path.stem.rsplit("_", 1)[-1]
+            found[bucket] = sorted([*found.get(bucket, []), *path.read_text().splitlines()])
+        return found
+
+    written = samples(tmp_path / "one")
+    assert sorted(written) == ["len3", "len4", "len5"] and sum(map(len, written.values())) == 24
+    assert samples(tmp_path / "two") == written
+    assert len(list((tmp_path / "two" / "run" / "samples" / "step_000003").glob("eval_rank1_len*.jsonl"))) > 0
+
+
+@pytest.mark.slow
 def test_two_processes_without_old_logp_match_one_with_it(tmp_path, single):
     """μ = 1, one mini-batch: two processes whose plugin computes old_logp train like one process whose rollouts
     omit them (the toy's: the learner uses the detached training log-probs)."""
