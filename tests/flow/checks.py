@@ -1,5 +1,6 @@
 """Checks every model family's tests make the same way: ratio 1 on-policy for any micro-batch split, two GRPO steps
-that move only the LoRA, and prompt rows naming input images (image editing, image-to-video)."""
+that move only the LoRA, an exported LoRA that gives the policy's velocities in diffusers, and prompt rows naming
+input images (image editing, image-to-video)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def assert_ratio_one_for_any_split(plugin: Any, rollout: Any, splits: tuple[list
             assert ratio_deviation(plugin.forward(policy, part, need_reference=False), part) < 1e-5
         perturb_lora(plugin, seed=1)
         assert ratio_deviation(plugin.forward(policy, rollout, need_reference=False), rollout) > 1e-3
+
+
+def assert_loaded_lora_gives_the_policy_velocities(plugin: Any, rollout: Any, transformer: Any,
+                                                   guidance: float) -> None:
+    """``transformer``, a diffusers transformer with the plugin's exported adapter loaded, gives the policy's
+    velocities at the second step of ``rollout``, and the bare transformer does not (> 1e-3: the check can fail)."""
+    latents, timesteps = rollout.replay["latents"][:, 1], rollout.replay["timesteps"][:, 1]
+    conditioning = rollout.replay["conditioning"]
+    adapter = plugin.adapter
+    bare_transformer = type(transformer).from_pretrained(plugin.config.model, subfolder="transformer")
+    with torch.no_grad():
+        ours = adapter.call_transformer(plugin.policy(), latents, timesteps, conditioning, guidance)
+        theirs = adapter.call_transformer(transformer, latents, timesteps, conditioning, guidance)
+        bare = adapter.call_transformer(bare_transformer, latents, timesteps, conditioning, guidance)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    assert float((bare - ours).abs().max()) > 1e-3
 
 
 def train_two_steps(trainer: Any, *, frozen_components: bool = False) -> set[str]:
