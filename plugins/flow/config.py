@@ -37,8 +37,8 @@ class FlowPluginConfig:
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
         "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
-        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2' or another registered one (`mmrl list`); 'auto' reads "
-        "model_index.json (the *_edit adapters are chosen by name only)."
+        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2', 'ltx2_i2v', 'wan_v2v' or another registered one "
+        "(`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -154,7 +154,8 @@ class FlowPluginConfig:
         default_factory=dict,
         help="Settings only one model family has, by name, in rollouts, the training forward and evaluation alike: "
         "each adapter documents the keys it takes (ltx2: its audio CFG scale, guidance rescale, spatio-temporal and "
-        "modality-isolation guidance, frame rate; docs/flow.md section 15) and refuses any other in one line. "
+        "modality-isolation guidance, frame rate; ltx2_i2v: those and the input image's image_crf; wan_v2v: "
+        "strength; docs/flow.md section 15) and refuses any other in one line. "
         "Empty: the pipeline's defaults.",
     )
     sde: str = config_field(

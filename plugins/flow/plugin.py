@@ -89,6 +89,21 @@ def _check_sizes(config: FlowPluginConfig, adapter: Any) -> None:
             raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {why}")
 
 
+def _row_source(config: FlowPluginConfig, split: str) -> tuple[Path | None, str]:
+    """(the folder relative paths of ``split``'s rows are read from, None for an inline prompt list; its name for
+    errors), as :func:`~.config.load_rows` picks the split's source."""
+    inline = config.prompts if split == "train" else config.eval_prompts
+    if inline is not None:
+        return None, f"plugin.{'prompts' if split == 'train' else 'eval_prompts'}"
+    source = config.dataset if split == "train" else config.eval_dataset
+    if split == "eval" and source is None and config.dataset is not None and Path(config.dataset).is_dir():
+        source = config.dataset
+    if source is None:
+        return None, f"plugin.{'dataset' if split == 'train' else 'eval_dataset'}"
+    path = Path(source).expanduser()
+    return (path if path.is_dir() else path.parent), str(source)
+
+
 class FlowPlugin(Plugin):
     """Group-relative RL for diffusers flow-matching text-to-image models (Flow-GRPO, DanceGRPO, Flow-GRPO-Fast, and
     the credit strategies of :mod:`.credit`)."""
@@ -187,6 +202,9 @@ class FlowPlugin(Plugin):
         images = adapter.name if adapter.image_conditioned else None  # every row names its input image(s)
         self._rows = {split: load_rows(config, split, images=images, max_images=adapter.max_condition_images,
                                        last_image=adapter.takes_last_image) for split in ("train", "eval")}
+        for split, rows in self._rows.items():  # rows with inputs the adapter reads itself (Wan video-to-video)
+            folder, source = _row_source(config, split)
+            self._rows[split] = adapter.prepare_rows(rows, folder, source)
         last_images = False  # whether the run's rows name last frames (Wan first-and-last-frame video)
         if adapter.takes_last_image:
             rows = [row for split_rows in self._rows.values() for row in split_rows]

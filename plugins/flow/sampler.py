@@ -101,7 +101,8 @@ class FlowSampler:
         sigmas, timesteps = self.training_schedule()  # [S+1], [S]
         prompts, conditioning, extra = self.row_conditioning(batch.rows)  # each [n, ...]
         generators = batch.sample_generators()
-        latents = self.initial_noise(batch, generators)  # [n, *latent] float32
+        latents = self.adapter.initial_latents(self.initial_noise(batch, generators), conditioning,
+                                               sigmas[0])  # [n, *latent] float32
         last = config.num_steps if tail is None else tail[0]
         if tail is not None and (bool(plan.stochastic[:, last:].any()) or int(plan.step_index.max()) >= last):
             raise ValueError(f"the ODE tail from step {last} would cover stochastic or trained steps")
@@ -172,9 +173,10 @@ class FlowSampler:
         groups, rows = grouped_rows(batch.group_ids)  # [R, G] batch rows of each group's members
         if rows.shape[1] != template.group_size:
             raise RolloutError(f"groups of {rows.shape[1]} samples for a template of {template.group_size}")
-        initial = torch.cat([self.group_noise(group) for group in groups])  # [R, *latent]
         first = rows[:, 0]
         per_group = {key: value.index_select(0, first.to(value.device)) for key, value in conditioning.items()}
+        initial = self.adapter.initial_latents(torch.cat([self.group_noise(group) for group in groups]), per_group,
+                                               sigmas[0])  # [R, *latent]
 
         def velocity(x: Tensor, s: int, group_index: Tensor) -> Tensor:
             picked = {key: value.index_select(0, group_index.to(value.device)) for key, value in per_group.items()}
@@ -249,7 +251,8 @@ class FlowSampler:
         n = len(batch)
         sigmas, timesteps = self.adapter.schedule(config.eval_num_steps)
         prompts, conditioning, extra = self.row_conditioning(batch.rows)
-        latents = self.initial_noise(batch, batch.sample_generators())
+        latents = self.adapter.initial_latents(self.initial_noise(batch, batch.sample_generators()), conditioning,
+                                               sigmas[0])
         for s in range(config.eval_num_steps):
             velocity = self.velocity(policy, latents, timesteps[s].expand(n), conditioning, self.eval_guidance_scale,
                                      phase="evaluation")
@@ -266,13 +269,15 @@ class FlowSampler:
         image-conditioned adapter ``{"condition_images": [n, 3, H, W]}`` in [0, 1], each row's (first) input image,
         and where the run's rows name up to K > 1 images ``"more_condition_images"`` ``[n, K − 1, 3, H, W]`` (a row's
         second, third, ... image, zero after its last) and ``"condition_image_counts"`` ``[n]``, where they name last
-        frames ``"condition_last_images"`` ``[n, 3, H, W]`` (zero for a row without); else nothing)."""
+        frames ``"condition_last_images"`` ``[n, 3, H, W]`` (zero for a row without); else nothing; and what the adapter
+        reads from the rows itself, :meth:`FlowAdapter.row_conditioning`: Wan video-to-video's input videos)."""
         prompts = [str(row["prompt"]) for row in rows]
+        given, inputs = self.adapter.row_conditioning(list(rows))  # what the adapter reads from rows itself
         if self._images is None:
-            return prompts, self.conditioning(prompts), {}
+            return prompts, {**self.conditioning(prompts), **given}, inputs
         images, pixels = self._images(rows)  # with the prompts' encodings when they see the image
         text = {} if self.adapter.prompt_sees_image else self.conditioning(prompts)
-        return prompts, {**text, **images}, pixels
+        return prompts, {**text, **images, **given}, {**pixels, **inputs}
 
     def conditioning(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         """Prompt embeddings of ``prompts`` (each tensor ``[n, ...]``), encoded once per prompt and cached."""

@@ -38,12 +38,14 @@ flow_adapters.register_lazy("qwen_image21_edit",
                             "mmrl.plugins.flow.adapters.qwen_image21_edit:QwenImage21EditAdapter")
 flow_adapters.register_lazy("wan", "mmrl.plugins.flow.adapters.wan:WanAdapter")
 flow_adapters.register_lazy("wan_i2v", "mmrl.plugins.flow.adapters.wan_i2v:WanImageToVideoAdapter")
+flow_adapters.register_lazy("wan_v2v", "mmrl.plugins.flow.adapters.wan_v2v:WanVideoToVideoAdapter")
 flow_adapters.register_lazy("z_image", "mmrl.plugins.flow.adapters.z_image:ZImageAdapter")
 flow_adapters.register_lazy("hunyuan_video15",
                             "mmrl.plugins.flow.adapters.hunyuan_video15:HunyuanVideo15Adapter")
 flow_adapters.register_lazy("hunyuan_video15_i2v",
                             "mmrl.plugins.flow.adapters.hunyuan_video15_i2v:HunyuanVideo15ImageToVideoAdapter")
 flow_adapters.register_lazy("ltx2", "mmrl.plugins.flow.adapters.ltx2:LTX2Adapter")
+flow_adapters.register_lazy("ltx2_i2v", "mmrl.plugins.flow.adapters.ltx2_i2v:LTX2ImageToVideoAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:

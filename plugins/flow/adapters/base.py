@@ -421,6 +421,29 @@ class FlowAdapter(ABC):
         combination (Qwen-Image's norm rescale) overrides this, not :meth:`velocity`."""
         return uncond + guidance_scale * (cond - uncond)
 
+    # ------------------------------------------------------------------ rows with their own inputs, given starts
+    def prepare_rows(self, rows: list[dict[str, Any]], folder: Path | None, source: str) -> list[dict[str, Any]]:
+        """A split's prompt rows, checked and completed once when the plugin starts, for an adapter whose rows carry
+        inputs of their own besides prompt and image (Wan video-to-video: ``"video"``); ``folder`` is the prompt
+        file's folder, which relative paths are read from (None: an inline prompt list), ``source`` names it in
+        errors. A bad row is a one-line ValueError naming the row and what is allowed. The base returns them as
+        they are."""
+        return rows
+
+    def row_conditioning(self, rows: list[dict[str, Any]]) -> tuple[Conditioning, dict[str, Tensor]]:
+        """The conditioning of ``rows`` that the adapter reads from them itself (each tensor ``[n, ...]``, merged with
+        the prompts'), and payload entries for the rewards (the rows' inputs as the model saw them). The base has
+        none."""
+        return {}, {}
+
+    def initial_latents(self, noise: Tensor, conditioning: Conditioning, sigma: Tensor) -> Tensor:
+        """The latents the first step of the grid starts from, given the initial noise ``[n, *latent]`` drawn as the
+        pipeline draws it, the rows' conditioning and σ at that step (``sigmas[0]`` of :meth:`schedule`): the noise
+        itself (text-to-image: σ₀ = 1), except where the pipeline starts from given content noised to σ₀
+        (video-to-video, SDEdit). The noise is part of the initial state, not an action: the SDE steps and their
+        log-probs start after it."""
+        return noise
+
     def finalize(self, latents: Tensor, conditioning: Conditioning) -> Tensor:
         """The sampled latents ``[n, ...]`` as the pipeline hands them to the VAE, given the rows' conditioning: the
         identity, except where the pipeline puts given content back after sampling (Wan 2.2 TI2V image-to-video:

@@ -76,7 +76,7 @@ LoRA default targets: every block's video and audio self-attention (``attn1``, `
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -101,8 +101,8 @@ OPTIONS: dict[str, str] = {
 
 class LTX2Adapter(FlowAdapter):
     """Adapter for ``LTX2Pipeline``: LTX-2 / LTX-2.3 text-to-audio-video (Lightricks/LTX-2 and the diffusers
-    conversions of LTX-2.3). Image-to-video (``LTX2ImageToVideoPipeline``) and the other LTX-2 pipelines are not
-    covered."""
+    conversions of LTX-2.3). Image-to-audio-video (``LTX2ImageToVideoPipeline``) is the ``ltx2_i2v`` subclass
+    (:mod:`~mmrl.plugins.flow.adapters.ltx2_i2v`); the other LTX-2 pipelines are not covered."""
 
     name = "ltx2"
     pipeline_classes = ("LTX2Pipeline",)
@@ -118,6 +118,8 @@ class LTX2Adapter(FlowAdapter):
     default_num_frames = 121  # LTX2Pipeline.__call__'s num_frames for checkpoints without a duration head
     #: Videos per VAE decode call (one bounds memory: 121 frames at 512×768 decode to several GB of activations).
     decode_batch_size = 1
+    #: ``plugin.adapter_options`` keys and what each takes (:meth:`configure`; a subclass adds its own).
+    option_docs: ClassVar[dict[str, str]] = OPTIONS
 
     def __init__(self, pipeline: Any, device: torch.device):
         super().__init__(pipeline, device)
@@ -144,7 +146,8 @@ class LTX2Adapter(FlowAdapter):
         refuses such a ``guidance_scale``."""
         unknown = [key for key in options if key not in OPTIONS]
         if unknown:
-            raise ValueError(f"keys of {', '.join(OPTIONS)} (the {self.name} adapter's); {unknown[0]!r} is not one")
+            raise ValueError(f"keys of {', '.join(self.option_docs)} (the {self.name} adapter's); {unknown[0]!r} is "
+                             "not one")
         for key, value in options.items():
             if key == "stg_blocks":
                 if not isinstance(value, list) or not value or not all(
@@ -308,7 +311,8 @@ class LTX2Adapter(FlowAdapter):
             audio_hidden_states=audio,  # [n, T_a, C_a]
             encoder_hidden_states=conditioning["prompt_embeds"],  # [n, L, D_v]
             audio_encoder_hidden_states=conditioning["audio_prompt_embeds"],  # [n, L, D_a]
-            timestep=t,
+            timestep=self.video_timesteps(t),  # [n], or [n, T_v] per token (image-to-video)
+            audio_timestep=t,  # the transformer's default for a [n] timestep; explicit for a per-token one
             sigma=t,  # as LTX2Pipeline passes it (LTX-2.3's prompt modulation)
             encoder_attention_mask=conditioning["prompt_attention_mask"],  # [n, L]
             audio_encoder_attention_mask=conditioning["prompt_attention_mask"],
@@ -323,6 +327,11 @@ class LTX2Adapter(FlowAdapter):
             return_dict=False,
         )
         return self.join(video_out, audio_out)
+
+    def video_timesteps(self, timesteps: Tensor) -> Tensor:
+        """The video stream's ``timestep`` for the transformer from the rows' raw ``timesteps [n]``: the same for
+        every video token (``LTX2Pipeline``); the image-to-video subclass gives its given tokens 0."""
+        return timesteps
 
     def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning, *,
                  guidance_scale: GuidanceScale, negative: Conditioning | None = None) -> Tensor:
