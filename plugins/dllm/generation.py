@@ -20,6 +20,25 @@ SPG use for rollouts). One step:
    never remasked. The mask token itself is never a candidate (its logit is set to −∞), so a committed position
    always holds a real token.
 
+Two options of LLaDA's ``generate`` (ML-GSAI/LLaDA@b7e6c35 ``generate.py`` L45, L91-98; its docstring points to
+Appendix B.4 of the paper; LLaDA's ``EVAL.md`` turns them on per benchmark), reproduced as that code runs, not as its
+docstring words them:
+
+- ``logits_eos_inf``: the EOS logit is set to −∞ in step 2 (after guidance), so EOS is never a candidate, and the
+  confidence softmax of step 3 is taken without it (LLaDA writes −∞ into ``logits`` in place, which both read).
+- ``confidence_eos_eot_inf``: the docstring says "the confidence of EOS and EoT set to −∞"; the code is
+  ``logits_with_noise[:, :, EOS] = logits[:, :, EoT] = -inf`` after the candidates are drawn, and the confidence is
+  ``softmax(logits)[x̂]``. For ``τ > 0`` ``logits_with_noise`` is a new float64 tensor that is not read again, so
+  only the EoT column of the confidence softmax becomes −∞: an EoT candidate's confidence is 0 and every other
+  candidate's is renormalised without EoT (``p/(1 − p_EoT)``; an EOS candidate keeps a positive confidence). For
+  ``τ = 0`` LLaDA's ``add_gumbel_noise`` returns ``logits`` itself, so both columns become −∞ there: EOS and EoT
+  candidates both get confidence 0. A confidence of 0 (not −∞) still ranks above committed positions and positions
+  outside the block, so those candidates are committed last within the block, when the step's quota leaves nothing
+  else. With ``random`` remasking the option changes nothing. Reproducing the code, quirk included, keeps what
+  LLaDA's reported evaluations ran (greedy: both tokens deferred; sampled: EoT only); a literal −∞ would tie those
+  candidates with the committed positions (and, in LLaDA's ``topk``, those outside the block), so a step's quota
+  could fall on positions that take no token.
+
 Every random number of sample ``b`` comes from its own ``torch.Generator`` (drawn in float64 on the generator's
 device), so a sample does not depend on the batch it is decoded in. :class:`GenerationOutput` records the step at
 which each position was committed (``step_map``, as TraceRL records it).
@@ -123,6 +142,10 @@ def generate(
     generators: Sequence[torch.Generator] | None = None,
     cfg_scale: float = 0.0,
     prompt_mask: Tensor | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
+    eos_id: int | None = None,
+    eot_id: int | None = None,
 ) -> GenerationOutput:
     """Decode ``gen_length`` tokens after each prompt, block by block (see the module docstring).
 
@@ -140,6 +163,11 @@ def generate(
         cfg_scale: Classifier-free guidance scale s ≥ 0 (0: off). The unconditional pass masks the prompt.
         prompt_mask: ``bool [B, P]`` real prompt tokens, masked in the unconditional pass (default: all positions,
             as LLaDA does).
+        logits_eos_inf: Never propose ``eos_id`` (its logit −∞ after guidance; see the module docstring).
+        confidence_eos_eot_inf: LLaDA's confidence change, as its code runs: ``eot_id``'s probability is removed
+            from the confidence softmax, and ``eos_id``'s too when ``temperature == 0`` (module docstring).
+        eos_id: The EOS id these options act on (LLaDA: 126081).
+        eot_id: The end-of-turn id ``confidence_eos_eot_inf`` acts on (LLaDA: 126348).
 
     Returns:
         A :class:`GenerationOutput`.
@@ -153,13 +181,22 @@ def generate(
         raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale}")
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids must be [B, P], got {tuple(prompt_ids.shape)}")
+    if logits_eos_inf and eos_id is None:
+        raise ValueError("logits_eos_inf needs eos_id")
+    if confidence_eos_eot_inf and (eos_id is None or eot_id is None):
+        raise ValueError("confidence_eos_eot_inf needs eos_id and eot_id")
     batch, prompt_length = prompt_ids.shape
     x, step_map = masked_completions(prompt_ids, gen_length, mask_id, generators)
     device = prompt_ids.device
     if cfg_scale > 0:
         uncond_prompt = prompt_mask if prompt_mask is not None else torch.ones_like(prompt_ids, dtype=torch.bool)
     order = torch.arange(block_length, device=device)
-    mask_index = torch.tensor([mask_id], device=device)
+    # Logit columns set to −∞ before sampling: the mask token, and EOS with logits_eos_inf.
+    banned = torch.tensor([mask_id, *([eos_id] if logits_eos_inf else [])], device=device)
+    # Columns dropped from the confidence softmax with confidence_eos_eot_inf: EoT, and EOS when greedy (LLaDA's
+    # logits_with_noise is its logits then; see the module docstring).
+    hidden = torch.tensor([eot_id, *([eos_id] if temperature == 0 else [])] if confidence_eos_eot_inf else [],
+                          dtype=torch.long, device=device)
     noise: Sequence[torch.Generator] | SampleStreams | None = generators
     draws = (temperature > 0) + (remasking == "random")  # uniforms drawn per step: Gumbel noise, confidences
     if generators is not None and draws and all(g.device.type == "cpu" for g in generators):
@@ -178,7 +215,7 @@ def generate(
                 unconditional[:, :prompt_length] = torch.where(uncond_prompt, mask_id, prompt_ids)
                 logits = apply_guidance(logits, model(unconditional), cfg_scale)
             block_logits = logits[:, start:end].to(torch.float64)  # [B, K, V]
-            block_logits = block_logits.index_fill(-1, mask_index, float("-inf"))  # the mask token is no output
+            block_logits = block_logits.index_fill(-1, banned, float("-inf"))  # the mask token (EOS) is no output
             if isinstance(noise, SampleStreams) and block == 0 and j == 0:
                 per_step = block_length * (logits.shape[-1] * (temperature > 0) + (remasking == "random"))
                 noise.reserve(steps * per_step)
@@ -187,7 +224,8 @@ def generate(
                 uniforms = _per_sample_uniform(tuple(block_logits.shape[1:]), noise, batch, device)
             candidates = gumbel_argmax(block_logits, temperature, uniforms)  # [B, K]
             if remasking == "low_confidence":
-                confidence = block_logits.softmax(dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+                scored = block_logits.index_fill(-1, hidden, float("-inf")) if hidden.numel() else block_logits
+                confidence = scored.softmax(dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)  # [B, K]
             else:
                 confidence = _per_sample_uniform((block_length,), noise, batch, device)
             masked = x[:, start:end] == mask_id  # [B, K]

@@ -179,6 +179,18 @@ class DLLMPluginConfig:
         "real prompt tokens masked in the unconditional pass. Doubles the forwards.",
         ref="LLaDA generate.py; d1 get_logits (diffu_grpo_trainer.py L269-283)",
     )
+    logits_eos_inf: bool = config_field(
+        False, help="LLaDA sampler: the EOS logit (the first stop id; LLaDA 126081) is set to -inf after guidance, "
+        "so EOS is never proposed; rollouts and evaluation alike.",
+        ref="LLaDA generate.py L91-92 (ML-GSAI/LLaDA@b7e6c35); its EVAL.md: HumanEval of LLaDA-8B-Instruct",
+    )
+    confidence_eos_eot_inf: bool = config_field(
+        False, help="LLaDA sampler, low_confidence remasking: LLaDA's confidence change as its code runs it: the "
+        "end-of-turn id (the second stop id; LLaDA 126348) is dropped from the confidence softmax, and EOS (the "
+        "first; 126081) too at temperature 0, so their candidates get confidence 0 and are committed last in the "
+        "block (docs/dllm.md section 4); rollouts and evaluation alike.",
+        ref="LLaDA generate.py L97-98 (ML-GSAI/LLaDA@b7e6c35); its EVAL.md: GSM8K, Math, GPQA, MBPP",
+    )
     generation_batch_size: int | None = config_field(None, minimum=1, help="Samples decoded per batch (null: all).")
     sampler: Literal["llada", "dream"] | None = config_field(
         None, help="Rollout sampler of masked models: 'llada' (LLaDA's semi-autoregressive blocks with remasking: "
@@ -267,6 +279,9 @@ class DLLMPluginConfig:
         toy_families = ("auto", "masked_lm", "diffusion_gemma")  # the families with a toy checkpoint
         if self.dataset in BUILTIN_DATASETS and self.model is not None and self.adapter not in toy_families:
             raise ConfigError(f"{path}.dataset", self.dataset, "a JSONL file or folder for a non-toy model")
+        if self.confidence_eos_eot_inf and self.remasking == self.eval_remasking == "random":
+            raise ConfigError(f"{path}.confidence_eos_eot_inf", True, "false with remasking and eval_remasking "
+                              "random (it changes low_confidence confidences only)")
         if self.objective == "grpo" and self.normalize_by_length is not None:
             raise ConfigError(f"{path}.normalize_by_length", self.normalize_by_length,
                               "null with objective grpo (each token column holds a per-token value; "
@@ -327,6 +342,11 @@ class DLLMPlugin(Plugin):
         self.sampler = None if self.canvas else (config.sampler or self.adapter.default_sampler)
         if self.sampler == "dream":
             self._check_dream_options()
+        elif self.sampler == "llada" and config.confidence_eos_eot_inf and len(self.adapter.stop_ids) < 2:
+            raise ConfigError("plugin.confidence_eos_eot_inf", True, f"false for {model_path}: it acts on an EOS and "
+                              f"an end-of-turn id (the first two stop ids; LLaDA: 126081, 126348) and the "
+                              f"{self.adapter.name} adapter has {list(self.adapter.stop_ids)}: name both in "
+                              "plugin.eos_token_ids")
         if not self.canvas and config.resolved_estimator == CANVAS_ESTIMATOR:
             raise ConfigError("plugin.estimator", CANVAS_ESTIMATOR, f"a masked-model estimator for {model_path} "
                               f"({self.adapter.name} adapter); {CANVAS_ESTIMATOR} scores canvas models only")
@@ -365,6 +385,10 @@ class DLLMPlugin(Plugin):
             if getattr(config, key) != default:
                 raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) {why}: "
                                   "plugin.dream_sampler.alg chooses what is committed, and it has no guidance")
+        for key in ("logits_eos_inf", "confidence_eos_eot_inf"):
+            if getattr(config, key):
+                raise ConfigError(f"plugin.{key}", True, f"false (its default) {why}: it is an option of LLaDA's "
+                                  "generate.py, a step Dream's diffusion_generate does not have")
 
     def _check_canvas_options(self) -> Any:
         """Canvas models: settle the estimator (``uniform_one_step``, the only one that fits them) and refuse the
@@ -385,7 +409,8 @@ class DLLMPlugin(Plugin):
             raise ConfigError("plugin.block_length", config.block_length,
                               f"{adapter.canvas_length}, the canvas_length of {adapter.model_path}")
         refused = {"temperature": 1.0, "eval_temperature": 0.0, "remasking": "low_confidence",
-                   "eval_remasking": "low_confidence", "cfg_scale": 0.0, "sampler": None}
+                   "eval_remasking": "low_confidence", "cfg_scale": 0.0, "sampler": None, "logits_eos_inf": False,
+                   "confidence_eos_eot_inf": False}
         for key, default in refused.items():
             if getattr(config, key) != default:
                 raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) for the "
@@ -608,6 +633,8 @@ class DLLMPlugin(Plugin):
         top_p = dream.top_p if batch.training or dream.eval_top_p is None else dream.eval_top_p
         size = config.generation_batch_size or len(batch) or 1
         scorer = self.adapter.scorer(module)
+        stops = self.adapter.stop_ids  # LLaDA: |EOS| 126081, <|eot_id|> 126348 (the ids its generate.py hard-codes)
+        eos_eot = {"eos_id": stops[0], "eot_id": stops[1] if len(stops) > 1 else None}
         completions, step_maps = [], []
         with self.runtime.autocast():
             for start in range(0, prompt_ids.shape[0], size):
@@ -624,6 +651,8 @@ class DLLMPlugin(Plugin):
                         block_length=config.block_length, steps=config.steps, temperature=temperature,
                         remasking=remasking, generators=generators[part], cfg_scale=config.cfg_scale,
                         prompt_mask=padding_inputs(prompt_ids[part], self.adapter.pad_id)[0].bool(),  # real prompt
+                        logits_eos_inf=config.logits_eos_inf, confidence_eos_eot_inf=config.confidence_eos_eot_inf,
+                        **eos_eot,
                     )
                 completions.append(out.completion_ids)
                 step_maps.append(out.step_map)
