@@ -126,11 +126,11 @@ class VLMPluginConfig:
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
-        "glm4v_moe, internvl, gemma4 (when transformers has them) or another registered one; 'auto' reads model_type "
-        "from the checkpoint's config.json.",
+        "glm4v_moe, internvl (InternVL3/3.5, dense or MoE), gemma4 (when transformers has them) or another "
+        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
-                        "glm4v_moe", "internvl", "gemma4", "gemma4_moe"] | None = config_field(
+                        "glm4v_moe", "internvl", "internvl_moe", "gemma4", "gemma4_moe"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )
@@ -242,9 +242,9 @@ class VLMPluginConfig:
         ref="Video-R1 (arXiv:2503.21776) T-GRPO; tulerfeng/Video-R1@59d65c3 vllm_grpo_trainer_modified.py:500-520",
     )
     router_aux_loss_coef: float = config_field(
-        0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe, glm4v_moe, Gemma 4 "
-        "26B-A4B): weight of the routers' load-balancing loss (transformers' load_balancing_loss_func, or the same "
-        "Switch loss from Gemma 4's router probabilities, over the training pass's real tokens) added to "
+        0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe, glm4v_moe, InternVL3.5 MoE, "
+        "Gemma 4 26B-A4B): weight of the routers' load-balancing loss (transformers' load_balancing_loss_func, or "
+        "the same Switch loss from Gemma 4's router probabilities, over the training pass's real tokens) added to "
         "the loss, its mean over an optimizer step's forwards; 0 disables. Ignored for dense models. The training "
         "pass then runs per sample (no shared prompt: the loss is over whole sequences).",
         ref="TRL GRPOConfig.router_aux_loss_coef = 0.001 (grpo_trainer.py:1506-1509, 3218-3221 at f2cd577); "

@@ -15,10 +15,11 @@ full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image token
 GLM-4.1V's special tokens and chat layout (:data:`GLM_CHAT_TEMPLATE`) and half as many, twice as wide heads (GLM rotates
 half of each head). The InternVL build has InternVL3-hf's tokens and chat layout (:data:`INTERNVL_CHAT_TEMPLATE`), a
 ViT on 56-pixel tiles (4 image tokens per tile; an image becomes 1 to ``max_pixels / 56²`` tiles, plus a thumbnail
-when more than one) and a Qwen2 language model of the same text size. The Gemma 4 build has Gemma 4's tokens and chat
-layout (:data:`GEMMA4_CHAT_TEMPLATE`), a ViT on 4-pixel patches pooled 3 × 3 (70 soft tokens per image at the tests'
-pixel bounds) and a 4-layer language model with every text feature of the released variants (:func:`_gemma4_config`);
-``gemma4_moe`` adds the 26B-A4B's routed experts to every layer (4 experts, 2 per token).
+when more than one) and a Qwen2 language model of the same text size; ``internvl_moe`` has InternVL3.5-30B-A3B's
+Qwen3-MoE language model instead (4 experts, 2 per token, in every layer). The Gemma 4 build has Gemma 4's tokens
+and chat layout (:data:`GEMMA4_CHAT_TEMPLATE`), a ViT on 4-pixel patches pooled 3 × 3 (70 soft tokens per image at the
+tests' pixel bounds) and a 4-layer language model with every text feature of the released variants
+(:func:`_gemma4_config`); ``gemma4_moe`` adds the 26B-A4B's routed experts to every layer (4 experts, 2 per token).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -33,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl", "gemma4", "gemma4_moe")
+            "internvl", "internvl_moe", "gemma4", "gemma4_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
 GEMMA4_FAMILIES = ("gemma4", "gemma4_moe")
 """The Gemma 4 builds: ``gemma4_moe`` is the same model with 26B-A4B's routed experts (both ``model_type: gemma4``,
 loaded by ``family: gemma4``)."""
+INTERNVL_FAMILIES = ("internvl", "internvl_moe")
+"""The InternVL builds: ``internvl_moe`` has InternVL3.5's Qwen3-MoE language model (both ``model_type: internvl``,
+loaded by ``family: internvl``)."""
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -214,7 +218,7 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
 
-    if family == "internvl":  # tiles of INTERNVL_TILE pixels, as many as the pixel bounds allow (the adapter's rule)
+    if family in INTERNVL_FAMILIES:  # tiles of INTERNVL_TILE pixels, as many as the pixel bounds allow (adapter's rule)
         from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
         tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
@@ -281,8 +285,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
     dims = SIZES[size]
     if family in GLM_FAMILIES:
         return _glm_config(family, tokenizer, dims)
-    if family == "internvl":
-        return _internvl_config(tokenizer, dims)
+    if family in INTERNVL_FAMILIES:
+        return _internvl_config(tokenizer, dims, moe=family == "internvl_moe")
     if family in GEMMA4_FAMILIES:
         return _gemma4_config(tokenizer, dims, moe=family == "gemma4_moe")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
@@ -370,10 +374,16 @@ def _glm_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
     return transformers.Glm4vConfig(text_config=text, vision_config=vision, **special)
 
 
-def _internvl_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+def _internvl_config(tokenizer: Any, dims: dict[str, Any], *, moe: bool = False) -> Any:
     """InternVL3: InternViT on :data:`INTERNVL_TILE`-pixel tiles (14-pixel patches, a CLS token dropped by the
     "default" feature strategy, pixel shuffle 0.5) and a Qwen2 language model with plain 1-D rotary positions (the
-    size's text dimensions; InternVL3.5 has a Qwen3 language model instead)."""
+    size's text dimensions; InternVL3.5 has a Qwen3 language model instead).
+
+    ``moe``: InternVL3.5-30B-A3B's Qwen3-MoE language model (``text_config.model_type: qwen3_moe``; transformers'
+    ``Qwen3MoeSparseMoeBlock``: a router ``mlp.gate`` and fused experts ``mlp.experts.gate_up_proj [E, 2·I, H]``,
+    ``mlp.experts.down_proj [E, H, I]``) in every layer (``decoder_sparse_step`` 1, no ``mlp_only_layers``, top-k
+    weights renormalised: ``norm_topk_prob``, as the released Qwen3-30B-A3B config), here 4 experts of width
+    intermediate / 2, 2 per token (128 and 8 released)."""
     import transformers
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in INTERNVL_SPECIAL_TOKENS}
@@ -383,6 +393,10 @@ def _internvl_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
         num_key_value_heads=dims["kv_heads"], max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
+    if moe:
+        text.update(model_type="qwen3_moe", head_dim=dims["hidden"] // dims["heads"], num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=dims["intermediate"] // 2, decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=True)
     vision = dict(hidden_size=dims["vision"], num_hidden_layers=dims["depth"], num_attention_heads=4,
                   intermediate_size=2 * dims["vision"], image_size=INTERNVL_TILE, patch_size=14)
     return transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
@@ -454,7 +468,7 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     glm = family in GLM_FAMILIES
-    tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family == "internvl"
+    tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family in INTERNVL_FAMILIES
                  else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
@@ -468,6 +482,7 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "glm4v": "Glm4vForConditionalGeneration",
                                              "glm4v_moe": "Glm4vMoeForConditionalGeneration",
                                              "internvl": "InternVLForConditionalGeneration",
+                                             "internvl_moe": "InternVLForConditionalGeneration",
                                              "gemma4": "Gemma4ForConditionalGeneration",
                                              "gemma4_moe": "Gemma4ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):

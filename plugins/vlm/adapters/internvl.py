@@ -1,10 +1,12 @@
 """InternVL (InternVL3, InternVL3.5 and the other "-hf" checkpoints) through transformers'
 ``InternVLForConditionalGeneration``: a ViT on fixed-size tiles, pixel shuffle and an MLP projector in front of a
-Qwen2/Qwen3 language model with plain 1-D rotary positions.
+Qwen2/Qwen3 language model with plain 1-D rotary positions, or, in InternVL3.5's MoE checkpoints
+(InternVL3_5-30B-A3B-HF, -241B-A28B-HF; Wang et al., "InternVL3.5", arXiv:2508.18265), a Qwen3-MoE one.
 
 Registered when the installed transformers has ``transformers.models.internvl``. What differs from the Qwen-VL
 conventions of the base class, against transformers 5.25's ``models/internvl/modeling_internvl.py`` and
-``processing_internvl.py`` and the image processor they use (``models/got_ocr2/image_processing_got_ocr2.py``):
+``processing_internvl.py``, the image processor they use (``models/got_ocr2/image_processing_got_ocr2.py``) and,
+for the MoE checkpoints, ``models/qwen3_moe/modeling_qwen3_moe.py``:
 
 - **Images are tiles.** The processor resizes each image to the grid of ``S × S`` tiles (``S`` = the image
   processor's ``size``, 448 in the released checkpoints) whose aspect ratio is closest to the image's, among grids of
@@ -26,6 +28,28 @@ conventions of the base class, against transformers 5.25's ``models/internvl/mod
   ``[tiles, image_seq_length, hidden]`` per batch, kept per prompt as ``[tiles·image_seq_length, hidden]``), which
   the model takes back through ``mm_encoder_outputs["image"].pooler_output``. Because the projector is part of what
   is cached, ``freeze_vision`` freezes it with the tower (:meth:`vision_modules`) and excludes both from LoRA.
+- **Mixture of experts** (InternVL3.5-30B-A3B, -241B-A28B: ``text_config.model_type: qwen3_moe``). One
+  ``model_type: internvl`` covers dense and MoE checkpoints, so :attr:`moe` is read per checkpoint from the text
+  config's model type (:data:`MOE_TEXT_MODEL_TYPES`). Each sparse layer (``decoder_sparse_step``, less
+  ``mlp_only_layers``) holds a router ``mlp.gate`` (``Qwen3MoeTopKRouter``: softmax of its logits in float32, top
+  ``num_experts_per_tok``, renormalised when ``norm_topk_prob``) and fused experts ``mlp.experts.gate_up_proj [E, 2·I,
+  H]`` and ``mlp.experts.down_proj [E, H, I]`` (parameters, not linear modules: LoRA's default module targets adapt the
+  attention projections, and the dense MLPs of any ``mlp_only_layers``; ``lora.target_parameters`` reaches the
+  experts). peft's rewrite of MoE module targets (its transformers-v4 mapping) keys on the top config's
+  ``model_type``, ``internvl``, which it maps to no MoE pattern, so the defaults pass through unchanged.
+- **The router loss through the wrapper.** ``InternVLModel.forward`` hands ``output_router_logits`` on to the language
+  model, whose output recording (``_can_record_outputs["router_logits"]``: output 0 of every ``Qwen3MoeTopKRouter``,
+  the router logits) fills ``router_logits``; but ``InternVLModelOutputWithPast(**outputs)`` has no such field (a
+  ``TypeError``) and ``InternVLForConditionalGeneration`` returns no ``aux_loss``. For a call that asks for them
+  (the training pass with ``plugin.router_aux_loss_coef > 0``) the adapter therefore takes the recorded logits out of
+  the language model's output and hands them to the wrapper's output as ``router_logits`` (forward hooks held for that
+  call only, :meth:`carry_router_logits`), and :meth:`router_load_balancing_loss` computes transformers'
+  ``load_balancing_loss_func`` from them over the real tokens of the attention mask (softmax of each layer's logits,
+  then :func:`~mmrl.plugins.vlm.adapters.base.switch_load_balancing` with ``num_experts_per_tok``). mmrl differs in
+  one rounding: it softmaxes the logits in float32, as the router itself does before its top-k, where
+  ``load_balancing_loss_func`` softmaxes them in their own dtype (bfloat16 in a bfloat16 model); the assignments it
+  counts are thus the router's. The ``gpt_oss`` language model of InternVL3.5-GPT-OSS-20B-A4B is refused: its
+  attention sinks and sliding-window layers are untested in the plugin's decode loop and shared passes.
 - **No videos.** InternVL's processor writes a video as ``Frame k: <img>…</img>`` lines of image tokens with its
   frames among the image tiles; the plugin's video bookkeeping (``video_grid_thw``, frame rates, T-GRPO) does not
   describe that, so this family takes image rows only (:attr:`~VLMAdapter.supports_videos` false).
@@ -40,13 +64,27 @@ conventions of the base class, against transformers 5.25's ``models/internvl/mod
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import PromptInputs, VLMAdapter, _base_model, find_submodule, open_unresized
+from mmrl.plugins.vlm.adapters.base import (
+    PromptInputs,
+    VLMAdapter,
+    _base_model,
+    find_submodule,
+    open_unresized,
+    switch_load_balancing,
+)
+
+MOE_TEXT_MODEL_TYPES = ("qwen3_moe",)
+"""Text-config model types of InternVL's mixture-of-experts checkpoints (InternVL3.5-30B-A3B-HF, -241B-A28B-HF)."""
+REFUSED_TEXT_MODEL_TYPES = {"gpt_oss": "InternVL3.5-GPT-OSS's gpt_oss language model (attention sinks, sliding-window "
+                                       "layers) is untested with the plugin's decode loop and shared passes"}
+"""Text-config model types the adapter refuses, and why."""
 
 
 class InternVLAdapter(VLMAdapter):
@@ -73,6 +111,15 @@ class InternVLAdapter(VLMAdapter):
                          video_max_pixels=video_max_pixels, video_total_pixels=video_total_pixels)
         self.image_seq_length = int(self.processor.image_seq_length)
         self.image_token_id = int(self.processor.image_token_id)
+        from transformers import AutoConfig
+
+        # Dense (Qwen2/Qwen3) or MoE (Qwen3-MoE) per checkpoint, not per family: one model_type covers both
+        text_config = AutoConfig.from_pretrained(self.model_path).get_text_config()
+        text_type = str(getattr(text_config, "model_type", ""))
+        if text_type in REFUSED_TEXT_MODEL_TYPES:
+            raise ValueError(f"internvl: {REFUSED_TEXT_MODEL_TYPES[text_type]}; use a Qwen2/Qwen3/Qwen3-MoE checkpoint")
+        self.moe = text_type in MOE_TEXT_MODEL_TYPES
+        self.num_experts_per_tok = int(text_config.num_experts_per_tok) if self.moe else 0
 
     # ------------------------------------------------------------------ loading and sizes
     def load_processor(self) -> Any:
@@ -231,6 +278,68 @@ class InternVLAdapter(VLMAdapter):
         """The prompt's ``<IMG_CONTEXT>`` tokens (tiles × ``image_seq_length``)."""
         return float((prompt["input_ids"] == self.image_token_id).sum())
 
+    # ------------------------------------------------------------------ mixture of experts
+    def completion_logits(self, model: nn.Module, inputs: dict[str, Tensor], num_completion: int) -> Tensor:
+        """The base class's, with the router logits carried to the output when ``inputs`` asks for them
+        (:meth:`carry_router_logits`)."""
+        with self.carry_router_logits(model, inputs) as carried:
+            return super().completion_logits(model, carried, num_completion)
+
+    def completion_hidden(self, model: nn.Module, inputs: dict[str, Tensor], num_completion: int
+                          ) -> tuple[Tensor, nn.Module]:
+        """The base class's, with the router logits carried to the output when ``inputs`` asks for them
+        (:meth:`carry_router_logits`)."""
+        with self.carry_router_logits(model, inputs) as carried:
+            return super().completion_hidden(model, carried, num_completion)
+
+    @contextmanager
+    def carry_router_logits(self, model: nn.Module, inputs: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
+        """For the duration, a forward of ``model`` called with ``output_router_logits=True`` returns the language
+        model's router logits as its output's ``router_logits`` (one ``[n·L, E]`` per sparse layer) instead of
+        failing on them (module docstring); yields ``inputs``. A no-op for other calls and dense checkpoints.
+
+        ``InternVLModel`` passes the flag on to the language model, which records the logits itself (transformers'
+        ``capture_outputs``, as ``Qwen3MoeForCausalLM`` gets them); one forward hook takes them out of the language
+        model's output before ``InternVLModelOutputWithPast`` is built from it, another, put before any other hook on
+        the outer model (:class:`~mmrl.plugins.vlm.adapters.base.RouterAuxLoss`'s), sets them on the wrapper's
+        output. The hooks are removed on exit, so a backward that recomputes checkpointed layers records nothing."""
+        if not (self.moe and inputs.get("output_router_logits")):
+            yield inputs
+            return
+        hf_model = _base_model(model)
+        language_model = find_submodule(hf_model, ("model.language_model",), what="internvl language model")
+        taken: list[tuple[Tensor, ...]] = []
+
+        def take(_module: nn.Module, _args: Any, output: Any) -> Any:
+            logits = getattr(output, "router_logits", None)
+            if logits is None:
+                return None
+            taken.append(tuple(logits))
+            return type(output)(**{key: value for key, value in output.items() if key != "router_logits"})
+
+        def give(_module: nn.Module, _args: Any, output: Any) -> Any:
+            if taken:
+                output.router_logits = taken.pop()
+            return output
+
+        handles = [language_model.register_forward_hook(take), hf_model.register_forward_hook(give, prepend=True)]
+        try:
+            yield inputs
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def router_load_balancing_loss(self, output: Any, attention_mask: Tensor | None) -> Tensor | None:
+        """transformers' ``load_balancing_loss_func`` (``modeling_qwen3_moe.py``) from the output's ``router_logits``
+        (:meth:`carry_router_logits`) over the real tokens of ``attention_mask [n, L]``: each layer's logits
+        softmaxed (in float32, as the router does) and :func:`~mmrl.plugins.vlm.adapters.base.switch_load_balancing`
+        with ``num_experts_per_tok``. None when the output has none."""
+        logits = getattr(output, "router_logits", None)
+        if not logits:
+            return None
+        probabilities = [torch.softmax(layer.float(), dim=-1) for layer in logits]  # [n·L, E] per sparse layer
+        return switch_load_balancing(probabilities, attention_mask, self.num_experts_per_tok)
+
     # ------------------------------------------------------------------ modules
     def vision_modules(self, model: nn.Module) -> list[nn.Module]:
         """The vision tower and the projector (pixel shuffle has no weights): together they make the features the
@@ -239,4 +348,4 @@ class InternVLAdapter(VLMAdapter):
         return [self.vision_tower(model), projector]
 
 
-__all__ = ["InternVLAdapter"]
+__all__ = ["MOE_TEXT_MODEL_TYPES", "REFUSED_TEXT_MODEL_TYPES", "InternVLAdapter"]
