@@ -42,6 +42,7 @@ _BUILTIN = {
     "per_frame": "mmrl.rewards.videos:PerFrameReward",
     "temporal_consistency": "mmrl.rewards.videos:temporal_consistency",
     "clip_temporal_consistency": "mmrl.rewards.videos:ClipTemporalConsistency",
+    "clap": "mmrl.rewards.audio:Clap",
     "temporal_contrast": "mmrl.rewards.temporal_contrast:TemporalContrastReward",
     "per_task": "mmrl.rewards.per_task:PerTaskReward",
 }

@@ -466,8 +466,9 @@ def _probes() -> dict[str, Any]:
                 lambda value, name=name, option=option: build_reward(name, {option: value}))
     for name in ("clip_score", "pickscore"):
         probes[f"reward_functions.{name}.divisor"] = _positive_probe("divisor")
-    for name in ("clip_score", "pickscore", "hpsv2", "aesthetic", "clip_image_similarity", "clip_directional"):
+    for name in ("clip_score", "pickscore", "hpsv2", "aesthetic", "clip_image_similarity", "clip_directional", "clap"):
         probes[f"reward_functions.{name}.batch_size"] = _positive_probe("batch_size")
+    probes["reward_functions.clap.sample_rate"] = _positive_probe("sample_rate")  # checked first, as batch_size
     for name, cls in (("shapes", ShapesReward), ("shape_fidelity", ShapeFidelityReward),
                       ("shape_edit", ShapeEditReward)):
         for option in ("max_color_distance", "min_area_fraction"):

@@ -236,8 +236,7 @@ class FlowSampler:
             group_ids=batch.group_ids,
             old_logp=old_logp,
             mask=mask,
-            payload={self.adapter.output: self.adapter.decode(self.adapter.finalize(final, conditioning)),
-                     "prompts": prompts, **extra},
+            payload={**self.decoded(final, conditioning), "prompts": prompts, **extra},
             replay=replay,
             shared={"guidance_scale": self.guidance_scale, "cfg": self.cfg, "num_steps": config.num_steps,
                     "credit": config.credit.strategy},
@@ -259,8 +258,14 @@ class FlowSampler:
             latents = sde_step("ode", velocity, latents, sigmas[s], sigmas[s + 1], noise_level=0.0).prev_sample
         empty = latents.new_zeros(n, 0)
         return Rollout(group_ids=batch.group_ids, old_logp=empty, mask=empty.clone(),
-                       payload={self.adapter.output: self.adapter.decode(self.adapter.finalize(latents, conditioning)),
-                                "prompts": prompts, **extra})
+                       payload={**self.decoded(latents, conditioning), "prompts": prompts, **extra})
+
+    def decoded(self, latents: Tensor, conditioning: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The payload entries of the final ``latents`` ``[n, ...]``: the adapter's :meth:`~FlowAdapter.decode` under
+        its :attr:`~FlowAdapter.output` key, and whatever else it decodes (:meth:`~FlowAdapter.decode_extra`: LTX-2's
+        audio waveforms and their sample rate), each tensor ``[n, ...]``."""
+        final = self.adapter.finalize(latents, conditioning)
+        return {self.adapter.output: self.adapter.decode(final), **self.adapter.decode_extra(final)}
 
     def row_conditioning(self, rows: Sequence[dict[str, Any]]
                          ) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:

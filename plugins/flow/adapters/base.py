@@ -10,6 +10,8 @@ An adapter wraps a loaded diffusers pipeline and answers five questions the plug
 :meth:`decode`          final latents → images ``[N, 3, H, W]`` (videos ``[N, 3, F, H, W]``) in [0, 1]
 =====================  ===================================================================================
 
+A model that generates more than pixels (LTX-2's audio) adds payload entries with :meth:`FlowAdapter.decode_extra`.
+
 The sample size is adapter state, set once by the plugin: :attr:`FlowAdapter.height` and :attr:`FlowAdapter.width`
 in pixels (``plugin.height``/``plugin.width``, else ``plugin.resolution``), read by every operation that depends on
 it (noise shapes, packed-latent position ids, resolution-dependent σ shifts, decode), so height and width reach the
@@ -459,6 +461,13 @@ class FlowAdapter(ABC):
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def decode_extra(self, latents: Tensor) -> dict[str, Tensor]:
+        """Payload entries the model decodes besides :meth:`decode`'s output, from the same final latents (after
+        :meth:`finalize`), each tensor ``[N, ...]``: the rewards read them with ``batch.output(key)``. Keys must not
+        collide with the plugin's own (:attr:`output`, ``"prompts"``, ``"condition_images"``, ...). Empty in the base;
+        LTX-2 returns its audio (``"audios"`` ``[N, channels, samples]`` and ``"audio_sample_rate"`` ``[N]``)."""
+        return {}
 
 
 # ---------------------------------------------------------------------------------------- several input images

@@ -55,8 +55,11 @@ take the SDE step and both enter the log-prob; the plugin reduces a step's log-d
 elements, so the packed log-prob is the joint log-density of the (video, audio) step divided by N_v + N_a: every
 latent element weighs the same whichever stream it belongs to (the same per-element normalisation as every other
 adapter's latents; a mean of per-stream means would instead weigh one audio element like N_v / N_a video elements).
-The rewards score the decoded video frames only (the plugin's payload holds one decoded output per sample); the
-audio is trained through the joint transformer and the log-prob, not scored and not saved with the samples.
+The payload holds both decoded streams: ``"videos"`` for the frame rewards and, through
+:meth:`LTX2Adapter.decode_extra`, ``"audios"`` (the pipeline's waveforms ``[N, channels, samples]``) with
+``"audio_sample_rate"`` ``[N]`` for audio rewards (``clap``: text-audio similarity, :mod:`mmrl.rewards.audio`). The
+audio is decoded for every rollout; the evaluation samples written to the run folder are the frames only (no audio
+file).
 
 Differences from Flow-Factory's LTX-2 adapter (X-GenGroup/Flow-Factory@a0b2bc5
 ``src/flow_factory/models/ltx2/ltx2_t2av.py``): it also concatenates the two streams on the token axis and combines
@@ -421,3 +424,19 @@ class LTX2Adapter(FlowAdapter):
         audio = pipeline._unpack_audio_latents(audio, audio.shape[1], num_mel_bins=self.audio_mel_bins())
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
         return pipeline.vocoder(mel).float()
+
+    @property
+    def audio_sample_rate(self) -> int:
+        """Samples per second of :meth:`decode_audio`'s waveforms: the vocoder's ``output_sampling_rate`` (24 kHz for
+        LTX-2, 48 kHz for LTX-2.3's vocoder with bandwidth extension), what the pipeline's own examples pass on when
+        they write the audio."""
+        return int(self.pipeline.vocoder.config.output_sampling_rate)
+
+    def decode_extra(self, latents: Tensor) -> dict[str, Tensor]:
+        """The audio of the final latents for the payload: ``"audios"`` ``[N, channels, samples]`` float32 waveforms
+        (:meth:`decode_audio`, the pipeline's) and ``"audio_sample_rate"`` ``[N]`` int64 (:attr:`audio_sample_rate`,
+        per sample as the payload contract wants every entry). Decoded for every rollout whatever the rewards read:
+        the audio VAE and the vocoder cost little next to the video VAE's decode."""
+        audios = self.decode_audio(latents)
+        rate = torch.full((audios.shape[0],), self.audio_sample_rate, dtype=torch.int64, device=audios.device)
+        return {"audios": audios, "audio_sample_rate": rate}

@@ -4,7 +4,8 @@ arXiv:2601.03233) with the video's first latent frame given by an input image, t
 
 What the adapter reproduces from ``LTX2ImageToVideoPipeline.__call__`` (diffusers 0.42.1,
 ``pipelines/ltx2/pipeline_ltx2_image2video.py``) besides what it shares with text-to-audio-video (prompts through
-Gemma 3 and the connectors, the σ grid, the x0-space guidance terms, the audio stream, decode: :class:`LTX2Adapter`):
+Gemma 3 and the connectors, the σ grid, the x0-space guidance terms, the audio stream, decode and the payload's audio
+``"audios"``/``"audio_sample_rate"`` for audio rewards, decoded from the finalized latents: :class:`LTX2Adapter`):
 
 - the image: re-compressed as one H.264 frame at ``image_crf`` (``apply_image_conditioning_crf``, through PyAV; the
   default ``resolve_default_image_crf`` of the text encoder: 33 for the Gemma 3 checkpoints LTX-2 / LTX-2.3, 18 for
