@@ -18,7 +18,9 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   ``[N, 3, F, H, W]``) and ``payload["prompts"]`` for rewards; image-editing adapters (FLUX.1 Kontext) add
   ``payload["condition_images"]``, each row's (first) input image as the model saw it, and the encoded image(s) to
   the replay; rows naming several input images (Qwen-Image-Edit-Plus, FLUX.2) add ``more_condition_images`` and
-  ``condition_image_counts`` (:meth:`~.sampler.FlowSampler.row_conditioning`);
+  ``condition_image_counts`` (:meth:`~.sampler.FlowSampler.row_conditioning`); Wan video-to-video adds
+  ``condition_videos`` ``[N, 3, F, H, W]``, and LTX-2 its waveforms ``audios`` ``[N, channels, samples]`` with
+  ``audio_sample_rate`` ``[N]`` (:meth:`~.adapters.base.FlowAdapter.decode_extra`);
 - with ``plugin.buckets`` (:mod:`.buckets`) each row has its own output size, the nearest bucket by aspect ratio;
   :meth:`FlowPlugin.row_buckets` tells the core, which never mixes buckets in a batch, and a training rollout
   carries its size in ``replay["output_size"]`` ``[N, 2]`` for the forward;
