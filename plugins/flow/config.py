@@ -4,6 +4,7 @@ names and the prompt rows it points at. :mod:`mmrl.plugins.flow.plugin` re-expor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,8 +38,9 @@ class FlowPluginConfig:
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
         "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
-        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2', 'ltx2_i2v', 'wan_v2v' or another registered one "
-        "(`mmrl list`); 'auto' reads model_index.json (the *_edit adapters are chosen by name only)."
+        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2', 'ltx2_i2v', 'wan_v2v', 'flux3' or another registered one "
+        "(`mmrl list`); 'auto' reads model_index.json (a local modular pipeline's modular_model_index.json: FLUX.3; "
+        "the *_edit adapters are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -413,12 +415,17 @@ class FlowPluginConfig:
 
 def adapter_class(config: FlowPluginConfig) -> Any:
     """The :class:`~mmrl.plugins.flow.adapters.base.FlowAdapter` subclass ``config.adapter`` names ('auto': the one
-    registered for the pipeline class in the model's model_index.json)."""
+    registered for the pipeline class in the model's model_index.json, or a local modular pipeline's
+    modular_model_index.json)."""
     from mmrl.plugins.flow.adapters import adapter_for_pipeline, flow_adapters
     from mmrl.plugins.flow.adapters.base import read_model_index
 
     if config.adapter != "auto":
         return flow_adapters.get(config.adapter)
+    folder = Path(config.model).expanduser()
+    modular = folder / "modular_model_index.json"  # a diffusers modular pipeline's folder (FLUX.3)
+    if folder.is_dir() and modular.is_file() and not (folder / "model_index.json").is_file():
+        return adapter_for_pipeline(str(json.loads(modular.read_text()).get("_class_name")), config.model)
     index = read_model_index(config.model)
     return adapter_for_pipeline(str(index.get("_class_name")), config.model)
 

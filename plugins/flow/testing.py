@@ -1,5 +1,6 @@
-"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), Wan (2.1, 2.2 two-expert and 2.2 TI2V),
-Z-Image and HunyuanVideo 1.5 pipelines with random weights and locally built tokenizers, for tests and benchmarks.
+"""Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), FLUX.3 (modular), Wan (2.1, 2.2 two-expert
+and 2.2 TI2V), Z-Image and HunyuanVideo 1.5 pipelines with random weights and locally built tokenizers, for tests
+and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
 vocabulary written here and the T5 tokenizer from a small Unigram vocabulary. :func:`save_tiny_pipeline` writes a
@@ -567,6 +568,68 @@ def build_flux2_klein_distilled_pipeline(seed: int = 0, size: str = "tiny") -> A
     return build_flux2_klein_pipeline(seed=seed, size=size, distilled=True)
 
 
+def tiny_qwen3_vl_processor() -> Any:
+    """A ``Qwen3VLProcessor`` (the class FLUX.3's ``tokenizer`` component is) on :func:`tiny_qwen3_tokenizer` with
+    Qwen-VL's vision tokens added; its image and video processors are the library defaults (FLUX.3 encodes text
+    only)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = tiny_qwen3_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer,
+                            video_processor=Qwen3VLVideoProcessor(), chat_template=tokenizer.chat_template)
+
+
+def build_flux3_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``Flux3ModularPipeline`` (diffusers' modular FLUX.3, ``Flux3AutoBlocks``) with random weights: a 32-layer
+    width-16 ``Qwen3VLForConditionalGeneration`` text encoder (the text encoder step stacks hidden layers 4, 8, ...,
+    32) on :func:`tiny_qwen3_vl_processor`, a 1+1-block ``Flux3Transformer2DModel`` and FLUX.2's batch-normalised VAE
+    with random statistics. The scheduler and the guider are not components a folder stores: the blocks create them
+    from their own config (shift 6.93, CFG scale 3.5). ``save_pretrained`` writes ``modular_model_index.json``."""
+    from diffusers import AutoencoderKLFlux2
+    from diffusers.models import Flux3Transformer2DModel
+    from diffusers.modular_pipelines import Flux3AutoBlocks
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if size != "tiny":
+        raise ValueError(f"unknown FLUX.3 pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        processor = tiny_qwen3_vl_processor()
+        tokenizer = processor.tokenizer
+        width, latent_channels = 16, 4
+        config = Qwen3VLConfig(
+            text_config={"vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
+                         "num_hidden_layers": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                         "head_dim": width // 2, "max_position_embeddings": 256,
+                         "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2],
+                                          "mrope_interleaved": True}},
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                           "out_hidden_size": width, "deepstack_visual_indexes": []},
+            image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        )
+        text_encoder = Qwen3VLForConditionalGeneration(config).eval()
+        transformer = Flux3Transformer2DModel(
+            in_channels=4 * latent_channels, cond_in_channels=4 * latent_channels, num_layers=1, num_single_layers=1,
+            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=8 * width, timestep_channels=16,
+            axes_dims_rope=(2, 2, 2, 2),
+        )
+        vae = AutoencoderKLFlux2(
+            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
+            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
+        )
+        with torch.no_grad():
+            vae.bn.running_mean.normal_()
+            vae.bn.running_var.uniform_(0.5, 2.0)
+    pipeline = Flux3AutoBlocks().init_pipeline()
+    pipeline.update_components(text_encoder=text_encoder, tokenizer=processor, transformer=transformer, vae=vae)
+    return pipeline
+
+
 TINY_WAN_FRAMES = 5
 """Frames of the tiny Wan videos: the tiny VAE compresses time by 2, so 5 frames are 3 latent frames."""
 
@@ -869,6 +932,7 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
+            "flux3": build_flux3_pipeline,
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
             "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
@@ -881,7 +945,7 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``,
     ``"qwen_image21"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
-    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
+    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux3"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
     ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``,
     ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
@@ -892,7 +956,9 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     pipeline = BUILDERS[kind](seed=seed, size=size)  # on the current default device (see torch.device(...))
     if dtype is not None:
         pipeline.to(dtype=dtype)
-    pipeline.to("cpu").save_pretrained(str(directory))
+    # a modular pipeline (FLUX.3) records where its components are: here, the folder written
+    options = {"overwrite_modular_index": True} if kind == "flux3" else {}
+    pipeline.to("cpu").save_pretrained(str(directory), **options)
     return directory
 
 

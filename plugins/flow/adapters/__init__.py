@@ -29,6 +29,7 @@ flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter
 flow_adapters.register_lazy("flux_kontext", "mmrl.plugins.flow.adapters.flux_kontext:FluxKontextAdapter")
 flow_adapters.register_lazy("flux2", "mmrl.plugins.flow.adapters.flux2:Flux2Adapter")
 flow_adapters.register_lazy("flux2_klein", "mmrl.plugins.flow.adapters.flux2_klein:Flux2KleinAdapter")
+flow_adapters.register_lazy("flux3", "mmrl.plugins.flow.adapters.flux3:Flux3Adapter")
 flow_adapters.register_lazy("flux2_edit", "mmrl.plugins.flow.adapters.flux2_edit:Flux2EditAdapter")
 flow_adapters.register_lazy("flux2_klein_edit", "mmrl.plugins.flow.adapters.flux2_edit:Flux2KleinEditAdapter")
 flow_adapters.register_lazy("qwen_image", "mmrl.plugins.flow.adapters.qwen_image:QwenImageAdapter")
