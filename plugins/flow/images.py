@@ -1,9 +1,11 @@
-"""Image grids with captions, written at every evaluation (the prompt and the reward under each image)."""
+"""Image grids with captions, written at every evaluation (the prompt and the reward under each image), and the
+WAV files of samples that carry audio (LTX-2)."""
 
 from __future__ import annotations
 
 import math
 import textwrap
+import wave
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -72,3 +74,20 @@ def filmstrips(videos: Tensor, max_frames: int = 8) -> Tensor:
     stride = max(1, math.ceil((count - 1) / max(1, max_frames - 1))) if count > 1 else 1
     frames = videos[:, :, ::stride]  # [N, 3, k, H, W]
     return frames.permute(0, 1, 3, 2, 4).flatten(3)  # [N, 3, H, k·W]
+
+
+def save_wav(waveform: Tensor, sample_rate: int, path: str | Path) -> Path:
+    """Write one waveform ``[channels, samples]`` (floats, nominally in [-1, 1]) at ``path`` as a 16-bit PCM WAV file
+    of ``sample_rate`` Hz: clamped to [-1, 1], scaled by 32767 and rounded, the channels interleaved."""
+    if waveform.dim() != 2:
+        raise ValueError(f"a waveform of shape {list(waveform.shape)}; expected [channels, samples]")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pcm = (waveform.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16)  # [channels, samples]
+    frames = pcm.t().contiguous().cpu().numpy().astype("<i2").tobytes()  # interleaved, little-endian
+    with wave.open(str(path), "wb") as handle:
+        handle.setnchannels(waveform.shape[0])
+        handle.setsampwidth(2)
+        handle.setframerate(int(sample_rate))
+        handle.writeframes(frames)
+    return path

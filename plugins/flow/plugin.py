@@ -353,8 +353,10 @@ class FlowPlugin(Plugin):
     # ------------------------------------------------------------------ samples, checkpoints
     def save_samples(self, rollout: Rollout, rewards: Tensor, directory: str | Path, *, tag: str) -> list[Path]:
         """An image grid ``{tag}.png`` captioned with each prompt and reward (videos: a filmstrip of frames per
-        sample; edits: the input image(s) left of the result), and ``{tag}.jsonl``."""
-        from mmrl.plugins.flow.images import filmstrips, save_caption_grid
+        sample; edits: the input image(s) left of the result; video-to-video: the input video's filmstrip left of the
+        result's), ``{tag}.jsonl``, and with ``payload["audios"]`` (LTX-2) sample k's waveform as the 16-bit PCM WAV
+        file ``{tag}_{k:03d}.wav`` (k in the grid's order; its name in the record's ``"audio"``)."""
+        from mmrl.plugins.flow.images import filmstrips, save_caption_grid, save_wav
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -374,12 +376,27 @@ class FlowPlugin(Plugin):
             ending = [rollout.payload["condition_last_images"].to(images)] if "condition_last_images" in \
                 rollout.payload else []  # a first-and-last-frame video: its last frame right of the filmstrip
             images = torch.cat([*(image.to(images) for image in inputs), images, *ending], dim=-1)
+        if "condition_videos" in rollout.payload:  # video-to-video: the input video's filmstrip left of the result's
+            strips = filmstrips(rollout.payload["condition_videos"]).float()  # [N, 3, H_in, k·W_in]
+            (height, width), tall = strips.shape[-2:], images.shape[-2]
+            if height != tall:  # shown at the result's height, its aspect ratio kept
+                strips = torch.nn.functional.interpolate(strips, size=(tall, max(1, round(width * tall / height))),
+                                                         mode="bilinear", antialias=True)
+            images = torch.cat([strips.to(images), images], dim=-1)
         grid = save_caption_grid(images, captions, directory / f"{tag}.png")
+        sounds: list[Path] = []
+        if "audios" in rollout.payload:  # LTX-2: each sample's waveform [channels, samples] at its rate
+            rates = rollout.payload["audio_sample_rate"].tolist()
+            for k, (waveform, rate) in enumerate(zip(rollout.payload["audios"], rates, strict=True)):
+                sounds.append(save_wav(waveform, rate, directory / f"{tag}_{k:03d}.wav"))
         records = directory / f"{tag}.jsonl"
         with records.open("w") as handle:
-            for prompt, reward in zip(prompts, rewards.tolist(), strict=True):
-                handle.write(json.dumps({"prompt": prompt, "reward": float(reward)}) + "\n")
-        return [grid, records]
+            for k, (prompt, reward) in enumerate(zip(prompts, rewards.tolist(), strict=True)):
+                record = {"prompt": prompt, "reward": float(reward)}
+                if sounds:
+                    record["audio"] = sounds[k].name
+                handle.write(json.dumps(record) + "\n")
+        return [grid, records, *sounds]
 
     # ------------------------------------------------------------------ two experts: one folder each
     def expert_folders(self, directory: str | Path) -> list[tuple[str, nn.Module, Path]]:
