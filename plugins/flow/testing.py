@@ -416,17 +416,11 @@ def tiny_pixtral_processor() -> Any:
                             chat_template=_FLUX2_CHAT_TEMPLATE, patch_size=16, spatial_merge_size=2)
 
 
-def _tiny_flux2_parts(latent_channels: int, width: int, *, guidance_embeds: bool) -> tuple[Any, Any, Any]:
-    """The tiny FLUX.2 transformer (1 + 1 blocks; text width 3 × ``width``, three stacked encoder layers), its VAE with
-    random batch-norm statistics (so the decode's un-normalisation matters) and FLUX.1-dev's scheduler config; drawn
-    from the current random state."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+def _tiny_flux2_vae(latent_channels: int) -> Any:
+    """The tiny FLUX.2 VAE (FLUX.3 uses the same one) with random batch-norm statistics, so that the decode's
+    un-normalisation matters; drawn from the current random state."""
+    from diffusers import AutoencoderKLFlux2
 
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
-        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=guidance_embeds,
-    )
     vae = AutoencoderKLFlux2(
         block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
@@ -435,6 +429,21 @@ def _tiny_flux2_parts(latent_channels: int, width: int, *, guidance_embeds: bool
     with torch.no_grad():
         vae.bn.running_mean.normal_()
         vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def _tiny_flux2_parts(latent_channels: int, width: int, *, guidance_embeds: bool) -> tuple[Any, Any, Any]:
+    """The tiny FLUX.2 transformer (1 + 1 blocks; text width 3 × ``width``, three stacked encoder layers), its VAE with
+    random batch-norm statistics (so the decode's un-normalisation matters) and FLUX.1-dev's scheduler config; drawn
+    from the current random state."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=16,
+        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=guidance_embeds,
+    )
+    vae = _tiny_flux2_vae(latent_channels)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
@@ -588,7 +597,6 @@ def build_flux3_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     32) on :func:`tiny_qwen3_vl_processor`, a 1+1-block ``Flux3Transformer2DModel`` and FLUX.2's batch-normalised VAE
     with random statistics. The scheduler and the guider are not components a folder stores: the blocks create them
     from their own config (shift 6.93, CFG scale 3.5). ``save_pretrained`` writes ``modular_model_index.json``."""
-    from diffusers import AutoencoderKLFlux2
     from diffusers.models import Flux3Transformer2DModel
     from diffusers.modular_pipelines import Flux3AutoBlocks
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -617,14 +625,7 @@ def build_flux3_pipeline(seed: int = 0, size: str = "tiny") -> Any:
             attention_head_dim=8, num_attention_heads=2, joint_attention_dim=8 * width, timestep_channels=16,
             axes_dims_rope=(2, 2, 2, 2),
         )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
-            norm_num_groups=4, sample_size=TINY_RESOLUTION * 2,
-        )
-        with torch.no_grad():
-            vae.bn.running_mean.normal_()
-            vae.bn.running_var.uniform_(0.5, 2.0)
+        vae = _tiny_flux2_vae(latent_channels)
     pipeline = Flux3AutoBlocks().init_pipeline()
     pipeline.update_components(text_encoder=text_encoder, tokenizer=processor, transformer=transformer, vae=vae)
     return pipeline

@@ -128,11 +128,17 @@ class Flux2Adapter(FlowAdapter):
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        vae = self.vae
-        latents = self.unpack(latents)  # [n, 4C, h/2, w/2]
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
-                                                                                                latents.dtype)
-        latents = self.pipeline._unpatchify_latents(latents * std + mean)  # [n, C, h, w]
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_flux2_latents(self.vae, self.unpack(latents), self.pipeline._unpatchify_latents)
+
+
+@torch.no_grad()
+def decode_flux2_latents(vae: nn.Module, latents: Tensor, unpatchify: Any) -> Tensor:
+    """FLUX.2's VAE decode (FLUX.3 shares the VAE) of unpacked latents ``[n, 4C, h/2, w/2]``: the VAE's batch-norm
+    statistics undone, ``unpatchify`` (the pipeline's 2×2 ``_unpatchify_latents``) to ``[n, C, h, w]``, decoded, and
+    mapped to images ``[n, 3, H, W]`` in [0, 1]."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                            latents.dtype)
+    latents = unpatchify(latents * std + mean)  # [n, C, h, w]
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -196,11 +196,6 @@ class Flux3Adapter(FlowAdapter):
     def decode(self, latents: Tensor) -> Tensor:
         from diffusers.modular_pipelines.flux3.decoders import Flux3DecodeStep
 
-        vae = self.vae
-        latents = self.unpack(latents)  # [n, 4C, h/2, w/2]
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
-                                                                                                latents.dtype)
-        latents = Flux3DecodeStep._unpatchify_latents(latents * std + mean)  # [n, C, h, w]
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        from mmrl.plugins.flow.adapters.flux2 import decode_flux2_latents
+
+        return decode_flux2_latents(self.vae, self.unpack(latents), Flux3DecodeStep._unpatchify_latents)
