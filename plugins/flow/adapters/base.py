@@ -492,6 +492,20 @@ def joined_image_tokens(entries: list[Conditioning], slots: int, key: str = "ima
     return {key: padded, IMAGE_MASK: mask.to(tokens.device)}
 
 
+def call_per_group(keys: Tensor, call: Any) -> Tensor:
+    """``call(rows, key)`` once per distinct value ``key`` of ``keys`` ``[n]`` (ascending), where ``rows`` are the batch
+    rows holding it (None when every row does, so that ``call`` can take the batch as it is), the outputs
+    ``[m, ...]`` put back in the batch's row order: ``[n, ...]``. For rows that cannot share one transformer call
+    (other input-image counts, text layouts or text windows)."""
+    present = keys.unique().tolist()
+    if len(present) == 1:
+        return call(None, present[0])
+    groups = [(keys == key).nonzero().flatten() for key in present]
+    parts = [call(rows, key) for rows, key in zip(groups, present, strict=True)]
+    order = torch.cat(groups)  # the batch's rows in the order of the parts
+    return torch.cat(parts).index_select(0, torch.argsort(order))
+
+
 def by_image_count(call: Any, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                    key: str = "image_latents") -> Tensor:
     """``call(latents, timesteps, conditioning, count)`` on the rows that have ``count`` input images, once per count
@@ -511,14 +525,12 @@ def by_image_count(call: Any, latents: Tensor, timesteps: Tensor, conditioning: 
         picked = rest if rows is None else {name: value.index_select(0, rows) for name, value in rest.items()}
         return {**picked, key: picked[key][:, :count * per_image]}
 
-    present = counts.unique().tolist()
-    if len(present) == 1:
-        return call(latents, timesteps, cut(None, present[0]), present[0])
-    groups = [(counts == count).nonzero().flatten() for count in present]
-    parts = [call(latents.index_select(0, rows), timesteps.index_select(0, rows), cut(rows, count), count)
-             for rows, count in zip(groups, present, strict=True)]
-    order = torch.cat(groups)  # the batch's rows in the order of the parts
-    return torch.cat(parts).index_select(0, torch.argsort(order))
+    def part(rows: Tensor | None, count: int) -> Tensor:
+        if rows is None:
+            return call(latents, timesteps, cut(None, count), count)
+        return call(latents.index_select(0, rows), timesteps.index_select(0, rows), cut(rows, count), count)
+
+    return call_per_group(counts, part)
 
 
 # ---------------------------------------------------------------------------------------------------------- loading

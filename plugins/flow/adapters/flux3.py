@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, check_pipeline_folder
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, call_per_group, check_pipeline_folder
 
 
 def _unused(name: str) -> bool:
@@ -173,24 +173,21 @@ class Flux3Adapter(FlowAdapter):
         from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep
 
         image_ids = self._image_ids(latents)
-        lengths = conditioning["prompt_lengths"].long()
-        output: Tensor | None = None
-        for length in sorted(set(lengths.tolist())):  # one call per text window, as the pipeline's per-prompt input
-            rows = (lengths == length).nonzero().flatten()
-            text = conditioning["prompt_embeds"][rows, :length]
-            velocity = module(
-                hidden_states=latents[rows],
+
+        def window(rows: Tensor | None, length: int) -> Tensor:  # the rows whose text window is `length` tokens
+            pick = (lambda value: value) if rows is None else (lambda value: value.index_select(0, rows))
+            text = pick(conditioning["prompt_embeds"])[:, :length]  # [m, L, D]
+            return module(
+                hidden_states=pick(latents),
                 encoder_hidden_states=text,
-                timestep=timesteps[rows].to(latents.dtype) / 1000,  # Flux3LoopDenoiser: t/1000 in the latents' dtype
+                timestep=pick(timesteps).to(latents.dtype) / 1000,  # Flux3LoopDenoiser: t/1000 in the latents' dtype
                 img_ids=image_ids,
                 txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(text).to(latents.device),
                 return_dict=False,
             )[0]
-            if output is None:
-                output = velocity.new_empty(latents.shape[0], *velocity.shape[1:])
-            output[rows] = velocity
-        assert output is not None
-        return output
+
+        # one call per text window, as the pipeline feeds each prompt alone
+        return call_per_group(conditioning["prompt_lengths"].long(), window)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, call_per_group
 from mmrl.plugins.flow.adapters.qwen_image import padded_text
 
 #: Latent tokens per image slot of the text encoder's sequence: a 2×2 group (the transformer's
@@ -191,12 +191,7 @@ class QwenImage21Adapter(FlowAdapter):
             )[0]
             return output[:, -latents.shape[1]:]  # [m, h·w, C]: the target image's tokens
 
-        if layouts.shape[0] == 1:
-            return call(None, layouts[0])
-        groups = [(group == index).nonzero().flatten() for index in range(layouts.shape[0])]
-        parts = [call(rows, layouts[index]) for index, rows in enumerate(groups)]
-        order = torch.cat(groups)  # the batch's rows in the order of the parts
-        return torch.cat(parts).index_select(0, torch.argsort(order))
+        return call_per_group(group, lambda rows, index: call(rows, layouts[index]))
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
