@@ -212,12 +212,20 @@ class WanAdapter(FlowAdapter):
             return_dict=False,
         )[0]
 
+    def latent_statistics(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The VAE's per-channel ``(mean, 1 / std)`` ``[1, C, 1, 1, 1]``: normalised latents are
+        ``(z − mean) · inverse_std`` (encoding an input) and ``z = x / inverse_std + mean`` (decoding), in the
+        pipelines' order of operations."""
+        vae = self.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(device, dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(device, dtype)
+        return mean, inverse_std
+
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         vae = self.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
+        mean, inverse_std = self.latent_statistics(latents.device, vae.dtype)
         videos = []
         for part in latents.to(vae.dtype).split(self.decode_batch_size):  # [b, C, F_lat, h, w]
             part = part / inverse_std + mean  # the pipeline's order of operations

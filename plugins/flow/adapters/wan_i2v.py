@@ -109,9 +109,7 @@ class WanImageToVideoAdapter(WanAdapter):
             if any(has_last):
                 video[:, :, -1] = last  # zero where a row has none: the black (0) frame the pipeline puts there
         latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()  # [n, C, F_lat, h, w]
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device)
+        mean, inverse_std = self.latent_statistics(latents.device, torch.float32)
         latents = (latents - mean) * inverse_std  # the pipeline's order of operations, in float32
         if self.expand_timesteps:  # [n, C, 1, h, w]: the first latent frame of every step's input
             return {"image_condition": latents}, (pixels / 2 + 0.5).clamp(0, 1)

@@ -194,9 +194,7 @@ class WanVideoToVideoAdapter(WanAdapter):
         pixels = self.pipeline.video_processor.preprocess_video(frames, height=height, width=width)
         pixels = pixels.to(self.device, torch.float32)  # [1, 3, F, H, W] in [-1, 1]
         latents = encoded_latents(vae.encode(pixels.to(vae.dtype)), vae).float()  # [1, C, F_lat, h, w]
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device)
+        mean, inverse_std = self.latent_statistics(latents.device, torch.float32)
         seen = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
         return {"latents": (latents - mean) * inverse_std, "pixels": seen}
 
