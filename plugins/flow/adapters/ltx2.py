@@ -236,9 +236,10 @@ class LTX2Adapter(FlowAdapter):
         return self.video_tokens()
 
     # ------------------------------------------------------------------ packing
-    def split(self, latents: Tensor) -> tuple[Tensor, Tensor]:
-        """Packed latents → ``(video [n, T_v, C_v], audio [n, T_a, C_a])``, the transformer's token layouts."""
-        tokens = self.video_tokens()
+    def split(self, latents: Tensor, video_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+        """Packed latents → ``(video [n, T_v, C_v], audio [n, T_a, C_a])``, the transformer's token layouts;
+        ``video_tokens`` the video tokens they hold (default T_v; image-to-video's generated tokens are fewer)."""
+        tokens = self.video_tokens() if video_tokens is None else video_tokens
         video_width, audio_width = self.stream_widths()
         if latents.ndim == 3:  # [n, T_v + T_a, C]: one token width
             return latents[:, :tokens], latents[:, tokens:]

@@ -144,15 +144,8 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
     def fill(self, latents: Tensor, conditioning: Conditioning) -> Tensor:
         """The generated tokens ``latents`` → all tokens, the rows' image tokens (``conditioning["image_latents"]``
         ``[n, T_g, C_v]``) in front of the video's, in the latents' dtype."""
-        tokens = self.video_tokens() - self.given_tokens()  # generated video tokens
         video_width, _ = self.stream_widths()
-        n = latents.shape[0]
-        if latents.ndim == 3:  # [n, T_v − T_g + T_a, C]
-            video, audio = latents[:, :tokens], latents[:, tokens:]
-        else:  # [n, (T_v − T_g)·C_v + T_a·C_a]
-            cut = tokens * video_width
-            video = latents[:, :cut].reshape(n, tokens, video_width)
-            audio = latents[:, cut:].reshape(n, self.audio_frames(), -1)
+        video, audio = self.split(latents, self.video_tokens() - self.given_tokens())  # the generated tokens
         image = conditioning["image_latents"].to(device=latents.device, dtype=latents.dtype)  # [n, T_g, C_v]
         if image.shape[1:] != (self.given_tokens(), video_width):
             raise ValueError(f"{self.name} adapter: the image latents are {tuple(image.shape[1:])}, the video's first "
