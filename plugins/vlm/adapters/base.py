@@ -180,6 +180,13 @@ class VLMAdapter:
             self.model_path, dtype=dtype, attn_implementation=attn_implementation, use_kernels=False
         )
 
+    def checkpoint_text_config(self) -> Any:
+        """The checkpoint's language-model config (``AutoConfig`` of :attr:`model_path`, ``get_text_config()``), for
+        families whose one ``model_type`` covers dense and MoE checkpoints (Gemma 4, InternVL3.5)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_path).get_text_config()
+
     def load_processor(self) -> Any:
         """``AutoProcessor.from_pretrained`` with the image bounds set to [min_pixels, max_pixels]."""
         from transformers import AutoProcessor

@@ -109,10 +109,8 @@ class Gemma4Adapter(VLMAdapter):
         image_processor = self.processor.image_processor
         self.merge_size = int(image_processor.pooling_kernel_size)  # soft token = pooling² patches
         self.image_token_id = int(self.processor.image_token_id)
-        from transformers import AutoConfig
-
         # Dense (E2B, E4B, 31B) or MoE (26B-A4B) per checkpoint, not per family: one model_type covers both
-        text_config = AutoConfig.from_pretrained(self.model_path).get_text_config()
+        text_config = self.checkpoint_text_config()
         self.moe = bool(getattr(text_config, "enable_moe_block", False))
         self.top_k_experts = int(text_config.top_k_experts) if self.moe else 0
 

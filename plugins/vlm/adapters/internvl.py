@@ -111,10 +111,8 @@ class InternVLAdapter(VLMAdapter):
                          video_max_pixels=video_max_pixels, video_total_pixels=video_total_pixels)
         self.image_seq_length = int(self.processor.image_seq_length)
         self.image_token_id = int(self.processor.image_token_id)
-        from transformers import AutoConfig
-
         # Dense (Qwen2/Qwen3) or MoE (Qwen3-MoE) per checkpoint, not per family: one model_type covers both
-        text_config = AutoConfig.from_pretrained(self.model_path).get_text_config()
+        text_config = self.checkpoint_text_config()
         text_type = str(getattr(text_config, "model_type", ""))
         if text_type in REFUSED_TEXT_MODEL_TYPES:
             raise ValueError(f"internvl: {REFUSED_TEXT_MODEL_TYPES[text_type]}; use a Qwen2/Qwen3/Qwen3-MoE checkpoint")
