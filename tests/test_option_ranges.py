@@ -368,6 +368,18 @@ def _plan_probe(name: str, option: str, **fixed: Any):
     return accepts
 
 
+def _trace_probe(value: float) -> bool:
+    """TraceRL's plan checks its shrink when built from a step map (``trace_plan``)."""
+    from mmrl.plugins.dllm.masking import trace_plan
+
+    try:
+        trace_plan(torch.ones(1, 3, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4),
+                   step_map=torch.arange(4).unsqueeze(0), shrink=value)
+    except ValueError:
+        return False
+    return True
+
+
 def _uniform_plan_probe(option: str):
     """Canvas models' noise plans check their options when drawn (``draw_uniform_plan``)."""
     def accepts(value: float) -> bool:
@@ -444,6 +456,7 @@ def _probes() -> dict[str, Any]:
         probes[f"likelihood_estimators.uniform_one_step.{option}"] = _uniform_plan_probe(option)
     for name in ("spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.block_length"] = _plan_probe(name, "block_length", masking="block")
+    probes["likelihood_estimators.trace.shrink"] = _trace_probe
     for name in ("exact_match", "token_accuracy", "format", "choice", "math", "count", "gsm8k_answer", "countdown",
                  "sudoku", "numeric_match", "word_accuracy", "rouge", "relative_accuracy"):
         probes[f"reward_functions.{name}.max_chars"] = _reward_probe(name, "max_chars")

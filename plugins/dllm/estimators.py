@@ -41,6 +41,7 @@ References:
     DiffuCoder / coupled-GRPO — Gong et al. 2025, arXiv:2506.20639 (complementary masks).
     SPG — Wang et al. 2025, arXiv:2510.09541 (sandwiched ELBO/EUBO, block-wise masking).
     wd1 — Tang et al. 2025, arXiv:2507.08838 (uses the d1 one-step estimator in a ratio-free loss).
+    TraceRL — Wang et al. 2025, arXiv:2509.06949 (the decoding trajectory's own context for every token: ``trace``).
 
 ``uniform_one_step`` is the one estimator for **canvas** models (DiffusionGemma: uniform-token noise, no mask
 token); its ``model`` is the ``DiffusionGemmaForBlockDiffusion`` itself (:mod:`mmrl.plugins.dllm.canvas`).
@@ -64,13 +65,15 @@ from mmrl.plugins.dllm.masking import (
     elbo_t_plan,
     one_step_plan,
     spg_plan,
+    trace_plan,
 )
 from mmrl.registry import ANY_FINITE, Range, Registry
 
-# The plugin passes the model inputs, the mask id, the number of draws (plugin.num_mc_samples), the generator and
-# the micro-batch (plugin.score_micro_batch); the other keyword parameters are the config's estimator_options.
+# The plugin passes the model inputs, the mask id, the number of draws (plugin.num_mc_samples), the generator, the
+# micro-batch (plugin.score_micro_batch) and, to ``trace``, the rollout's step map; the other keyword parameters are
+# the config's estimator_options.
 likelihood_estimators: Registry[Callable[..., Tensor]] = Registry(
-    "likelihood estimator", supplied=("mask_id", "num_samples", "generator", "micro_batch")
+    "likelihood estimator", supplied=("mask_id", "num_samples", "generator", "micro_batch", "step_map")
 )
 
 # Option ranges, checked when a config loads and again by the mask plans (masking.py) for direct calls.
@@ -78,6 +81,7 @@ PROBABILITY = Range(0, 1)  # p_mask_prompt: a masking probability
 ELBO_EPS = Range(0, 1, high_open=True)  # t ~ U(ε, 1) needs ε < 1; ε = 0 is unbiased with infinite variance
 BLOCK_LENGTH = Range(1)
 RENYI_BETA = Range(1)  # the Rényi order of SPG's EUBO (arXiv:2510.09541), β >= 1 as MaskPlan requires
+SHRINK = Range(1)  # TraceRL's distinct decoding steps per step group
 
 __all__ = [
     "MaskPlan",
@@ -94,6 +98,7 @@ __all__ = [
     "coupled_cv",
     "spg_lower",
     "spg_upper",
+    "trace",
     "uniform_one_step",
 ]
 
@@ -592,6 +597,57 @@ def spg_upper(
         prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, bound="upper",
         masking=masking, block_length=block_length, p_mask_prompt=p_mask_prompt, stratified=stratified, beta=beta,
     )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("trace")
+def trace(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    step_map: Tensor | None = None,
+    shrink: Annotated[int, SHRINK] = 8,
+    tail: Literal["masked", "trajectory"] = "masked",
+    micro_batch: int | None = None,
+) -> Tensor:
+    """TraceRL's trajectory-aware score: each real token's log-prob in the context in which the sampler decoded it,
+    one masked forward per step group, ``Σ_i log p_θ(x^i | c, x^{decoded before group(i)})``.
+
+    Wang et al. 2025 (TraceRL), arXiv:2509.06949; Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py``: the step map's
+    distinct steps merged ``shrink`` at a time (``collapse_k_unique`` L203-215), one training row per group with every
+    position of that group or a later one masked and the group's tokens scored (L248-292). The plan is
+    :func:`~mmrl.plugins.dllm.masking.trace_plan`, fixed by the trajectory: no randomness, so ``num_samples`` and
+    ``generator`` are unused, and the policy, old policy and reference see the same rows. With ``shrink = 1`` (and
+    ``tail="trajectory"``) every token is scored given exactly the state the sampler was in when it committed it
+    (everything committed at earlier steps; the tokens of one step were drawn independently given that state), so
+    the sum is the log-probability of the sampled tokens along the sampler's own path (not of its choice of which
+    positions to commit); with ``shrink > 1`` the tokens of a group are scored with the whole group masked, a
+    context a little poorer than the one they were decoded in. Not an ELBO: the sum conditions on one decoding
+    order, the sampled one. The plugin returns each token's own log-prob as its action column (a per-token ratio, as
+    ``one_step``).
+
+    Args:
+        step_map: ``[B, L]`` the step at which each completion position was committed (``GenerationOutput.step_map``
+            of the sampler that produced the completion); required.
+        shrink: Distinct decoding steps per group (TraceRL's ``training.shrink``, 8 in its configs), >= 1.
+        tail: ``"masked"`` (the plugin's convention: the tail after the first stop token is masked in every row) or
+            ``"trajectory"`` (TraceRL: the tail is kept as decoded, visible to the groups decoded after it). It is
+            never scored either way.
+        micro_batch: Rows per forward; ``None`` forwards every row of every completion at once (rows of different
+            completions are packed into one batch).
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids, completion_mask and step_map ``[B, L]`` → ``float32 [B]``.
+    """
+    del num_samples, generator  # the plan is the trajectory's: nothing to draw
+    if step_map is None:
+        raise ValueError("the trace estimator needs step_map [B, L], the decoding step of every completion position")
+    plan = trace_plan(prompt_ids, completion_ids, completion_mask, step_map=step_map, shrink=shrink, tail=tail)
     return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
 
 

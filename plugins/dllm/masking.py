@@ -586,3 +586,101 @@ def spg_plan(
         beta=float(beta),
         name=f"spg_{bound}",
     )
+
+
+# ---------------------------------------------------------------------- TraceRL: the decoding trajectory's plan
+TRACE_TAILS = ("masked", "trajectory")
+
+
+def trace_groups(step_map: Tensor, shrink: int) -> Tensor:
+    """The step group of every completion position: TraceRL's merging of ``shrink`` consecutive distinct steps.
+
+    Per sample, the distinct values of its step map (every completion position, the tail after the first stop token
+    included, as TraceRL's ``collapse_k_unique`` sees the whole decoded response) are ranked in increasing order and
+    rank ``r`` belongs to group ``r // shrink``. TraceRL (Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L203-215)
+    maps each step to the last distinct step of its group and compares those representatives; comparing group
+    indices is the same order.
+
+    Shapes:
+        step_map ``[B, L]`` integer → ``[B, L]`` long, 0-based group indices.
+    """
+    if step_map.dim() != 2 or step_map.dtype.is_floating_point or step_map.dtype == torch.bool:
+        raise ValueError(f"step_map must be an integer tensor [B, L], got {step_map.dtype} {tuple(step_map.shape)}")
+    if isinstance(shrink, bool) or not isinstance(shrink, int) or shrink < 1:
+        raise ValueError(f"shrink must be a positive int (distinct decoding steps merged per group), got {shrink!r}")
+    steps = step_map.long()
+    ordered, order = steps.sort(dim=-1)  # [B, L]
+    fresh = torch.ones_like(ordered, dtype=torch.bool)
+    fresh[:, 1:] = ordered[:, 1:] != ordered[:, :-1]  # first occurrence of each distinct step
+    rank_sorted = fresh.long().cumsum(dim=-1) - 1  # [B, L] rank of each sorted entry's step
+    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)
+    return torch.div(rank, shrink, rounding_mode="floor")
+
+
+def trace_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    step_map: Tensor,
+    shrink: int = 8,
+    tail: str = "masked",
+) -> MaskPlan:
+    """TraceRL's trajectory plan: one row per step group holding real tokens, the tokens of that group scored in the
+    context in which the sampler decoded them (up to the ``shrink`` merging).
+
+    Wang et al. 2025, "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models"
+    (TraceRL), arXiv:2509.06949; Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L248-292: for every distinct group
+    ``g`` of a response, the row masks every response position whose group is ``>= g`` (``mask_pos = order_full >=
+    step_val``) and scores the positions of group ``g`` (``tgt_mask = order_full == step_val``); the prompt is never
+    masked nor scored; rows that score nothing are dropped. With ``shrink = 1`` the row is exactly the sampler's state
+    before the group's step (positions committed at earlier steps visible, every later one masked, later blocks
+    included), so the semi-autoregressive blocks need no rule of their own: they are in the step map.
+
+    Row ``n`` of sample ``b`` is its ``n``-th group (in decoding order) that holds a real token; samples with fewer
+    groups have empty rows (weight 0: never forwarded). Scored tokens carry weight ``N`` (the plan's rows) so that
+    :meth:`MaskPlan.reduce`, which averages over rows, returns ``Σ_i log p(x^i | context of its group)``.
+
+    The tail after the first stop token (``completion_mask`` 0) is never scored. ``tail="masked"`` (the plugin's
+    convention for every estimator, docs/dllm.md section 1.1) also masks it in every row; ``tail="trajectory"``
+    keeps it as decoded, visible in the rows of later groups than its own, as TraceRL does (it never masks a decoded
+    pad, and ``post_num: 0`` only keeps the pad id out of the scored set, L265-276).
+
+    Args:
+        step_map: ``[B, L]`` the decoding step at which each completion position was committed (the sampler's
+            ``step_map``); every real position must have a step ``>= 0``.
+        shrink: Distinct decoding steps merged into one group (TraceRL: 8).
+        tail: ``"masked"`` or ``"trajectory"``.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids, completion_mask and step_map ``[B, L]`` → a plan with ``N`` rows, the
+        largest number of groups holding real tokens in one sample (at least 1).
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, 1)
+    if tail not in TRACE_TAILS:
+        raise ValueError(f"tail must be one of {TRACE_TAILS}, got {tail!r}")
+    if not isinstance(step_map, Tensor) or tuple(step_map.shape) != tuple(completion_ids.shape):
+        shape = tuple(step_map.shape) if isinstance(step_map, Tensor) else type(step_map).__name__
+        raise ValueError(f"step_map must be [B, L] = {tuple(completion_ids.shape)} like completion_ids, got {shape}")
+    step_map = step_map.to(completion_ids.device)
+    group = trace_groups(step_map, shrink)  # [B, L]
+    undecoded = real & (step_map < 0)
+    if bool(undecoded.any()):
+        b, i = undecoded.nonzero()[0].tolist()
+        raise ValueError(f"step_map has no decoding step (got {int(step_map[b, i])}) at real completion position {i} "
+                         f"of sample {b}; the trace estimator needs the step of every real token")
+    b, length = completion_ids.shape
+    top = int(group.max()) + 1 if length else 1  # groups 0..top-1
+    present = torch.zeros(b, top + 1, dtype=torch.bool, device=group.device)
+    present.scatter_(1, torch.where(real, group, top), True)  # [B, top+1]: groups holding a real token
+    present = present[:, :top]
+    rows = max(int(present.sum(dim=-1).max()) if b else 0, 1)
+    candidates = torch.arange(top, device=group.device).expand(b, -1)
+    row_group = torch.where(present, candidates, top).sort(dim=-1).values[:, :rows]  # [B, N]; top: an empty row
+    row_group = row_group.t().unsqueeze(-1)  # [N, B, 1]
+    masked = group.unsqueeze(0) >= row_group  # [N, B, L]: this group and every later one
+    scored = (group.unsqueeze(0) == row_group) & real.unsqueeze(0)
+    if tail == "masked":
+        masked = _with_tail(masked, real)
+    weights = torch.where(scored, float(rows), 0.0).to(torch.float32)
+    return MaskPlan(masked, weights, _num_tokens(real), name="trace")

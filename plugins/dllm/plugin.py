@@ -4,7 +4,8 @@ canvas models (DiffusionGemma, :mod:`mmrl.plugins.dllm.canvas`).
 How it maps onto the rollout contract (docs/dllm.md has the long version):
 
 - **Actions.** ``objective: grpo``: one action per completion position (``A = G``, mask = the real tokens, up to and
-  including the first EOS). With ``one_step`` each column holds the token's own log-prob under the one-step forward,
+  including the first EOS). With ``one_step`` each column holds the token's own log-prob under the one-step forward
+  (with ``trace``, under its step group's row of the decoding trajectory, TraceRL),
   so the core's clipped ratio, clipping and KL act per token as in d1 (``diffu_grpo_trainer.py`` L114-121 at
   dllm-reasoning/d1@837888f); with the ELBO estimators (and ``spg_upper``) every real column holds ``ELBO / L``, so
   each token's ratio is the sequence ratio ``exp((ELBO_θ − ELBO_old) / L)`` whatever ``ratio_level`` says. In both
@@ -40,6 +41,9 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
   plans are uniform-noise plans (``plan_masked`` the corrupted positions, ``plan_tokens`` their random tokens,
   ``plan_self_conditioning`` the self-conditioning coins) scored by ``uniform_one_step``
   (:meth:`DLLMPlugin.score_canvas`), one per inner epoch, shared by π_θ, π_old and π_ref as above.
+- **The trace estimator** (TraceRL, arXiv:2509.06949) draws nothing: :meth:`DLLMPlugin.score` rebuilds its rows from
+  ``replay["step_map"]`` (:func:`~mmrl.plugins.dllm.masking.trace_plan`) on every pass, so π_θ, π_old and π_ref see
+  the same rows, one plan serves every inner epoch and no plan tensors are stored.
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
   the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
   masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
@@ -74,7 +78,7 @@ from mmrl.plugins.dllm.canvas import (
 from mmrl.plugins.dllm.dream_sampler import DreamSamplerConfig, dream_generate
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
-from mmrl.plugins.dllm.masking import SampleStreams
+from mmrl.plugins.dllm.masking import SampleStreams, trace_plan
 from mmrl.policy import attach_lora, check_reference_sync, frozen_copy, lora_config_class, reference_policy
 from mmrl.prompts import check_chat_template_kwargs, read_jsonl_prompts
 from mmrl.rollout import Rollout
@@ -82,12 +86,13 @@ from mmrl.rollout import Rollout
 OBJECTIVES = ("grpo", "wd1", "spg")
 DEFAULT_ESTIMATORS = {"grpo": "elbo_l", "wd1": "one_step", "spg": "spg_lower"}
 CANVAS_ESTIMATOR = "uniform_one_step"  # the only estimator of canvas models (adapter noise "uniform")
-PER_TOKEN_ESTIMATORS = ("one_step", CANVAS_ESTIMATOR)  # each token column holds the token's own log-prob
+TRACE_ESTIMATOR = "trace"  # TraceRL: the plan is built from the rollout's step_map, not drawn
+PER_TOKEN_ESTIMATORS = ("one_step", TRACE_ESTIMATOR, CANVAS_ESTIMATOR)  # each column holds the token's own log-prob
 BUILTIN_DATASETS = ("toy_addition",)
 PLAN_SEED_TAG = 0x91A4  # separates a sample's mask-plan stream from its decoding noise
 # Estimator parameters the plugin sets itself (everything else is an estimator option).
 _ESTIMATOR_DATA = frozenset({"model", "prompt_ids", "completion_ids", "completion_mask", "mask_id", "num_samples",
-                             "generator", "micro_batch"})
+                             "generator", "micro_batch", "step_map"})
 
 
 DLLMLoraConfig = lora_config_class(
@@ -217,17 +222,20 @@ class DLLMPluginConfig:
         ref="d1 diffu_grpo_trainer.py L114-121; wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
     )
     estimator: str | None = config_field(
-        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper "
-        "(masked models), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
+        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper, trace "
+        "(masked models; trace: TraceRL's per-token log-probs in the decoding trajectory's own context, from the "
+        "rollout's step map), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
         "wd1, spg_lower for spg; uniform_one_step for a canvas model.",
     )
     num_mc_samples: int = config_field(
         4, minimum=1, help="Masked forwards per completion (coupled: an even number; coupled_cv: at least 2; "
-        "one_step without prompt masking uses one).", ref="LLaDA likelihood: 128; SPG num_t: 2",
+        "one_step without prompt masking uses one; trace ignores it: one forward per step group).",
+        ref="LLaDA likelihood: 128; SPG num_t: 2",
     )
     estimator_options: dict[str, Any] = config_field(
         default_factory=dict, help="Options of the estimator, e.g. {p_mask_prompt: 0.15} for one_step, "
-        "{stratified: false} for elbo_l, {masking: block, block_length: 32} for spg_lower.",
+        "{stratified: false} for elbo_l, {masking: block, block_length: 32} for spg_lower, {shrink: 8, tail: "
+        "trajectory} for trace.",
     )
     normalize_by_length: bool | None = config_field(
         None, help="wd1 and spg: divide each sequence estimate by the number of real completion tokens (null: no; "
@@ -238,7 +246,8 @@ class DLLMPluginConfig:
         True, help="Draw a new mask plan for every inner epoch: the sampling policy and the reference are scored on "
         "each epoch's plan at rollout time (μ scoring passes each), and epoch k's training forward uses plan k, so "
         "the ratio and the KL of an epoch compare the policies on one draw. False: one plan serves all inner epochs "
-        "(one scoring pass). No effect on deterministic plans (one_step without prompt masking).",
+        "(one scoring pass). No effect on deterministic plans (one_step without prompt masking; trace, whose plan "
+        "is the decoding trajectory).",
         ref="d1 / wd1 / SPG: mask_seeds = torch.randint(0, 2**12, (num_iterations,)), random_masking: True",
     )
     spg_beta: float = config_field(1.5, minimum=1.0, help="Rényi order β of SPG's upper bound.",
@@ -270,6 +279,9 @@ class DLLMPluginConfig:
         if name == "coupled_cv" and self.num_mc_samples < 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "at least 2 for coupled_cv (a fully masked row and a partly masked one)")
+        if name == TRACE_ESTIMATOR and self.objective == "spg":
+            raise ConfigError(f"{path}.objective", self.objective, "grpo or wd1 with estimator trace (each token is "
+                              "scored once, in its decoding context: there is no ELBO/EUBO pair for spg)")
         if name == "coupled_cv" and self.objective == "spg" and self.estimator_options.get("control", 1.0) != 0:
             raise ConfigError(f"{path}.estimator", name, "an estimator with nonnegative weights for objective spg "
                               "(SPG's EUBO); coupled_cv's control variate gives negative ones (or set control: 0)")
@@ -537,13 +549,16 @@ class DLLMPlugin(Plugin):
         """Mask plans drawn per training sample: one per inner epoch with ``redraw_masks`` (when μ > 1 and the plan
         is random), else one."""
         config = self.config
-        deterministic = self.estimator == "one_step" and not config.estimator_options.get("p_mask_prompt", 0.0)
+        deterministic = self.estimator == TRACE_ESTIMATOR or (
+            self.estimator == "one_step" and not config.estimator_options.get("p_mask_prompt", 0.0))
         if config.redraw_masks and not deterministic:
             return max(int(self.runtime.inner_epochs), 1)
         return 1
 
     def plan_index(self, replay: dict[str, Any]) -> int:
         """The plan of the current inner epoch (0 when a single plan serves every epoch)."""
+        if self.estimator == TRACE_ESTIMATOR:  # one plan, rebuilt from the step map: nothing stored
+            return 0
         drawn = replay["plan_masked"].shape[1]
         if drawn == 1:
             return 0
@@ -702,6 +717,8 @@ class DLLMPlugin(Plugin):
 
         n, width = prompt_ids.shape
         device = completion_ids.device
+        if self.estimator == TRACE_ESTIMATOR:  # the plan is the trajectory's (replay["step_map"]): :meth:`score`
+            return {}
         generators = [torch.Generator().manual_seed(derive_seed(int(seed), PLAN_SEED_TAG)) for seed in seeds.tolist()]
         if self.canvas:
             return self._draw_uniform_plans(real, generators, num_plans)
@@ -810,8 +827,9 @@ class DLLMPlugin(Plugin):
         were right-padded with zeros then, and the first ``prompt_width`` columns are the sample's own prompt).
 
         Shapes:
-            → ``[n, A]`` float32. grpo (``A = G`` token columns, zero after the first EOS): one_step's per-token
-            log-probs (their sum is the estimate; d1's per-token ratio), or for the other estimators the sequence
+            → ``[n, A]`` float32. grpo (``A = G`` token columns, zero after the first EOS): one_step's or trace's
+            per-token log-probs (their sum is the estimate; d1's and TraceRL's per-token ratio; trace's rows are
+            rebuilt from ``replay["step_map"]``), or for the other estimators the sequence
             estimate divided by the number of real tokens in every real column (their sum is the estimate; the ratio
             of every token is the sequence ratio ``exp(ΔELBO / L)``). wd1: the estimate; spg: the ELBO and the EUBO;
             divided by the number of real tokens when ``normalize_by_length``.
@@ -829,12 +847,16 @@ class DLLMPlugin(Plugin):
                 prompt_masked = prompt_masked.index_select(0, rows)[:, plan, :, :width].transpose(0, 1).bool()
             reduction, beta = ("eubo", float(config.estimator_options.get("beta", 1.5))) \
                 if self.estimator == "spg_upper" else ("elbo", 1.0)
-            masks = MaskPlan(
-                completion_masked=replay["plan_masked"].index_select(0, rows)[:, plan].transpose(0, 1).bool(),
-                weights=replay["plan_weights"].index_select(0, rows)[:, plan].transpose(0, 1).float(),
-                num_tokens=num_tokens, prompt_masked=prompt_masked, reduction=reduction, beta=beta,
-                name=self.estimator,
-            )
+            if self.estimator == TRACE_ESTIMATOR:  # rebuilt from the trajectory, identically for π_θ, π_old, π_ref
+                masks = trace_plan(prompt, completion, replay["completion_mask"].index_select(0, rows),
+                                   step_map=replay["step_map"].index_select(0, rows), **config.estimator_options)
+            else:
+                masks = MaskPlan(
+                    completion_masked=replay["plan_masked"].index_select(0, rows)[:, plan].transpose(0, 1).bool(),
+                    weights=replay["plan_weights"].index_select(0, rows)[:, plan].transpose(0, 1).float(),
+                    num_tokens=num_tokens, prompt_masked=prompt_masked, reduction=reduction, beta=beta,
+                    name=self.estimator,
+                )
             model = scorer
             if config.cfg_scale > 0:  # score the guided policy that sampled (d1's get_logits)
                 model = guided(scorer, scale=config.cfg_scale, mask_id=self.adapter.mask_id,
