@@ -1,5 +1,5 @@
 """Tiny SD3, FLUX, Qwen-Image, FLUX.2 (dev, klein base and distilled), FLUX.3 (modular), Wan (2.1, 2.2 two-expert
-and 2.2 TI2V), Z-Image and HunyuanVideo 1.5 pipelines with random weights and locally built tokenizers, for tests
+and 2.2 TI2V), Z-Image, HunyuanVideo 1.5 and Sana pipelines with random weights and locally built tokenizers, for tests
 and benchmarks.
 
 Nothing is downloaded: every component comes from its config class, the CLIP tokenizer from a byte-level BPE
@@ -200,6 +200,32 @@ def build_flux_kontext_pipeline(seed: int = 0, size: str = "tiny") -> Any:
     return FluxKontextPipeline(**{name: component for name, component in flux.components.items()
                                   if name in ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2",
                                               "tokenizer_2", "transformer")})
+
+
+def build_chroma_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``ChromaPipeline`` with random weights: a T5 encoder (the only text encoder), a 1+1-block Chroma transformer
+    (no guidance embedding; a one-layer approximator producing the modulations), the tiny FLUX VAE and FLUX's
+    dynamically shifted scheduler config."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    if size != "tiny":
+        raise ValueError(f"unknown Chroma pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer, t5_width, latent_channels = tiny_t5_tokenizer(), 32, 4
+        text_encoder = _t5_encoder(len(tokenizer), t5_width, 1, 4, 2 * t5_width)
+        transformer = ChromaTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=t5_width, axes_dims_rope=(2, 2, 4),
+            approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1,
+        )
+        vae = _vae(latent_channels, (8, 16), 4, scaling=0.3611, shift=0.1159)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+    return ChromaPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
 
 
 #: QwenImagePipeline's prompt template (its ``prompt_template_encode``); the pipeline drops the first 34 tokens
@@ -928,17 +954,83 @@ def build_hunyuan_video15_i2v_pipeline(seed: int = 0, size: str = "tiny") -> Any
     )
 
 
+def tiny_gemma_tokenizer(corpus: list[str], vocab_size: int = 500) -> Any:
+    """A ``GemmaTokenizer`` (BOS added, right padding by the pipelines) whose BPE is trained here on ``corpus``: spaces
+    become ``▁`` and merges stay inside words, as in Gemma's SentencePiece vocabulary; Gemma's special tokens."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    trained.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # training only: word pieces
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+                                  show_progress=False)
+    trained.train_from_iterator(corpus * 4, trainer)
+    merges = [tuple(pair) for pair in json.loads(trained.to_str())["model"]["merges"]]
+    return GemmaTokenizer(vocab=trained.get_vocab(), merges=merges, add_bos_token=True, add_eos_token=False)
+
+
+def build_sana_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``SanaPipeline`` with random weights in the layout of Efficient-Large-Model/Sana_1600M_1024px_diffusers: a
+    two-layer width-16 ``Gemma2Model`` text encoder on :func:`tiny_gemma_tokenizer` trained on the pipeline's complex
+    human instruction and the test words (the instruction is about 300 tokens, so the pipeline's token selection keeps
+    part of it for short prompts, as with the real tokenizer), a two-block Sana DiT (linear self-attention,
+    cross-attention, GLUMBConv), a two-stage DC-AE (``AutoencoderDC``, factor 2: 32 px images have 16×16 latents) and
+    Sana 1.0's scheduler, a flow DPM-Solver++ (``DPMSolverMultistepScheduler``, flow_prediction, flow_shift 3)."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from mmrl.plugins.flow.adapters.sana import default_complex_human_instruction
+
+    if size != "tiny":
+        raise ValueError(f"unknown Sana pipeline size {size!r}; only 'tiny' is built here")
+    instruction = "\n".join(default_complex_human_instruction(SanaPipeline))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_gemma_tokenizer([instruction, " ".join(_WORDS)])
+        text_width, latent_channels = 16, 4
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024, sliding_window=64,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )).eval()
+        transformer = SanaTransformer2DModel(
+            in_channels=latent_channels, out_channels=latent_channels, num_attention_heads=2, attention_head_dim=8,
+            num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+            caption_channels=text_width, mlp_ratio=2.5, sample_size=32, patch_size=1,
+            timestep_scale=0.5,  # not the default 1.0, so that a timestep passed unscaled changes the images
+        )
+        vae = AutoencoderDC(
+            in_channels=3, latent_channels=latent_channels, attention_head_dim=2,
+            encoder_block_types=("ResBlock", "EfficientViTBlock"),
+            decoder_block_types=("ResBlock", "EfficientViTBlock"),
+            encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+            encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1), downsample_block_type="conv", upsample_block_type="interpolate",
+            decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+        )
+        scheduler = DPMSolverMultistepScheduler(
+            algorithm_type="dpmsolver++", solver_order=2, prediction_type="flow_prediction", use_flow_sigmas=True,
+            flow_shift=3.0, final_sigmas_type="zero", lower_order_final=True,
+        )
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                        scheduler=scheduler)
+
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "qwen_image21": build_qwen_image21_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
             "wan22_ti2v": build_wan22_ti2v_pipeline, "z_image": build_z_image_pipeline,
             "flux2_klein": build_flux2_klein_pipeline, "flux2_klein_distilled": build_flux2_klein_distilled_pipeline,
-            "flux3": build_flux3_pipeline,
+            "flux3": build_flux3_pipeline, "chroma": build_chroma_pipeline,
             "flux_kontext": build_flux_kontext_pipeline, "qwen_image_edit": build_qwen_image_edit_pipeline,
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
             "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
             "wan_flf2v": build_wan_flf2v_pipeline, "hunyuan_video15": build_hunyuan_video15_pipeline,
-            "hunyuan_video15_i2v": build_hunyuan_video15_i2v_pipeline}
+            "hunyuan_video15_i2v": build_hunyuan_video15_i2v_pipeline, "sana": build_sana_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -946,9 +1038,9 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     """Build the ``kind`` pipeline (a key of :data:`BUILDERS`: ``"sd3"``, ``"flux"``, ``"qwen_image"``,
     ``"qwen_image21"``, ``"flux2"``,
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
-    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux3"``, ``"flux_kontext"``, ``"qwen_image_edit"``,
-    ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``, ``"wan_flf2v"``,
-    ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``) and
+    ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux3"``, ``"chroma"``, ``"flux_kontext"``,
+    ``"qwen_image_edit"``, ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``,
+    ``"wan_flf2v"``, ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``, ``"sana"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -26,6 +26,7 @@ flow_adapters: Registry[type[FlowAdapter]] = Registry("flow model adapter", entr
 
 flow_adapters.register_lazy("sd3", "mmrl.plugins.flow.adapters.sd3:SD3Adapter")
 flow_adapters.register_lazy("flux", "mmrl.plugins.flow.adapters.flux:FluxAdapter")
+flow_adapters.register_lazy("chroma", "mmrl.plugins.flow.adapters.chroma:ChromaAdapter")
 flow_adapters.register_lazy("flux_kontext", "mmrl.plugins.flow.adapters.flux_kontext:FluxKontextAdapter")
 flow_adapters.register_lazy("flux2", "mmrl.plugins.flow.adapters.flux2:Flux2Adapter")
 flow_adapters.register_lazy("flux2_klein", "mmrl.plugins.flow.adapters.flux2_klein:Flux2KleinAdapter")
@@ -47,6 +48,7 @@ flow_adapters.register_lazy("hunyuan_video15_i2v",
                             "mmrl.plugins.flow.adapters.hunyuan_video15_i2v:HunyuanVideo15ImageToVideoAdapter")
 flow_adapters.register_lazy("ltx2", "mmrl.plugins.flow.adapters.ltx2:LTX2Adapter")
 flow_adapters.register_lazy("ltx2_i2v", "mmrl.plugins.flow.adapters.ltx2_i2v:LTX2ImageToVideoAdapter")
+flow_adapters.register_lazy("sana", "mmrl.plugins.flow.adapters.sana:SanaAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:
