@@ -1,5 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4) checkpoints built
-offline, for tests, benchmarks and the toy run.
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4, Gemma 3)
+checkpoints built offline, for tests, benchmarks and the toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
 words, wrapped as ``Qwen2Tokenizer`` with a Qwen-style chat template; the image processor keeps images small
@@ -20,6 +20,10 @@ Qwen3-MoE language model instead (4 experts, 2 per token, in every layer). The G
 and chat layout (:data:`GEMMA4_CHAT_TEMPLATE`), a ViT on 4-pixel patches pooled 3 × 3 (70 soft tokens per image at the
 tests' pixel bounds) and a 4-layer language model with every text feature of the released variants
 (:func:`_gemma4_config`); ``gemma4_moe`` adds the 26B-A4B's routed experts to every layer (4 experts, 2 per token).
+The Gemma 3 build has Gemma 3's tokens and chat layout (:data:`GEMMA3_CHAT_TEMPLATE`), a SigLIP tower on
+:data:`GEMMA3_IMAGE`-pixel images of 4-pixel patches pooled 2 × 2 into 16 soft tokens per image (the released
+checkpoints: 896 pixels, 14-pixel patches pooled 4 × 4 into 256) and a 4-layer language model with sliding-window
+and full-attention layers (:func:`_gemma3_config`).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl", "internvl_moe", "gemma4", "gemma4_moe")
+            "internvl", "internvl_moe", "gemma4", "gemma4_moe", "gemma3")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
 GEMMA4_FAMILIES = ("gemma4", "gemma4_moe")
 """The Gemma 4 builds: ``gemma4_moe`` is the same model with 26B-A4B's routed experts (both ``model_type: gemma4``,
@@ -143,6 +147,46 @@ GEMMA4_CHAT_TEMPLATE = (
 ``model``); each image is ``<|image|>``, which the processor expands to ``<|image>`` + the image's soft tokens +
 ``<image|>`` (the turns and image markers only, not the released template's thinking and tool-call parts)."""
 
+GEMMA3_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                         "<end_of_image>", "<image_soft_token>")
+"""The Gemma 3 tokenizer's special tokens that the chat, the image input and the tiny build use: PAD, EOS, BOS and UNK
+(ids 0 to 3 as in the released vocabulary), the turn markers, the image delimiters and the soft-token placeholder."""
+
+GEMMA3_TOKENIZER_ROLES = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                          "eoi_token": "<end_of_image>"}
+"""The tokenizer attributes ``Gemma3Processor`` reads (``tokenizer.image_token`` and its ``_id``, ``boi_token``,
+``eoi_token``; transformers 5.25 ``models/gemma3/processing_gemma3.py`` ``Gemma3Processor.__init__``)."""
+
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set first_prefix = (messages[0]['content'] if messages[0]['content'] is string "
+    "else messages[0]['content'][0]['text']) + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first_prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ first_prefix if loop.first else '' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+"""Gemma 3's chat layout (the ``chat_template`` of google/gemma-3-4b-it's tokenizer_config.json): ``<bos>``, then
+``<start_of_turn>role\n...<end_of_turn>\n`` per turn, the assistant's role written ``model``, texts trimmed; Gemma 3
+has no system role: a system message's text and a blank line open the first user turn. Each image is
+``<start_of_image>``, which the processor expands to ``\n\n<start_of_image>`` + the image's soft tokens +
+``<end_of_image>\n\n`` (without the released template's role-alternation check)."""
+
+GEMMA3_IMAGE, GEMMA3_PATCH, GEMMA3_TOKENS = 32, 4, 16
+"""Image side, patch side and soft tokens per image of the tiny Gemma 3 build (the released checkpoints: 896, 14 and
+256): 8 × 8 patches average-pooled 2 × 2 by the projector into 4 × 4 soft tokens."""
+
+GEMMA3_PROJECTION_STD = 0.1
+"""Initial spread of the tiny Gemma 3 build's ``mm_input_projection_weight``, which transformers initialises at zero
+(``Gemma3PreTrainedModel._init_weights``: the released weights replace it), so that the image features are not zero
+and the images change the log-probs."""
+
 GEMMA4_PATCH, GEMMA4_POOLING = 4, 3
 """Patch side and pooling kernel of the tiny Gemma 4 builds (the released checkpoints: 16 and 3): an image becomes
 soft tokens of 12 × 12 pixels, at most ``max_soft_tokens`` of them (70 at the tests' pixel bounds)."""
@@ -214,6 +258,19 @@ def build_gemma4_tokenizer(vocab_size: int = 384) -> Any:
                                    extra_special_tokens=dict(GEMMA4_TOKENIZER_ROLES))
 
 
+def build_gemma3_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with Gemma 3's special tokens (:data:`GEMMA3_SPECIAL_TOKENS`, BOS ``<bos>``, EOS
+    ``<eos>``, PAD ``<pad>``, the roles of :data:`GEMMA3_TOKENIZER_ROLES`), trained on the same small corpus;
+    deterministic. Like the released tokenizer (``add_bos_token: true``) it writes ``<bos>`` before every text it
+    encodes with special tokens, which the chat template also writes: whoever tokenizes a rendered chat must not add
+    it again (:meth:`~mmrl.plugins.vlm.adapters.gemma3.Gemma3Adapter.encode`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe(GEMMA3_SPECIAL_TOKENS, vocab_size), bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", add_bos_token=True,
+                                   extra_special_tokens=dict(GEMMA3_TOKENIZER_ROLES))
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
@@ -241,6 +298,11 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
             image_processor=transformers.Gemma4ImageProcessor(**budget), tokenizer=tokenizer,
             video_processor=transformers.Gemma4VideoProcessor(**budget), chat_template=GEMMA4_CHAT_TEMPLATE,
             image_seq_length=budget["max_soft_tokens"])
+
+    if family == "gemma3":  # every image resized to the tower's fixed square (the pixel bounds play no part)
+        image_processor = transformers.Gemma3ImageProcessor(size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE})
+        return transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                            chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=GEMMA3_TOKENS)
 
     if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
         from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
@@ -289,6 +351,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         return _internvl_config(tokenizer, dims, moe=family == "internvl_moe")
     if family in GEMMA4_FAMILIES:
         return _gemma4_config(tokenizer, dims, moe=family == "gemma4_moe")
+    if family == "gemma3":
+        return _gemma3_config(tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -448,6 +512,38 @@ def _gemma4_config(tokenizer: Any, dims: dict[str, Any], *, moe: bool = False) -
                                      eoa_token_index=ids["<audio|>"], tie_word_embeddings=True)
 
 
+def _gemma3_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """Gemma 3 (4B/12B/27B: ``Gemma3ForConditionalGeneration``) with the released text features: sliding-window and
+    full-attention layers alternating over 4 layers (a window of 16 tokens, shorter than the tests' prompts, so the
+    window binds; the released models: 1,024 tokens, five sliding layers per full one; two full layers here, so that
+    the image tokens' states reach the completion visibly), RoPE with base 10,000 on the sliding layers and base 10⁶
+    with linear scaling 8 on the full ones (google/gemma-3-4b-it config.json), QK-norm, no logit soft-capping, the
+    attention scaled by ``query_pre_attn_scalar`` = head width. The vision tower: a 2-layer SigLIP on
+    :data:`GEMMA3_IMAGE`-pixel images of :data:`GEMMA3_PATCH`-pixel patches without the pooling head
+    (``vision_use_head: false``, as released), whose 8 × 8 patches the projector pools into :data:`GEMMA3_TOKENS`
+    soft tokens."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in GEMMA3_SPECIAL_TOKENS}
+    hidden, heads = dims["hidden"], dims["heads"]
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=dims["intermediate"], num_hidden_layers=4,
+        num_attention_heads=heads, num_key_value_heads=dims["kv_heads"], head_dim=hidden // heads,
+        query_pre_attn_scalar=hidden // heads, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+        final_logit_softcapping=None, attn_logit_softcapping=None, max_position_embeddings=1024,
+        pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"],
+    )
+    vision = dict(model_type="siglip_vision_model", hidden_size=dims["vision"], intermediate_size=2 * dims["vision"],
+                  num_hidden_layers=dims["depth"], num_attention_heads=4, image_size=GEMMA3_IMAGE,
+                  patch_size=GEMMA3_PATCH, vision_use_head=False)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
+                                     boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                                     image_token_index=ids["<image_soft_token>"], tie_word_embeddings=True)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -469,7 +565,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     directory.parent.mkdir(parents=True, exist_ok=True)
     glm = family in GLM_FAMILIES
     tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family in INTERNVL_FAMILIES
-                 else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES else build_tokenizer())
+                 else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES
+                 else build_gemma3_tokenizer() if family == "gemma3" else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -484,13 +581,19 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "internvl": "InternVLForConditionalGeneration",
                                              "internvl_moe": "InternVLForConditionalGeneration",
                                              "gemma4": "Gemma4ForConditionalGeneration",
-                                             "gemma4_moe": "Gemma4ForConditionalGeneration"}[family])
+                                             "gemma4_moe": "Gemma4ForConditionalGeneration",
+                                             "gemma3": "Gemma3ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
+        if family == "gemma3":  # transformers initialises the projection at zero: images would not reach the model
+            with torch.no_grad():
+                model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=GEMMA3_PROJECTION_STD)
     # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>; Gemma 4's
-    # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]).
-    ends = (("<turn|>", "<eos>") if family in GEMMA4_FAMILIES else ("<|endoftext|>", "<|user|>", "<|observation|>")
+    # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]);
+    # Gemma 3's at <eos> and <end_of_turn> (google/gemma-3-4b-it generation_config.json: eos_token_id [1, 106]).
+    ends = (("<turn|>", "<eos>") if family in GEMMA4_FAMILIES else ("<end_of_turn>", "<eos>") if family == "gemma3"
+            else ("<|endoftext|>", "<|user|>", "<|observation|>")
             if glm else ("<|im_end|>", "<|endoftext|>"))
     eos = [tokenizer.convert_tokens_to_ids(token) for token in ends]
     model.generation_config = transformers.GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
