@@ -73,7 +73,7 @@ def test_builtin_registries_hold_what_the_core_promises():
 
     assert {"grpo", "dr_grpo", "rloo", "batch_std"} <= set(advantage_estimators.names())
     assert {"grpo", "gspo", "reinforce"} <= set(policy_losses.names())
-    assert set(kl_estimators.names()) == {"k1", "k2", "k3"}
+    assert set(kl_estimators.names()) == {"k1", "k2", "k3", "k2_seq"}
     assert set(aggregation_modes.names()) == {
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"}
     assert "toy" in plugin_registry

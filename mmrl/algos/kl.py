@@ -15,6 +15,13 @@ not: there the KL term is what should pull the policy back. TRL computes k3 with
 (``trl/trainer/grpo_trainer.py`` L3068-3073 at huggingface/trl@f2cd577); within ±20 mmrl's k3 is TRL's. The clamp
 also applies to k1 and k2 (verl clamps neither), where it only matters beyond |x| = 20. A plugin may skip these and
 return its own per-action KL (the flow plugin uses the closed-form KL between Gaussian means).
+
+``k2_seq`` is k2 of the **sequence** log-ratio instead of each action's: x_i = Σ_a (log π_θ − log π_ref)[i, a], and
+every column of row i holds ½·x_i²/A (A the number of columns), so the columns of a row sum to ½·x_i² and their mean
+is ½·x_i²/A. ESPO (Ou et al. 2025, arXiv:2512.03759) regularises the sequence ELBO so
+(ML-GSAI/ESPO@b5f2dac ``espo/espo_trainer.py`` L197-201: ``compute_approx_kl(elbo, ref_elbo, "k2")`` summed and
+divided by ``batch_size * logits_to_keep``, the completion budget; "robust KL regularization" in its trainer's
+docstring, L118): k3 of a sequence log-ratio would take ``exp`` of tens of nats, k2 is a polynomial in it.
 """
 
 from __future__ import annotations
@@ -65,3 +72,26 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """
     x = _log_ratio(logp, ref_logp)
     return (-x).exp() + x - 1.0
+
+
+@kl_estimators.register("k2_seq")
+def kl_k2_seq(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 of the sequence log-ratio, spread over the columns: ½·(Σ_a (log π_θ − log π_ref)[i, a])² / A in every column
+    of row i (ESPO's KL on the sequence ELBO).
+
+    The sequence log-ratio is the sum of the row's columns, so the columns must hold the sequence's log-probs in
+    additive form and the columns outside the mask must be equal in ``logp`` and ``ref_logp`` (the dLLM plugin leaves
+    them 0; with ELBO estimators its real columns hold ``ELBO / L``, summing to the ELBO), and every column of the
+    sequence must be in the call (not with ``algorithm.action_chunk_size``). With ``aggregation:
+    seq_mean_token_mean`` each sequence contributes the mean of its columns, ``½·x_i²/A``: ESPO's
+    ``k2(ELBO_θ − ELBO_ref) / logits_to_keep`` with A the generation budget (ML-GSAI/ESPO@b5f2dac
+    ``espo/espo_trainer.py`` L197-201, ``compute_approx_kl`` L77-108). The gradient is ``x_i/A·∇x_i`` for the whole
+    sequence. Each column's log-ratio is clamped to ±20 as in :func:`kl_k2` (per column, before the sum; ESPO does not
+    clamp, and with ELBO / L columns the clamp would need a sequence log-ratio of 20·L nats); the sum is not clamped.
+
+    Shapes:
+        logp, ref_logp ``[N, A]`` → ``[N, A]`` (every column of a row equal).
+    """
+    x = _log_ratio(logp, ref_logp).sum(dim=1, keepdim=True)  # [N, 1] the sequence log-ratio
+    width = max(logp.shape[1], 1)
+    return (0.5 * x**2 / width).expand_as(logp)

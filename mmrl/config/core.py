@@ -136,7 +136,10 @@ class AlgorithmConfig:
         help="β, weight of the KL-to-reference term in the loss (0 skips the reference forward).",
         ref="GRPO: 0.04; Flow-GRPO: 0.04 GenEval, 0.01 PickScore; DAPO: 0",
     )
-    kl_estimator: str = config_field("k3", help="KL estimator when the plugin returns log-probs: k1, k2 or k3.")
+    kl_estimator: str = config_field(
+        "k3", help="KL estimator when the plugin returns log-probs: k1, k2 or k3 per action, or k2_seq, k2 of the "
+        "sequence log-ratio (ESPO; the plugin's columns must sum to the sequence's log-prob).",
+    )
     ref_sync_every: int = config_field(
         0, minimum=0,
         help="Move the KL reference toward the policy every this many optimizer steps, ref <- mix*policy + "

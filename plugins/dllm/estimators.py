@@ -42,6 +42,7 @@ References:
     SPG — Wang et al. 2025, arXiv:2510.09541 (sandwiched ELBO/EUBO, block-wise masking).
     wd1 — Tang et al. 2025, arXiv:2507.08838 (uses the d1 one-step estimator in a ratio-free loss).
     TraceRL — Wang et al. 2025, arXiv:2509.06949 (the decoding trajectory's own context for every token: ``trace``).
+    ESPO — Ou et al. 2025, arXiv:2512.03759 (count-sampled complementary pairs over ``0..L``: ``espo``).
 
 ``uniform_one_step`` is the one estimator for **canvas** models (DiffusionGemma: uniform-token noise, no mask
 token); its ``model`` is the ``DiffusionGemmaForBlockDiffusion`` itself (:mod:`mmrl.plugins.dllm.canvas`).
@@ -63,6 +64,7 @@ from mmrl.plugins.dllm.masking import (
     coupled_plan,
     elbo_l_plan,
     elbo_t_plan,
+    espo_plan,
     one_step_plan,
     spg_plan,
     trace_plan,
@@ -96,6 +98,7 @@ __all__ = [
     "elbo_l",
     "coupled",
     "coupled_cv",
+    "espo",
     "spg_lower",
     "spg_upper",
     "trace",
@@ -212,6 +215,7 @@ _PLANS: dict[str, Callable[..., MaskPlan]] = {
     "elbo_l": elbo_l_plan,
     "coupled": coupled_plan,
     "coupled_cv": coupled_cv_plan,
+    "espo": espo_plan,
     "spg_lower": lambda *args, **kwargs: spg_plan(*args, bound="lower", **kwargs),
     "spg_upper": lambda *args, **kwargs: spg_plan(*args, bound="upper", **kwargs),
 }
@@ -481,6 +485,69 @@ def coupled_cv(
     plan = coupled_cv_plan(
         prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
         stratified=stratified, control=control,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("espo")
+def espo(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    coupled: bool = True,
+    stratified: bool = False,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """ESPO's ELBO estimate: ``x ~ U{0..L}``, a uniform ``x``-subset ``S`` weighted ``(L+1)/x`` and its complement
+    weighted ``(L+1)/(L−x)``, the two rows averaged.
+
+    Per draw (``coupled=True``, two forwards),
+
+        est = ½·[ ((L+1)/x)·g(S) + ((L+1)/(L−x))·g(S^c) ],     x ~ U{0, 1, .., L},
+
+    averaged over the ``num_samples / 2`` draws; with ``coupled=False`` one forward per draw, ``((L+1)/x)·g(S)``.
+    The prompt is never masked. Ou et al. 2025, "Principled RL for Diffusion LLMs Emerges from a Sequence-Level
+    Perspective" (ESPO), arXiv:2512.03759; ML-GSAI/ESPO@b5f2dac ``espo/espo_trainer.py``: ``forward_process``
+    L55-75 (``k = randint(0, L+1)``, counts ``round(linspace(k, k + (b−1)(L+1)/b, b)) mod (L+1)`` over the ``b``
+    rows of a micro-batch, a random ``x``-subset per row, the returned mask ratio ``x/(L+1)``), ``_get_elbo``
+    L376-438 (``CE / p_mask`` on the masked positions; with ``reduce_var`` a second forward with the complement
+    masked, ``CE / (L/(L+1) − p_mask)``, the two halved; the negative sum over the completion), ``_get_elbo_mc``
+    L440-474 (the mean over ``num_mc`` seeds). ESPO's recipes use ``reduce_var: true`` and ``num_mc: 2`` (four
+    forwards: ``num_samples: 4`` here) for LLaDA, ``reduce_var: false``, ``num_mc: 1`` in the Dream/LLaDA demos.
+
+    Unbiasedness: each row alone is unbiased for the ELBO ``Σ_{l=1..L} h_l/l`` (:func:`exact_elbo`). ``S`` given
+    ``x`` is a uniform ``x``-subset, so ``E[((L+1)/x)·g(S)] = Σ_{x=1..L} (1/(L+1))·((L+1)/x)·h_x = Σ_x h_x/x``
+    (``x = 0`` scores nothing); ``S^c`` is a uniform ``(L−x)``-subset with ``L−x`` uniform on ``0..L`` as well, so
+    the same sum holds for the second row, and for their mean. Weights are bounded by ``L+1``. Compared with
+    :func:`coupled` (``m ~ U{1..L}``, weights ``L/m`` and ``L/(L−m)``, the fully masked row doubled): the same
+    complementary coupling, with ``L+1`` equally likely counts instead of ``L`` and weights ``(L+1)/|row|``.
+
+    Deliberate differences from ESPO's code: the counts are drawn per sample (one offset per sample and draw, from
+    the sample's own stream) instead of one offset per micro-batch spread over its ``b`` rows (each row's count is
+    still marginally uniform in ESPO, except when ``(L+1)·j/b`` ends in ``.5``, e.g. ``b = 2`` with an odd ``L+1``,
+    where ``torch.round``'s half-to-even makes it non-uniform); ``stratified`` spreads a sample's own draws
+    instead. ``L`` is the number of scored tokens: ESPO scores the whole generated length (no completion mask in the
+    loss), which the plugin reproduces with ``plugin.score_tail: true``; with the plugin's default the tail after
+    the first stop token is masked and never scored (:mod:`~mmrl.plugins.dllm.masking`).
+
+    Args:
+        coupled: Add the complement row of every draw (ESPO's ``reduce_var``, its default); needs an even number
+            of forwards (``plugin.num_mc_samples``).
+        stratified: Spread the counts ``x`` of each sample's draws evenly over ``0..L`` (ESPO: iid, one seed per
+            MC sample).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = espo_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        coupled=coupled, stratified=stratified,
     )
     return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
 

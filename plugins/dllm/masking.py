@@ -441,6 +441,55 @@ def coupled_plan(
     return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="coupled")
 
 
+def espo_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+    coupled: bool = True,
+    stratified: bool = False,
+) -> MaskPlan:
+    """ESPO's plan: a mask count ``x ~ U{0..L_b}`` (``L_b + 1`` values, ``0`` and ``L_b`` included), a uniform
+    ``x``-subset ``S`` of the real tokens weighted ``(L_b+1)/x`` and, with ``coupled``, its complement ``S^c``
+    weighted ``(L_b+1)/(L_b−x)``.
+
+    ``coupled=True`` (ESPO's ``reduce_var``): ``num_samples`` counts forward rows and must be even; rows
+    ``0..N/2−1`` hold the sets ``S``, rows ``N/2..N−1`` their complements, and :meth:`MaskPlan.reduce`'s mean over the
+    ``N`` rows is ESPO's ``½·(pair)`` averaged over its ``num_mc = N/2`` draws. ``coupled=False``: ``N`` rows of sets
+    ``S``. An empty row (``x = 0`` for ``S``, ``x = L_b`` for ``S^c``) scores nothing and is not forwarded (ESPO runs
+    it and adds nothing). ``stratified`` spreads the ``x`` of a sample's draws evenly over ``0..L_b``
+    (:func:`stratified_counts` on ``1..L_b+1``, minus one); ESPO draws each MC sample's offset from its own seed
+    (iid, the default here). See :func:`~mmrl.plugins.dllm.estimators.espo` for the source and the derivation.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if coupled and num_samples % 2:
+        raise ValueError(f"the espo estimator with coupled: true needs an even num_samples (pairs of forwards), "
+                         f"got {num_samples}")
+    device = completion_ids.device
+    draws, (b, length) = (num_samples // 2 if coupled else num_samples), completion_ids.shape
+    real_count = real.sum(dim=-1)  # [B]
+    outcomes = real_count + 1  # x takes L_b + 1 values
+    if stratified:
+        counts = stratified_counts(uniform((b,), generator, device), outcomes, draws) - 1  # [D, B] in 0..L_b
+    else:
+        u = uniform((draws, b), generator, device, batch_axis=1)  # [D, B]
+        counts = torch.minimum(torch.floor(u * outcomes.to(torch.float64)).long(), real_count.unsqueeze(0))
+    keys = uniform((draws, b, length), generator, device, batch_axis=1)
+    first = random_subset(real.unsqueeze(0).expand(draws, -1, -1), counts, keys)  # S: [D, B, L]
+    scale = outcomes.unsqueeze(0).to(torch.float64)  # [1, B]: L_b + 1
+    w_first = scale / counts.clamp(min=1).to(torch.float64)  # (L+1)/x; unused when S is empty
+    masked, weights = [first], [torch.where(first, w_first.unsqueeze(-1), 0.0)]
+    if coupled:
+        second = real.unsqueeze(0) & ~first  # S^c
+        w_second = scale / (real_count.unsqueeze(0) - counts).clamp(min=1).to(torch.float64)  # (L+1)/(L−x)
+        masked.append(second)
+        weights.append(torch.where(second, w_second.unsqueeze(-1), 0.0))
+    return MaskPlan(_with_tail(torch.cat(masked, dim=0), real), torch.cat(weights, dim=0).to(torch.float32),
+                    _num_tokens(real), name="espo")
+
+
 def coupled_cv_plan(
     prompt_ids: Tensor,
     completion_ids: Tensor,

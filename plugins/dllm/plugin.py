@@ -47,6 +47,11 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
   the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
   masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
+- **ESPO** (Ou et al. 2025, arXiv:2512.03759; ML-GSAI/ESPO@b5f2dac ``espo/espo_trainer.py``) scores all
+  ``gen_length`` positions (its loss has no completion mask): ``score_tail`` hands the estimator every position as
+  real (:meth:`DLLMPlugin.scored_positions`), so the tail is masked, visible and scored like the other tokens and
+  every token column holds ``ELBO / gen_length``, ESPO's per-token normalised sequence ratio; with ``estimator: espo``
+  and the core's ``kl_estimator: k2_seq`` the loss is ESPO's (docs/dllm.md section 2.1).
 """
 
 from __future__ import annotations
@@ -222,13 +227,15 @@ class DLLMPluginConfig:
         ref="d1 diffu_grpo_trainer.py L114-121; wd1 arXiv:2507.08838; SPG arXiv:2510.09541",
     )
     estimator: str | None = config_field(
-        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, spg_lower, spg_upper, trace "
+        None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, espo, spg_lower, spg_upper, "
+        "trace "
         "(masked models; trace: TraceRL's per-token log-probs in the decoding trajectory's own context, from the "
         "rollout's step map), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
         "wd1, spg_lower for spg; uniform_one_step for a canvas model.",
     )
     num_mc_samples: int = config_field(
-        4, minimum=1, help="Masked forwards per completion (coupled: an even number; coupled_cv: at least 2; "
+        4, minimum=1, help="Masked forwards per completion (coupled, and espo with coupled: an even number; "
+        "coupled_cv: at least 2; "
         "one_step without prompt masking uses one; trace ignores it: one forward per step group).",
         ref="LLaDA likelihood: 128; SPG num_t: 2",
     )
@@ -241,6 +248,13 @@ class DLLMPluginConfig:
         None, help="wd1 and spg: divide each sequence estimate by the number of real completion tokens (null: no; "
         "their losses weight sequence log-likelihoods). Must be null for grpo, whose token columns already hold "
         "per-token values and whose length weighting is algorithm.aggregation's.",
+    )
+    score_tail: bool = config_field(
+        False, help="Score the whole generated length as the completion (ESPO): the tail after the first stop token "
+        "is masked, unmasked and scored by the estimator like any other position, and every token column is an "
+        "action (L = gen_length, the ratio exp(dELBO / gen_length)). False: the tail is masked in every forward and "
+        "never scored (d1, SPG). Not with estimator trace (its own tail option) or canvas models.",
+        ref="ESPO espo_trainer.py L191 and L376-438 (ML-GSAI/ESPO@b5f2dac): no completion mask in the loss",
     )
     redraw_masks: bool = config_field(
         True, help="Draw a new mask plan for every inner epoch: the sampling policy and the reference are scored on "
@@ -273,6 +287,13 @@ class DLLMPluginConfig:
         self.estimator_options = bind_options(likelihood_estimators.get(name), self.estimator_options,
                                               f"{path}.estimator_options", f"estimator {name!r}",
                                               supplied=_ESTIMATOR_DATA)
+        if name == "espo" and self.estimator_options.get("coupled", True) and self.num_mc_samples % 2:
+            raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
+                              "an even number for the espo estimator with coupled: true (each draw is a pair of "
+                              "complementary masks: ESPO's num_mc 2 is 4 forwards)")
+        if self.score_tail and name == TRACE_ESTIMATOR:
+            raise ConfigError(f"{path}.score_tail", True, "false with estimator trace (it scores the real tokens of "
+                              "the decoding trajectory; estimator_options.tail sets what it sees of the tail)")
         if name == "coupled" and self.num_mc_samples % 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "an even number for the coupled estimator (pairs of complementary masks)")
@@ -422,7 +443,7 @@ class DLLMPlugin(Plugin):
                               f"{adapter.canvas_length}, the canvas_length of {adapter.model_path}")
         refused = {"temperature": 1.0, "eval_temperature": 0.0, "remasking": "low_confidence",
                    "eval_remasking": "low_confidence", "cfg_scale": 0.0, "sampler": None, "logits_eos_inf": False,
-                   "confidence_eos_eot_inf": False}
+                   "confidence_eos_eot_inf": False, "score_tail": False}
         for key, default in refused.items():
             if getattr(config, key) != default:
                 raise ConfigError(f"plugin.{key}", getattr(config, key), f"{default!r} (its default) for the "
@@ -472,7 +493,8 @@ class DLLMPlugin(Plugin):
                            payload=payload, replay=replay, metrics=metrics)
         self._inner_epoch = 0  # the learner selects each epoch's plan (start_inner_epoch) before scoring with it
         num_plans = self.num_plans()
-        replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, real, batch.seeds, num_plans=num_plans))
+        scored = self.scored_positions(real)  # [N, G]: the real tokens, or every position with score_tail
+        replay.update(self.draw_plans(prompt_ids, lengths, completion_ids, scored, batch.seeds, num_plans=num_plans))
         refs = []  # per plan, [N, A] each
         with self.runtime.autocast():
             if self.runtime.needs_reference:
@@ -485,7 +507,7 @@ class DLLMPlugin(Plugin):
         # old_logp None: when the run needs them, the core scores the sampling policy with forward() on each epoch's
         # plan before the first update (redraws_per_epoch).
         return Rollout(
-            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(real), payload=payload,
+            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(scored), payload=payload,
             replay=replay, ref_logp=ref_logp, metrics=metrics,
             truncated=~finished if self.adapter.stop_ids else None,  # no stop token in the generated length
         )
@@ -566,6 +588,15 @@ class DLLMPlugin(Plugin):
             raise RuntimeError(f"dllm plugin: inner epoch {self._inner_epoch} but {drawn} mask plans were drawn per "
                                "sample (Runtime.inner_epochs and the learner disagree)")
         return self._inner_epoch
+
+    def scored_positions(self, real: Tensor) -> Tensor:
+        """The completion positions the estimators score: the real tokens (the completion mask), or every generated
+        position with ``score_tail`` (ESPO scores the whole generated length, its tail included).
+
+        Shapes:
+            real ``[N, G]`` → ``[N, G]`` (same dtype).
+        """
+        return torch.ones_like(real) if self.config.score_tail else real
 
     def action_mask(self, real: Tensor) -> Tensor:
         """The rollout's action mask: the completion mask over the token columns (grpo), else one per column.
@@ -827,7 +858,8 @@ class DLLMPlugin(Plugin):
         were right-padded with zeros then, and the first ``prompt_width`` columns are the sample's own prompt).
 
         Shapes:
-            → ``[n, A]`` float32. grpo (``A = G`` token columns, zero after the first EOS): one_step's or trace's
+            → ``[n, A]`` float32. grpo (``A = G`` token columns, zero after the first EOS unless ``score_tail``):
+            one_step's or trace's
             per-token log-probs (their sum is the estimate; d1's and TraceRL's per-token ratio; trace's rows are
             rebuilt from ``replay["step_map"]``), or for the other estimators the sequence
             estimate divided by the number of real tokens in every real column (their sum is the estimate; the ratio
@@ -841,7 +873,8 @@ class DLLMPlugin(Plugin):
             rows = (widths == width).nonzero().squeeze(-1)
             prompt = replay["prompt_ids"].index_select(0, rows)[:, :width]
             completion = replay["completion_ids"].index_select(0, rows)
-            num_tokens = replay["completion_mask"].index_select(0, rows).sum(dim=1).float()
+            scored = self.scored_positions(replay["completion_mask"].index_select(0, rows))  # [n, G]
+            num_tokens = scored.sum(dim=1).float()
             prompt_masked = replay.get("plan_prompt_masked")
             if prompt_masked is not None:
                 prompt_masked = prompt_masked.index_select(0, rows)[:, plan, :, :width].transpose(0, 1).bool()
@@ -870,7 +903,7 @@ class DLLMPlugin(Plugin):
             else:
                 columns = [masks.reduce(token_logp)]
             if config.token_columns:
-                real = replay["completion_mask"].index_select(0, rows).to(token_logp.dtype)  # [n, G]
+                real = scored.to(token_logp.dtype)  # [n, G]
                 if config.per_token:  # d1: each token's own (draw-averaged) log-prob, for a per-token ratio
                     scores = (masks.weights.to(token_logp.dtype) * token_logp).mean(dim=0)  # [n, G]
                 else:  # the sequence estimate spread evenly: every token's ratio is exp(ΔELBO / L)

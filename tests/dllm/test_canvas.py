@@ -280,6 +280,7 @@ def _config(checkpoint, tmp_path, *overrides: str):
     ("plugin.temperature=0.9", "its sampler is set by plugin.canvas_sampler"),
     ("plugin.cfg_scale=1.0", "its sampler is set by plugin.canvas_sampler"),
     ("plugin.confidence_eos_eot_inf=true", "its sampler is set by plugin.canvas_sampler"),
+    ("plugin.score_tail=true", "False \\(its default\\) for the diffusion_gemma canvas model"),
 ])
 def test_plugin_refuses_masked_model_options_for_a_canvas_model(checkpoint, tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):

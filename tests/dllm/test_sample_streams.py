@@ -26,6 +26,8 @@ ESTIMATORS = [  # (name, options, num_samples)
     ("coupled_cv", {"stratified": False}, 6),  # two pairs and an odd D row
     ("spg_lower", {"masking": "block", "block_length": 2, "p_mask_prompt": 0.15}, 5),
     ("spg_upper", {}, 5),
+    ("espo", {}, 4),
+    ("espo", {"coupled": False, "stratified": True}, 5),
 ]
 
 
