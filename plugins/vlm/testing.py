@@ -250,11 +250,13 @@ def build_internvl_tokenizer(vocab_size: int = 384) -> Any:
 def build_gemma4_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE tokenizer with Gemma 4's special tokens (:data:`GEMMA4_SPECIAL_TOKENS`, BOS ``<bos>``, EOS
     ``<eos>``, PAD ``<pad>``, the roles of :data:`GEMMA4_TOKENIZER_ROLES`), trained on the same small corpus;
-    deterministic."""
+    deterministic. Like the released tokenizer it adds no ``<bos>`` to the texts it encodes (transformers'
+    ``convert_gemma4_weights.py`` builds it with ``add_bos_token=False``): the chat template writes the one ``<bos>``
+    (:data:`GEMMA4_CHAT_TEMPLATE`, as the released template's ``{{- bos_token }}`` does)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=_bpe(GEMMA4_SPECIAL_TOKENS, vocab_size), bos_token="<bos>",
-                                   eos_token="<eos>", pad_token="<pad>",
+                                   eos_token="<eos>", pad_token="<pad>", add_bos_token=False,
                                    extra_special_tokens=dict(GEMMA4_TOKENIZER_ROLES))
 
 

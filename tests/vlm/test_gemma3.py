@@ -7,7 +7,12 @@ off; without ``token_type_ids`` (causal attention over the image tokens) they wo
 the teacher-forced distribution and the tokens those of transformers' ``generate``; the shared prompt forward gives
 the plain pass's values and gradients; a batched processor output is split per prompt and collated back; the cache
 holds the tower and projector's output and freezing covers both; two GRPO steps through the trainer (``tiny_model:
-gemma3``) and a LoRA export that loads with peft; the refusals."""
+gemma3``) and a LoRA export that loads with peft; the refusals.
+
+The shared family tests run Gemma 3 too (without pan-and-scan): the decode loop against ``generate`` in
+test_decode.py, the shared prompt forward in test_prefix.py, the shared prefill in test_plugin.py, LoRA steps and the
+toy recipe in test_training.py; its prompt ids against ``apply_chat_template`` with the tokenizer adding ``<bos>`` or
+not in test_chat_prompts.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ and the batched rollout's log-probs equal a plain per-sample forward.
 
 The decode loop against ``generate``, the shared prompt forward, the shared prefill and LoRA training steps run for
 Gemma 4 in test_decode.py, test_prefix.py, test_plugin.py and test_training.py; the MoE build's router loss, LoRA on
-its experts and full fine-tuning in test_training.py."""
+its experts and full fine-tuning in test_training.py; its prompt ids against ``apply_chat_template``, with the tokenizer
+adding ``<bos>`` or not (the released one does not), in test_chat_prompts.py."""
 
 from __future__ import annotations
 

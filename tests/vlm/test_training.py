@@ -171,10 +171,11 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
 
 
 @pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("internvl", "qwen2_vl"),
-                                                    ("gemma4", "absolute")])
+                                                    ("gemma4", "absolute"), ("gemma3", "qwen2_5_vl")])
 def test_toy_recipe_runs_with_a_tiny_build_of_another_family(tmp_path, family, convention):
     """plugin.tiny_model builds every family the tests build, e.g. GLM-4.1V and InternVL: the toy recipe's step on
-    it, boxes read in the family's convention (InternVL: 0-1000 of the image, Qwen2-VL's)."""
+    it, boxes read in the family's convention (InternVL: 0-1000 of the image, Qwen2-VL's; Gemma 3: pixels of its
+    square input, Qwen2.5-VL's)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
 
     if family not in vlm_adapters:
@@ -275,20 +276,22 @@ LORA_KINDS = {
     "glm4v_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # peft would move MLP names onto the experts
     "internvl": ATTENTION_AND_MLP,  # its ViT's q/k/v_proj are excluded with the tower and the projector
     "gemma4": ATTENTION_AND_MLP,  # its ViT's q/k/v and gate/up/down_proj are excluded with the tower and embedder
+    "gemma3": ATTENTION_AND_MLP,  # SigLIP's q/k/v_proj are excluded with the tower and the projector
 }
-# The test reward needs spread at step 1 for the LoRA to move: the tiny InternVL's six first completions at run seed 0
-# hold no digit (reward std 0, no update), at seed 2 they do.
-RUN_SEEDS = {"internvl": 2}
+# The test reward needs spread at step 1 for the LoRA to move: the tiny InternVL's and Gemma 3's six first completions
+# at run seed 0 hold no digit (reward std 0, no update), at seed 2 they do.
+RUN_SEEDS = {"internvl": 2, "gemma3": 2}
 
 
 @pytest.mark.parametrize("family", sorted(LORA_KINDS))
 def test_newer_families_train_with_lora(tmp_path, family):
-    """Qwen3.5 (Gated DeltaNet and full-attention layers), GLM-4.1V (fused gate_up_proj), InternVL (a ViT whose
-    projections share the language model's names) and the MoE models, when transformers has them: LoRA reaches the
+    """Qwen3.5 (Gated DeltaNet and full-attention layers), GLM-4.1V (fused gate_up_proj), InternVL and Gemma 3 (a
+    vision tower whose projections share the language model's names) and the MoE models, when transformers has them:
+    LoRA reaches the
     modules each family has (the linear-attention projections; the MoE models' fused experts are no module targets,
     Qwen3.5-MoE's shared expert is; lora.target_parameters reaches the experts, tested below) and none of the vision
     modules; two GRPO steps with the KL term run at ratio 1, the LoRA moves and nothing else does (the vision tower,
-    and InternVL's projector, included)."""
+    and InternVL's and Gemma 3's projector, included)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 

@@ -329,6 +329,29 @@ class VLMAdapter:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **template_kwargs)
 
+    def adds_special_tokens(self, texts: Sequence[str]) -> bool:
+        """The processor's ``add_special_tokens`` for rendered chats (:meth:`chat_text`): false when they start with the
+        tokenizer's BOS, which the chat template then wrote (Gemma's ``<bos>``) and which a tokenizer that adds BOS to
+        every text it encodes (Gemma 3's released tokenizer, ``add_bos_token: true``) would write a second time.
+
+        transformers' own rule: ``ProcessorMixin.apply_chat_template(..., tokenize=True)`` tokenizes a rendered prompt
+        that starts with the BOS token with ``add_special_tokens=False`` (transformers 5.25 ``processing_utils.py``
+        lines 2515-2517), so every family's :meth:`encode` gives the prompt ids transformers builds from the same
+        messages, whether or not the checkpoint's tokenizer adds BOS. transformers looks at a batch's first prompt
+        only; the adapter asks all of them to agree.
+
+        Raises:
+            ValueError: some texts start with the BOS token and others do not.
+        """
+        bos = self.tokenizer.bos_token
+        if bos is None:
+            return True
+        written = [text.startswith(bos) for text in texts]
+        if any(written) and not all(written):
+            raise ValueError(f"{self.name}: {sum(written)} of {len(written)} prompts start with the BOS token {bos!r} "
+                             "and the others do not; render every prompt of a batch with the same chat template")
+        return not any(written)
+
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[Any]],
                videos: Sequence[Sequence[Sequence[Any]]] | None = None,
                video_fps: Sequence[Sequence[float]] | None = None, *, video_entries: bool = False
@@ -369,7 +392,7 @@ class VLMAdapter:
                                           "frames_indices": list(range(len(clip)))}
                                          for clip, rate in zip(clips, rates, strict=True)])
         batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
-                               return_tensors="pt", **extra)
+                               return_tensors="pt", add_special_tokens=self.adds_special_tokens(texts), **extra)
         attention = batch["attention_mask"].bool()  # [B, P]
         counts = [len(group) for group in images]
         if flat:

@@ -52,9 +52,11 @@ conventions of the base class, against transformers 5.25's ``models/gemma3/model
   ``k_proj`` / ``v_proj``, like the language model's).
 - **The chat.** ``<bos><start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``; Gemma 3 has no system
   role, and its template writes a system message's text and a blank line at the start of the first user turn. The
-  template writes ``<bos>`` and Gemma's tokenizer adds one to every text it encodes (``add_bos_token``), so
+  template writes ``<bos>`` and Gemma 3's tokenizer adds one to every text it encodes (``add_bos_token``), so
   :meth:`encode` tokenizes a rendered chat without special tokens, as transformers' ``apply_chat_template`` does
-  (``processing_utils.py:2516-2517``); the base class's plain processor call would start every prompt with two. A
+  (``processing_utils.py:2515-2517``; the rule every family's ``encode`` shares,
+  :meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.adds_special_tokens`); a plain processor call would start every
+  prompt with two. A
   completion ends at ``<end_of_turn>`` or ``<eos>`` (the released ``generation_config.json``: ``eos_token_id [1,
   106]``).
 - **No videos.** Gemma 3's processor takes images only; video rows are refused.
@@ -180,13 +182,11 @@ class Gemma3Adapter(VLMAdapter):
         self.refuse_videos(video_entries or any(group for group in videos or []))
         # Gemma3Processor takes the images nested per text (make_nested_list_of_images) and checks each text's count
         nested = [list(group) for group in images] if any(images) else None
-        # The chat template writes <bos> and Gemma's tokenizer adds one to every text (add_bos_token): a rendered chat
-        # is tokenized without special tokens, transformers' own rule (ProcessorMixin.apply_chat_template with
-        # tokenize=True, processing_utils.py:2516-2517: a prompt that starts with BOS gets add_special_tokens False)
-        bos = self.tokenizer.bos_token
-        written = bos is not None and all(text.startswith(bos) for text in texts)
+        # The chat template writes <bos> and Gemma 3's tokenizer adds one to every text (add_bos_token): a rendered chat
+        # is tokenized without special tokens, transformers' own rule (adds_special_tokens)
         batch = self.processor(text=list(texts), images=nested, padding=True, padding_side="left",
-                               return_tensors="pt", add_special_tokens=not written, **self.pan_and_scan)
+                               return_tensors="pt", add_special_tokens=self.adds_special_tokens(texts),
+                               **self.pan_and_scan)
         attention = batch["attention_mask"].bool()  # [B, P]
         if nested is not None:
             pixels = batch["pixel_values"]  # [Σ rows, 3, S, S]

@@ -48,6 +48,14 @@ conventions of the base class, against transformers 5.25's ``models/gemma4/model
   that output), and no ``aux_loss``: :meth:`router_load_balancing_loss` computes Switch load balancing from them
   (:func:`~mmrl.plugins.vlm.adapters.base.switch_load_balancing`, top-k over the same probabilities the router picks
   from).
+- **One ``<bos>``.** The released chat template writes ``<bos>`` (``{{- bos_token }}`` at its start; llama.cpp keeps a
+  copy of google/gemma-4-31B-it's as ``models/templates/google-gemma-4-31B-it-interleaved.jinja``), and the released
+  tokenizer does not add one: transformers' ``convert_gemma4_weights.py`` builds it as ``GemmaTokenizer(...,
+  add_bos_token=False)`` (huggingface/transformers@0f3f0632, ``main``; the script is not in the 5.25 wheel). So the
+  processor called on a rendered chat gives one ``<bos>`` either way; :meth:`encode` still tokenizes a chat that starts
+  with ``<bos>`` without special tokens (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.adds_special_tokens`,
+  transformers' rule in ``apply_chat_template(tokenize=True)``), so a checkpoint whose tokenizer adds BOS, as Gemma
+  3's does, gets one too.
 - **No videos, no audio.** Gemma 4 writes a video as ``mm:ss`` timestamps before each frame's image tokens and
   encodes frames with their own position ids and frame counts, which the plugin's video bookkeeping
   (``video_grid_thw``, frame rates, T-GRPO) does not describe: this family takes image rows only. Audio inputs are
@@ -182,8 +190,9 @@ class Gemma4Adapter(VLMAdapter):
         self.refuse_videos(video_entries or any(group for group in videos or []))
         # Gemma4Processor takes the images nested per text (make_nested_list_of_images) and checks each text's count
         nested = [list(group) for group in images] if any(images) else None
+        # One <bos>, the template's, whichever way the tokenizer is set (adds_special_tokens: transformers' rule)
         batch = self.processor(text=list(texts), images=nested, padding=True, padding_side="left",
-                               return_tensors="pt")
+                               return_tensors="pt", add_special_tokens=self.adds_special_tokens(texts))
         attention = batch["attention_mask"].bool()  # [B, P]
         if nested is not None:
             pixels, positions = batch["pixel_values"], batch["image_position_ids"]  # [Σ images, M, D], [Σ, M, 2]

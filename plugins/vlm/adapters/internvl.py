@@ -202,7 +202,7 @@ class InternVLAdapter(VLMAdapter):
         self.refuse_videos(video_entries or any(group for group in videos or []))
         flat = [image for group in images for image in group]
         batch = self.processor(text=list(texts), images=flat or None, padding=True, padding_side="left",
-                               return_tensors="pt")
+                               return_tensors="pt", add_special_tokens=self.adds_special_tokens(texts))
         attention = batch["attention_mask"].bool()  # [B, P]
         tile_height, tile_width = self._tile_size(self.processor.image_processor)
         pixels = batch["pixel_values"] if flat else torch.zeros(0, 3, tile_height, tile_width)  # [Σ tiles, 3, S, S]
