@@ -3,8 +3,9 @@ estimator checked against measurements on tiny models on the CPU (issue 26 item 
 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
 published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
-``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel``, ``ZImageTransformer2DModel``
-and ``HunyuanVideo15Transformer3DModel``, transformers' ``Qwen2_5_VLForConditionalGeneration``,
+``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel``, ``ZImageTransformer2DModel``,
+``HunyuanVideo15Transformer3DModel``, ``ChromaTransformer2DModel`` and ``SanaTransformer2DModel``, transformers'
+``Qwen2_5_VLForConditionalGeneration``, ``Gemma2Model``,
 ``Glm4vForConditionalGeneration``, ``Qwen2_5_VLTextModel`` and ``Qwen3Model``, and ``LlamaForCausalLM`` for
 LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
 ``r·(in + out)`` for every ``nn.Linear`` the plugin's adapter targets. Memory per GPU, in GiB:
@@ -29,7 +30,7 @@ Not counted: the CUDA context and allocator fragmentation (budget 1–3 GiB), th
 text-encoder peaks, temporary copies inside kernels. The numbers are a floor to plan with, not a guarantee.
 
 ``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted on,
-except Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5, checked at the tiny test pipelines' configs of
+except Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5, Chroma and Sana, checked at the tiny test pipelines' configs of
 plugins/flow/testing.py, one of the sizes their terms were fitted on), runs a forward and one AdamW step in float32 on
 the CPU and compares the measured bytes (saved activations; weights, gradients and optimizer state) with the
 estimator's; the Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5 LoRA blocks are also measured at bfloat16 under
@@ -67,6 +68,10 @@ FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context
                                         "ff_context.net.2")  # plugins/flow/adapters/flux.py
 # plugins/flow/adapters/hunyuan_video15.py: both streams' attention projections and MLPs (the FLUX double-block names)
 FLOW_HUNYUAN_VIDEO15_TARGETS = FLOW_FLUX_TARGETS
+# plugins/flow/adapters/chroma.py: FLUX.1's (Chroma's blocks keep FLUX's module names; the approximator is not matched)
+FLOW_CHROMA_TARGETS = FLOW_FLUX_TARGETS
+FLOW_SANA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                     "attn2.to_v", "attn2.to_out.0")  # plugins/flow/adapters/sana.py
 FLOW_Z_IMAGE_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")  # plugins/flow/adapters/z_image.py
 LM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vlm and LLaDA adapters
@@ -98,6 +103,21 @@ GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_p
 # processor expands the padding mask to a dense [B, 1, L, L] mask that SDPA converts to the query's dtype and keeps for
 # the backward (one value per token pair). Fitted at h = 16…64 (2…6 heads, MLP 32…256, 45…146 tokens, LoRA ranks
 # 4…16): the LoRA terms reproduce the measured bytes exactly, the full ones within 0.2 values per block.
+# Chroma (ChromaTransformerBlock / ChromaSingleTransformerBlock: FLUX.1's blocks with the modulation handed in by the
+# approximator): per token of the joint sequence, ``chroma_*_sequence`` per sequence, and ``chroma_*_mask`` per token²
+# and sequence: each block multiplies the [B, L] text-and-image mask into a dense [B, 1, L, L] pair mask (diffusers
+# 0.42.1 transformer_chroma.py:245, 313) that SDPA keeps for the backward. Fitted at h = 16…96 (2…6 heads, 24…69
+# tokens, LoRA ranks 4 and 8): exact, except that under full fine-tuning the approximator (trained then) keeps
+# activations for the modulation rows each block adds (12 per double-stream, 3 per single-stream block): a constant
+# per block at the tiny size (1,260 and 315 values), about 0.1 GiB for the whole approximator at Chroma1-HD's size,
+# not counted. Sana (SanaTransformerBlock: ReLU linear self-attention whose q, k, v and scores are cast to float32,
+# SDPA cross-attention to the padded text, the GLUMBConv feed-forward: a 1x1 convolution to 2f channels, a
+# depthwise 3x3, a SiLU gate and a 1x1 back): per image token, ``sana_context`` per text token (the cross-attention's
+# keys and values and its per-head mask) and ``sana_sequence`` per sequence (the linear attention's per-head
+# (d + 1) x d scores, d = h / heads, and the block's modulation); ``sana15`` is Sana 1.5's block (qk RMSNorm across
+# heads in both attentions, ``qk_norm: rms_norm_across_heads``). Fitted at h = 8…64 (1…7 heads of 8…32, MLP ratio
+# 1.5…4, 9…81 image and 3…21 text tokens, LoRA ranks 4 and 8): exact on all 36 (Sana 1.0) and 12 (Sana 1.5) tiny
+# models measured.
 ACTIVATION_BYTES = {
     ("decoder", "full"): lambda h, kv, f, r, heads: 8 * h + 2 * kv + 4 * f,
     ("decoder", "lora"): lambda h, kv, f, r, heads: 6 * h + 2 * kv + 4 * f + 7 * r,
@@ -131,6 +151,30 @@ ACTIVATION_BYTES = {
     ("hunyuan_video15_sequence", "lora"): lambda h, kv, f, r, heads: 16 * h,
     ("hunyuan_video15_mask", "full"): lambda h, kv, f, r, heads: 1,
     ("hunyuan_video15_mask", "lora"): lambda h, kv, f, r, heads: 1,
+    ("chroma_double", "full"): lambda h, kv, f, r, heads: 25 * h + 3 * heads + 4,
+    ("chroma_double", "lora"): lambda h, kv, f, r, heads: 19 * h + 6 * r + 3 * heads + 4,
+    ("chroma_double_sequence", "full"): lambda h, kv, f, r, heads: 28 * h,
+    ("chroma_double_sequence", "lora"): lambda h, kv, f, r, heads: 28 * h,
+    ("chroma_double_mask", "full"): lambda h, kv, f, r, heads: 1,
+    ("chroma_double_mask", "lora"): lambda h, kv, f, r, heads: 1,
+    ("chroma_single", "full"): lambda h, kv, f, r, heads: 21 * h + 3 * heads + 2,
+    ("chroma_single", "lora"): lambda h, kv, f, r, heads: 12 * h + 3 * r + 3 * heads + 2,
+    ("chroma_single_sequence", "full"): lambda h, kv, f, r, heads: 4 * h,
+    ("chroma_single_sequence", "lora"): lambda h, kv, f, r, heads: 4 * h,
+    ("chroma_single_mask", "full"): lambda h, kv, f, r, heads: 1,
+    ("chroma_single_mask", "lora"): lambda h, kv, f, r, heads: 1,
+    ("sana", "full"): lambda h, kv, f, r, heads: 18 * h + 8 * f + 4 * heads + 4,
+    ("sana", "lora"): lambda h, kv, f, r, heads: 14 * h + 8 * f + 6 * r + 4 * heads + 4,
+    ("sana_context", "full"): lambda h, kv, f, r, heads: 2 * h + heads,
+    ("sana_context", "lora"): lambda h, kv, f, r, heads: 2 * h + 2 * r + heads,
+    ("sana_sequence", "full"): lambda h, kv, f, r, heads: h * (h // heads) + 9 * h,
+    ("sana_sequence", "lora"): lambda h, kv, f, r, heads: h * (h // heads) + 9 * h,
+    ("sana15", "full"): lambda h, kv, f, r, heads: 24 * h + 8 * f + 4 * heads + 7,
+    ("sana15", "lora"): lambda h, kv, f, r, heads: 17 * h + 8 * f + 6 * r + 4 * heads + 7,
+    ("sana15_context", "full"): lambda h, kv, f, r, heads: 4 * h + heads + 1,
+    ("sana15_context", "lora"): lambda h, kv, f, r, heads: 3 * h + 2 * r + heads + 1,
+    ("sana15_sequence", "full"): lambda h, kv, f, r, heads: h * (h // heads) + 9 * h,
+    ("sana15_sequence", "lora"): lambda h, kv, f, r, heads: h * (h // heads) + 9 * h,
 }
 
 
@@ -296,6 +340,71 @@ def build_hunyuan_video15_extras() -> list[nn.Module]:
     return [text, AutoencoderKLHunyuanVideo15()]
 
 
+def build_chroma() -> nn.Module:
+    """Chroma1-HD's transformer: ``ChromaTransformer2DModel``'s defaults, which are the Chroma authors' training
+    config (lodestone-rock/flow@bb5274c ``src/models/chroma/model.py:38-56`` ``chroma_params``: in_channels 64 = 16
+    latent channels in 2 × 2 patches, T5 context 4096, hidden 3072 = 24 heads × 128, MLP ratio 4, 19 double- and 38
+    single-stream blocks, RoPE axes (16, 56, 56), an approximator of 5 layers of 5120 from 64 channels): 8.90B
+    parameters, the published 8.9B. (The hub's lodestones/Chroma1-HD transformer/config.json could not be read
+    offline; those values are what the parameter count rests on.)"""
+    from diffusers import ChromaTransformer2DModel
+
+    return ChromaTransformer2DModel(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                                    axes_dims_rope=(16, 56, 56), approximator_num_channels=64,
+                                    approximator_hidden_dim=5120, approximator_layers=5)
+
+
+def build_chroma_extras() -> list[nn.Module]:
+    """ChromaPipeline's T5-XXL encoder (the T5 of :func:`build_text_encoders`; no CLIP) and FLUX.1's VAE
+    (:func:`build_vae`)."""
+    return [build_text_encoders("flux")[1], build_vae()]
+
+
+def build_sana(size: str) -> nn.Module:
+    """Sana's linear-attention DiT: diffusers' scripts/convert_sana_to_diffusers.py (huggingface/diffusers@065628f,
+    ``model_kwargs`` and ``transformer_kwargs``): 70 heads × 32 = 2240 wide, cross-attention 20 heads × 112, caption
+    channels 2304 (Gemma-2-2B's hidden size), MLP ratio 2.5, in/out channels 32 (DC-AE f32c32), patch 1, no attention
+    bias, norms without affine weights; 20 blocks for Sana 1.0 1.6B (``SanaMS_1600M_P1_D20``, 1.60B parameters) and
+    60 for Sana 1.5 4.8B (``SanaMS1.5__4800M_P1_D60``, with ``qk_norm="rms_norm_across_heads"`` as the script sets for
+    Sana 1.5: 4.72B parameters, published as 4.8B)."""
+    from diffusers import SanaTransformer2DModel
+
+    layers, qk_norm = {"1.6b": (20, None), "4.8b": (60, "rms_norm_across_heads")}[size]
+    return SanaTransformer2DModel(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32,
+                                  num_layers=layers, num_cross_attention_heads=20, cross_attention_head_dim=112,
+                                  cross_attention_dim=2240, caption_channels=2304, mlp_ratio=2.5, attention_bias=False,
+                                  sample_size=32, patch_size=1, norm_elementwise_affine=False, norm_eps=1e-6,
+                                  qk_norm=qk_norm)
+
+
+def build_sana_extras() -> list[nn.Module]:
+    """SanaPipeline's text encoder, Gemma-2-2B's decoder without its LM head (``Gemma2Model``, as the conversion script
+    keeps ``get_decoder()`` of Efficient-Large-Model/gemma-2-2b-it: hidden 2304, 26 layers, 8 query and 4 key/value
+    heads of 256, MLP 9216, vocabulary 256000, the google/gemma-2-2b config and transformers' ``Gemma2Config``
+    defaults; 2.61B parameters, the published 2.6B), and the DC-AE f32c32 autoencoder (``AutoencoderDC`` with
+    diffusers' scripts/convert_dcae_to_diffusers.py ``get_ae_config("dc-ae-f32c32-sana-1.0")``,
+    huggingface/diffusers@074817c: 32 latent channels, stages of 128, 256, 512, 512, 1024, 1024 channels, three
+    ResBlock then three EfficientViT stages with multiscale 5, 2/2/2/3/3/3 encoder and 3 decoder layers per stage,
+    convolution down- and interpolation upsampling; 0.31B parameters). Sana 1.5 ships the sana-1.1 DC-AE, assumed here
+    to have the same architecture (its config could not be read offline)."""
+    from diffusers import AutoencoderDC
+    from transformers import Gemma2Config, Gemma2Model
+
+    gemma = Gemma2Model(Gemma2Config(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                     num_attention_heads=8, num_key_value_heads=4, head_dim=256))
+    blocks = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+    multiscales = ((),) * 3 + ((5,),) * 3
+    dc_ae = AutoencoderDC(in_channels=3, latent_channels=32, attention_head_dim=32, encoder_block_types=blocks,
+                          decoder_block_types=blocks, encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                          decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                          encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+                          encoder_qkv_multiscales=multiscales, decoder_qkv_multiscales=multiscales,
+                          downsample_block_type="conv", upsample_block_type="interpolate",
+                          decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407)
+    return [gemma, dc_ae]
+
+
 def lora_parameters(module: nn.Module, targets: tuple[str, ...], rank: int, exclude: str | None = None) -> int:
     """``rank · (in + out)`` over the ``nn.Linear`` modules whose name ends with one of ``targets`` (PEFT's rule)."""
     total = 0
@@ -341,7 +450,7 @@ class Recipe:
     lora_rank: int | None
     weight_bytes: int  # bytes per frozen base weight under LoRA (the recipe's dtype)
     activation_bytes: int = 2
-    heads: int = 0  # attention heads: only the Wan and Qwen-Image coefficients read it
+    heads: int = 0  # attention heads: read by the Wan, Qwen-Image, Z-Image, HunyuanVideo, Chroma and Sana terms
     checkpointing: bool = False
     kl: bool = False
     ema: bool = False
@@ -445,6 +554,29 @@ def recipes() -> list[Recipe]:
                            notes=["micro-batch 2 x 2 (CFG), the input image's 576 tokens appended, text <= 512"])
         return [kontext, qwen_edit]
 
+    def chroma() -> Recipe:
+        # 512 px: 64 x 64 latents in 2 x 2 patches = 1024 image tokens + 512 T5 tokens (max_sequence_length, the
+        # pipeline's); micro-batch 2 x 2 (true CFG), rank-64 LoRA on FLUX.1's targets, EMA, no KL; checkpointed.
+        tokens = (512 // 16) ** 2 + 512
+        return Recipe("Chroma1-HD LoRA r64 512px", "configs/flow/chroma_pickscore.yaml", build_chroma, 3072, 3072,
+                      12288, [Blocks("chroma_double", 19, tokens), Blocks("chroma_single", 38, tokens)],
+                      sequences=2 * 2, lora_targets=FLOW_CHROMA_TARGETS, lora_rank=64, weight_bytes=2, heads=24,
+                      checkpointing=True, ema=True, extras=build_chroma_extras,
+                      notes=["micro-batch 2 x 2 (CFG), one denoising step per backward (action_chunk_size 1)",
+                             "each block keeps its dense [L, L] text-and-image mask (L = 1536)"])
+
+    def sana(size: str) -> Recipe:
+        # 1024 px: DC-AE compresses 32x and the DiT takes patch 1, so 32 x 32 = 1024 image tokens; 300 Gemma-2 tokens
+        # enter only the cross-attention; micro-batch 9 x 2 (true CFG), rank-32 LoRA, EMA, KL 0.01 (LoRA: the
+        # adapter is disabled for the reference, no copy); no checkpointing as shipped.
+        layers, kind, name = {"1.6b": (20, "sana", "Sana-1.6B"), "4.8b": (60, "sana15", "Sana1.5-4.8B")}[size]
+        config = "configs/flow/sana_pickscore.yaml" + (" (4.8B model)" if size == "4.8b" else "")
+        return Recipe(f"{name} LoRA r32", config, lambda: build_sana(size), 2240, 2240, 5600,
+                      [Blocks(kind, layers, (1024 // 32) ** 2, context_tokens=300)], sequences=9 * 2,
+                      lora_targets=FLOW_SANA_TARGETS, lora_rank=32, weight_bytes=2, heads=70, kl=True, ema=True,
+                      extras=build_sana_extras,
+                      notes=["micro-batch 9 x 2 (CFG), one denoising step per backward (action_chunk_size 1)"])
+
     return [
         Recipe("SD3.5-M LoRA r32", "configs/flow/sd35_pickscore.yaml", build_sd35_medium, 1536, 1536, 6144,
                sd35_blocks, sequences=9 * 2, lora_targets=FLOW_SD3_TARGETS,
@@ -499,6 +631,9 @@ def recipes() -> list[Recipe]:
         *edits(),
         hunyuan_video15("t2v"),
         hunyuan_video15("i2v"),
+        chroma(),
+        sana("1.6b"),
+        sana("4.8b"),
     ]
 
 
@@ -591,7 +726,7 @@ def check() -> list[dict[str, Any]]:
 
     The activation difference between a 4-block and a 2-block model isolates two blocks (embeddings, final norm and
     head cancel); the state check sums parameter, gradient and AdamW state storages after one optimizer step."""
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -622,12 +757,30 @@ def check() -> list[dict[str, Any]]:
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(FLOW_FLUX_TARGETS))) \
             if lora else model
 
+    def chroma(double: int, single: int, lora: bool) -> nn.Module:
+        # FLUX's sizes; a small approximator (its activations are not counted, see ACTIVATION_BYTES)
+        model = ChromaTransformer2DModel(patch_size=1, in_channels=16, num_layers=double, num_single_layers=single,
+                                         attention_head_dim=head_dim, num_attention_heads=heads,
+                                         joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=8,
+                                         approximator_hidden_dim=16, approximator_layers=1)
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(FLOW_CHROMA_TARGETS))) \
+            if lora else model
+
     seq, image_side, text = 40, 12, 10
     ids = torch.randint(0, 101, (batch, seq))
     latents, context = torch.randn(batch, 4, image_side, image_side), torch.randn(batch, text, 32)
     pooled, timestep = torch.randn(batch, 16), torch.rand(batch) * 1000
     flux_tokens = 36
     packed, image_ids, text_ids = torch.randn(batch, flux_tokens, 16), torch.zeros(flux_tokens, 3), torch.zeros(text, 3)
+
+    # Chroma's mask as ChromaPipeline builds it: the text mask (the second prompt padded after 6 tokens) then ones for
+    # the image tokens, in the model's dtype (diffusers 0.42.1's float mask)
+    chroma_mask = torch.ones(batch, text + flux_tokens)
+    chroma_mask[1:, 6:text] = 0
+
+    def run_chroma(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=packed, encoder_hidden_states=context, timestep=timestep / 1000,
+                             img_ids=image_ids, txt_ids=text_ids, attention_mask=chroma_mask).sample.sum()
 
     def run_decoder(model: nn.Module) -> Any:
         return lambda: model(input_ids=ids, logits_to_keep=1).logits.sum()
@@ -647,7 +800,9 @@ def check() -> list[dict[str, Any]]:
              ("mmdit (dual attention)", sd3_tokens, lambda n, lora: sd3(n, lora, True), run_sd3,
               (image_side // 2) ** 2),
              ("flux_double", flux_tokens + text, lambda n, lora: flux(n, 1, lora), run_flux, 0),
-             ("flux_single", flux_tokens + text, lambda n, lora: flux(1, n, lora), run_flux, 0)]
+             ("flux_single", flux_tokens + text, lambda n, lora: flux(1, n, lora), run_flux, 0),
+             ("chroma_double", flux_tokens + text, lambda n, lora: chroma(n, 1, lora), run_chroma, 0),
+             ("chroma_single", flux_tokens + text, lambda n, lora: chroma(1, n, lora), run_chroma, 0)]
     for kind, tokens, build, runner, dual_tokens in cases:
         for mode in ("full", "lora"):
             small, large = build(2, mode == "lora"), build(4, mode == "lora")
@@ -655,7 +810,7 @@ def check() -> list[dict[str, Any]]:
             block_kind = kind.split(" ")[0]
             recipe = Recipe(kind, "", None, h, kv_heads * head_dim, f, [Blocks(block_kind, 2, tokens, dual_tokens)],
                             sequences=batch, lora_targets=(), lora_rank=rank if mode == "lora" else None,
-                            weight_bytes=4, activation_bytes=4)
+                            weight_bytes=4, activation_bytes=4, heads=heads)
             estimated = activation_bytes(recipe, mode)
             rows.append({"model": f"{kind} ({mode}), 2 blocks of activations", "estimated_bytes": estimated,
                          "measured_bytes": measured, "ratio": measured / estimated})
@@ -683,13 +838,16 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
     the depth changed to 2 and 4 blocks): a 5-frame 16 px video (3 × 8 × 8 latents, 48 tokens) with 12 text tokens,
     a 16 px image (16 packed tokens) with 12 text tokens, the second prompt padded (masked) after 7 as the plugin
     pads, a 16 px Z-Image sample (16 image and 12 caption tokens, each padded to 32 by the transformer), and a 5-frame
-    16 px HunyuanVideo 1.5 video (2 × 4 × 4 latents, 32 tokens) with 12 Qwen2.5-VL, 8 ByT5 and 4 image-slot tokens.
+    16 px HunyuanVideo 1.5 video (2 × 4 × 4 latents, 32 tokens) with 12 Qwen2.5-VL, 8 ByT5 and 4 image-slot tokens,
+    and a 64 px Sana image (8 × 8 latents of the tiny DC-AE's factor 2 at the 32× pipeline's scale: 64 tokens) with 12
+    Gemma-2 tokens, as Sana 1.0's block and with Sana 1.5's qk RMSNorm (``sana15``).
     """
     from peft import LoraConfig, get_peft_model
 
     from mmrl.plugins.flow.testing import (
         build_hunyuan_video15_pipeline,
         build_qwen_image_pipeline,
+        build_sana_pipeline,
         build_wan_pipeline,
         build_z_image_pipeline,
     )
@@ -710,12 +868,15 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
         from diffusers import (
             HunyuanVideo15Transformer3DModel,
             QwenImageTransformer2DModel,
+            SanaTransformer2DModel,
             WanTransformer3DModel,
             ZImageTransformer2DModel,
         )
 
         kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
-        if "text_embed_2_dim" in config:  # HunyuanVideo 1.5 (its refiner blocks cancel in the difference)
+        if "caption_channels" in config:  # Sana (qk_norm set for Sana 1.5's block)
+            model = SanaTransformer2DModel(**{**kwargs, "num_layers": layers})
+        elif "text_embed_2_dim" in config:  # HunyuanVideo 1.5 (its refiner blocks cancel in the difference)
             model = HunyuanVideo15Transformer3DModel(**{**kwargs, "num_layers": layers})
         elif "cap_feat_dim" in config:  # Z-Image: n_layers main blocks (the refiners cancel in the difference)
             model = ZImageTransformer2DModel(**{**kwargs, "n_layers": layers})
@@ -763,17 +924,32 @@ def check_flow_blocks(batch: int, rank: int) -> list[dict[str, Any]]:
                              encoder_attention_mask_2=torch.ones(batch, hy_glyph.shape[1]),
                              image_embeds=hy_image.to(dtype), return_dict=False)[0].float().sum()
 
+    sana_config = dict(build_sana_pipeline().transformer.config)
+    sana_latents = torch.randn(batch, sana_config["in_channels"], 8, 8)  # [B, C, h, w]: 64 image tokens
+    sana_text = torch.randn(batch, text, sana_config["caption_channels"])  # [B, T, D]
+
+    def run_sana(model: nn.Module, dtype: torch.dtype) -> Any:
+        return lambda: model(sana_latents.to(dtype), encoder_hidden_states=sana_text.to(dtype),
+                             encoder_attention_mask=mask.float(), timestep=timestep * 1000,
+                             return_dict=False)[0].float().sum()
+
     cases = [("wan", wan_config, FLOW_WAN_TARGETS, run_wan, Blocks("wan", 2, 3 * 4 * 4, context_tokens=text)),
              ("qwen_image", qwen_config, FLOW_QWEN_IMAGE_TARGETS, run_qwen,
               Blocks("qwen_image", 2, side * side + text)),
              ("z_image", z_config, FLOW_Z_IMAGE_TARGETS, run_z_image, Blocks("z_image", 2, 32 + 32)),
              ("hunyuan_video15", hy_config, FLOW_HUNYUAN_VIDEO15_TARGETS, run_hunyuan_video15,
-              Blocks("hunyuan_video15", 2, 32 + text + hy_glyph.shape[1] + hy_slots))]
+              Blocks("hunyuan_video15", 2, 32 + text + hy_glyph.shape[1] + hy_slots)),
+             ("sana", sana_config, FLOW_SANA_TARGETS, run_sana, Blocks("sana", 2, 64, context_tokens=text)),
+             ("sana15", {**sana_config, "qk_norm": "rms_norm_across_heads"}, FLOW_SANA_TARGETS, run_sana,
+              Blocks("sana15", 2, 64, context_tokens=text))]
     rows = []
     for kind, config, targets, runner, blocks in cases:
         if "cap_feat_dim" in config:  # Z-Image: dim, n_heads, SwiGLU width int(dim / 3 * 8)
             heads, hidden = config["n_heads"], config["dim"]
             mlp = int(hidden / 3 * 8)
+        elif "caption_channels" in config:  # Sana: GLUMBConv of width int(mlp_ratio * hidden)
+            heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
+            mlp = int(config["mlp_ratio"] * hidden)
         elif "text_embed_2_dim" in config:  # HunyuanVideo 1.5: FeedForward(mult=mlp_ratio)
             heads, hidden = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
             mlp = int(hidden * config["mlp_ratio"])

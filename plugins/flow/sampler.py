@@ -302,10 +302,14 @@ class FlowSampler:
         return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
     def negative_conditioning(self) -> dict[str, Tensor]:
-        """Embeddings of the negative prompt (one row), for the unconditional pass of CFG."""
+        """Embeddings of the negative prompt (one row), for the unconditional pass of CFG, encoded once by the
+        adapter's :meth:`~FlowAdapter.encode_negative_prompt` (the pipeline's own negative-prompt encoding) and kept.
+        Every phase (chain and shared-group rollouts, training forwards, evaluations) reads it through
+        :meth:`velocity`."""
         if self._negative is None:
             with torch.no_grad():
-                self._negative = self.adapter.encode_prompts([self.config.negative_prompt], self.max_sequence_length)
+                self._negative = self.adapter.encode_negative_prompt(self.config.negative_prompt,
+                                                                     self.max_sequence_length)
         return self._negative
 
     def initial_noise(self, batch: PromptBatch, generators: list[torch.Generator]) -> Tensor:

@@ -19,11 +19,12 @@ BUCKETS = [[16, 16], [16, 32], [32, 16]]
 
 @pytest.fixture(scope="session")
 def pipelines(pipelines, tmp_path_factory):
-    """The conftest's tiny pipelines plus a tiny FLUX.1 Kontext, built once per session."""
+    """The conftest's tiny pipelines plus a tiny FLUX.1 Kontext, Chroma and Sana, built once per session."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
-    folder = save_tiny_pipeline("flux_kontext", tmp_path_factory.mktemp("flow_buckets") / "tiny-flux_kontext")
-    return {**pipelines, "flux_kontext": folder}
+    root = tmp_path_factory.mktemp("flow_buckets")
+    return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}")
+                            for kind in ("flux_kontext", "chroma", "sana")}}
 
 
 def write_prompt_rows(path, rows):
@@ -128,22 +129,26 @@ def test_a_bucket_off_the_adapter_grid_is_refused(make_plugin):
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
-@pytest.mark.parametrize("kind", ["flux", "sd3"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "chroma", "sana"])
 def test_a_bucketed_rollout_is_a_run_at_its_size_and_the_forward_follows_it(make_plugin, tmp_path, kind):
+    # Sana's sides are multiples of 32 (SanaPipeline.check_inputs): its buckets and run are twice the others'.
+    s = 2 if kind == "sana" else 1
     prompts = write_prompt_rows(tmp_path / "prompts.jsonl", [
         {"prompt": "a cat", "aspect_ratio": "2:1"}, {"prompt": "a red dog"}, {"prompt": "a car", "aspect_ratio": 2}])
-    plugin = make_plugin(kind, prompts=None, dataset=str(prompts), buckets=BUCKETS)
+    plugin = make_plugin(kind, prompts=None, dataset=str(prompts), resolution=16 * s,
+                         buckets=[[16 * s * h, 16 * s * w] for h, w in ((1, 1), (1, 2), (2, 1))])
     perturb_lora(plugin)
     rows = plugin.dataset("train")
-    assert plugin.row_buckets("train") == ["16x32", "16x16", "16x32"]
+    side, wide_size = 16 * s, (16 * s, 32 * s)
+    assert plugin.row_buckets("train") == [f"{side}x{2 * side}", f"{side}x{side}", f"{side}x{2 * side}"]
     wide = plugin.rollout(plugin.policy(), bucket_batch([rows[0], rows[2]], 3)).validate()
-    assert wide.payload["images"].shape == (6, 3, 16, 32)
-    assert wide.replay["output_size"].tolist() == [[16, 32]] * 6
-    assert plugin.adapter.size == (16, 16)  # back at the run's size
+    assert wide.payload["images"].shape == (6, 3, *wide_size)
+    assert wide.replay["output_size"].tolist() == [list(wide_size)] * 6
+    assert plugin.adapter.size == (side, side)  # back at the run's size
     square = plugin.rollout(plugin.policy(), bucket_batch([rows[1]], 2, first_seed=7)).validate()
-    assert square.payload["images"].shape == (2, 3, 16, 16)
+    assert square.payload["images"].shape == (2, 3, side, side)
 
-    fixed = make_plugin(kind, height=16, width=32)  # the same weights, every row at 16 x 32
+    fixed = make_plugin(kind, height=wide_size[0], width=wide_size[1])  # the same weights, every row wide
     perturb_lora(fixed)
     expected = fixed.rollout(fixed.policy(), bucket_batch([rows[0], rows[2]], 3))
     torch.testing.assert_close(wide.payload["images"], expected.payload["images"], rtol=0, atol=1e-6)
@@ -151,7 +156,8 @@ def test_a_bucketed_rollout_is_a_run_at_its_size_and_the_forward_follows_it(make
     # the forward runs at the rollout's size whatever the adapter was left at (a 16 x 16 rollout came between)
     assert_ratio_one_for_any_split(plugin, wide)
 
-    with pytest.raises(RolloutError, match=r"^a batch mixes the output sizes \[\(16, 16\), \(16, 32\)\] of plugin"):
+    mixed = re.escape(f"[({side}, {side}), {wide_size}]")
+    with pytest.raises(RolloutError, match=rf"^a batch mixes the output sizes {mixed} of plugin"):
         plugin.rollout(plugin.policy(), bucket_batch(rows, 1))
 
 

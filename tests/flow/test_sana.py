@@ -2,7 +2,8 @@
 complex human instruction, a two-block Sana DiT with a non-unit timestep scale, a two-stage DC-AE, Sana 1.0's flow
 DPM-Solver++ scheduler) built from config classes, saved and loaded back through ``from_pretrained``: the plugin's ODE
 is the pipeline's sampler with the Euler flow scheduler swapped in, prompts and the negative prompt are the
-pipeline's encodings, the training forward gives ratio 1, GRPO steps train the LoRA, the exported LoRA loads with
+pipeline's encodings (the negative prompt's through the adapter's negative-prompt hook, which the sampler uses), the
+training forward gives ratio 1, GRPO steps train the LoRA, the exported LoRA loads with
 ``SanaPipeline.load_lora_weights``, the recipe runs, and Sana-Sprint is refused in one line."""
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def test_evaluation_is_the_sana_pipeline_ode(sana, cfg, height, width):
 
 def test_prompt_rows_are_the_pipelines_encodings_whatever_their_batch(sana):
     """Each row against the tokenizer and text encoder run here: the instruction in front, padded to the
-    instruction's tokens + L − 2, BOS and the last L − 1 positions kept with their mask; the negative-prompt form
-    padded to L without the instruction. A row does not depend on the prompts encoded with it, and the prompt is
-    lowercased as the pipeline's preprocessing does."""
+    instruction's tokens + L − 2, BOS and the last L − 1 positions kept with their mask, and nothing else stored; the
+    negative-prompt hook's form padded to L without the instruction. A row does not depend on the prompts encoded
+    with it, and the prompt is lowercased as the pipeline's preprocessing does."""
     from mmrl.plugins.flow.adapters.sana import default_complex_human_instruction
 
     adapter = sana().adapter
@@ -112,8 +113,11 @@ def test_prompt_rows_are_the_pipelines_encodings_whatever_their_batch(sana):
     real = int(ids.attention_mask.sum())
     assert 0 < int(together["prompt_attention_mask"][0].sum()) < TOKENS  # the short prompt's window has padding
     assert real > TOKENS  # the instruction fills the front: the selection cuts into it
-    torch.testing.assert_close(together["as_negative_embeds"][:1], plain_hidden, rtol=0, atol=1e-6)
-    assert torch.equal(together["as_negative_mask"][:1], plain.attention_mask)
+    assert set(together) == {"prompt_embeds", "prompt_attention_mask"}  # the prompt form only
+    as_negative = adapter.encode_negative_prompt(SHORT.lower(), TOKENS)
+    assert set(as_negative) == set(together) and as_negative["prompt_embeds"].shape == (1, TOKENS, 16)
+    torch.testing.assert_close(as_negative["prompt_embeds"], plain_hidden, rtol=0, atol=1e-6)
+    assert torch.equal(as_negative["prompt_attention_mask"], plain.attention_mask)
     for key, value in alone.items():
         torch.testing.assert_close(together[key][:1], value, rtol=0, atol=1e-6)
     assert int(together["prompt_attention_mask"][1].sum()) == TOKENS  # the long prompt fills its window
@@ -132,6 +136,55 @@ def test_rows_of_different_lengths_share_a_batch_as_they_would_alone(sana):
         first = adapter.velocity(policy, latents[:1], timesteps[:1], {k: v[:1] for k, v in conditioning.items()},
                                  guidance_scale=4.0, negative=negative)
     torch.testing.assert_close(both[:1], first, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sampler_encodes_the_negative_prompt_with_the_hook_and_stores_one_form(sana):
+    """With CFG every phase (training rollout, training forward, evaluation) takes the negative prompt from the
+    adapter's ``encode_negative_prompt``, once, as the pipeline encodes a negative prompt (Gemma-2 run here by hand on
+    the prompt padded to L, no instruction): a sampler that encoded it with ``encode_prompts`` (the instruction
+    form, 0.3 away on this model) fails. A rollout stores one form per sample: the prompt's ``[n, L, D]`` embeddings
+    and ``[n, L]`` mask, the rows ``encode_prompts`` gives."""
+    plugin = sana(negative_prompt="A Blurry Dog")
+    adapter, sampler = plugin.adapter, plugin.sampler
+    calls = {"hook": [], "prompts": []}
+    hook, encode = adapter.encode_negative_prompt, adapter.encode_prompts
+
+    def spy_hook(prompt, max_sequence_length):
+        calls["hook"].append((prompt, max_sequence_length))
+        return hook(prompt, max_sequence_length)
+
+    def spy_encode(prompts, max_sequence_length):
+        calls["prompts"].extend(prompts)
+        return encode(prompts, max_sequence_length)
+
+    adapter.encode_negative_prompt, adapter.encode_prompts = spy_hook, spy_encode
+    sampler._negative = None  # encode it afresh through the spies
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch([SHORT, LONG], 2)).validate()
+    plugin.forward(policy, rollout, need_reference=False)
+    plugin.rollout(policy, prompt_batch([SHORT], 1, training=False)).validate()
+    assert calls["hook"] == [("A Blurry Dog", TOKENS)]  # once, then kept for every phase
+    assert "A Blurry Dog" not in calls["prompts"]
+
+    stored = rollout.replay["conditioning"]
+    assert set(stored) == {"prompt_embeds", "prompt_attention_mask"}
+    assert stored["prompt_embeds"].shape == (4, TOKENS, 16) and stored["prompt_attention_mask"].shape == (4, TOKENS)
+    rows = encode([SHORT, LONG], TOKENS)
+    for key, value in rows.items():
+        torch.testing.assert_close(stored[key], value.repeat_interleave(2, dim=0).to(stored[key].dtype),
+                                   rtol=0, atol=0)
+
+    pipeline = adapter.pipeline
+    with torch.no_grad():
+        plain = pipeline.tokenizer(["a blurry dog"], padding="max_length", max_length=TOKENS, truncation=True,
+                                   return_tensors="pt")  # the pipeline's preprocessing lowercases it
+        hidden = pipeline.text_encoder(plain.input_ids, attention_mask=plain.attention_mask)[0]  # [1, L, D]
+    negative = sampler.negative_conditioning()
+    assert set(negative) == set(stored)
+    torch.testing.assert_close(negative["prompt_embeds"], hidden, rtol=0, atol=1e-6)
+    assert torch.equal(negative["prompt_attention_mask"], plain.attention_mask)
+    as_prompt = encode(["A Blurry Dog"], TOKENS)["prompt_embeds"]
+    assert (negative["prompt_embeds"] - as_prompt).abs().max() > 1e-2  # the two forms differ: the check can fail
 
 
 def test_the_euler_grid_has_the_checkpoints_shift(sana, pipelines, tmp_path):
@@ -171,8 +224,11 @@ def test_the_euler_grid_has_the_checkpoints_shift(sana, pipelines, tmp_path):
 def test_complex_human_instruction_option(sana):
     """``adapter_options.complex_human_instruction: []`` encodes prompts without the instruction (then a prompt's
     encoding is its negative-prompt form); another value than a list of strings is refused in one line."""
-    plain = sana(adapter_options={"complex_human_instruction": []}).adapter.encode_prompts([SHORT], TOKENS)
-    torch.testing.assert_close(plain["prompt_embeds"], plain["as_negative_embeds"], rtol=0, atol=0)
+    adapter = sana(adapter_options={"complex_human_instruction": []}).adapter
+    plain = adapter.encode_prompts([SHORT], TOKENS)
+    as_negative = adapter.encode_negative_prompt(SHORT, TOKENS)
+    torch.testing.assert_close(plain["prompt_embeds"], as_negative["prompt_embeds"], rtol=0, atol=0)
+    assert torch.equal(plain["prompt_attention_mask"], as_negative["prompt_attention_mask"])
     instructed = sana().adapter.encode_prompts([SHORT], TOKENS)
     assert (instructed["prompt_embeds"] - plain["prompt_embeds"]).abs().max() > 1e-3
     with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*complex_human_instruction"

@@ -3,7 +3,7 @@ options resolve against ``plugin.resolution``, a side that the pipeline cannot t
 swapping height and width transposes every latent grid (so a transposition cannot hide behind equal token counts),
 and non-square rollouts keep ratio == 1 on-policy. That the plugin's samples equal the diffusers pipeline's at the
 same height and width is checked by each family's own pipeline test (test_plugin, test_qwen_image, test_flux2,
-test_flux2_klein, test_wan, test_z_image)."""
+test_flux2_klein, test_wan, test_z_image, test_chroma, test_sana)."""
 
 from __future__ import annotations
 
@@ -17,32 +17,37 @@ from tests.flow.conftest import prompt_batch
 from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image"]
+KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image", "chroma", "sana"]
 FRAMES = 5  # tiny Wan: 3 latent frames
 # FLUX.2 pads every prompt after a 33-token system turn (tests/flow/test_flux2.py); FLUX.2 [klein]'s Qwen3 template
 # takes about 20 of its 32 (tests/flow/test_flux2_klein.py).
 EXTRA = {"wan": {"num_frames": FRAMES}, "flux2": {"max_sequence_length": 40},
          "flux2_klein": {"max_sequence_length": 32}}
+# The short and the long side of the non-square checks: 16 x 32 px, except Sana, whose SanaPipeline.check_inputs
+# wants multiples of 32 whatever the VAE (the tiny DC-AE's own factor is 2).
+SIDES = {"sana": (32, 64)}
 
 
 @pytest.fixture(scope="session")
 def pipelines(pipelines, tmp_path_factory):
-    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, FLUX.2 [klein], Wan and Z-Image, built once per
-    session."""
+    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, FLUX.2 [klein], Wan, Z-Image, Chroma and Sana,
+    built once per session."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
     root = tmp_path_factory.mktemp("flow_sizes")
     return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}")
-                            for kind in ("qwen_image", "flux2", "flux2_klein", "wan", "z_image")}}
+                            for kind in ("qwen_image", "flux2", "flux2_klein", "wan", "z_image", "chroma",
+                                         "sana")}}
 
 
 def _noise_shape(kind: str, height: int, width: int) -> tuple[int, ...]:
     """One sample's initial noise as each pipeline's prepare_latents draws it, from the tiny models' configs: a VAE
-    factor of 2, 4 latent channels (16 after FLUX.2's 2x2 patchify) and Wan's (5 - 1)/2 + 1 = 3 latent frames."""
+    factor of 2 (Sana's two-stage DC-AE too), 4 latent channels (16 after FLUX.2's 2x2 patchify) and Wan's
+    (5 - 1)/2 + 1 = 3 latent frames."""
     h, w = height // 2, width // 2
     return {"sd3": (4, h, w), "flux": (4, h, w), "qwen_image": (1, 4, h, w), "flux2": (16, h // 2, w // 2),
             "flux2_klein": (16, h // 2, w // 2),
-            "wan": (4, 3, h, w), "z_image": (4, h, w)}[kind]
+            "wan": (4, 3, h, w), "z_image": (4, h, w), "chroma": (4, h, w), "sana": (4, h, w)}[kind]
 
 
 def test_height_and_width_default_to_resolution_one_by_one():
@@ -77,7 +82,8 @@ def test_recipes_resolve_their_sizes():
 def test_swapped_height_and_width_transpose_the_latents_and_images(make_plugin, kind):
     batch = prompt_batch(["a cat"], 2)
     shapes = {}
-    for height, width in ((16, 32), (32, 16)):
+    short, long = SIDES.get(kind, (16, 32))
+    for height, width in ((short, long), (long, short)):
         plugin = make_plugin(kind, height=height, width=width, **EXTRA.get(kind, {}))
         adapter = plugin.adapter
         assert (adapter.height, adapter.width) == (height, width)
@@ -87,7 +93,7 @@ def test_swapped_height_and_width_transpose_the_latents_and_images(make_plugin, 
         assert output.shape[-2:] == (height, width)
         shapes[height, width] = (adapter.noise_shape(), tuple(rollout.replay["latents"].shape))
         latents = rollout.replay["latents"][:, 0]  # [n, *latent] in the transformer's layout
-        if kind == "flux":  # position ids (0, row, column) on the h/2 x w/2 token grid, row-major
+        if kind in ("flux", "chroma"):  # position ids (0, row, column) on the h/2 x w/2 token grid, row-major
             ids, _ = adapter._position_ids(latents.shape[1], 8, latents)
             assert ids[:, 1].max() == height // 4 - 1 and ids[:, 2].max() == width // 4 - 1
             assert ids[1].tolist() == [0, 0, 1]  # the second token is the next column of the first row
@@ -95,15 +101,16 @@ def test_swapped_height_and_width_transpose_the_latents_and_images(make_plugin, 
             ids, _ = adapter._position_ids(latents.shape[1], 40, latents)
             assert ids[0, :, 1].max() == height // 4 - 1 and ids[0, :, 2].max() == width // 4 - 1
             assert ids[0, 1].tolist() == [0, 0, 1, 0]
-    (wide_noise, wide_latents), (tall_noise, tall_latents) = shapes[16, 32], shapes[32, 16]
+    (wide_noise, wide_latents), (tall_noise, tall_latents) = shapes[short, long], shapes[long, short]
     assert wide_noise != tall_noise  # the grid is transposed, whatever the packing does with it
-    if kind in ("sd3", "wan", "z_image"):  # unpacked latents keep the grid
+    if kind in ("sd3", "wan", "z_image", "sana"):  # unpacked latents keep the grid
         assert wide_latents != tall_latents
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_non_square_rollouts_have_ratio_one_on_policy(make_plugin, kind):
-    plugin = make_plugin(kind, height=16, width=32, **EXTRA.get(kind, {}))
+    short, long = SIDES.get(kind, (16, 32))
+    plugin = make_plugin(kind, height=short, width=long, **EXTRA.get(kind, {}))
     _perturb_lora(plugin, scale=0.1)
     policy = plugin.policy()
     rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2)).validate()
@@ -138,6 +145,16 @@ def test_wan_takes_the_multiples_of_16_its_pipeline_takes(make_plugin):
     plugin = make_plugin("wan", num_frames=FRAMES, height=16, width=32)
     with pytest.raises(ValueError, match="divisible by 16"):
         plugin.adapter.pipeline("a cat", height=16, width=24, num_frames=FRAMES, num_inference_steps=1)
+
+
+def test_sana_takes_the_multiples_of_32_its_pipeline_takes(make_plugin):
+    """The tiny Sana's own VAE factor x patch is 2 x 1 = 2, but SanaPipeline.check_inputs refuses any side that is not
+    a multiple of 32, so the adapter does too."""
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.width': got 48; allowed: a multiple of 32 for "):
+        make_plugin("sana", height=32, width=48)
+    plugin = make_plugin("sana", height=32, width=64)
+    with pytest.raises(ValueError, match="divisible by 32"):  # without binning, which would snap 32 x 48 to a bin
+        plugin.adapter.pipeline("a cat", height=32, width=48, num_inference_steps=1, use_resolution_binning=False)
 
 
 def test_a_side_below_one_is_refused_when_the_config_loads():

@@ -10,7 +10,9 @@ An adapter wraps a loaded diffusers pipeline and answers five questions the plug
 :meth:`decode`          final latents → images ``[N, 3, H, W]`` (videos ``[N, 3, F, H, W]``) in [0, 1]
 =====================  ===================================================================================
 
-A model that generates more than pixels (LTX-2's audio) adds payload entries with :meth:`FlowAdapter.decode_extra`.
+A model that generates more than pixels (LTX-2's audio) adds payload entries with :meth:`FlowAdapter.decode_extra`;
+one whose pipeline encodes the CFG negative prompt otherwise than a prompt (Sana) overrides
+:meth:`FlowAdapter.encode_negative_prompt`.
 
 The sample size is adapter state, set once by the plugin: :attr:`FlowAdapter.height` and :attr:`FlowAdapter.width`
 in pixels (``plugin.height``/``plugin.width``, else ``plugin.resolution``), read by every operation that depends on
@@ -282,6 +284,15 @@ class FlowAdapter(ABC):
     @abstractmethod
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         """Encode ``prompts`` with the pipeline's text encoders → tensors with ``len(prompts)`` rows."""
+
+    def encode_negative_prompt(self, prompt: str, max_sequence_length: int) -> Conditioning:
+        """The negative prompt of true CFG, encoded as the pipeline encodes its ``negative_prompt`` → tensors with one
+        row and :meth:`encode_prompts`' keys, which the unconditional half of :meth:`velocity` reads. The default is
+        :meth:`encode_prompts` of ``[prompt]``: most pipelines encode both the same way. A pipeline that encodes its
+        negative prompt differently (Sana: no instruction prefix, no token selection) overrides this. Adapters whose
+        prompts see the image (:attr:`prompt_sees_image`) encode the negative prompt with each row's images through
+        :meth:`encode_prompts_with_images` instead, and do not come here."""
+        return self.encode_prompts([prompt], max_sequence_length)
 
     def encode_condition_images(self, images: list[Any]) -> tuple[Conditioning, Tensor]:
         """Image-conditioned adapters (:attr:`image_conditioned`): PIL images → (per-sample conditioning tensors,

@@ -15,12 +15,9 @@ of that file):
   of this is the pipeline's code; every prompt is padded to the same fixed length, and Gemma-2 is causal, so a
   prompt's row does not depend on the prompts encoded with it.
 - the negative prompt (376-399): encoded **without** the instruction and without the selection: padded to
-  ``max_sequence_length`` tokens from BOS on. The flow plugin encodes the negative prompt through the same
-  :meth:`SanaAdapter.encode_prompts` as the prompts, so with CFG every prompt is encoded both ways in one
-  ``encode_prompt`` call (itself as prompt and as negative prompt, the pipeline's two code paths) and its row carries
-  the negative-prompt encoding as ``as_negative_embeds`` / ``as_negative_mask``; :meth:`SanaAdapter.velocity` gives
-  the unconditional half the negative prompt's. Cost: one more text-encoder pass per distinct prompt (cached) and
-  twice the per-sample text conditioning; nothing per transformer call. Without CFG only the prompt form is encoded.
+  ``max_sequence_length`` tokens from BOS on. :meth:`SanaAdapter.encode_negative_prompt` (the plugin's
+  negative-prompt hook, :meth:`FlowAdapter.encode_negative_prompt`) runs that path of the pipeline's
+  ``encode_prompt`` alone, once per run; prompts are cached in the prompt form only.
 - guidance (866-873, 926-930): one ``[uncond; cond]`` call with the masks concatenated the same way,
   v = v_u + w·(v_c − v_u) in float32; default scale 4.5 and negative prompt ``""`` (``__call__``'s 678, 682).
 - the transformer call (908-924): latents ``[n, C, h, w]`` (no packing: the DiT patchifies itself, patch size 1 in the
@@ -67,11 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale
-
-#: The conditioning keys of a prompt encoded as ``SanaPipeline`` encodes a negative prompt (no instruction, no token
-#: selection): read only for the unconditional half of a CFG call, never handed to the transformer as a prompt.
-AS_NEGATIVE = ("as_negative_embeds", "as_negative_mask")
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
 
 
 def euler_scheduler_for(scheduler: Any) -> Any:
@@ -126,8 +119,6 @@ class SanaAdapter(FlowAdapter):
         self.scheduler = euler_scheduler_for(pipeline.scheduler)  # the private copy the σ grids come from
         #: The instruction lines put in front of every prompt (``adapter_options.complex_human_instruction``).
         self.complex_human_instruction = default_complex_human_instruction(pipeline)
-        #: Whether prompts are also encoded as the pipeline encodes a negative prompt (needed with CFG only).
-        self.cfg = True
 
     def configure(self, options: dict[str, Any], *, cfg: bool) -> None:
         """``adapter_options``: ``complex_human_instruction``, a list of strings (the lines put before every prompt;
@@ -141,7 +132,6 @@ class SanaAdapter(FlowAdapter):
             if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
                 raise ValueError(f"complex_human_instruction: a list of strings ([] for none); got {lines!r}")
             self.complex_human_instruction = list(lines)
-        self.cfg = cfg
 
     @property
     def vae_scale_factor(self) -> int:
@@ -153,33 +143,28 @@ class SanaAdapter(FlowAdapter):
         return math.lcm(32, self.vae_scale_factor * patch)
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
-        # With CFG, the same strings as the negative prompt too: encode_prompt's negative path (no instruction, no
-        # token selection), which is how the pipeline encodes the negative prompt the plugin will ask for.
-        embeds, mask, as_negative, as_negative_mask = self.pipeline.encode_prompt(
-            prompts, do_classifier_free_guidance=self.cfg, negative_prompt=list(prompts), device=self.device,
-            max_sequence_length=max_sequence_length, complex_human_instruction=self.complex_human_instruction or None,
+        embeds, mask, _, _ = self.pipeline.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=self.device, max_sequence_length=max_sequence_length,
+            complex_human_instruction=self.complex_human_instruction or None,
         )
         # embeds [n, L, D] (BOS + the last L - 1 positions of instruction + prompt), mask [n, L] (1: a real token)
-        conditioning = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-        if self.cfg:
-            conditioning.update(as_negative_embeds=as_negative, as_negative_mask=as_negative_mask)  # [n, L, D], [n, L]
-        return conditioning
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def encode_negative_prompt(self, prompt: str, max_sequence_length: int) -> Conditioning:
+        """``prompt`` as ``SanaPipeline.encode_prompt`` encodes its ``negative_prompt`` (376-399): no instruction, no
+        token selection, padded to ``max_sequence_length`` from BOS on. The pipeline's own call, with a placeholder
+        for the prompt embeddings so that it runs only its negative path (with ``prompt_embeds`` given it encodes no
+        prompt, 356; the placeholder is only reshaped, 370-374, and dropped here; the negative path is 377-398)."""
+        placeholder = torch.zeros(1, 1, 1, device=self.device)  # [1, 1, 1]: one "prompt" row, never read
+        _, _, embeds, mask = self.pipeline.encode_prompt(
+            None, do_classifier_free_guidance=True, negative_prompt=[prompt], device=self.device,
+            prompt_embeds=placeholder, prompt_attention_mask=torch.ones(1, 1, device=self.device),
+            max_sequence_length=max_sequence_length,
+        )
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}  # [1, L, D], [1, L]
 
     def noise_shape(self) -> tuple[int, ...]:
         return (self.transformer.config.in_channels, *self.latent_size())  # [C, H/32, W/32], as prepare_latents
-
-    def velocity(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning, *,
-                 guidance_scale: GuidanceScale, negative: Conditioning | None = None) -> Tensor:
-        """The base's velocity with the negative prompt as ``SanaPipeline`` encodes it: its ``as_negative_*`` form
-        stands for the prompt form in the unconditional half; no row's ``as_negative_*`` reaches the transformer."""
-        rows = {key: value for key, value in conditioning.items() if key not in AS_NEGATIVE}
-        if negative is not None:
-            if not all(key in negative for key in AS_NEGATIVE):
-                raise ValueError("sana adapter: the negative prompt was encoded without CFG (configure(cfg=True) "
-                                 "encodes it as SanaPipeline encodes a negative prompt)")
-            negative = {"prompt_embeds": negative["as_negative_embeds"],
-                        "prompt_attention_mask": negative["as_negative_mask"]}
-        return super().velocity(module, latents, timesteps, rows, guidance_scale=guidance_scale, negative=negative)
 
     def call_transformer(self, module: nn.Module, latents: Tensor, timesteps: Tensor, conditioning: Conditioning,
                          guidance_scale: float) -> Tensor:

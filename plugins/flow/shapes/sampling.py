@@ -25,7 +25,7 @@ def sample(pipeline: Any, prompts: Sequence[str], *, num_steps: int, guidance_sc
     adapter.set_size(RESOLUTION, RESOLUTION)  # the world's square images
     module = transformer if transformer is not None else pipeline.transformer
     sigmas, timesteps = adapter.schedule(num_steps)
-    negative = adapter.encode_prompts([""], max_sequence_length) if guidance_scale != 1.0 else None
+    negative = adapter.encode_negative_prompt("", max_sequence_length) if guidance_scale != 1.0 else None
     out = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
