@@ -126,12 +126,13 @@ class VLMPluginConfig:
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
-        "glm4v_moe, internvl (InternVL3/3.5, dense or MoE), gemma4, gemma3 (when transformers has them) or another "
-        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
+        "glm4v_moe, internvl (InternVL3/3.5, dense or MoE), gemma4, gemma3, mistral3 (Mistral Small 3.1/3.2, Ministral "
+        "3, Magistral Small 1.2) (when transformers has them) or another registered one; 'auto' reads model_type from "
+        "the checkpoint's config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
                         "glm4v_moe", "internvl", "internvl_moe", "gemma4", "gemma4_moe",
-                        "gemma3"] | None = config_field(
+                        "gemma3", "mistral3"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )

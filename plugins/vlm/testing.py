@@ -1,4 +1,4 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4, Gemma 3)
+"""Tiny random Qwen2-VL / Qwen2.5-VL (and Qwen3-VL, Qwen3.5, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4, Gemma 3, Mistral 3)
 checkpoints built offline, for tests, benchmarks and the toy run.
 
 Nothing is downloaded: a byte-level BPE tokenizer with the Qwen special tokens is trained locally on a few hundred
@@ -24,6 +24,10 @@ The Gemma 3 build has Gemma 3's tokens and chat layout (:data:`GEMMA3_CHAT_TEMPL
 :data:`GEMMA3_IMAGE`-pixel images of 4-pixel patches pooled 2 × 2 into 16 soft tokens per image (the released
 checkpoints: 896 pixels, 14-pixel patches pooled 4 × 4 into 256) and a 4-layer language model with sliding-window
 and full-attention layers (:func:`_gemma3_config`).
+The Mistral 3 build has the Mistral tokens and chat layout (:data:`MISTRAL3_CHAT_TEMPLATE`), a Pixtral tower on
+:data:`MISTRAL3_PATCH`-pixel patches merged 2 × 2 (images of up to :data:`MISTRAL3_LONGEST_EDGE` pixels a side, aspect
+kept) and a 2-layer Ministral 3 language model with YaRN and its position-dependent query scaling
+(:func:`_mistral3_config`).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl", "internvl_moe", "gemma4", "gemma4_moe", "gemma3")
+            "internvl", "internvl_moe", "gemma4", "gemma4_moe", "gemma3", "mistral3")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
 GEMMA4_FAMILIES = ("gemma4", "gemma4_moe")
 """The Gemma 4 builds: ``gemma4_moe`` is the same model with 26B-A4B's routed experts (both ``model_type: gemma4``,
@@ -187,6 +191,41 @@ GEMMA3_PROJECTION_STD = 0.1
 (``Gemma3PreTrainedModel._init_weights``: the released weights replace it), so that the image features are not zero
 and the images change the log-probs."""
 
+MISTRAL3_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                           "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "[PAD]", "[IMG_BREAK]",
+                           "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+"""The first special tokens of Mistral's tekken vocabulary, at their released ids (``<s>`` 1, ``</s>`` 2, ``[INST]`` 3,
+``[/INST]`` 4, ``[IMG]`` 10 = ``Mistral3Config.image_token_index``'s default, ``[PAD]`` 11, ``[IMG_BREAK]`` 12,
+``[IMG_END]`` 13, ``[SYSTEM_PROMPT]`` 17, ``[/SYSTEM_PROMPT]`` 18; mistralai/Mistral-Small-3.1-24B-Instruct-2503
+``tokenizer.json``)."""
+
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "[SYSTEM_PROMPT]{{ messages[0]['content'] if messages[0]['content'] is string "
+    "else messages[0]['content'][0]['text'] }}[/SYSTEM_PROMPT]{% set turns = messages[1:] %}"
+    "{% else %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}[/INST]"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] if message['content'] is string else message['content'][0]['text'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+"""Mistral Small 3.1's chat layout (the ``chat_template`` of mistralai/Mistral-Small-3.1-24B-Instruct-2503):
+``<s>``, a system message as ``[SYSTEM_PROMPT]...[/SYSTEM_PROMPT]``, each user turn ``[INST]...[/INST]`` with an
+``[IMG]`` per image (which the processor expands to the image's rows of ``[IMG]`` ended by ``[IMG_BREAK]``, the last
+by ``[IMG_END]``), an assistant turn its text and ``</s>``. There is no generation prompt: the assistant answers
+right after ``[/INST]``. The released template writes a long default system prompt with the day's date
+(``strftime_now``) when the chat has none, and refuses other part types; this one writes none."""
+
+MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST_EDGE = 8, 2, 128
+"""Patch side, spatial merge and the image processor's ``longest_edge`` of the tiny Mistral 3 build (the released
+checkpoints: 14, 2 and 1540): an image token covers 16 × 16 pixels."""
+
 GEMMA4_PATCH, GEMMA4_POOLING = 4, 3
 """Patch side and pooling kernel of the tiny Gemma 4 builds (the released checkpoints: 16 and 3): an image becomes
 soft tokens of 12 × 12 pixels, at most ``max_soft_tokens`` of them (70 at the tests' pixel bounds)."""
@@ -273,6 +312,19 @@ def build_gemma3_tokenizer(vocab_size: int = 384) -> Any:
                                    extra_special_tokens=dict(GEMMA3_TOKENIZER_ROLES))
 
 
+def build_mistral3_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with Mistral's special tokens (:data:`MISTRAL3_SPECIAL_TOKENS`, BOS ``<s>``, EOS
+    ``</s>``, PAD ``[PAD]``), trained on the same small corpus; deterministic. It writes ``<s>`` before every text it
+    encodes with special tokens (``add_bos_token``, the Llama-style tokenizers' default), which the chat template also
+    writes: a rendered chat is tokenized without special tokens (transformers' rule,
+    :meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.adds_special_tokens`), so the prompts hold one ``<s>`` either
+    way."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe(MISTRAL3_SPECIAL_TOKENS, vocab_size), bos_token="<s>",
+                                   eos_token="</s>", pad_token="[PAD]", unk_token="<unk>", add_bos_token=True)
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
@@ -305,6 +357,14 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
         image_processor = transformers.Gemma3ImageProcessor(size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE})
         return transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                             chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=GEMMA3_TOKENS)
+
+    if family == "mistral3":  # longest edge at most MISTRAL3_LONGEST_EDGE, sides multiples of patch x merge
+        image_processor = transformers.PixtralImageProcessor(size={"longest_edge": MISTRAL3_LONGEST_EDGE},
+                                                             patch_size={"height": MISTRAL3_PATCH,
+                                                                         "width": MISTRAL3_PATCH})
+        return transformers.PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                             patch_size=MISTRAL3_PATCH, spatial_merge_size=MISTRAL3_MERGE,
+                                             chat_template=MISTRAL3_CHAT_TEMPLATE)
 
     if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
         from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
@@ -355,6 +415,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         return _gemma4_config(tokenizer, dims, moe=family == "gemma4_moe")
     if family == "gemma3":
         return _gemma3_config(tokenizer, dims)
+    if family == "mistral3":
+        return _mistral3_config(tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -546,6 +608,37 @@ def _gemma3_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
                                      image_token_index=ids["<image_soft_token>"], tie_word_embeddings=True)
 
 
+def _mistral3_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """Mistral 3 (``Mistral3ForConditionalGeneration``) with Ministral 3's language model (``model_type:
+    ministral3``, mistralai/Ministral-3-8B-Instruct-2512 ``config.json``): YaRN rotary positions and Llama 4's
+    position-dependent query scaling ``1 + β · log(1 + ⌊position / original_max_position_embeddings⌋)``
+    (``modeling_ministral3.py`` ``get_llama_4_attn_scale``) with ``original_max_position_embeddings`` 16 here
+    (released: 16,384), so that the scale changes within the tests' prompts and a row at the wrong positions is
+    scored otherwise; no sliding window; untied head. Mistral Small 3.1/3.2 and Magistral have a plain ``mistral``
+    language model, the same layers without the scaling. The vision tower: a 2-layer Pixtral on
+    :data:`MISTRAL3_PATCH`-pixel patches with 2-D rotary positions up to :data:`MISTRAL3_LONGEST_EDGE` pixels a side,
+    its 2 × 2 patches merged by the projector (``spatial_merge_size``, as released)."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MISTRAL3_SPECIAL_TOKENS}
+    hidden, heads = dims["hidden"], dims["heads"]
+    text = dict(
+        model_type="ministral3", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=dims["intermediate"],
+        num_hidden_layers=dims["layers"], num_attention_heads=heads, num_key_value_heads=dims["kv_heads"],
+        head_dim=hidden // heads, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 32.0,
+                         "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        pad_token_id=ids["[PAD]"], bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+    )
+    vision = dict(model_type="pixtral", hidden_size=dims["vision"], intermediate_size=2 * dims["vision"],
+                  num_hidden_layers=dims["depth"], num_attention_heads=4, head_dim=dims["vision"] // 4,
+                  image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH)
+    return transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"],
+                                       spatial_merge_size=MISTRAL3_MERGE, vision_feature_layer=-1,
+                                       tie_word_embeddings=False)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -568,7 +661,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     glm = family in GLM_FAMILIES
     tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family in INTERNVL_FAMILIES
                  else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES
-                 else build_gemma3_tokenizer() if family == "gemma3" else build_tokenizer())
+                 else build_gemma3_tokenizer() if family == "gemma3"
+                 else build_mistral3_tokenizer() if family == "mistral3" else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -584,7 +678,8 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "internvl_moe": "InternVLForConditionalGeneration",
                                              "gemma4": "Gemma4ForConditionalGeneration",
                                              "gemma4_moe": "Gemma4ForConditionalGeneration",
-                                             "gemma3": "Gemma3ForConditionalGeneration"}[family])
+                                             "gemma3": "Gemma3ForConditionalGeneration",
+                                             "mistral3": "Mistral3ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
@@ -593,8 +688,10 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                 model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=GEMMA3_PROJECTION_STD)
     # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>; Gemma 4's
     # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]);
-    # Gemma 3's at <eos> and <end_of_turn> (google/gemma-3-4b-it generation_config.json: eos_token_id [1, 106]).
+    # Gemma 3's at <eos> and <end_of_turn> (google/gemma-3-4b-it generation_config.json: eos_token_id [1, 106]);
+    # Mistral 3's at </s> (Mistral-Small-3.1-24B-Instruct-2503 generation_config.json: eos_token_id 2).
     ends = (("<turn|>", "<eos>") if family in GEMMA4_FAMILIES else ("<end_of_turn>", "<eos>") if family == "gemma3"
+            else ("</s>",) if family == "mistral3"
             else ("<|endoftext|>", "<|user|>", "<|observation|>")
             if glm else ("<|im_end|>", "<|endoftext|>"))
     eos = [tokenizer.convert_tokens_to_ids(token) for token in ends]

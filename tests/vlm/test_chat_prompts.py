@@ -9,12 +9,13 @@ The BOS rule (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.adds_special_tok
 ``<bos>``; the released Gemma 3 tokenizer also adds one to every text it encodes and the released Gemma 4 tokenizer
 does not (``convert_gemma4_weights.py``: ``add_bos_token=False``), and the tiny builds do as the released ones. With
 the tokenizer switched either way, both Gemma families' prompts start with exactly one ``<bos>``, transformers'
-prompt, where the processor's plain call on the rendered chat starts with two whenever the tokenizer adds BOS. The
+prompt, where the processor's plain call on the rendered chat starts with two whenever the tokenizer adds BOS; the
+same for Mistral 3, whose template writes ``<s>`` (Mistral-Small-3.1-24B-Instruct-2503's ``{{- bos_token }}``). The
 tiny Qwen, GLM and InternVL tokenizers have no BOS token, like the released ones as far as checked here
 (``Qwen2Tokenizer``, which InternVL3-hf also loads, and ``Qwen3_5Tokenizer`` default ``bos_token=None``; GLM-4.1V's
 tokenizer names EOS and PAD only), so the rule leaves them to the processor's defaults, as transformers does. Images
-only: Gemma 3, Gemma 4 and InternVL take no videos; the Qwen video prompts are checked against the processor in
-test_video.py."""
+only: Gemma 3, Gemma 4, Mistral 3 and InternVL take no videos; the Qwen video prompts are checked against the processor
+in test_video.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl", "gemma4", "gemma3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl", "gemma4", "gemma3", "mistral3")
 """One build per processor and chat layout (the MoE builds share their dense sibling's tokenizer and processor)."""
 QUESTIONS = ("Where is the red circle?", "How many squares are there in the image? Answer the question with a number.")
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
@@ -94,14 +95,15 @@ def prompts_and_reference(adapter):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_ids_are_transformers_apply_chat_template(builds, family):
     """Each prompt of a batch (two prompts, one and two images, a system message) has the ids transformers'
-    ``apply_chat_template(tokenize=True)`` gives its messages; a Gemma prompt starts with exactly one ``<bos>``."""
+    ``apply_chat_template(tokenize=True)`` gives its messages; a Gemma prompt starts with exactly one ``<bos>``, a
+    Mistral 3 prompt with one ``<s>``."""
     adapter = adapter_for(family, builds(family))
     ours, theirs = prompts_and_reference(adapter)
     assert len(ours) == 2 and ours[0].shape != ours[1].shape  # two prompts of different lengths, unpadded
     for got, expected in zip(ours, theirs, strict=True):
         assert torch.equal(got, expected)
     bos = adapter.tokenizer.bos_token_id
-    if family.startswith("gemma"):
+    if family.startswith("gemma") or family == "mistral3":
         assert all(int(ids[0]) == bos and int((ids == bos).sum()) == 1 for ids in ours)
     else:
         assert bos is None
@@ -110,8 +112,10 @@ def test_prompt_ids_are_transformers_apply_chat_template(builds, family):
 def test_the_tiny_gemma_tokenizers_add_bos_as_the_released_ones(builds):
     """Gemma 4's tiny tokenizer adds no ``<bos>`` to an encoded text (the released one is built with
     ``add_bos_token=False`` by transformers' ``convert_gemma4_weights.py``), Gemma 3's adds one (google/gemma-3-4b-it
-    ``tokenizer_config.json``: ``add_bos_token: true``); both chat templates write it."""
-    expected = {"gemma4": False, "gemma3": True}
+    ``tokenizer_config.json``: ``add_bos_token: true``); all chat templates write it. Mistral 3's tiny tokenizer adds
+    ``<s>`` (the Llama-style default; whether each released Mistral tokenizer does is not checked here, and the
+    prompts hold one ``<s>`` either way, test_one_bos_whichever_way_the_tokenizer_is_set)."""
+    expected = {"gemma4": False, "gemma3": True, "mistral3": True}
     for family, adds in expected.items():
         adapter = adapter_for(family, builds(family))
         tokenizer = adapter.tokenizer
@@ -120,7 +124,7 @@ def test_the_tiny_gemma_tokenizers_add_bos_as_the_released_ones(builds):
 
 
 @pytest.mark.parametrize("add_bos", [False, True], ids=["tokenizer-without-bos", "tokenizer-adds-bos"])
-@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma4", "gemma3", "mistral3"])
 def test_one_bos_whichever_way_the_tokenizer_is_set(builds, family, add_bos, tmp_path):
     """With the checkpoint's tokenizer set to add BOS or not, the prompts are still transformers' and start with
     one ``<bos>``, the template's; the processor's plain call on the rendered chat gives two when the tokenizer adds

@@ -1,7 +1,8 @@
 """The plugin's own decode loop (``plugin.decoder: mmrl``, mmrl.plugins.vlm.decode) against transformers' ``generate``
 (``decoder: hf``) on the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V (and MoE), InternVL, Gemma 4 and
 Gemma 3 builds with LoRA (Gemma 4: soft-capped logits and sliding-window layers whose window the prompts exceed; Gemma
-3: bidirectional image blocks through ``token_type_ids`` in the prefill, every image the tower's fixed square):
+3: bidirectional image blocks through ``token_type_ids`` in the prefill, every image the tower's fixed square;
+Mistral 3: images padded to the batch's largest with their ``image_sizes``, position-dependent query scaling):
 the same tokens greedy and sampled (the same seed; both draw ``multinomial(softmax(scores), 1)`` per step), rows that
 end early padded after their EOS, ``max_new_tokens``, mixed image sizes, shared prefill on and off; the scores it
 samples from against hand-computed values and against the teacher-forced log-probs (an independent check of the
@@ -28,7 +29,7 @@ from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-                "internvl", "gemma4", "gemma3")
+                "internvl", "gemma4", "gemma3", "mistral3")
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 

@@ -417,13 +417,13 @@ def test_fused_lm_head_matches_the_model_logits(tiny_models):
         plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions, with_entropy=False)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl", "gemma4", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl", "gemma4", "gemma3", "mistral3"])
 def test_shared_prefill_generates_from_the_same_distribution(tiny_models, family, tmp_path):
     """Prefilling each distinct prompt once and copying its cache to its samples (groups interleaved as the spread
     layout deals them, images of different sizes) gives the logits of a plain batched generate; InternVL's, Gemma
     4's and Gemma 3's shared prefill passes the plain positions generate computes from the padding mask (Gemma 4 and
     3: with the bidirectional image blocks inside the shared prompt; Gemma 3: its token types trimmed with the
-    prompt)."""
+    prompt; Mistral 3: its images' sizes left out with the pixels)."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 

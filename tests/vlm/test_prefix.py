@@ -42,15 +42,16 @@ def _pass(plugin, prompts, completions, width, share):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe",
-                                    "glm4v", "glm4v_moe", "internvl", "gemma4", "gemma3"])
+                                    "glm4v", "glm4v_moe", "internvl", "gemma4", "gemma3", "mistral3"])
 def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
     """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
     sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
     features) and Qwen3.5 (the completions continue the prompt's Gated DeltaNet conv and recurrent states, which
     the gradients flow back through), InternVL (plain 1-D positions continued past the left-padded prompts, tiles
     instead of grids), Gemma 4 (bidirectional attention inside the prompt's images, sliding windows, key/value
-    sharing across layers, soft-capped logits) and Gemma 3 (token types for the prompt pass only, fixed-size images)
-    too when transformers has them."""
+    sharing across layers, soft-capped logits), Gemma 3 (token types for the prompt pass only, fixed-size images) and
+    Mistral 3 (plain positions read by Ministral 3's query scaling, padded images with their sizes) too when
+    transformers has them."""
     if family not in tiny_models:
         from mmrl.plugins.vlm.adapters import vlm_adapters
         from mmrl.plugins.vlm.testing import build_tiny_model

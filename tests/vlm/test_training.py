@@ -171,7 +171,8 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
 
 
 @pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("internvl", "qwen2_vl"),
-                                                    ("gemma4", "absolute"), ("gemma3", "qwen2_5_vl")])
+                                                    ("gemma4", "absolute"), ("gemma3", "qwen2_5_vl"),
+                                                    ("mistral3", "qwen2_5_vl")])
 def test_toy_recipe_runs_with_a_tiny_build_of_another_family(tmp_path, family, convention):
     """plugin.tiny_model builds every family the tests build, e.g. GLM-4.1V and InternVL: the toy recipe's step on
     it, boxes read in the family's convention (InternVL: 0-1000 of the image, Qwen2-VL's; Gemma 3: pixels of its
@@ -277,6 +278,7 @@ LORA_KINDS = {
     "internvl": ATTENTION_AND_MLP,  # its ViT's q/k/v_proj are excluded with the tower and the projector
     "gemma4": ATTENTION_AND_MLP,  # its ViT's q/k/v and gate/up/down_proj are excluded with the tower and embedder
     "gemma3": ATTENTION_AND_MLP,  # SigLIP's q/k/v_proj are excluded with the tower and the projector
+    "mistral3": ATTENTION_AND_MLP,  # Pixtral's q/k/v/o and gate/up/down_proj are excluded with the tower and projector
 }
 # The test reward needs spread at step 1 for the LoRA to move: the tiny InternVL's and Gemma 3's six first completions
 # at run seed 0 hold no digit (reward std 0, no update), at seed 2 they do.

@@ -10,9 +10,9 @@ here, or, from another package, an entry point in the group ``mmrl.vlm_adapters`
     my_family = "my_package.adapter:MyFamilyAdapter"
 
 Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL, Qwen3-VL MoE,
-Qwen3.5, Qwen3.5 MoE, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4 and Gemma 3 are registered only when the installed
-transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``, ``glm4v``,
-``glm4v_moe``, ``internvl``, ``gemma4``, ``gemma3``).
+Qwen3.5, Qwen3.5 MoE, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4, Gemma 3 and Mistral 3 are registered only when the
+installed transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
+``glm4v``, ``glm4v_moe``, ``internvl``, ``gemma4``, ``gemma3``, ``mistral3``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ if _transformers_has_model("qwen3_vl"):
 for _family, _target in (("qwen3_vl_moe", "qwen3_vl_moe:Qwen3VLMoeAdapter"), ("qwen3_5", "qwen3_5:Qwen35Adapter"),
                          ("qwen3_5_moe", "qwen3_5_moe:Qwen35MoeAdapter"), ("glm4v", "glm4v:Glm4vAdapter"),
                          ("glm4v_moe", "glm4v:Glm4vMoeAdapter"), ("internvl", "internvl:InternVLAdapter"),
-                         ("gemma4", "gemma4:Gemma4Adapter"), ("gemma3", "gemma3:Gemma3Adapter")):
+                         ("gemma4", "gemma4:Gemma4Adapter"), ("gemma3", "gemma3:Gemma3Adapter"),
+                         ("mistral3", "mistral3:Mistral3Adapter")):
     if _transformers_has_model(_family):
         vlm_adapters.register_lazy(_family, f"mmrl.plugins.vlm.adapters.{_target}")
 
