@@ -128,9 +128,11 @@ def test_dllm_estimators_variance(tmp_path):
     module = load_module("dllm_estimators.py")
     assert [row["estimator"] for row in rows] == [label for label, _, _ in module.ESTIMATORS]
     for row in rows:
-        assert set(row) == {"estimator", "name", "forwards", "bias_vs_exact_elbo", "sd", "sd_difference_shared_plan",
-                            "sd_difference_independent_plans", "seconds", "elbo_t_exact_sd"}
+        assert set(row) == {"estimator", "name", "forwards", "forwarded_rows", "bias_vs_exact_elbo", "sd",
+                            "sd_difference_shared_plan", "sd_difference_independent_plans", "seconds",
+                            "elbo_t_exact_sd"}
         assert row["sd"] >= 0 and row["sd_difference_shared_plan"] >= 0
+        assert 0 <= row["forwarded_rows"] <= row["forwards"]
     # one_step on a clean prompt is deterministic and takes one forward whatever the budget; the others take 2.
     assert [row["forwards"] for row in rows] == [1] + [2] * (len(rows) - 1)
     assert rows[0]["sd"] == pytest.approx(0, abs=1e-6)
