@@ -70,6 +70,8 @@ FLOW_FLUX_TARGETS = FLOW_SD3_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context
 FLOW_HUNYUAN_VIDEO15_TARGETS = FLOW_FLUX_TARGETS
 # plugins/flow/adapters/chroma.py: FLUX.1's (Chroma's blocks keep FLUX's module names; the approximator is not matched)
 FLOW_CHROMA_TARGETS = FLOW_FLUX_TARGETS
+# plugins/flow/adapters/longcat_image.py: FLUX.1's (LongCat's blocks keep FLUX's module names)
+FLOW_LONGCAT_IMAGE_TARGETS = FLOW_FLUX_TARGETS
 FLOW_SANA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                      "attn2.to_v", "attn2.to_out.0")  # plugins/flow/adapters/sana.py
 FLOW_Z_IMAGE_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
@@ -361,6 +363,26 @@ def build_chroma_extras() -> list[nn.Module]:
     return [build_text_encoders("flux")[1], build_vae()]
 
 
+def build_longcat_image() -> nn.Module:
+    """LongCat-Image's transformer: ``LongCatImageTransformer2DModel`` with 10 double- and 20 single-stream blocks of
+    width 3072 (24 heads × 128), Qwen2.5-VL-7B context 3584, 64 input channels (16 latent channels in 2 × 2 patches),
+    RoPE axes (16, 56, 56) (the class defaults but the block counts: 10 + 20 as mflux's LongCat port documents,
+    filipstrand/mflux ``src/mflux/models/longcat/model/longcat_transformer/longcat_transformer.py``; the hub's
+    meituan-longcat/LongCat-Image transformer/config.json could not be read offline): 6.3B parameters, the published
+    6B."""
+    from diffusers import LongCatImageTransformer2DModel
+
+    return LongCatImageTransformer2DModel(patch_size=1, in_channels=64, num_layers=10, num_single_layers=20,
+                                          attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                                          pooled_projection_dim=3584, axes_dims_rope=[16, 56, 56])
+
+
+def build_longcat_image_extras() -> list[nn.Module]:
+    """LongCatImagePipeline's text encoder, the whole Qwen2.5-VL-7B (:func:`build_qwen25vl`, vision tower included,
+    as the pipeline loads it), and the FLUX.1-style 16-channel VAE (:func:`build_vae`)."""
+    return [build_qwen25vl("7b"), build_vae()]
+
+
 def build_sana(size: str) -> nn.Module:
     """Sana's linear-attention DiT: diffusers' scripts/convert_sana_to_diffusers.py (huggingface/diffusers@065628f,
     ``model_kwargs`` and ``transformer_kwargs``): 70 heads × 32 = 2240 wide, cross-attention 20 heads × 112, caption
@@ -565,6 +587,18 @@ def recipes() -> list[Recipe]:
                       notes=["micro-batch 2 x 2 (CFG), one denoising step per backward (action_chunk_size 1)",
                              "each block keeps its dense [L, L] text-and-image mask (L = 1536)"])
 
+    def longcat_image() -> Recipe:
+        # 512 px: 64 x 64 latents in 2 x 2 patches = 1024 image tokens + the pipeline's fixed 512 Qwen tokens;
+        # micro-batch 2 x 2 (true CFG), rank-64 LoRA on FLUX.1's targets, EMA, no KL; checkpointed. LongCat's blocks
+        # are FLUX.1's (AdaLN-Zero, qk RMSNorm, GELU MLP of ratio 4, no mask): FLUX's activation coefficients.
+        tokens = (512 // 16) ** 2 + 512
+        return Recipe("LongCat-Image LoRA r64 512px", "configs/flow/longcat_image_pickscore.yaml", build_longcat_image,
+                      3072, 3072, 12288, [Blocks("flux_double", 10, tokens), Blocks("flux_single", 20, tokens)],
+                      sequences=2 * 2, lora_targets=FLOW_LONGCAT_IMAGE_TARGETS, lora_rank=64, weight_bytes=2,
+                      heads=24, checkpointing=True, ema=True, extras=build_longcat_image_extras,
+                      notes=["micro-batch 2 x 2 (CFG), one denoising step per backward (action_chunk_size 1)",
+                             "activation coefficients of FLUX.1's blocks (the same block structure)"])
+
     def sana(size: str) -> Recipe:
         # 1024 px: DC-AE compresses 32x and the DiT takes patch 1, so 32 x 32 = 1024 image tokens; 300 Gemma-2 tokens
         # enter only the cross-attention; micro-batch 9 x 2 (true CFG), rank-32 LoRA, EMA, KL 0.01 (LoRA: the
@@ -632,6 +666,7 @@ def recipes() -> list[Recipe]:
         hunyuan_video15("t2v"),
         hunyuan_video15("i2v"),
         chroma(),
+        longcat_image(),
         sana("1.6b"),
         sana("4.8b"),
     ]

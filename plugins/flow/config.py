@@ -38,9 +38,10 @@ class FlowPluginConfig:
     adapter: str = config_field(
         "auto", help="Model adapter: 'sd3', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'qwen_image21', "
         "'qwen_image21_edit', 'flux2', 'flux2_klein', 'flux2_edit', 'flux2_klein_edit', 'wan', 'wan_i2v', 'z_image', "
-        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2', 'ltx2_i2v', 'wan_v2v', 'flux3', 'chroma', 'sana' or another "
-        "registered one (`mmrl list`); 'auto' reads model_index.json (a local modular pipeline's "
-        "modular_model_index.json: FLUX.3; the *_edit adapters are chosen by name only)."
+        "'hunyuan_video15', 'hunyuan_video15_i2v', 'ltx2', 'ltx2_i2v', 'wan_v2v', 'flux3', 'chroma', 'sana', "
+        "'longcat_image', 'longcat_image_edit' or another registered one (`mmrl list`); 'auto' reads "
+        "model_index.json (a local modular pipeline's modular_model_index.json: FLUX.3; the *_edit adapters "
+        "sharing a text-to-image pipeline class are chosen by name only)."
     )
     lora: FlowLoraConfig | None = config_field(
         default_factory=FlowLoraConfig, help="LoRA options; null for full fine-tuning of the transformer."
@@ -157,8 +158,8 @@ class FlowPluginConfig:
         help="Settings only one model family has, by name, in rollouts, the training forward and evaluation alike: "
         "each adapter documents the keys it takes (ltx2: its audio CFG scale, guidance rescale, spatio-temporal and "
         "modality-isolation guidance, frame rate; ltx2_i2v: those and the input image's image_crf; wan_v2v: "
-        "strength; chroma: text_mask; sana: complex_human_instruction; docs/flow.md section 15) and refuses any "
-        "other in one line. Empty: the pipeline's defaults.",
+        "strength; chroma: text_mask; sana: complex_human_instruction; longcat_image: enable_cfg_renorm, "
+        "cfg_renorm_min; docs/flow.md section 15) and refuses any other in one line. Empty: the pipeline's defaults.",
     )
     sde: str = config_field(
         "flow_grpo", help="SDE of the stochastic steps: flow_grpo, dance_grpo, cps or another stochastic kind "

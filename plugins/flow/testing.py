@@ -1020,6 +1020,54 @@ def build_sana_pipeline(seed: int = 0, size: str = "tiny") -> Any:
                         scheduler=scheduler)
 
 
+
+def build_longcat_image_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``LongCatImagePipeline`` with random weights: a two-layer Qwen2.5-VL text encoder (the tiny one of the VLM
+    tests) on :func:`tiny_qwen_image_tokenizer` (byte-level, so LongCat's own template and the character-by-character
+    tokens of quoted text tokenize too; the pipeline measures the template's length itself) with a
+    ``Qwen2VLProcessor`` (the pipeline's declared ``text_processor``, read only by its prompt rewriting), a 1+1-block
+    LongCat transformer, a tiny FLUX-style VAE with 16 latent channels (shift and scale) and FLUX.1's dynamically
+    shifted scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LongCatImagePipeline, LongCatImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmrl.plugins.vlm.testing import build_processor, tiny_config
+
+    if size != "tiny":
+        raise ValueError(f"unknown LongCat-Image pipeline size {size!r}; only 'tiny' is built here")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen_image_tokenizer()
+        processor = build_processor("qwen2_vl", tokenizer, min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_config("qwen2_5_vl", tokenizer))
+        # 16 latent channels: LongCatImagePipeline.__call__ hard-codes num_channels_latents = 16
+        text_width, latent_channels = text_encoder.config.text_config.hidden_size, 16
+        transformer = LongCatImageTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=text_width, pooled_projection_dim=text_width,
+            axes_dims_rope=[2, 2, 4],
+        )
+        vae = _vae(latent_channels, (8, 16), 4, scaling=0.3611, shift=0.1159)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+    return LongCatImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                text_processor=processor, transformer=transformer)
+
+
+def build_longcat_image_edit_pipeline(seed: int = 0, size: str = "tiny") -> Any:
+    """A ``LongCatImageEditPipeline`` with the components of :func:`build_longcat_image_pipeline` (the same seed, the
+    same weights): LongCat-Image-Edit is LongCat-Image's architecture with the input image read by the text encoder
+    (the tiny Qwen2.5-VL's vision tower, through the ``Qwen2VLProcessor``'s image processor: 4 to 16 merged vision
+    tokens) and appended as latent tokens."""
+    from diffusers import LongCatImageEditPipeline
+
+    base = build_longcat_image_pipeline(seed=seed, size=size)
+    return LongCatImageEditPipeline(**{name: component for name, component in base.components.items()
+                                       if name in ("scheduler", "vae", "text_encoder", "tokenizer", "text_processor",
+                                                   "transformer")})
+
 BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image": build_qwen_image_pipeline,
             "qwen_image21": build_qwen_image21_pipeline,
             "flux2": build_flux2_pipeline, "wan": build_wan_pipeline, "wan22": build_wan22_pipeline,
@@ -1030,7 +1078,8 @@ BUILDERS = {"sd3": build_sd3_pipeline, "flux": build_flux_pipeline, "qwen_image"
             "qwen_image_edit_plus": build_qwen_image_edit_plus_pipeline, "wan_i2v": build_wan_i2v_pipeline,
             "wan22_i2v": build_wan22_i2v_pipeline, "wan22_ti2v_i2v": build_wan22_ti2v_i2v_pipeline,
             "wan_flf2v": build_wan_flf2v_pipeline, "hunyuan_video15": build_hunyuan_video15_pipeline,
-            "hunyuan_video15_i2v": build_hunyuan_video15_i2v_pipeline, "sana": build_sana_pipeline}
+            "hunyuan_video15_i2v": build_hunyuan_video15_i2v_pipeline, "sana": build_sana_pipeline,
+            "longcat_image": build_longcat_image_pipeline, "longcat_image_edit": build_longcat_image_edit_pipeline}
 
 
 def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: str = "tiny",
@@ -1040,7 +1089,8 @@ def save_tiny_pipeline(kind: str, directory: str | Path, seed: int = 0, size: st
     ``"wan"``, ``"wan22"`` (two experts), ``"wan22_ti2v"`` (per-token timesteps), ``"z_image"``,
     ``"flux2_klein"``, ``"flux2_klein_distilled"``, ``"flux3"``, ``"chroma"``, ``"flux_kontext"``,
     ``"qwen_image_edit"``, ``"qwen_image_edit_plus"``, ``"wan_i2v"``, ``"wan22_i2v"``, ``"wan22_ti2v_i2v"``,
-    ``"wan_flf2v"``, ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``, ``"sana"``) and
+    ``"wan_flf2v"``, ``"hunyuan_video15"``, ``"hunyuan_video15_i2v"``, ``"sana"``, ``"longcat_image"``,
+    ``"longcat_image_edit"``) and
     ``save_pretrained`` it to ``directory`` (in ``dtype`` if given, e.g. bfloat16 to halve the 2.2B-parameter
     SD3.5-Medium transformer on disk)."""
     if kind not in BUILDERS:

@@ -19,12 +19,13 @@ BUCKETS = [[16, 16], [16, 32], [32, 16]]
 
 @pytest.fixture(scope="session")
 def pipelines(pipelines, tmp_path_factory):
-    """The conftest's tiny pipelines plus a tiny FLUX.1 Kontext, Chroma and Sana, built once per session."""
+    """The conftest's tiny pipelines plus a tiny FLUX.1 Kontext, Chroma, Sana and LongCat-Image, built once per
+    session."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
     root = tmp_path_factory.mktemp("flow_buckets")
     return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}")
-                            for kind in ("flux_kontext", "chroma", "sana")}}
+                            for kind in ("flux_kontext", "chroma", "sana", "longcat_image")}}
 
 
 def write_prompt_rows(path, rows):
@@ -129,14 +130,16 @@ def test_a_bucket_off_the_adapter_grid_is_refused(make_plugin):
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
-@pytest.mark.parametrize("kind", ["flux", "sd3", "chroma", "sana"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "chroma", "sana", "longcat_image"])
 def test_a_bucketed_rollout_is_a_run_at_its_size_and_the_forward_follows_it(make_plugin, tmp_path, kind):
     # Sana's sides are multiples of 32 (SanaPipeline.check_inputs): its buckets and run are twice the others'.
+    # LongCat-Image takes its pipeline's fixed 512 text tokens only.
     s = 2 if kind == "sana" else 1
+    text = {"max_sequence_length": 512} if kind == "longcat_image" else {}
     prompts = write_prompt_rows(tmp_path / "prompts.jsonl", [
         {"prompt": "a cat", "aspect_ratio": "2:1"}, {"prompt": "a red dog"}, {"prompt": "a car", "aspect_ratio": 2}])
     plugin = make_plugin(kind, prompts=None, dataset=str(prompts), resolution=16 * s,
-                         buckets=[[16 * s * h, 16 * s * w] for h, w in ((1, 1), (1, 2), (2, 1))])
+                         buckets=[[16 * s * h, 16 * s * w] for h, w in ((1, 1), (1, 2), (2, 1))], **text)
     perturb_lora(plugin)
     rows = plugin.dataset("train")
     side, wide_size = 16 * s, (16 * s, 32 * s)
@@ -148,7 +151,7 @@ def test_a_bucketed_rollout_is_a_run_at_its_size_and_the_forward_follows_it(make
     square = plugin.rollout(plugin.policy(), bucket_batch([rows[1]], 2, first_seed=7)).validate()
     assert square.payload["images"].shape == (2, 3, side, side)
 
-    fixed = make_plugin(kind, height=wide_size[0], width=wide_size[1])  # the same weights, every row wide
+    fixed = make_plugin(kind, height=wide_size[0], width=wide_size[1], **text)  # the same weights, every row wide
     perturb_lora(fixed)
     expected = fixed.rollout(fixed.policy(), bucket_batch([rows[0], rows[2]], 3))
     torch.testing.assert_close(wide.payload["images"], expected.payload["images"], rtol=0, atol=1e-6)

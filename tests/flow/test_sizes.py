@@ -3,7 +3,7 @@ options resolve against ``plugin.resolution``, a side that the pipeline cannot t
 swapping height and width transposes every latent grid (so a transposition cannot hide behind equal token counts),
 and non-square rollouts keep ratio == 1 on-policy. That the plugin's samples equal the diffusers pipeline's at the
 same height and width is checked by each family's own pipeline test (test_plugin, test_qwen_image, test_flux2,
-test_flux2_klein, test_wan, test_z_image, test_chroma, test_sana)."""
+test_flux2_klein, test_wan, test_z_image, test_chroma, test_sana, test_longcat_image)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from tests.flow.conftest import prompt_batch
 from tests.flow.test_plugin import _perturb_lora, _ratio_deviation
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image", "chroma", "sana"]
+KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image", "chroma", "sana", "longcat_image"]
 FRAMES = 5  # tiny Wan: 3 latent frames
 # FLUX.2 pads every prompt after a 33-token system turn (tests/flow/test_flux2.py); FLUX.2 [klein]'s Qwen3 template
-# takes about 20 of its 32 (tests/flow/test_flux2_klein.py).
+# takes about 20 of its 32 (tests/flow/test_flux2_klein.py); LongCat-Image takes its pipeline's fixed 512 only.
 EXTRA = {"wan": {"num_frames": FRAMES}, "flux2": {"max_sequence_length": 40},
-         "flux2_klein": {"max_sequence_length": 32}}
+         "flux2_klein": {"max_sequence_length": 32}, "longcat_image": {"max_sequence_length": 512}}
 # The short and the long side of the non-square checks: 16 x 32 px, except Sana, whose SanaPipeline.check_inputs
 # wants multiples of 32 whatever the VAE (the tiny DC-AE's own factor is 2).
 SIDES = {"sana": (32, 64)}
@@ -30,24 +30,26 @@ SIDES = {"sana": (32, 64)}
 
 @pytest.fixture(scope="session")
 def pipelines(pipelines, tmp_path_factory):
-    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, FLUX.2 [klein], Wan, Z-Image, Chroma and Sana,
-    built once per session."""
+    """The conftest's tiny SD3 and FLUX plus tiny Qwen-Image, FLUX.2, FLUX.2 [klein], Wan, Z-Image, Chroma, Sana and
+    LongCat-Image, built once per session."""
     from mmrl.plugins.flow.testing import save_tiny_pipeline
 
     root = tmp_path_factory.mktemp("flow_sizes")
     return {**pipelines, **{kind: save_tiny_pipeline(kind, root / f"tiny-{kind}")
                             for kind in ("qwen_image", "flux2", "flux2_klein", "wan", "z_image", "chroma",
-                                         "sana")}}
+                                         "sana", "longcat_image")}}
 
 
 def _noise_shape(kind: str, height: int, width: int) -> tuple[int, ...]:
     """One sample's initial noise as each pipeline's prepare_latents draws it, from the tiny models' configs: a VAE
-    factor of 2 (Sana's two-stage DC-AE too), 4 latent channels (16 after FLUX.2's 2x2 patchify) and Wan's
+    factor of 2 (Sana's two-stage DC-AE too), 4 latent channels (16 after FLUX.2's 2x2 patchify; LongCat-Image's 16,
+    which its pipeline hard-codes) and Wan's
     (5 - 1)/2 + 1 = 3 latent frames."""
     h, w = height // 2, width // 2
     return {"sd3": (4, h, w), "flux": (4, h, w), "qwen_image": (1, 4, h, w), "flux2": (16, h // 2, w // 2),
             "flux2_klein": (16, h // 2, w // 2),
-            "wan": (4, 3, h, w), "z_image": (4, h, w), "chroma": (4, h, w), "sana": (4, h, w)}[kind]
+            "wan": (4, 3, h, w), "z_image": (4, h, w), "chroma": (4, h, w), "sana": (4, h, w),
+            "longcat_image": (16, h, w)}[kind]
 
 
 def test_height_and_width_default_to_resolution_one_by_one():
@@ -97,6 +99,10 @@ def test_swapped_height_and_width_transpose_the_latents_and_images(make_plugin, 
             ids, _ = adapter._position_ids(latents.shape[1], 8, latents)
             assert ids[:, 1].max() == height // 4 - 1 and ids[:, 2].max() == width // 4 - 1
             assert ids[1].tolist() == [0, 0, 1]  # the second token is the next column of the first row
+        if kind == "longcat_image":  # (1, 512 + row, 512 + column): the image ids start after the 512 text positions
+            ids, _ = adapter._position_ids(latents.shape[1], 512, latents)
+            assert ids[:, 1].max() == 511 + height // 4 and ids[:, 2].max() == 511 + width // 4
+            assert ids[1].tolist() == [1, 512, 513]
         if kind in ("flux2", "flux2_klein"):  # (t, row, column, l)
             ids, _ = adapter._position_ids(latents.shape[1], 40, latents)
             assert ids[0, :, 1].max() == height // 4 - 1 and ids[0, :, 2].max() == width // 4 - 1

@@ -49,6 +49,9 @@ flow_adapters.register_lazy("hunyuan_video15_i2v",
 flow_adapters.register_lazy("ltx2", "mmrl.plugins.flow.adapters.ltx2:LTX2Adapter")
 flow_adapters.register_lazy("ltx2_i2v", "mmrl.plugins.flow.adapters.ltx2_i2v:LTX2ImageToVideoAdapter")
 flow_adapters.register_lazy("sana", "mmrl.plugins.flow.adapters.sana:SanaAdapter")
+flow_adapters.register_lazy("longcat_image", "mmrl.plugins.flow.adapters.longcat_image:LongCatImageAdapter")
+flow_adapters.register_lazy("longcat_image_edit",
+                            "mmrl.plugins.flow.adapters.longcat_image_edit:LongCatImageEditAdapter")
 
 
 def adapter_for_pipeline(class_name: str, model: str) -> type[FlowAdapter]:
