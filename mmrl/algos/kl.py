@@ -80,9 +80,9 @@ def kl_k2_seq(logp: Tensor, ref_logp: Tensor) -> Tensor:
     of row i (ESPO's KL on the sequence ELBO).
 
     The sequence log-ratio is the sum of the row's columns, so the columns must hold the sequence's log-probs in
-    additive form and the columns outside the mask must be equal in ``logp`` and ``ref_logp`` (the dLLM plugin leaves
-    them 0; with ELBO estimators its real columns hold ``ELBO / L``, summing to the ELBO), and every column of the
-    sequence must be in the call (not with ``algorithm.action_chunk_size``). With ``aggregation:
+    additive form (with ELBO estimators the dLLM plugin's real columns hold ``ELBO / L``, summing to the ELBO); the
+    learner zeroes the padding columns of both arguments before the call, and every column of the sequence must be in
+    the call (refused with ``algorithm.action_chunk_size``). With ``aggregation:
     seq_mean_token_mean`` each sequence contributes the mean of its columns, ``½·x_i²/A``: ESPO's
     ``k2(ELBO_θ − ELBO_ref) / logits_to_keep`` with A the generation budget (ML-GSAI/ESPO@b5f2dac
     ``espo/espo_trainer.py`` L197-201, ``compute_approx_kl`` L77-108). The gradient is ``x_i/A·∇x_i`` for the whole

@@ -202,6 +202,10 @@ class AlgorithmConfig:
             raise ConfigError(f"{path}.top_entropy_quantile", self.top_entropy_quantile,
                               f"1 with {path}.action_chunk_size set (the entropy threshold spans a whole micro-batch; "
                               "chunks see a few of its actions at a time), or action_chunk_size: null")
+        if self.kl_estimator == "k2_seq" and self.action_chunk_size is not None:
+            raise ConfigError(f"{path}.kl_estimator", self.kl_estimator,
+                              f"k1, k2 or k3 with {path}.action_chunk_size set (k2_seq squares the sum of a whole "
+                              "sequence's columns; chunks see a few of them at a time), or action_chunk_size: null")
         if self.ref_sync_every and self.kl_coef == 0:
             raise ConfigError(f"{path}.ref_sync_every", self.ref_sync_every,
                               f"0 while {path}.kl_coef is 0 (the reference is used by the KL term only; set kl_coef "

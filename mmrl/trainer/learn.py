@@ -278,7 +278,10 @@ class Learner:
                 ref = output.ref_logp if output.ref_logp is not None else part.ref_logp
                 if ref is None:
                     raise RolloutError("kl_coef > 0 but the plugin returned neither kl nor ref_logp")
-                kl = self.kl_estimator(logp, ref.float())
+                # Padding columns enter as equal zeros: the per-action estimators give them 0 (the mask drops them
+                # anyway), and k2_seq, which sums a row's columns, sums the real ones only.
+                real = part.mask > 0
+                kl = self.kl_estimator(logp.where(real, 0.0), ref.float().where(real, 0.0))
             total = total + algorithm.kl_coef * kl
             diagnostics["policy/kl"] = kl
         if output.entropy is not None:

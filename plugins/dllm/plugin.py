@@ -520,8 +520,10 @@ class DLLMPlugin(Plugin):
 
     @classmethod
     def check_config(cls, train_config: Any) -> None:
-        """Refuse an objective paired with another family's loss or advantage, ``algorithm.ref_sync_every`` with
-        LoRA (:func:`mmrl.policy.check_reference_sync`) and ``algorithm.top_entropy_quantile`` (no entropy).
+        """Refuse an objective paired with another family's loss or advantage, ``algorithm.kl_estimator: k2_seq``
+        with ``objective: spg`` (it sums a row's columns, and spg's ELBO and EUBO columns do not add up to the
+        sequence log-ratio), ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`) and
+        ``algorithm.top_entropy_quantile`` (no entropy).
 
         ``objective: spg`` returns ELBO and EUBO columns that only ``policy_loss: spg`` reads, and ``spg`` reads
         nothing else; ``objective: wd1`` returns one sequence estimate for ``policy_loss: wd1``, which weights it
@@ -542,6 +544,10 @@ class DLLMPlugin(Plugin):
             allowed = ("wd1 with policy_loss wd1 (its group-softmax weights)" if loss == "wd1"
                        else f"an estimator other than wd1 with policy_loss {loss} (wd1's weights are not advantages)")
             raise ConfigError("algorithm.advantage.name", advantage, allowed)
+        if objective == "spg" and train_config.algorithm.kl_estimator == "k2_seq":
+            # k2_seq sums a row's columns into the sequence log-ratio; spg's two columns are two estimates of it
+            raise ConfigError("algorithm.kl_estimator", "k2_seq", "k1, k2 or k3 with plugin.objective spg (its ELBO "
+                              "and EUBO columns are two estimates of one sequence, not parts that add up to it)")
         check_reference_sync(train_config)  # a LoRA run's reference is the adapter-off model: nothing to sync
         if train_config.algorithm.top_entropy_quantile < 1:
             raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,

@@ -42,3 +42,46 @@ def test_reference_gets_no_gradient_and_the_sum_is_not_clamped():
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="shape"):
         kl_estimators["k2_seq"](torch.zeros(2, 3), torch.zeros(2, 2))
+
+
+def test_k2_seq_is_refused_with_action_chunks(tmp_path):
+    """The learner calls the KL estimator on each chunk of columns with ``action_chunk_size``; k2_seq squares the
+    sum of a whole row, so chunks would give Σ_c ½·x_c²/A_c instead of ½·x²/A."""
+    from mmrl.config import ConfigError
+    from tests.helpers import toy_config
+
+    with pytest.raises(ConfigError, match="action_chunk_size"):
+        toy_config(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2_seq", "algorithm.action_chunk_size=2")
+    toy_config(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "algorithm.action_chunk_size=2")
+
+
+def test_the_learner_hands_the_kl_estimator_the_real_columns_only(tmp_path):
+    """The toy plugin's columns after EOS carry log-probs that differ between the policy and the reference; k2_seq
+    sums a row's columns, so the learner zeroes the padding columns of both before the estimator (per-action
+    estimators give those columns 0 either way, and the mask drops them)."""
+    from mmrl.algos import aggregation_counts
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    trainer = Trainer(toy_config(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2_seq",
+                                 "algorithm.entropy_coef=0.0"))
+    batch = trainer.collector.collect(trainer.policy, 0, {})
+    rollout, advantages = batch.rollout, batch.advantages
+    with torch.no_grad():  # move the policy away from the reference so that the KL is not 0
+        generator = torch.Generator().manual_seed(0)
+        for parameter in trainer.plugin.model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+        output = trainer.plugin.forward(trainer.policy, rollout, need_reference=True)
+        ref = output.ref_logp if output.ref_logp is not None else rollout.ref_logp
+        mask = rollout.mask.float()  # [N, A]
+        outside = ((output.logp - ref).abs() * (1 - mask)).max()
+        assert float(outside) > 1e-3  # the padding columns differ: the test can tell the two sums apart
+        x = ((output.logp - ref) * mask).sum(dim=1)  # [N] the sequence log-ratio over the real columns
+        per_row = 0.5 * x**2 / mask.shape[1]
+        expected = float((per_row * mask.sum(dim=1)).sum() / mask.sum())  # policy/kl: the masked mean
+        num_actions, num_sequences = aggregation_counts(rollout.mask)
+        lengths = rollout.mask.to(torch.float64).sum(dim=1)
+        _, metrics, _, _ = trainer.learner._micro_loss(rollout, advantages, True, num_actions, num_sequences,
+                                                       trainer.plugin.max_actions(), None, lengths)
+    assert expected > 1e-6
+    assert float(metrics["policy/kl"]) == pytest.approx(expected, rel=1e-4)

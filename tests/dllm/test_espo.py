@@ -319,6 +319,20 @@ def test_refusals():
         draw_plan("espo", prompt, completion, mask, num_samples=3, generator=torch.Generator())
 
 
+def test_k2_seq_is_refused_with_the_spg_objective():
+    """objective spg's two columns are two estimates of one sequence log-likelihood (ELBO and EUBO), not additive
+    parts of it: k2_seq's sum would take k2 of ΔELBO + ΔEUBO (about twice the sequence log-ratio, four times the KL
+    each column's k2 gives), so the config is refused; grpo's token columns and wd1's single column are accepted."""
+    base = {"rewards": {"functions": [{"name": "gsm8k_answer"}]}}
+    spg = {"plugin": {"name": "dllm", "objective": "spg"},
+           "algorithm": {"policy_loss": {"name": "spg"}, "kl_coef": 0.01, "kl_estimator": "k2_seq"}, **base}
+    with pytest.raises(ConfigError, match="k2_seq"):
+        load_config(spg)
+    load_config({**spg, "algorithm": {**spg["algorithm"], "kl_estimator": "k3"}})  # per-column KL: accepted
+    load_config({"plugin": {"name": "dllm", "objective": "wd1"}, **base, "algorithm": {
+        "policy_loss": {"name": "wd1"}, "advantage": "wd1", "kl_coef": 0.01, "kl_estimator": "k2_seq"}})
+
+
 def test_recipe_loads():
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "dllm" / "llada8b_espo_gsm8k.yaml")
     plugin = config.plugin.config
