@@ -489,16 +489,23 @@ class VLMPlugin(Plugin):
         """Whether :meth:`token_logp` may split its pass (``share_prompt_forward``): not through a DDP/FSDP wrapper
         (two calls per backward), nor under gradient checkpointing with gradients on (transformers drops the cache),
         nor with gradients on for a family whose cache updates states in place (Qwen3.5's linear attention,
-        :attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.cache_keeps_gradients`)."""
+        :attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.cache_keeps_gradients`), nor in any pass, when the training
+        pass cannot share, for a family whose shared pass rounds differently
+        (:attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.shared_prompts_round_alike`)."""
         # The flag as getattr reads a plain attribute (the instance's __dict__, then its class: transformers'
         # GradientCheckpointingLayer declares False there, gradient_checkpointing_enable sets the instance's), without
         # nn.Module.__getattr__'s raise for every module that lacks it (0.26 against ~0.1 ms per call, 200 modules)
-        checkpointing = model.training and torch.is_grad_enabled() and any(
+        configured = any(
             vars(module).get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False)) is True
             for module in model.modules())
+        checkpointing = configured and model.training and torch.is_grad_enabled()
         in_place = torch.is_grad_enabled() and not self.adapter.cache_keeps_gradients
+        # A family whose shared pass rounds differently from the plain one shares in no pass when the training pass
+        # cannot (VLMAdapter.shared_prompts_round_alike), so that the old-policy and reference passes match it.
+        training_cannot = configured or not self.adapter.cache_keeps_gradients
+        unlike = training_cannot and not self.adapter.shared_prompts_round_alike
         return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
-                and self.runtime.unwrap(model) is model and not checkpointing and not in_place)
+                and self.runtime.unwrap(model) is model and not checkpointing and not in_place and not unlike)
 
     def reference_module(self) -> nn.Module | None:
         """Full fine-tuning's reference, the initial checkpoint loaded again (None with LoRA)."""

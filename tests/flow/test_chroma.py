@@ -214,6 +214,21 @@ def test_auto_detection_and_refusals(make_plugin, pipelines):
                                {"prompt_embeds": torch.zeros(1, 4, 32), "prompt_attention_mask": torch.ones(1, 4)}, 1.0)
 
 
+def test_another_pipeline_is_refused_in_one_line(make_plugin, pipelines):
+    """``adapter: chroma`` names the pipeline class it reproduces: on a FLUX.1 checkpoint (the model Chroma derives
+    from, a likely mix-up) it is refused in one line when the adapter is built, as the Sana and LongCat-Image adapters
+    refuse theirs, not with a TypeError from deep inside ``FluxPipeline.encode_prompt`` at the first prompt."""
+    from diffusers import FluxPipeline
+
+    from mmrl.plugins.flow.adapters.chroma import ChromaAdapter
+
+    refused = r"^the chroma adapter reproduces ChromaPipeline; got FluxPipeline$"
+    with pytest.raises(ValueError, match=refused):
+        ChromaAdapter(FluxPipeline.from_pretrained(str(pipelines["flux"])), torch.device("cpu"))
+    with pytest.raises(ValueError, match=refused):
+        make_plugin("flux", adapter="chroma", max_sequence_length=TEXT_TOKENS)
+
+
 def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, tmp_path):
     """configs/flow/chroma_pickscore.yaml as written (true CFG at 5.0, one trained SDE step drawn from steps 1-3,
     EMA, gradient checkpointing, two optimizer steps per rollout), on the tiny pipeline at 16 px with the test
