@@ -145,14 +145,48 @@ class VLMAdapter:
             raise ValueError(f"video_total_pixels must be positive, got {video_total_pixels}")
         self.processor = self.load_processor()
         self.tokenizer = self.processor.tokenizer
-        image_processor = self.processor.image_processor
-        self.patch_size = int(getattr(image_processor, "patch_size", 14))
-        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self.patch_size, self.merge_size = self.patch_geometry()
         # qwen-vl-utils 0.0.14 fetch_video: total_pixels = MODEL_SEQ_LEN (128,000) × image_factor² × 0.9 by default.
         self.video_total_pixels = float(video_total_pixels if video_total_pixels is not None
                                         else VIDEO_SEQ_LEN_TOKENS * self.image_factor ** 2 * 0.9)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    #: Whether the model reads cached features from ``mm_encoder_outputs["image"].pooler_output`` as a tuple of
+    #: tensors it concatenates (Gemma 4, Mistral 3) rather than as one tensor (Gemma 3, InternVL):
+    #: :meth:`put_cached_image_features`.
+    pooled_features_as_tuple: ClassVar[bool] = False
+
+    def put_cached_image_features(self, prompts: Sequence[PromptInputs], inputs: dict[str, Any]) -> bool:
+        """For families that take the frozen tower's features through ``mm_encoder_outputs`` (Gemma 3 and 4,
+        InternVL, Mistral 3): when the prompts carry cached ``image_embeds``, put their concatenation,
+        ``[Σ image tokens, hidden]`` in the prompts' order (the order in which the model scatters features into image
+        tokens), into ``inputs`` and return True; return False when they carry pixels.
+
+        Raises:
+            ValueError: a batch that mixes prompts with cached features and prompts with pixels.
+        """
+        cached = [p for p in prompts if "image_embeds" in p]
+        if cached and len(cached) != len(prompts):
+            raise ValueError(f"{self.name}: a batch mixes prompts with cached image features and prompts with pixels; "
+                             "encode every prompt of a pass the same way")
+        if not cached:
+            return False
+        device = inputs["input_ids"].device
+        embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
+        if embeds:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            pooled = torch.cat(embeds)  # [Σ image tokens, hidden]
+            inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
+                pooler_output=(pooled,) if self.pooled_features_as_tuple else pooled)}
+        return True
+
+    def patch_geometry(self) -> tuple[int, int]:
+        """The vision tower's patch side and the merger's side in patches, read once the processor is loaded: the
+        image processor's ``patch_size`` and ``merge_size`` (Qwen's; 14 and 2 where it has none)."""
+        image_processor = self.processor.image_processor
+        return int(getattr(image_processor, "patch_size", 14)), int(getattr(image_processor, "merge_size", 2))
 
     @property
     def uses_video_seconds(self) -> bool:

@@ -254,17 +254,7 @@ class Gemma3Adapter(VLMAdapter):
         inputs, width = super().collate(prompts, completions, device)
         inputs["token_type_ids"] = inputs.pop("mm_token_type_ids")  # [n, P + C]
         device = inputs["input_ids"].device
-        cached = [p for p in prompts if "image_embeds" in p]
-        if cached and len(cached) != len(prompts):
-            raise ValueError("gemma3: a batch mixes prompts with cached image features and prompts with pixels; "
-                             "encode every prompt of a pass the same way")
-        if cached:
-            embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
-            if embeds:
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-                # Gemma3Model reads pooler_output as one tensor (.to(device, dtype), then masked_scatter)
-                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(embeds))}
+        if self.put_cached_image_features(prompts, inputs):
             return inputs, width
         holding = [p["pixel_values"].to(device) for p in prompts if p["pixel_values"].shape[0]]
         if holding:

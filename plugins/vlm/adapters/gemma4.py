@@ -93,6 +93,7 @@ class Gemma4Adapter(VLMAdapter):
     docstring)."""
 
     name = "gemma4"
+    pooled_features_as_tuple = True  # the model concatenates pooler_output (torch.cat)
     model_types = ("gemma4",)
     model_class = "Gemma4ForConditionalGeneration"
     box_convention = "absolute"
@@ -251,17 +252,7 @@ class Gemma4Adapter(VLMAdapter):
         hidden],)`` (the model concatenates its entries and scatters them into the image tokens)."""
         inputs, width = super().collate(prompts, completions, device)
         device = inputs["input_ids"].device
-        cached = [p for p in prompts if "image_embeds" in p]
-        if cached and len(cached) != len(prompts):
-            raise ValueError("gemma4: a batch mixes prompts with cached image features and prompts with pixels; "
-                             "encode every prompt of a pass the same way")
-        if cached:
-            embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
-            if embeds:
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-                pooled = torch.cat(embeds)  # [Σ image tokens, hidden]
-                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(pooled,))}
+        if self.put_cached_image_features(prompts, inputs):
             return inputs, width
         holding = [p for p in prompts if p["pixel_values"].shape[0]]
         if holding:

@@ -255,17 +255,7 @@ class InternVLAdapter(VLMAdapter):
         tokens as it scatters its own ``[tiles, image_seq_length, hidden]``)."""
         inputs, width = super().collate(prompts, completions, device)
         device = inputs["input_ids"].device
-        cached = [p for p in prompts if "image_embeds" in p]
-        if cached and len(cached) != len(prompts):
-            raise ValueError("internvl: a batch mixes prompts with cached image features and prompts with pixels; "
-                             "encode every prompt of a pass the same way")
-        if cached:
-            embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
-            if embeds:
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-                pooled = torch.cat(embeds)  # [Σ image tokens, hidden]
-                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=pooled)}
+        if self.put_cached_image_features(prompts, inputs):
             return inputs, width
         tiles = [p["pixel_values"].to(device) for p in prompts if p["pixel_values"].numel()]
         if tiles:

@@ -70,7 +70,6 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.plugins.vlm.adapters.base import (
-    VIDEO_SEQ_LEN_TOKENS,
     PromptInputs,
     VLMAdapter,
     _base_model,
@@ -84,6 +83,7 @@ class Mistral3Adapter(VLMAdapter):
     docstring)."""
 
     name = "mistral3"
+    pooled_features_as_tuple = True  # the model concatenates pooler_output (torch.cat)
     #: Its shared prompt pass rounds unlike the plain one under bf16 + sdpa (measured; base class docs): no pass
     #: shares when the checkpointed training pass cannot.
     shared_prompts_round_alike = False
@@ -104,32 +104,18 @@ class Mistral3Adapter(VLMAdapter):
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
                  video_max_pixels: int | None = None, video_total_pixels: float | None = None):
-        # The base class's set-up, except that it reads the patch from the image processor, whose ``patch_size`` is a
-        # {height, width} dict here and which Pixtral's processor replaces by patch x merge at every call: the patch
-        # and merge are the processor's (``PixtralProcessor.patch_size`` / ``spatial_merge_size``). Videos are refused
-        # (``supports_videos``), so the video bounds are only validated and kept, as the base class does.
-        if min_pixels > max_pixels:
-            raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
-        self.model_path = str(model)
-        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
-        self.video_min_pixels = int(video_min_pixels if video_min_pixels is not None else min_pixels)
-        self.video_max_pixels = int(video_max_pixels if video_max_pixels is not None else max_pixels)
-        if self.video_min_pixels > self.video_max_pixels:
-            raise ValueError(f"video_min_pixels ({self.video_min_pixels}) must not exceed video_max_pixels "
-                             f"({self.video_max_pixels})")
-        if video_total_pixels is not None and not video_total_pixels > 0:
-            raise ValueError(f"video_total_pixels must be positive, got {video_total_pixels}")
-        self.processor = self.load_processor()
-        self.tokenizer = self.processor.tokenizer
-        self.patch_size = int(self.processor.patch_size)
-        self.merge_size = int(self.processor.spatial_merge_size)
-        self.video_total_pixels = float(video_total_pixels if video_total_pixels is not None
-                                        else VIDEO_SEQ_LEN_TOKENS * self.image_factor ** 2 * 0.9)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        # Videos are refused (``supports_videos``), so the base class only validates and keeps the video bounds.
+        super().__init__(model, min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
+                         video_max_pixels=video_max_pixels, video_total_pixels=video_total_pixels)
         self.image_token_id = int(self.processor.image_token_id)
         self.break_token_id = int(self.processor.image_break_token_id)
         self.end_token_id = int(self.processor.image_end_token_id)
+
+    def patch_geometry(self) -> tuple[int, int]:
+        """Pixtral's image processor holds ``patch_size`` as a {height, width} dict, which its processor replaces by
+        patch × merge at every call: the patch and merge are the processor's (``PixtralProcessor.patch_size`` /
+        ``spatial_merge_size``)."""
+        return int(self.processor.patch_size), int(self.processor.spatial_merge_size)
 
     # ------------------------------------------------------------------ loading, sizes and images
     def load_processor(self) -> Any:
@@ -314,17 +300,7 @@ class Mistral3Adapter(VLMAdapter):
         """
         inputs, width = super().collate(prompts, completions, device)
         device = inputs["input_ids"].device
-        cached = [p for p in prompts if "image_embeds" in p]
-        if cached and len(cached) != len(prompts):
-            raise ValueError("mistral3: a batch mixes prompts with cached image features and prompts with pixels; "
-                             "encode every prompt of a pass the same way")
-        if cached:
-            embeds = [p["image_embeds"].to(device) for p in cached if p["image_embeds"].numel()]
-            if embeds:
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-                # Mistral3Model concatenates pooler_output (torch.cat), then masked_scatter into the [IMG] tokens
-                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(torch.cat(embeds),))}
+        if self.put_cached_image_features(prompts, inputs):
             return inputs, width
         holding = [p for p in prompts if p["pixel_values"].shape[0]]
         if holding:
