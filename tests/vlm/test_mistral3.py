@@ -22,7 +22,7 @@ import torch
 from mmrl.plugin import PromptBatch
 from mmrl.plugins.vlm.plugin import row_images
 from mmrl.trainer.learn import old_policy_pass
-from tests.vlm.conftest import make_plugin, plugin_options
+from tests.vlm.conftest import assert_two_lora_grpo_steps_and_a_peft_export, make_plugin
 from tests.vlm.test_decode import assert_decode_scores_are_teacher_forced, fill_lora_b
 
 GROUPS = [0, 1, 2, 0, 1, 2]  # interleaved groups, as the spread layout deals them
@@ -244,60 +244,14 @@ def test_the_feature_cache_holds_the_projectors_output_and_freezing_covers_it(mi
 
 
 def test_two_grpo_steps_with_lora_and_the_export_loads_with_peft(tmp_path):
-    """``tiny_model: mistral3`` builds the checkpoint; 3 prompts x G=2 through the trainer with two inner epochs: ratio
-    1 on the first inner step (the core's old-policy pass against the training forward), KL > 0 at step 2, only LoRA
-    weights of the language model move; the exported adapter loads with ``PeftModel.from_pretrained`` and reproduces
-    the trained policy's log-probs, which the untrained base does not."""
-    from peft import PeftModel
+    """Two GRPO steps of ``tiny_model: mistral3`` with LoRA, ratio 1, only the language model's adapters trained, and
+    the peft export (``assert_two_lora_grpo_steps_and_a_peft_export``); boxes in pixels of the resized image."""
+    def check_rows(plugin):
+        assert plugin.reward_context()["box_convention"] == "qwen2_5_vl"
+        for row in plugin.dataset("train"):  # the boxes' frame: the processor's size of the row's image
+            assert row["resized_size"] == list(plugin.adapter.resized_size(row["image_size"]))
 
-    from mmrl.config import load_config
-    from mmrl.plugins.vlm.plugin import replay_prompts
-    from mmrl.policy import export_run
-    from mmrl.trainer import Trainer
-    from tests.vlm.conftest import prompt_batch
-    from tests.vlm.test_export import distinct_characters  # noqa: F401 — registers the test reward
-
-    options = plugin_options(tmp_path / "tiny-mistral3", tiny_model="mistral3", max_new_tokens=6)
-    config = load_config({
-        "plugin": {"name": "vlm", **options},
-        "run": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "seed": 0, "progress": False, "cpu": True},
-        "rollout": {"prompts_per_step": 3, "group_size": 2, "batch_size": 4},
-        # two inner epochs: the core's old-policy pass (eval mode, no grad, pieces of 4) and the first inner step's
-        # training forward (train mode, shuffled micro-batches of 4) are compared, not one pass with itself
-        "algorithm": {"micro_batch_size": 4, "kl_coef": 0.04, "minibatches": 1, "inner_epochs": 2},
-        "optim": {"lr": 5.0e-2},
-        "rewards": {"functions": [{"name": "format"}, {"name": "iou"}, {"name": "test_export_distinct"}]},
-        "eval": {"at_start": False, "num_prompts": 1, "save_samples": False},
-    })
-    trainer = Trainer(config)
-    plugin = trainer.plugin
-    assert plugin.adapter.name == "mistral3" and plugin.reward_context()["box_convention"] == "qwen2_5_vl"
-    for row in plugin.dataset("train"):  # the boxes' frame: the processor's size of the row's image
-        assert row["resized_size"] == list(plugin.adapter.resized_size(row["image_size"]))
-    before = {name: p.detach().clone() for name, p in plugin.model.named_parameters()}
-    result = trainer.train()
-    assert [record["step"] for record in result.history] == [1, 2]
-    for record in result.history:
-        assert record["loss/first_step_ratio_deviation"] < 1e-5, record["loss/first_step_ratio_deviation"]
-    assert result.history[1]["policy/kl"] > 0  # the adapter moved away from the reference
-    changed = {name for name, p in plugin.model.named_parameters() if not torch.equal(before[name], p)}
-    assert changed and all("lora_" in name and "language_model" in name for name in changed)
-
-    rollout = plugin.rollout(plugin.policy(), prompt_batch(plugin.dataset("train")[:2], 2, seed=5))
-
-    def logp(model):
-        with torch.no_grad():
-            values, _ = plugin.token_logp(model, replay_prompts(rollout.replay), rollout.replay["completion_ids"],
-                                          rollout.num_actions, with_entropy=False)
-        return values.masked_fill(rollout.mask == 0, 0.0)  # [N, A]
-
-    ours = logp(plugin.model)
-    out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="step-00000002")
-    exported = PeftModel.from_pretrained(plugin.adapter.load_model(dtype=torch.float32, attn_implementation="eager"),
-                                         str(out))
-    torch.testing.assert_close(logp(exported), ours, rtol=0, atol=1e-5)
-    base = plugin.adapter.load_model(dtype=torch.float32, attn_implementation="eager")
-    assert float((logp(base) - ours).abs().max()) > 1e-3
+    assert_two_lora_grpo_steps_and_a_peft_export(tmp_path, "mistral3", check_rows)
 
 
 def test_refusals_tokens_and_family(mistral3_model):
