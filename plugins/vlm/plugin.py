@@ -489,9 +489,9 @@ class VLMPlugin(Plugin):
         """Whether :meth:`token_logp` may split its pass (``share_prompt_forward``): not through a DDP/FSDP wrapper
         (two calls per backward), nor under gradient checkpointing with gradients on (transformers drops the cache),
         nor with gradients on for a family whose cache updates states in place (Qwen3.5's linear attention,
-        :attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.cache_keeps_gradients`), nor in any pass, when the training
-        pass cannot share, for a family whose shared pass rounds differently
-        (:attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.shared_prompts_round_alike`)."""
+        :attr:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.cache_keeps_gradients`), and then, in bf16 or fp16, in no
+        pass at all (with gradient checkpointing configured, or such a family), so that the no-grad passes compute
+        as the training pass does."""
         # The flag as getattr reads a plain attribute (the instance's __dict__, then its class: transformers'
         # GradientCheckpointingLayer declares False there, gradient_checkpointing_enable sets the instance's), without
         # nn.Module.__getattr__'s raise for every module that lacks it (0.26 against ~0.1 ms per call, 200 modules)
@@ -500,12 +500,16 @@ class VLMPlugin(Plugin):
             for module in model.modules())
         checkpointing = configured and model.training and torch.is_grad_enabled()
         in_place = torch.is_grad_enabled() and not self.adapter.cache_keeps_gradients
-        # A family whose shared pass rounds differently from the plain one shares in no pass when the training pass
-        # cannot (VLMAdapter.shared_prompts_round_alike), so that the old-policy and reference passes match it.
+        # In low precision, when the training pass cannot share, no pass does: there the shared pass rounds differently
+        # from the plain one (bf16 + sdpa + checkpointing: first-step ratio off by 3e-4 to 3e-3 for Qwen3-VL, Qwen3.5,
+        # Gemma 3 and Mistral 3 from pixels, the old-policy and reference passes shared and the training pass plain),
+        # so every pass of a step takes one path and the ratio is 1 on-policy; in float32 the two agree to ~1e-7.
         training_cannot = configured or not self.adapter.cache_keeps_gradients
-        unlike = training_cannot and not self.adapter.shared_prompts_round_alike
+        low_precision = self.runtime.dtype != torch.float32 or any(
+            parameter.dtype in (torch.bfloat16, torch.float16) for parameter in model.parameters())
         return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
-                and self.runtime.unwrap(model) is model and not checkpointing and not in_place and not unlike)
+                and self.runtime.unwrap(model) is model and not checkpointing and not in_place
+                and not (training_cannot and low_precision))
 
     def reference_module(self) -> nn.Module | None:
         """Full fine-tuning's reference, the initial checkpoint loaded again (None with LoRA)."""

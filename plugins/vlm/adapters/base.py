@@ -102,13 +102,6 @@ class VLMAdapter:
     #: continuation updates cached states in place (Qwen3.5's Gated DeltaNet conv and recurrent states), which
     #: autograd refuses: the training pass then runs the plain per-sample pass (its no-grad passes still share).
     cache_keeps_gradients: ClassVar[bool] = True
-    #: Whether the shared prompt forward rounds like the plain per-sample pass in low precision. Where the training
-    #: pass cannot share (gradient checkpointing, :attr:`cache_keeps_gradients` false) but the no-grad old-policy and
-    #: reference passes can, the two orders must agree for the ratio to be 1 on-policy. False (Gemma 3: its
-    #: bidirectional image-token mask; Mistral 3: the Pixtral tower run on another set of images per call) makes every
-    #: pass take the plain one whenever the training pass must: measured under bf16, sdpa and checkpointing, the
-    #: first-step ratio then deviates by 0 instead of 3e-3 (Gemma 3) and 1e-3 (Mistral 3 from pixels).
-    shared_prompts_round_alike: ClassVar[bool] = True
     #: Whether one forward may hold images and videos (several prompts, or one prompt with both); the plugin refuses
     #: a dataset split that mixes image and video rows for a family that cannot (GLM-4.1V/4.5V).
     batches_images_with_videos: ClassVar[bool] = True

@@ -98,9 +98,6 @@ class Gemma3Adapter(VLMAdapter):
     docstring)."""
 
     name = "gemma3"
-    #: Its shared prompt pass rounds unlike the plain one under bf16 + sdpa (measured; base class docs): no pass
-    #: shares when the checkpointed training pass cannot.
-    shared_prompts_round_alike = False
     model_types = ("gemma3",)
     model_class = "Gemma3ForConditionalGeneration"
     box_convention = "qwen2_5_vl"  # pixels of the 896 × 896 input square (module docstring)

@@ -84,9 +84,6 @@ class Mistral3Adapter(VLMAdapter):
 
     name = "mistral3"
     pooled_features_as_tuple = True  # the model concatenates pooler_output (torch.cat)
-    #: Its shared prompt pass rounds unlike the plain one under bf16 + sdpa (measured; base class docs): no pass
-    #: shares when the checkpointed training pass cannot.
-    shared_prompts_round_alike = False
     model_types = ("mistral3",)
     model_class = "Mistral3ForConditionalGeneration"
     box_convention = "qwen2_5_vl"  # pixels of the resized model input (module docstring)
