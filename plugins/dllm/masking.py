@@ -719,7 +719,7 @@ def trace_plan(
         raise ValueError(f"step_map has no decoding step (got {int(step_map[b, i])}) at real completion position {i} "
                          f"of sample {b}; the trace estimator needs the step of every real token")
     b, length = completion_ids.shape
-    top = int(group.max()) + 1 if length else 1  # groups 0..top-1
+    top = int(group.max()) + 1 if group.numel() else 1  # groups 0..top-1 (an empty batch: one empty row)
     present = torch.zeros(b, top + 1, dtype=torch.bool, device=group.device)
     present.scatter_(1, torch.where(real, group, top), True)  # [B, top+1]: groups holding a real token
     present = present[:, :top]

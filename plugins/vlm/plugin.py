@@ -504,12 +504,13 @@ class VLMPlugin(Plugin):
         # from the plain one (bf16 + sdpa + checkpointing: first-step ratio off by 3e-4 to 3e-3 for Qwen3-VL, Qwen3.5,
         # Gemma 3 and Mistral 3 from pixels, the old-policy and reference passes shared and the training pass plain),
         # so every pass of a step takes one path and the ratio is 1 on-policy; in float32 the two agree to ~1e-7.
-        training_cannot = configured or not self.adapter.cache_keeps_gradients
-        low_precision = self.runtime.dtype != torch.float32 or any(
-            parameter.dtype in (torch.bfloat16, torch.float16) for parameter in model.parameters())
-        return (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
-                and self.runtime.unwrap(model) is model and not checkpointing and not in_place
-                and not (training_cannot and low_precision))
+        if not (self.config.share_prompt_forward and self.adapter.supports_shared_prefill
+                and self.runtime.unwrap(model) is model and not checkpointing and not in_place):
+            return False
+        if not configured and self.adapter.cache_keeps_gradients:  # the training pass shares too
+            return True
+        return self.runtime.dtype == torch.float32 and all(  # the parameter scan only where it decides
+            parameter.dtype not in (torch.bfloat16, torch.float16) for parameter in model.parameters())
 
     def reference_module(self) -> nn.Module | None:
         """Full fine-tuning's reference, the initial checkpoint loaded again (None with LoRA)."""

@@ -342,3 +342,12 @@ def test_tracerl_recipe_uses_tracerls_numbers():
     assert algorithm.advantage.name == "grpo" and algorithm.aggregation == "token_mean"
     assert (algorithm.inner_epochs, algorithm.minibatches) == (1, 8)
     assert (optim.lr, optim.betas, optim.weight_decay, optim.max_grad_norm) == (1e-6, [0.9, 0.999], 0.0, 1.0)
+
+
+def test_an_empty_batch_gives_an_empty_plan():
+    """No completions (an empty micro-batch): one empty row, nothing scored, as the drawn plans give."""
+    from mmrl.plugins.dllm.masking import trace_plan
+
+    plan = trace_plan(torch.ones(0, 3, dtype=torch.long), torch.ones(0, 4, dtype=torch.long), torch.ones(0, 4),
+                      step_map=torch.zeros(0, 4, dtype=torch.long), shrink=8)
+    assert tuple(plan.weights.shape) == (1, 0, 4) and tuple(plan.completion_masked.shape) == (1, 0, 4)

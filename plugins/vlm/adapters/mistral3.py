@@ -99,11 +99,9 @@ class Mistral3Adapter(VLMAdapter):
     video_refusal = "Pixtral's processor takes images only"
     mrope = False
 
-    def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
-                 video_max_pixels: int | None = None, video_total_pixels: float | None = None):
-        # Videos are refused (``supports_videos``), so the base class only validates and keeps the video bounds.
-        super().__init__(model, min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
-                         video_max_pixels=video_max_pixels, video_total_pixels=video_total_pixels)
+    def __init__(self, model: str, **bounds: Any):
+        # The base class's pixel bounds (videos are refused: the video bounds are only validated and kept)
+        super().__init__(model, **bounds)
         self.image_token_id = int(self.processor.image_token_id)
         self.break_token_id = int(self.processor.image_break_token_id)
         self.end_token_id = int(self.processor.image_end_token_id)
