@@ -1,5 +1,5 @@
-"""The VLM plugin: GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V,
-InternVL) through transformers.
+"""The VLM plugin: GRPO for vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V/4.5V/4.6V,
+InternVL, Gemma 3/4, Mistral 3) through transformers.
 
 How it maps onto the rollout contract (docs/vlm.md has the long version):
 
@@ -55,6 +55,16 @@ R1_TEMPLATE = ("{question} Output the thinking process in <think> </think> and f
 REPLAY_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_position_ids", "image_embeds",
                       "image_deepstack", "image_grid_thw", "pixel_values_videos", "video_embeds", "video_deepstack",
                       "video_grid_thw", "second_per_grid_ts")
+"""The per-prompt inputs a rollout's replay keeps (those a prompt carries). Mistral 3's ``image_sizes`` is not one:
+its forward needs each image's size with ``pixel_values``, and :meth:`~mmrl.plugins.vlm.adapters.mistral3.
+Mistral3Adapter.collate` reads it back from the replayed ``input_ids``, exactly: Pixtral's processor writes an image
+of ``h × w`` tokens as ``h`` rows of ``w`` ``[IMG]`` ended by ``[IMG_BREAK]`` / ``[IMG_END]`` and its ``image_sizes``
+are ``(h, w) × patch × merge`` (its resize rounds both sides up to whole cells), which ``encode`` checks for every
+prompt. The ids travel with each sample through every path that recomputes log-probs (the core's old-policy pass,
+micro-batch ``select``, ``concat`` of rollout chunks, ``to(device)``; rollouts are not written to disk, so resuming
+replays none), the image tokens are suppressed in completions (and read from the prompt ids only), so the sizes of
+any subset of samples are those of its own prompts whatever the batch's other image sizes
+(tests/vlm/test_mistral3.py::test_replayed_image_sizes_are_exact_for_any_micro_batch)."""
 
 
 VLMLoraConfig = lora_config_class(
@@ -126,13 +136,13 @@ class VLMPluginConfig:
     data: VLMDataConfig = config_field(help="Prompt rows: {train: file.jsonl, eval: ...} or {synthetic: {...}}.")
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
-        "glm4v_moe, internvl (InternVL3/3.5, dense or MoE), gemma4, gemma3, mistral3 (Mistral Small 3.1/3.2, Ministral "
-        "3, Magistral Small 1.2) (when transformers has them) or another registered one; 'auto' reads model_type from "
-        "the checkpoint's config.json.",
+        "glm4v_moe, glm46v (GLM-4.6V and GLM-4.6V-Flash), internvl (InternVL3/3.5, dense or MoE), gemma4, gemma3, "
+        "mistral3 (Mistral Small 3.1/3.2, Ministral 3, Magistral Small 1.2) (when transformers has them) or another "
+        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
                         "glm4v_moe", "internvl", "internvl_moe", "gemma4", "gemma4_moe",
-                        "gemma3", "mistral3"] | None = config_field(
+                        "gemma3", "mistral3", "glm46v", "glm46v_moe", "smolvlm", "idefics3"] | None = config_field(
         None, help="Offline runs: when the model folder does not exist, build a tiny random checkpoint of this family "
         "there first (mmrl.plugins.vlm.testing). Null: the model must exist.",
     )
@@ -244,11 +254,11 @@ class VLMPluginConfig:
         ref="Video-R1 (arXiv:2503.21776) T-GRPO; tulerfeng/Video-R1@59d65c3 vllm_grpo_trainer_modified.py:500-520",
     )
     router_aux_loss_coef: float = config_field(
-        0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe, glm4v_moe, InternVL3.5 MoE, "
-        "Gemma 4 26B-A4B): weight of the routers' load-balancing loss (transformers' load_balancing_loss_func, or "
-        "the same Switch loss from Gemma 4's router probabilities, over the training pass's real tokens) added to "
-        "the loss, its mean over an optimizer step's forwards; 0 disables. Ignored for dense models. The training "
-        "pass then runs per sample (no shared prompt: the loss is over whole sequences).",
+        0.001, minimum=0.0, help="Mixture-of-experts models (qwen3_vl_moe, qwen3_5_moe, glm4v_moe, GLM-4.6V, "
+        "InternVL3.5 MoE, Gemma 4 26B-A4B): weight of the routers' load-balancing loss (transformers' "
+        "load_balancing_loss_func, or the same Switch loss from Gemma 4's router probabilities, over the training "
+        "pass's real tokens) added to the loss, its mean over an optimizer step's forwards; 0 disables. Ignored for "
+        "dense models. The training pass then runs per sample (no shared prompt: the loss is over whole sequences).",
         ref="TRL GRPOConfig.router_aux_loss_coef = 0.001 (grpo_trainer.py:1506-1509, 3218-3221 at f2cd577); "
         "Switch Transformer eqs. 4-6",
     )
@@ -306,6 +316,7 @@ class VLMPlugin(Plugin):
             video_min_pixels=config.video_min_pixels, video_max_pixels=config.video_max_pixels,
             video_total_pixels=config.video_total_pixels,
         )
+        check_pixel_bounds(self.adapter, config)
         self.weight_dtype = self._weight_dtype()
         model = self.adapter.load_model(dtype=self.weight_dtype, attn_implementation=config.attn_implementation)
         model.to(runtime.device)
@@ -551,7 +562,7 @@ class VLMPlugin(Plugin):
                  for row, group, clips in zip(unique, images, videos, strict=True)]
         encoded = self.adapter.encode(texts, images, videos, rates, video_entries=self.video_rows)
         for row, prompt in zip(unique, encoded, strict=True):
-            _check_resized_size(row, prompt, self.adapter.patch_size)
+            _check_resized_size(row, prompt, self.adapter)
         if model is not None:
             with self.runtime.autocast():
                 encoded = self.adapter.image_features(model, encoded)
@@ -823,14 +834,51 @@ def row_video_fps(row: dict[str, Any], num_videos: int, default: float) -> list[
     return [float(r) for r in rates]
 
 
-def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], patch_size: int) -> None:
-    """The rows' ``resized_size`` (computed with smart_resize for the qwen2_5_vl box convention) must be what the
-    processor produced; otherwise box rewards would rescale with the wrong frame."""
+def check_pixel_bounds(adapter: Any, config: VLMPluginConfig) -> None:
+    """Refuse, in one line, a ``plugin.min_pixels`` / ``max_pixels`` that the adapter's family cannot honour (its
+    ``unused_pixel_bounds``: Gemma 3 resizes every image to its tower's square, Mistral 3 never enlarges one) when it
+    differs from the config's default: mmrl has no silent fallbacks, and a bound the processor ignores would leave
+    the run's images other than the option says.
+
+    "Default" is the value :class:`VLMPluginConfig` declares (3,136 and 401,408): the config cannot tell an option
+    left out from one written at its default, so both pass, and the recipes of these families, which leave the
+    bounds out, load as they are.
+
+    Raises:
+        ConfigError: a non-default bound the family does not use, naming the option, the family and the fix.
+    """
+    import dataclasses
+
+    defaults = {field.name: field.default for field in dataclasses.fields(VLMPluginConfig)}
+    for option in getattr(adapter, "unused_pixel_bounds", ()):
+        value = getattr(config, option)
+        if value != defaults[option]:
+            raise ConfigError(f"plugin.{option}", value,
+                              f"{defaults[option]} (the default) for family {adapter.name!r}: "
+                              f"{adapter.pixel_bounds_refusal()}; plugin.{option} is not used by this family, "
+                              "remove it")
+
+
+def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], adapter: Any) -> None:
+    """The row's ``resized_size`` (the adapter's :meth:`resized_size` of its first image at this run's bounds) must
+    be what the processor produced; otherwise box rewards in pixels of the resized input would rescale with the wrong
+    frame. The processor's size of the first image is read from ``image_grid_thw`` (the Qwen-VL and GLM families) or,
+    for a family whose prompts state their images' sizes in their ids (Mistral 3: rows of ``[IMG]`` tokens,
+    ``image_sizes``), from the ids; InternVL's tiles have neither (its boxes do not read the size), nor have Gemma's
+    fixed squares."""
     expected = row.get("resized_size")
-    grid = prompt.get("image_grid_thw")  # none for InternVL: its tiles have no grid (its boxes do not read the size)
-    if expected is None or grid is None or grid.numel() == 0:
+    if expected is None:
         return
-    actual = [int(grid[0, 2]) * patch_size, int(grid[0, 1]) * patch_size]
+    grid = prompt.get("image_grid_thw")
+    if grid is not None and grid.numel():
+        actual = [int(grid[0, 2]) * adapter.patch_size, int(grid[0, 1]) * adapter.patch_size]
+    elif grid is None and callable(getattr(adapter, "image_sizes", None)):
+        sizes = adapter.image_sizes(prompt["input_ids"])  # [images, 2] (height, width), the processor's (encode)
+        if not sizes.shape[0]:
+            return
+        actual = [int(sizes[0, 1]), int(sizes[0, 0])]
+    else:
+        return
     if [int(v) for v in expected] != actual:
         raise RuntimeError(f"row resized_size {list(expected)} differs from the processor's {actual} (width, height); "
                            "the row was prepared for other min_pixels/max_pixels")

@@ -13,7 +13,8 @@ Sizes (about 105k parameters): text hidden 32, intermediate 64, 2 layers, 4 head
 patches for Qwen3-VL and Qwen3.5), merger output = text hidden size; Qwen3.5 alternates Gated DeltaNet and
 full-attention layers. A 100×80 image becomes a 6×8 patch grid, 12 image tokens. The GLM builds use a tokenizer with
 GLM-4.1V's special tokens and chat layout (:data:`GLM_CHAT_TEMPLATE`) and half as many, twice as wide heads (GLM rotates
-half of each head). The InternVL build has InternVL3-hf's tokens and chat layout (:data:`INTERNVL_CHAT_TEMPLATE`), a
+half of each head); the GLM-4.6V builds (:data:`GLM46V_FAMILIES`) put the same text models and tower under
+``Glm46VConfig``. The InternVL build has InternVL3-hf's tokens and chat layout (:data:`INTERNVL_CHAT_TEMPLATE`), a
 ViT on 56-pixel tiles (4 image tokens per tile; an image becomes 1 to ``max_pixels / 56²`` tiles, plus a thumbnail
 when more than one) and a Qwen2 language model of the same text size; ``internvl_moe`` has InternVL3.5-30B-A3B's
 Qwen3-MoE language model instead (4 experts, 2 per token, in every layer). The Gemma 4 build has Gemma 4's tokens
@@ -28,6 +29,11 @@ The Mistral 3 build has the Mistral tokens and chat layout (:data:`MISTRAL3_CHAT
 :data:`MISTRAL3_PATCH`-pixel patches merged 2 × 2 (images of up to :data:`MISTRAL3_LONGEST_EDGE` pixels a side, aspect
 kept) and a 2-layer Ministral 3 language model with YaRN and its position-dependent query scaling
 (:func:`_mistral3_config`).
+The SmolVLM build (``smolvlm``; ``idefics3`` is the same model as transformers' Idefics3, the SmolVLM-Instruct v1
+checkpoints) has SmolVLM's tokens and chat layout (:data:`SMOLVLM_CHAT_TEMPLATE`), images scaled to a longest edge of
+:data:`SMOLVLM_LONGEST_EDGE` pixels and cut into :data:`SMOLVLM_TILE`-pixel tiles plus a global view, a SigLIP tower
+on 7-pixel patches whose 4 × 4 patches pixel shuffle turns into :data:`SMOLVLM_TOKENS` tokens per tile, and a
+2-layer Llama (SmolLM2) language model (:func:`_smolvlm_config`).
 ``size="small"`` (about 5M parameters: text hidden 256, 4 layers; vision width 128, depth 4) is for benchmarks.
 """
 
@@ -42,12 +48,20 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-            "internvl", "internvl_moe", "gemma4", "gemma4_moe", "gemma3", "mistral3")
+            "internvl", "internvl_moe", "gemma4", "gemma4_moe", "gemma3", "mistral3", "smolvlm", "idefics3",
+            "glm46v", "glm46v_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe")
+GLM46V_FAMILIES = ("glm46v", "glm46v_moe")
+"""The GLM-4.6V builds (both ``model_type: glm46v``, loaded by ``family: glm46v``): ``glm46v`` has GLM-4.6V-Flash's
+dense language model (``glm4v_text``), ``glm46v_moe`` GLM-4.6V's mixture of experts (``glm4v_moe_text``); GLM-4.1V's
+tokenizer, chat layout and tower sizes (:func:`_glm46v_config`)."""
 GEMMA4_FAMILIES = ("gemma4", "gemma4_moe")
 """The Gemma 4 builds: ``gemma4_moe`` is the same model with 26B-A4B's routed experts (both ``model_type: gemma4``,
 loaded by ``family: gemma4``)."""
 INTERNVL_FAMILIES = ("internvl", "internvl_moe")
+SMOLVLM_FAMILIES = ("smolvlm", "idefics3")
+"""The SmolVLM builds: ``smolvlm`` (SmolVLM2, ``SmolVLMForConditionalGeneration``) and ``idefics3`` (SmolVLM-Instruct
+v1, ``Idefics3ForConditionalGeneration``, Idefics3's processor), the same tokens, sizes and chat layout."""
 """The InternVL builds: ``internvl_moe`` has InternVL3.5's Qwen3-MoE language model (both ``model_type: internvl``,
 loaded by ``family: internvl``)."""
 
@@ -222,6 +236,47 @@ by ``[IMG_END]``), an assistant turn its text and ``</s>``. There is no generati
 right after ``[/INST]``. The released template writes a long default system prompt with the day's date
 (``strftime_now``) when the chat has none, and refuses other part types; this one writes none."""
 
+SMOLVLM_ROW_COL_TOKENS = tuple(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))
+"""The tile position tokens ``<row_r_col_c>`` of SmolVLM's vocabulary (6 × 6 of them; transformers' Idefics3Processor
+looks up ``<row_{1..6}_col_{1..6}>``, ``processing_idefics3.py:60-62``)."""
+
+SMOLVLM_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>",
+                          "<fake_token_around_image>", "<image>", "<global-img>", "<video>") + SMOLVLM_ROW_COL_TOKENS
+"""The SmolVLM tokenizer's special tokens that the chat and the image input use: UNK ``<|endoftext|>``, BOS
+``<|im_start|>``, PAD ``<|im_end|>``, EOS ``<end_of_utterance>`` (the roles of the released SmolVLM2
+tokenizer_config.json as far as checked here), the image delimiter, placeholder and global-view tokens, the video
+placeholder and the tile position tokens."""
+
+SMOLVLM_TOKENIZER_ROLES = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                           "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+"""The tokenizer attributes ``SmolVLMProcessor`` reads (``tokenizer.image_token``, ``fake_image_token``, ...;
+transformers 5.25 ``models/smolvlm/processing_smolvlm.py:118-124``)."""
+
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<video>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+"""SmolVLM's chat layout (transformers 5.25 ``processing_smolvlm.py:45`` ``DEFAULT_CHAT_TEMPLATE``, the released
+SmolVLM2 template with its video part): ``<|im_start|>`` once, then ``Role: text<end_of_utterance>\n`` per turn, the
+role capitalised (``User``, ``System``, ``Assistant``), no space after the colon when the turn opens with an image; the
+generation prompt is ``Assistant:``. Each image is ``<image>``, which the processor expands to the image's tiles and
+global view."""
+
+SMOLVLM_TILE, SMOLVLM_LONGEST_EDGE, SMOLVLM_PATCH, SMOLVLM_SCALE = 28, 112, 7, 2
+"""Tile side (``max_image_size``, the tower's ``image_size``), the image processor's ``longest_edge`` (4 tiles, as
+released: SmolVLM2-2.2B 384 and 1536), the tower's patch side and the connector's pixel-shuffle factor of the tiny
+SmolVLM builds (released 2.2B: 14 and 3; 256M/500M: 512-pixel tiles, 16 and 4). At the tests' pixel bounds (4·28² to
+16·28²) the longest edge stays 112 = √(16·28²) and the smallest canvas, 112 × 28, is exactly ``min_pixels``."""
+SMOLVLM_TOKENS = (SMOLVLM_TILE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE ** 2
+"""Image tokens per tile or global view (``image_seq_len``): 4 × 4 patches shuffled 2 × 2 into 4 (released 2.2B: 81,
+256M/500M: 64)."""
+
 MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST_EDGE = 8, 2, 128
 """Patch side, spatial merge and the image processor's ``longest_edge`` of the tiny Mistral 3 build (the released
 checkpoints: 14, 2 and 1540): an image token covers 16 × 16 pixels."""
@@ -325,6 +380,18 @@ def build_mistral3_tokenizer(vocab_size: int = 384) -> Any:
                                    eos_token="</s>", pad_token="[PAD]", unk_token="<unk>", add_bos_token=True)
 
 
+def build_smolvlm_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with SmolVLM's special tokens (:data:`SMOLVLM_SPECIAL_TOKENS`, BOS ``<|im_start|>``,
+    EOS ``<end_of_utterance>``, PAD ``<|im_end|>``, UNK ``<|endoftext|>``, the roles of
+    :data:`SMOLVLM_TOKENIZER_ROLES`), trained on the same small corpus; deterministic. It adds no BOS to the texts it
+    encodes (the SmolLM2 tokenizers' GPT-2 style); the chat template writes ``<|im_start|>`` once."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=_bpe(SMOLVLM_SPECIAL_TOKENS, vocab_size), bos_token="<|im_start|>",
+                                   eos_token="<end_of_utterance>", pad_token="<|im_end|>", unk_token="<|endoftext|>",
+                                   add_bos_token=False, extra_special_tokens=dict(SMOLVLM_TOKENIZER_ROLES))
+
+
 def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels: int) -> Any:
     """The family's processor around ``tokenizer`` with the chat template and small image bounds."""
     import transformers
@@ -358,6 +425,17 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
         return transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                             chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=GEMMA3_TOKENS)
 
+    if family in SMOLVLM_FAMILIES:  # longest edge scaled to SMOLVLM_LONGEST_EDGE, cut into SMOLVLM_TILE tiles
+        sizes = dict(size={"longest_edge": SMOLVLM_LONGEST_EDGE}, max_image_size={"longest_edge": SMOLVLM_TILE},
+                     do_image_splitting=True)
+        if family == "idefics3":
+            return transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessor(**sizes),
+                                                  tokenizer=tokenizer, image_seq_len=SMOLVLM_TOKENS,
+                                                  chat_template=SMOLVLM_CHAT_TEMPLATE)
+        return transformers.SmolVLMProcessor(image_processor=transformers.SmolVLMImageProcessor(**sizes),
+                                             tokenizer=tokenizer, video_processor=transformers.SmolVLMVideoProcessor(),
+                                             image_seq_len=SMOLVLM_TOKENS, chat_template=SMOLVLM_CHAT_TEMPLATE)
+
     if family == "mistral3":  # longest edge at most MISTRAL3_LONGEST_EDGE, sides multiples of patch x merge
         image_processor = transformers.PixtralImageProcessor(size={"longest_edge": MISTRAL3_LONGEST_EDGE},
                                                              patch_size={"height": MISTRAL3_PATCH,
@@ -365,6 +443,13 @@ def build_processor(family: str, tokenizer: Any, *, min_pixels: int, max_pixels:
         return transformers.PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                              patch_size=MISTRAL3_PATCH, spatial_merge_size=MISTRAL3_MERGE,
                                              chat_template=MISTRAL3_CHAT_TEMPLATE)
+
+    if family in GLM46V_FAMILIES:  # GLM-4.1V's resizing under GLM-4.6V's classes (its frame timestamps differ)
+        image_processor = transformers.Glm46VImageProcessor(
+            size={"shortest_edge": 2 * min_pixels, "longest_edge": 2 * max_pixels})
+        return transformers.Glm46VProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                            video_processor=transformers.Glm46VVideoProcessor(),
+                                            chat_template=GLM_CHAT_TEMPLATE)
 
     if family in GLM_FAMILIES:  # GLM-4.5V ships GLM-4.1V's processor; its bounds count an image as 2 frames
         from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
@@ -409,6 +494,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
     dims = SIZES[size]
     if family in GLM_FAMILIES:
         return _glm_config(family, tokenizer, dims)
+    if family in GLM46V_FAMILIES:
+        return _glm46v_config(family, tokenizer, dims)
     if family in INTERNVL_FAMILIES:
         return _internvl_config(tokenizer, dims, moe=family == "internvl_moe")
     if family in GEMMA4_FAMILIES:
@@ -417,6 +504,8 @@ def tiny_config(family: str, tokenizer: Any, size: str = "tiny") -> Any:
         return _gemma3_config(tokenizer, dims)
     if family == "mistral3":
         return _mistral3_config(tokenizer, dims)
+    if family in SMOLVLM_FAMILIES:
+        return _smolvlm_config(family, tokenizer, dims)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
@@ -500,6 +589,23 @@ def _glm_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True)
         return transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, **special)
     return transformers.Glm4vConfig(text_config=text, vision_config=vision, **special)
+
+
+def _glm46v_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """GLM-4.6V-Flash (``glm46v``) and GLM-4.6V (``glm46v_moe``) under ``Glm46VConfig``: the text model of the tiny
+    GLM-4.1V build (``glm4v_text``) or of the tiny GLM-4.5V build (``glm4v_moe_text``: 4 routed experts, 2 per token, a
+    shared expert after one dense layer), and the tiny GLM-4.1V tower (``glm4v_vision``, ``Glm46VConfig``'s default
+    vision model), with the vision token ids of GLM's tokenizer; the LM head untied, ``Glm46VConfig``'s default."""
+    import transformers
+
+    text = _glm_config("glm4v_moe" if family == "glm46v_moe" else "glm4v", tokenizer, dims)
+    tower = _glm_config("glm4v", tokenizer, dims)
+    special = {key: getattr(tower, key) for key in ("image_token_id", "video_token_id", "image_start_token_id",
+                                                    "image_end_token_id", "video_start_token_id",
+                                                    "video_end_token_id")}
+    return transformers.Glm46VConfig(text_config=text.text_config.to_dict(),
+                                     vision_config=tower.vision_config.to_dict(), tie_word_embeddings=False,
+                                     **special)
 
 
 def _internvl_config(tokenizer: Any, dims: dict[str, Any], *, moe: bool = False) -> Any:
@@ -639,6 +745,30 @@ def _mistral3_config(tokenizer: Any, dims: dict[str, Any]) -> Any:
                                        tie_word_embeddings=False)
 
 
+def _smolvlm_config(family: str, tokenizer: Any, dims: dict[str, Any]) -> Any:
+    """SmolVLM2 (``SmolVLMConfig``) or SmolVLM-Instruct v1 (``Idefics3Config``): a SigLIP tower on
+    :data:`SMOLVLM_TILE`-pixel tiles of :data:`SMOLVLM_PATCH`-pixel patches, the connector's pixel shuffle by
+    :data:`SMOLVLM_SCALE` and linear projection, and a Llama (SmolLM2) language model with plain rotary positions
+    (base 100,000, as SmolVLM2-500M's ``rope_theta``), untied head."""
+    import transformers
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SMOLVLM_SPECIAL_TOKENS}
+    hidden, heads = dims["hidden"], dims["heads"]
+    text = dict(
+        model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=dims["intermediate"],
+        num_hidden_layers=dims["layers"], num_attention_heads=heads, num_key_value_heads=dims["kv_heads"],
+        head_dim=hidden // heads, max_position_embeddings=1024, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 100_000.0},
+        tie_word_embeddings=False, pad_token_id=ids["<|im_end|>"], bos_token_id=ids["<|im_start|>"],
+        eos_token_id=ids["<end_of_utterance>"],
+    )
+    vision = dict(hidden_size=dims["vision"], intermediate_size=2 * dims["vision"], num_hidden_layers=dims["depth"],
+                  num_attention_heads=4, image_size=SMOLVLM_TILE, patch_size=SMOLVLM_PATCH)
+    config_class = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+    return config_class(text_config=text, vision_config=vision, scale_factor=SMOLVLM_SCALE,
+                        image_token_id=ids["<image>"], pad_token_id=ids["<|im_end|>"], tie_word_embeddings=False)
+
+
 def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_pixels: int = 4 * 28 * 28,
                      max_pixels: int = 16 * 28 * 28, size: str = "tiny") -> Path:
     """Build a tiny random ``family`` checkpoint (model, tokenizer, processor, generation config) in ``directory``.
@@ -658,11 +788,12 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     if (directory / "config.json").is_file():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    glm = family in GLM_FAMILIES
+    glm = family in GLM_FAMILIES + GLM46V_FAMILIES
     tokenizer = (build_glm_tokenizer() if glm else build_internvl_tokenizer() if family in INTERNVL_FAMILIES
                  else build_gemma4_tokenizer() if family in GEMMA4_FAMILIES
                  else build_gemma3_tokenizer() if family == "gemma3"
-                 else build_mistral3_tokenizer() if family == "mistral3" else build_tokenizer())
+                 else build_mistral3_tokenizer() if family == "mistral3"
+                 else build_smolvlm_tokenizer() if family in SMOLVLM_FAMILIES else build_tokenizer())
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, size)
     model_class = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -674,12 +805,16 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
                                              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                                              "glm4v": "Glm4vForConditionalGeneration",
                                              "glm4v_moe": "Glm4vMoeForConditionalGeneration",
+                                             "glm46v": "Glm46VForConditionalGeneration",
+                                             "glm46v_moe": "Glm46VForConditionalGeneration",
                                              "internvl": "InternVLForConditionalGeneration",
                                              "internvl_moe": "InternVLForConditionalGeneration",
                                              "gemma4": "Gemma4ForConditionalGeneration",
                                              "gemma4_moe": "Gemma4ForConditionalGeneration",
                                              "gemma3": "Gemma3ForConditionalGeneration",
-                                             "mistral3": "Mistral3ForConditionalGeneration"}[family])
+                                             "mistral3": "Mistral3ForConditionalGeneration",
+                                             "smolvlm": "SmolVLMForConditionalGeneration",
+                                             "idefics3": "Idefics3ForConditionalGeneration"}[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
@@ -689,9 +824,11 @@ def build_tiny_model(family: str, directory: str | Path, *, seed: int = 0, min_p
     # GLM-4.1V's generation_config.json ends a completion at <|endoftext|>, <|user|> or <|observation|>; Gemma 4's
     # instruction-tuned conversion at <eos> and the end of the turn (convert_gemma4_weights.py: eos_token_id [1, 106]);
     # Gemma 3's at <eos> and <end_of_turn> (google/gemma-3-4b-it generation_config.json: eos_token_id [1, 106]);
-    # Mistral 3's at </s> (Mistral-Small-3.1-24B-Instruct-2503 generation_config.json: eos_token_id 2).
+    # Mistral 3's at </s> (Mistral-Small-3.1-24B-Instruct-2503 generation_config.json: eos_token_id 2);
+    # SmolVLM's at <end_of_utterance>, which ends every turn of its chat template (SMOLVLM_CHAT_TEMPLATE).
     ends = (("<turn|>", "<eos>") if family in GEMMA4_FAMILIES else ("<end_of_turn>", "<eos>") if family == "gemma3"
             else ("</s>",) if family == "mistral3"
+            else ("<end_of_utterance>",) if family in SMOLVLM_FAMILIES
             else ("<|endoftext|>", "<|user|>", "<|observation|>")
             if glm else ("<|im_end|>", "<|endoftext|>"))
     eos = [tokenizer.convert_tokens_to_ids(token) for token in ends]

@@ -49,9 +49,27 @@ def family(request) -> str:
 
 
 def plugin_options(model: Path | str, **overrides: Any) -> dict[str, Any]:
+    """:data:`PLUGIN_BASE` for ``model`` with ``overrides``, less the pixel bounds the model's family refuses
+    (``unused_pixel_bounds``: Gemma 3 takes neither, Mistral 3 no ``min_pixels``) unless ``overrides`` set them."""
     options = {**PLUGIN_BASE, "model": str(model)}
+    for option in unused_pixel_bounds(model, overrides.get("tiny_model")):
+        options.pop(option)
     options.update(overrides)
     return options
+
+
+def unused_pixel_bounds(model: Path | str, tiny_model: str | None = None) -> tuple[str, ...]:
+    """The pixel bounds the adapter of ``model`` (its config.json's ``model_type``, or the ``tiny_model`` family it
+    will be built as) does not take; none for a model that is neither."""
+    from mmrl.plugins.vlm.adapters import adapter_for, vlm_adapters
+
+    if tiny_model is not None:
+        adapter = vlm_adapters.get(tiny_model) if tiny_model in vlm_adapters else None
+    elif (Path(model) / "config.json").is_file():
+        adapter = adapter_for("auto", str(model))
+    else:
+        adapter = None
+    return tuple(getattr(adapter, "unused_pixel_bounds", ()))
 
 
 def make_plugin(model: Path | str, runtime: Runtime | None = None, **overrides: Any):
@@ -106,12 +124,16 @@ def assert_old_logp_is_a_plain_forward(plugin, rollout, rows, group, processor_i
         torch.testing.assert_close(rollout.old_logp[i, :len(completion)], expected, rtol=0, atol=atol)
 
 
-def assert_two_lora_grpo_steps_and_a_peft_export(tmp_path: Path, family: str, check_rows) -> None:
+def assert_two_lora_grpo_steps_and_a_peft_export(tmp_path: Path, family: str, check_rows,
+                                                 language_model: str = "language_model",
+                                                 adapter: str | None = None) -> None:
     """``tiny_model: family`` builds the checkpoint; 3 prompts x G=2 through the trainer with two inner epochs: ratio 1
     on the first inner step (the core's old-policy pass against the training forward), KL > 0 at step 2, only LoRA
     weights of the language model move (none in the tower or projector); the exported adapter loads with
     ``PeftModel.from_pretrained`` and reproduces the trained policy's log-probs, which the untrained base does not.
-    ``check_rows(plugin)`` checks the family's training rows (their boxes' frame) before training."""
+    ``check_rows(plugin)`` checks the family's training rows (their boxes' frame) before training; ``language_model``
+    is the name of the language model's module (SmolVLM's is ``text_model``); ``adapter`` the adapter that loads the
+    ``family`` build when it has another name (``glm46v_moe`` is loaded by ``glm46v``)."""
     from peft import PeftModel
 
     from mmrl.config import load_config
@@ -134,7 +156,7 @@ def assert_two_lora_grpo_steps_and_a_peft_export(tmp_path: Path, family: str, ch
     })
     trainer = Trainer(config)
     plugin = trainer.plugin
-    assert plugin.adapter.name == family
+    assert plugin.adapter.name == (adapter or family)
     check_rows(plugin)
     before = {name: p.detach().clone() for name, p in plugin.model.named_parameters()}
     result = trainer.train()
@@ -143,7 +165,7 @@ def assert_two_lora_grpo_steps_and_a_peft_export(tmp_path: Path, family: str, ch
         assert record["loss/first_step_ratio_deviation"] < 1e-5, record["loss/first_step_ratio_deviation"]
     assert result.history[1]["policy/kl"] > 0  # the adapter moved away from the reference
     changed = {name for name, p in plugin.model.named_parameters() if not torch.equal(before[name], p)}
-    assert changed and all("lora_" in name and "language_model" in name for name in changed)
+    assert changed and all("lora_" in name and language_model in name for name in changed)
 
     rollout = plugin.rollout(plugin.policy(), prompt_batch(plugin.dataset("train")[:2], 2, seed=5))
 

@@ -10,12 +10,14 @@ The BOS rule (:meth:`~mmrl.plugins.vlm.adapters.base.VLMAdapter.adds_special_tok
 does not (``convert_gemma4_weights.py``: ``add_bos_token=False``), and the tiny builds do as the released ones. With
 the tokenizer switched either way, both Gemma families' prompts start with exactly one ``<bos>``, transformers'
 prompt, where the processor's plain call on the rendered chat starts with two whenever the tokenizer adds BOS; the
-same for Mistral 3, whose template writes ``<s>`` (Mistral-Small-3.1-24B-Instruct-2503's ``{{- bos_token }}``). The
-tiny Qwen, GLM and InternVL tokenizers have no BOS token, like the released ones as far as checked here
+same for Mistral 3, whose template writes ``<s>`` (Mistral-Small-3.1-24B-Instruct-2503's ``{{- bos_token }}``), and
+for SmolVLM (SmolVLM2 and v1's Idefics3 processor), whose template writes ``<|im_start|>``, its tokenizer's BOS (the
+tiny tokenizer adds none to an encoded text, as the SmolLM2 tokenizers' GPT-2 style does as far as checked here). The
+tiny Qwen, GLM (GLM-4.6V's too) and InternVL tokenizers have no BOS token, like the released ones as far as checked here
 (``Qwen2Tokenizer``, which InternVL3-hf also loads, and ``Qwen3_5Tokenizer`` default ``bos_token=None``; GLM-4.1V's
 tokenizer names EOS and PAD only), so the rule leaves them to the processor's defaults, as transformers does. Images
-only: Gemma 3, Gemma 4, Mistral 3 and InternVL take no videos; the Qwen video prompts are checked against the processor
-in test_video.py."""
+only: Gemma 3, Gemma 4, Mistral 3, InternVL and SmolVLM take no videos; the Qwen video prompts are checked against the
+processor in test_video.py."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl", "gemma4", "gemma3", "mistral3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl", "gemma4", "gemma3", "mistral3",
+            "glm46v", "smolvlm", "idefics3")
 """One build per processor and chat layout (the MoE builds share their dense sibling's tokenizer and processor)."""
 QUESTIONS = ("Where is the red circle?", "How many squares are there in the image? Answer the question with a number.")
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 16 * 28 * 28
@@ -46,6 +49,8 @@ def builds(tmp_path_factory):
     paths = {}
 
     def build(family):
+        if family == "smolvlm":  # transformers' SmolVLMProcessor imports num2words
+            pytest.importorskip("num2words", reason="transformers' SmolVLMProcessor needs num2words")
         if family not in paths:
             paths[family] = build_tiny_model(family, root / family)
         return paths[family]
@@ -103,7 +108,7 @@ def test_prompt_ids_are_transformers_apply_chat_template(builds, family):
     for got, expected in zip(ours, theirs, strict=True):
         assert torch.equal(got, expected)
     bos = adapter.tokenizer.bos_token_id
-    if family.startswith("gemma") or family == "mistral3":
+    if family.startswith("gemma") or family in ("mistral3", "smolvlm", "idefics3"):
         assert all(int(ids[0]) == bos and int((ids == bos).sum()) == 1 for ids in ours)
     else:
         assert bos is None
@@ -124,7 +129,7 @@ def test_the_tiny_gemma_tokenizers_add_bos_as_the_released_ones(builds):
 
 
 @pytest.mark.parametrize("add_bos", [False, True], ids=["tokenizer-without-bos", "tokenizer-adds-bos"])
-@pytest.mark.parametrize("family", ["gemma4", "gemma3", "mistral3"])
+@pytest.mark.parametrize("family", ["gemma4", "gemma3", "mistral3", "smolvlm", "idefics3"])
 def test_one_bos_whichever_way_the_tokenizer_is_set(builds, family, add_bos, tmp_path):
     """With the checkpoint's tokenizer set to add BOS or not, the prompts are still transformers' and start with
     one ``<bos>``, the template's; the processor's plain call on the rendered chat gives two when the tokenizer adds

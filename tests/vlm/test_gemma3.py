@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,3 +348,24 @@ def test_refusals_tokens_and_family(gemma3_model, tmp_path):
     assert not {vocab["<start_of_turn>"], vocab["<end_of_turn>"]} & set(plugin.suppressed_ids)
     text = adapter.chat_text(adapter.messages("Where?", 1, "Be brief."))
     assert text == "<bos><start_of_turn>user\nBe brief.\n\n<start_of_image>Where?<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_pixel_bounds_other_than_the_defaults_are_refused(gemma3_model):
+    """Every image becomes the tower's square, so no pixel bound can be honoured: a ``min_pixels`` or ``max_pixels``
+    other than the config's default is refused when the plugin starts, in one line naming the option, the family, the
+    square and the fix; the defaults (left out, or written as they are) and the released-model recipe load."""
+    from mmrl.config import ConfigError, load_config
+    from mmrl.plugins.vlm.plugin import check_pixel_bounds
+    from mmrl.plugins.vlm.testing import GEMMA3_IMAGE
+
+    square = f"{GEMMA3_IMAGE} x {GEMMA3_IMAGE}"
+    for option, value in (("max_pixels", 16 * 28 * 28), ("min_pixels", 10), ("max_pixels", 10**7)):
+        with pytest.raises(ConfigError, match=rf"^config key 'plugin.{option}': got {value}; allowed: .* \(the "
+                                              rf"default\) for family 'gemma3': gemma3 resizes every image to the "
+                                              rf"checkpoint's square \({square};.*plugin.{option} is not used by "
+                                              r"this family, remove it$"):
+            make_plugin(gemma3_model, **{option: value})
+    plugin = make_plugin(gemma3_model, min_pixels=3136, max_pixels=401408)  # the defaults, written out
+    assert plugin.adapter.resized_size((160, 56)) == (GEMMA3_IMAGE, GEMMA3_IMAGE)
+    recipe = load_config(Path(__file__).resolve().parents[2] / "configs" / "vlm" / "gemma3_4b_grounding.yaml")
+    check_pixel_bounds(plugin.adapter, recipe.plugin.config)

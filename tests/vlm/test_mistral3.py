@@ -15,6 +15,8 @@ its prompt ids against ``apply_chat_template`` with the tokenizer adding ``<s>``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -292,3 +294,91 @@ def test_refusals_tokens_and_family(mistral3_model):
     assert not {vocab["[INST]"], vocab["[/INST]"], vocab["<s>"]} & set(plugin.suppressed_ids)
     text = adapter.chat_text(adapter.messages("Where?", 1, "Be brief."))
     assert text == "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST][IMG]Where?[/INST]"
+
+
+def test_min_pixels_other_than_the_default_is_refused_and_the_recipe_loads(mistral3_model):
+    """Pixtral never enlarges an image, so ``min_pixels`` cannot be honoured: a value other than the config's default
+    is refused when the plugin starts, in one line naming the option, the family and the fix; ``max_pixels`` is
+    honoured (it sets the longest edge); the default (left out, or written as it is) and the Ministral 3 recipe
+    load."""
+    from mmrl.config import ConfigError, load_config
+    from mmrl.plugins.vlm.plugin import check_pixel_bounds
+
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.min_pixels': got 5000; allowed: 3136 \(the default\) "
+                                          r"for family 'mistral3': mistral3 never enlarges an image \(Pixtral's "
+                                          r"processor only shrinks it to longest_edge 112, .*plugin.min_pixels is not "
+                                          r"used by this family, remove it$"):
+        make_plugin(mistral3_model, min_pixels=5000)
+    plugin = make_plugin(mistral3_model, min_pixels=3136, max_pixels=64 * 64)
+    assert plugin.adapter.longest_edge == 64
+    recipe = load_config(Path(__file__).resolve().parents[2] / "configs" / "vlm" / "ministral3_8b_grounding.yaml")
+    assert recipe.plugin.config.min_pixels == 3136  # the recipe writes max_pixels (honoured), no min_pixels
+    check_pixel_bounds(plugin.adapter, recipe.plugin.config)
+
+
+def test_a_row_prepared_for_other_bounds_is_caught_by_the_size_check(mistral3_model):
+    """The rows' ``resized_size`` (the boxes' frame) is checked against the size the processor gives each prompt's
+    first image, read from its ``[IMG]`` rows (the processor's ``image_sizes``, computed here on the raw image): rows
+    prepared at this run's bounds pass, a row prepared with another ``max_pixels`` (another longest edge) is refused in
+    one line."""
+    from mmrl.plugins.vlm.adapters.mistral3 import Mistral3Adapter
+
+    plugin = make_plugin(mistral3_model)
+    rows = plugin.dataset("train")[:3]
+    for row, prompt in zip(rows, plugin.encode_rows(rows), strict=True):
+        alone = plugin.adapter.processor(text=[hand_written_chat("q")], images=row_images(row), return_tensors="pt")
+        height, width = torch.as_tensor(alone["image_sizes"])[0].tolist()
+        assert row["resized_size"] == [width, height]
+        assert plugin.adapter.image_sizes(prompt["input_ids"])[0].tolist() == [height, width]
+    other = Mistral3Adapter(str(mistral3_model), min_pixels=10, max_pixels=48 * 48)  # longest edge 48
+    stale = [{**row, "resized_size": list(other.resized_size(row["image_size"]))} for row in rows]
+    assert any(s["resized_size"] != row["resized_size"] for s, row in zip(stale, rows, strict=True))
+    with pytest.raises(RuntimeError, match=r"^row resized_size \[\d+, \d+\] differs from the processor's \[\d+, \d+\] "
+                                           r"\(width, height\); the row was prepared for other min_pixels/max_pixels$"):
+        plugin.encode_rows(stale)
+
+
+def test_replayed_image_sizes_are_exact_for_any_micro_batch(mistral3_model):
+    """``image_sizes`` is not replayed: each pass reads it back from the replayed ids. Two rollouts of different image
+    sizes (pixels, no feature cache) concatenated as rollout chunks are, then scored in micro-batches of every kind
+    (one sample, samples of both chunks in another order, all reversed): each micro-batch's collated ``image_sizes``
+    are the processor's sizes of its own samples' raw images, and its log-probs are the rollout's (ratio 1). Sizes
+    padded to the micro-batch's largest image instead (what a lost size would leave) make the tower cut other patches
+    than the ``[IMG]`` tokens count, which the model refuses: the sizes are read, and read right."""
+    from mmrl.plugins.vlm.plugin import replay_prompts
+    from mmrl.rollout import Rollout
+
+    plugin = make_plugin(mistral3_model, max_new_tokens=5, cache_image_features=False)
+    rows = plugin.dataset("train")[:6]
+    chunks = []
+    for part in (rows[:3], rows[3:]):
+        rollout = plugin.rollout(plugin.policy(), interleaved_batch(part, len(chunks)))
+        chunks.append(old_policy_pass(plugin, plugin.policy(), rollout))
+    rollout = Rollout.concat(chunks)
+    assert "image_sizes" not in rollout.replay and "pixel_values" in rollout.replay
+    sample_rows = [part[g] for part in (rows[:3], rows[3:]) for g in GROUPS]
+    processor_sizes = []
+    for row in sample_rows:
+        alone = plugin.adapter.processor(text=[hand_written_chat("q")], images=row_images(row), return_tensors="pt")
+        processor_sizes.append(torch.as_tensor(alone["image_sizes"]))  # [1, 2]
+    assert len({tuple(s[0].tolist()) for s in processor_sizes}) >= 4
+    for indices in ([4], [7, 0, 4], [11, 2, 9, 6], list(range(11, -1, -1))):
+        part = rollout.select(indices)
+        inputs, _ = plugin.adapter.collate(replay_prompts(part.replay))
+        assert torch.equal(inputs["image_sizes"], torch.cat([processor_sizes[i] for i in indices]))
+        with torch.no_grad():
+            output = plugin.forward(plugin.policy(), part, need_reference=False)
+        assert float((output.logp - part.old_logp).abs().max()) < 1e-5, indices
+    part = rollout.select([7, 0, 4])
+    read_back = plugin.adapter.image_sizes
+    largest = torch.cat([processor_sizes[i] for i in (7, 0, 4)]).amax(0)  # [2]
+
+    def padded_sizes(ids):
+        return read_back(ids) * 0 + largest
+
+    plugin.adapter.image_sizes = padded_sizes
+    try:
+        with pytest.raises(ValueError, match="Image features and image tokens do not match"), torch.no_grad():
+            plugin.forward(plugin.policy(), part, need_reference=False)
+    finally:
+        del plugin.adapter.image_sizes

@@ -16,7 +16,7 @@ from mmrl.reward import RewardError, RewardInput, reward_functions
 from mmrl.trainer import Trainer
 from mmrl.trainer.checkpoint import list_checkpoints
 from tests.helpers import record_gradients
-from tests.vlm.conftest import plugin_options, prompt_batch
+from tests.vlm.conftest import plugin_options, prompt_batch, unused_pixel_bounds
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
@@ -182,10 +182,13 @@ def test_toy_recipe_runs_with_a_tiny_build_of_another_family(tmp_path, family, c
     if family not in vlm_adapters:
         pytest.skip(f"transformers has no {family}")
     model = tmp_path / f"tiny-{family}"
+    # The recipe's pixel bounds back at the config's defaults for a family that refuses them (Gemma 3: both)
+    defaults = {"min_pixels": 3136, "max_pixels": 401408}
     config = load_config(CONFIGS / "toy_grounding.yaml", [
         f"plugin.model={model}", f"plugin.tiny_model={family}", f"run.output_dir={tmp_path / 'run'}",
         "run.max_steps=1", "run.progress=false", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "plugin.max_new_tokens=6", "eval.num_prompts=2",
+        *(f"plugin.{option}={defaults[option]}" for option in unused_pixel_bounds(model, family)),
     ])
     trainer = Trainer(config)
     assert trainer.plugin.adapter.name == family

@@ -10,9 +10,9 @@ here, or, from another package, an entry point in the group ``mmrl.vlm_adapters`
     my_family = "my_package.adapter:MyFamilyAdapter"
 
 Adapters are registered lazily: listing them imports neither torch models nor transformers. Qwen3-VL, Qwen3-VL MoE,
-Qwen3.5, Qwen3.5 MoE, GLM-4.1V, GLM-4.5V, InternVL, Gemma 4, Gemma 3 and Mistral 3 are registered only when the
-installed transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
-``glm4v``, ``glm4v_moe``, ``internvl``, ``gemma4``, ``gemma3``, ``mistral3``).
+Qwen3.5, Qwen3.5 MoE, GLM-4.1V, GLM-4.5V, GLM-4.6V, InternVL, Gemma 4, Gemma 3 and Mistral 3 are registered only
+when the installed transformers ships them (``transformers.models.qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``,
+``qwen3_5_moe``, ``glm4v``, ``glm4v_moe``, ``glm46v``, ``internvl``, ``gemma4``, ``gemma3``, ``mistral3``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ for _family, _target in (("qwen3_vl_moe", "qwen3_vl_moe:Qwen3VLMoeAdapter"), ("q
                          ("mistral3", "mistral3:Mistral3Adapter")):
     if _transformers_has_model(_family):
         vlm_adapters.register_lazy(_family, f"mmrl.plugins.vlm.adapters.{_target}")
+# SmolVLM2 (model_type smolvlm) and SmolVLM-Instruct v1 (model_type idefics3): one adapter module, registered only
+# when the installed transformers ships transformers.models.smolvlm / idefics3
+for _family, _target in (("smolvlm", "smolvlm:SmolVLMAdapter"), ("idefics3", "smolvlm:Idefics3Adapter")):
+    if _transformers_has_model(_family):
+        vlm_adapters.register_lazy(_family, f"mmrl.plugins.vlm.adapters.{_target}")
+# GLM-4.6V and GLM-4.6V-Flash (model_type glm46v, an MoE or a dense language model), when transformers.models.glm46v is
+# shipped
+if _transformers_has_model("glm46v"):
+    vlm_adapters.register_lazy("glm46v", "mmrl.plugins.vlm.adapters.glm46v:Glm46vAdapter")
 
 
 def model_type_of(model: str) -> str:

@@ -11,8 +11,10 @@ conventions of the base class, against transformers 5.25's ``models/gemma3/model
   (``size``: 896 × 896 in the released ``preprocessor_config.json``, aspect ratio not kept) and the projector pools
   its 64 × 64 patches into ``mm_tokens_per_image`` soft tokens (``Gemma3MultiModalProjector``), so an image is always
   ``\\n\\n<start_of_image>`` + 256 ``<image_soft_token>`` + ``<end_of_image>\\n\\n`` (``processing_gemma3.py:49``) and
-  ``pixel_values`` is ``[images, 3, 896, 896]`` with no grid. The tower's position embeddings fix that size, so
-  ``min_pixels`` and ``max_pixels`` play no part for this family; :meth:`resized_size` is the processor's square.
+  ``pixel_values`` is ``[images, 3, 896, 896]`` with no grid. The tower's position embeddings fix that size, so no
+  pixel bound can be honoured: the plugin refuses a ``plugin.min_pixels`` or ``plugin.max_pixels`` other than the
+  config's default at start-up (:attr:`unused_pixel_bounds`, :meth:`pixel_bounds_refusal`) rather than ignore it, and
+  :meth:`resized_size` is the processor's square.
 - **Pan-and-scan** (Gemma 3's optional crops of a long image, each resized to the square and written after the
   image as its own soft-token block: ``replace_image_token``, ``processing_gemma3.py:154``) follows the checkpoint's
   image-processor config (``do_pan_and_scan`` and the ``pan_and_scan_*`` settings of its ``preprocessor_config.json``
@@ -113,6 +115,9 @@ class Gemma3Adapter(VLMAdapter):
     supports_videos = False
     video_refusal = "Gemma 3's processor takes images only"
     mrope = False
+    #: The plugin's pixel bounds this family cannot honour: every image becomes the tower's square (module docstring).
+    #: The plugin refuses a value other than the config's default for each (:meth:`pixel_bounds_refusal`).
+    unused_pixel_bounds: ClassVar[tuple[str, ...]] = ("min_pixels", "max_pixels")
 
     def __init__(self, model: str, *, min_pixels: int, max_pixels: int, video_min_pixels: int | None = None,
                  video_max_pixels: int | None = None, video_total_pixels: float | None = None):
@@ -148,6 +153,12 @@ class Gemma3Adapter(VLMAdapter):
         checked_size(image_size, "image_size")
         size = self.processor.image_processor.size
         return int(size["width"]), int(size["height"])
+
+    def pixel_bounds_refusal(self) -> str:
+        """Why :attr:`unused_pixel_bounds` cannot be honoured, for the plugin's one-line refusal."""
+        width, height = self.resized_size((1, 1))
+        return (f"gemma3 resizes every image to the checkpoint's square ({width} x {height}; the tower's position "
+                "embeddings fix it), so no pixel bound can be honoured")
 
     def load_images(self, images: Sequence[Any], *, use_qwen_vl_utils: bool | None = None) -> list[Any]:
         """Open the images of one prompt as RGB, unresized: Gemma 3's processor resizes them (and cuts pan-and-scan

@@ -139,7 +139,7 @@ class Glm4vAdapter(VLMAdapter):
             ValueError: ``use_qwen_vl_utils=True`` (a Qwen helper; GLM does not use it).
         """
         return open_unresized(images, use_qwen_vl_utils=use_qwen_vl_utils,
-                              resized_by="GLM-4.1V/4.5V images are resized by GLM's processor")
+                              resized_by="GLM-4.1V/4.5V/4.6V images are resized by GLM's processor")
 
     def video_frame_size(self, frame_size: Sequence[float], num_frames: int) -> tuple[int, int]:
         """``(width, height)`` every frame of a ``num_frames``-frame clip of ``frame_size`` is resized to (the base
@@ -179,7 +179,7 @@ class Glm4vAdapter(VLMAdapter):
 
     def _refuse_mix(self, has_images: bool, has_videos: bool) -> None:
         if has_images and has_videos:
-            raise ValueError(f"{self.name}: a batch holds both images and videos, which transformers' GLM-4.1V/4.5V "
+            raise ValueError(f"{self.name}: a batch holds both images and videos, which transformers' GLM-V "
                              "forward cannot take (video tokens are image tokens); train image rows and video rows "
                              "in separate runs")
 

@@ -16,9 +16,11 @@ conventions of the base class, against transformers 5.25's ``models/mistral3/mod
   ``max_pixels`` to the largest ``longest_edge`` that is a multiple of patch × merge and whose square is at most
   ``max_pixels``, capped at the checkpoint's own ``longest_edge`` (1540 in Mistral Small 3.1's
   ``preprocessor_config.json``, the tower's ``image_size``, which bounds its rotary table): every image then has at
-  most ``max_pixels`` pixels, and sides up to that edge (:meth:`longest_edge_for`). ``min_pixels`` plays no part:
-  Pixtral does not enlarge an image beyond the rounding up to whole cells. :meth:`resized_size` is the processor's
-  size; images reach the processor unresized.
+  most ``max_pixels`` pixels, and sides up to that edge (:meth:`longest_edge_for`). ``min_pixels`` cannot be
+  honoured: Pixtral does not enlarge an image beyond the rounding up to whole cells (the processor has no lower
+  bound), so the plugin refuses a ``plugin.min_pixels`` other than the config's default at start-up
+  (:attr:`unused_pixel_bounds`) rather than ignore it. :meth:`resized_size` is the processor's size; images reach
+  the processor unresized.
 - **An image is rows of tokens.** The processor writes an image of ``h × w`` tokens (``h = H / (patch·merge)``) as
   ``h`` rows of ``w`` ``[IMG]``, each row ended by ``[IMG_BREAK]`` and the last by ``[IMG_END]`` instead
   (``replace_image_token``, ``processing_pixtral.py:91-99``); the model fills the ``[IMG]`` tokens only with the
@@ -98,6 +100,9 @@ class Mistral3Adapter(VLMAdapter):
     supports_videos = False
     video_refusal = "Pixtral's processor takes images only"
     mrope = False
+    #: The plugin's pixel bound this family cannot honour (Pixtral never enlarges an image): the plugin refuses a value
+    #: other than the config's default (:meth:`pixel_bounds_refusal`).
+    unused_pixel_bounds: ClassVar[tuple[str, ...]] = ("min_pixels",)
 
     def __init__(self, model: str, **bounds: Any):
         # The base class's pixel bounds (videos are refused: the video bounds are only validated and kept)
@@ -130,6 +135,12 @@ class Mistral3Adapter(VLMAdapter):
         # A SizeDict, as the image processor keeps its size after __init__ (Pixtral's resize reads .longest_edge)
         image_processor.size = SizeDict(longest_edge=self.longest_edge_for(self.max_pixels, factor, checkpoint_edge))
         return processor
+
+    def pixel_bounds_refusal(self) -> str:
+        """Why :attr:`unused_pixel_bounds` cannot be honoured, for the plugin's one-line refusal."""
+        return ("mistral3 never enlarges an image (Pixtral's processor only shrinks it to longest_edge "
+                f"{self.longest_edge}, which plugin.max_pixels sets, and rounds its sides up to {self.image_factor}), "
+                "so no lower bound can be honoured")
 
     @staticmethod
     def longest_edge_for(max_pixels: int, factor: int, checkpoint_edge: int) -> int:
