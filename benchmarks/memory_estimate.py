@@ -4,7 +4,8 @@ estimator checked against measurements on tiny models on the CPU (issue 26 item 
 Parameter counts are exact: each model is built on PyTorch's ``meta`` device (no memory, no download) from its
 published architecture with the library class mmrl loads (diffusers' ``SD3Transformer2DModel``,
 ``FluxTransformer2DModel``, ``WanTransformer3DModel``, ``QwenImageTransformer2DModel``, ``ZImageTransformer2DModel``,
-``HunyuanVideo15Transformer3DModel``, ``ChromaTransformer2DModel`` and ``SanaTransformer2DModel``, transformers'
+``HunyuanVideo15Transformer3DModel``, ``ChromaTransformer2DModel``, ``LongCatImageTransformer2DModel`` and
+``SanaTransformer2DModel``, transformers'
 ``Qwen2_5_VLForConditionalGeneration``, ``Gemma2Model``,
 ``Glm4vForConditionalGeneration``, ``Qwen2_5_VLTextModel`` and ``Qwen3Model``, and ``LlamaForCausalLM`` for
 LLaDA-8B, whose architecture it shares: RMSNorm, SwiGLU, RoPE, full multi-head attention, no biases); LoRA counts
@@ -31,7 +32,9 @@ text-encoder peaks, temporary copies inside kernels. The numbers are a floor to 
 
 ``--check`` builds tiny models of the same classes (sizes other than those the activation coefficients were counted on,
 except Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5, Chroma and Sana, checked at the tiny test pipelines' configs of
-plugins/flow/testing.py, one of the sizes their terms were fitted on), runs a forward and one AdamW step in float32 on
+plugins/flow/testing.py, one of the sizes their terms were fitted on; LongCat-Image's blocks, which the LongCat rows
+count with FLUX.1's coefficients, over LongCat-Image-Edit's joint sequence of generated, input-image and text tokens),
+runs a forward and one AdamW step in float32 on
 the CPU and compares the measured bytes (saved activations; weights, gradients and optimizer state) with the
 estimator's; the Wan, Qwen-Image, Z-Image and HunyuanVideo 1.5 LoRA blocks are also measured at bfloat16 under
 autocast, as the recipes train (reported, not fitted: float32 norms and peft's input
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,7 +123,10 @@ GLM4V_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_p
 # (d + 1) x d scores, d = h / heads, and the block's modulation); ``sana15`` is Sana 1.5's block (qk RMSNorm across
 # heads in both attentions, ``qk_norm: rms_norm_across_heads``). Fitted at h = 8…64 (1…7 heads of 8…32, MLP ratio
 # 1.5…4, 9…81 image and 3…21 text tokens, LoRA ranks 4 and 8): exact on all 36 (Sana 1.0) and 12 (Sana 1.5) tiny
-# models measured.
+# models measured. LongCat-Image (LongCatImageTransformerBlock / LongCatImageSingleTransformerBlock: FLUX.1's blocks
+# without the guidance and pooled embeddings) takes the ``flux_*`` coefficients, not refitted: --check measures its
+# blocks at FLUX's check sizes over LongCat-Image-Edit's joint sequence (36 generated, 36 input-image and 10 text
+# tokens), 0.998…1.008 of the estimate.
 ACTIVATION_BYTES = {
     ("decoder", "full"): lambda h, kv, f, r, heads: 8 * h + 2 * kv + 4 * f,
     ("decoder", "lora"): lambda h, kv, f, r, heads: 6 * h + 2 * kv + 4 * f + 7 * r,
@@ -383,6 +390,36 @@ def build_longcat_image_extras() -> list[nn.Module]:
     return [build_qwen25vl("7b"), build_vae()]
 
 
+def qwen2_vl_grid(height: int, width: int, min_pixels: int = 56 * 56,
+                  max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
+    """The (rows, columns) of merged vision tokens Qwen2-VL's image processor makes of a ``height`` × ``width`` image
+    (one per 28 × 28 px: 14 px patches merged 2 × 2). Its ``smart_resize`` (transformers
+    ``models/qwen2_vl/image_processing_qwen2_vl.py``; the default pixel bounds, which Qwen2.5-VL's processor keeps)
+    rounds each side to the nearest multiple of 28, then, if the area falls outside [min_pixels, max_pixels], scales
+    both sides by the square root of the area ratio, rounding down (too large) or up (too small) to multiples of 28.
+    Written out here: transformers' image processing imports torchvision, seconds of start-up for one formula."""
+    factor = 28
+    rows, columns = round(height / factor), round(width / factor)
+    if rows * columns * factor**2 > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        rows, columns = (max(1, math.floor(side / scale / factor)) for side in (height, width))
+    elif rows * columns * factor**2 < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        rows, columns = (math.ceil(side * scale / factor) for side in (height, width))
+    return rows, columns
+
+
+def longcat_edit_text_tokens(height: int, width: int, min_pixels: int = 56 * 56,
+                             max_pixels: int = 28 * 28 * 1280) -> int:
+    """The length of ``LongCatImageEditPipeline``'s text row for an input image brought to ``height`` × ``width``: the
+    pipeline keeps the text encoder's states from ``<|vision_start|>`` on (pipeline_longcat_image_edit.py:310-341):
+    that marker, the input's merged vision tokens, ``<|vision_end|>`` and the 512 padded instruction tokens. The text
+    encoder reads the input at half its sides (622-623), through the processor's pixel bounds
+    (:func:`qwen2_vl_grid`)."""
+    rows, columns = qwen2_vl_grid(height // 2, width // 2, min_pixels, max_pixels)
+    return 1 + rows * columns + 1 + 512
+
+
 def build_sana(size: str) -> nn.Module:
     """Sana's linear-attention DiT: diffusers' scripts/convert_sana_to_diffusers.py (huggingface/diffusers@065628f,
     ``model_kwargs`` and ``transformer_kwargs``): 70 heads × 32 = 2240 wide, cross-attention 20 heads × 112, caption
@@ -574,7 +611,22 @@ def recipes() -> list[Recipe]:
                            sequences=2 * 2, lora_targets=FLOW_QWEN_IMAGE_TARGETS, lora_rank=64, weight_bytes=2,
                            heads=24, checkpointing=True, ema=True, extras=build_qwen_image_extras,
                            notes=["micro-batch 2 x 2 (CFG), the input image's 576 tokens appended, text <= 512"])
-        return [kontext, qwen_edit]
+        # LongCat-Image-Edit: LongCat-Image's transformer (10 + 20 FLUX-style blocks) over the generated image's 576
+        # tokens, the input image's 576 appended (the pipeline's prepare_latents) and the text row: from
+        # <|vision_start|> on, the input's merged vision tokens at half the output's side (192 px: 7 x 7 = 49 after
+        # Qwen2-VL's smart_resize to multiples of 28), <|vision_end|> and the 512 padded instruction tokens
+        # (pipeline_longcat_image_edit.py:310-341); micro-batch 2 x 2 (CFG with a negative per row).
+        longcat_text = longcat_edit_text_tokens(384, 384)
+        longcat_edit = Recipe("LongCat-Image-Edit LoRA r64 384px", "configs/flow/longcat_image_edit_pickscore.yaml",
+                              build_longcat_image, 3072, 3072, 12288,
+                              [Blocks("flux_double", 10, 2 * image + longcat_text),
+                               Blocks("flux_single", 20, 2 * image + longcat_text)],
+                              sequences=2 * 2, lora_targets=FLOW_LONGCAT_IMAGE_TARGETS, lora_rank=64, weight_bytes=2,
+                              heads=24, checkpointing=True, ema=True, extras=build_longcat_image_extras,
+                              notes=["micro-batch 2 x 2 (CFG), the input image's 576 tokens appended, text "
+                                     f"{longcat_text} (its {longcat_text - 514} vision tokens, 2 markers, 512)",
+                                     "activation coefficients of FLUX.1's blocks (checked on tiny LongCat blocks)"])
+        return [kontext, qwen_edit, longcat_edit]
 
     def chroma() -> Recipe:
         # 512 px: 64 x 64 latents in 2 x 2 patches = 1024 image tokens + 512 T5 tokens (max_sequence_length, the
@@ -704,17 +756,37 @@ def activation_bytes(recipe: Recipe, mode: str) -> float:
     return total
 
 
+#: :func:`parameter_counts` by (build, extras, LoRA targets and rank, frozen submodule): a recipe's variants (with and
+#: without checkpointing, 1 GPU and FSDP) share one meta-device build instead of one each.
+_COUNTS: dict[tuple[Any, ...], dict[str, int]] = {}
+
+
+def parameter_counts(recipe: Recipe) -> dict[str, int]:
+    """``total``, ``frozen_part`` (in ``frozen_in_module``), ``lora`` (the adapter's parameters, 0 without LoRA) and
+    ``extras`` parameters of ``recipe``'s modules, built once on the meta device and remembered."""
+    key = (recipe.build, recipe.extras, recipe.lora_targets, recipe.lora_rank, recipe.frozen_in_module)
+    if key not in _COUNTS:
+        with torch.device("meta"):
+            module = recipe.build()
+            extras = recipe.extras() if recipe.extras else []
+        _COUNTS[key] = {
+            "total": sum(p.numel() for p in module.parameters()),
+            "frozen_part": sum(p.numel() for n, p in module.named_parameters()
+                               if recipe.frozen_in_module and recipe.frozen_in_module in n),
+            "lora": lora_parameters(module, recipe.lora_targets, recipe.lora_rank, exclude=recipe.frozen_in_module)
+            if recipe.lora_rank else 0,
+            "extras": sum(p.numel() for m in extras for p in m.parameters()),
+        }
+    return _COUNTS[key]
+
+
 def estimate(recipe: Recipe, gpus: int, fsdp: bool) -> dict[str, Any]:
     """Per-GPU memory of ``recipe`` (GiB per component and the peak)."""
-    with torch.device("meta"):
-        module = recipe.build()
-        extras = recipe.extras() if recipe.extras else []
-    total = sum(p.numel() for p in module.parameters())
-    frozen_part = sum(p.numel() for n, p in module.named_parameters()
-                      if recipe.frozen_in_module and recipe.frozen_in_module in n)
+    counts = parameter_counts(recipe)
+    total, frozen_part = counts["total"], counts["frozen_part"]
     mode = "lora" if recipe.lora_rank else "full"
     if mode == "lora":
-        trainable = lora_parameters(module, recipe.lora_targets, recipe.lora_rank, exclude=recipe.frozen_in_module)
+        trainable = counts["lora"]
         weights = total * recipe.weight_bytes
         sharded = 16 * trainable  # float32 adapter weights, gradients, two AdamW moments
     else:
@@ -723,7 +795,7 @@ def estimate(recipe: Recipe, gpus: int, fsdp: bool) -> dict[str, Any]:
         sharded = 12 * trainable  # gradients and two AdamW moments
     ema = 4 * trainable if recipe.ema else 0
     reference = total * 4 if (recipe.kl and mode == "full") else 0  # a float32 copy (flow and vlm plugins)
-    extras_bytes = sum(p.numel() for m in extras for p in m.parameters()) * recipe.extras_bytes
+    extras_bytes = counts["extras"] * recipe.extras_bytes
     shards = gpus if fsdp else 1
     kv = 0.0
     if recipe.kv_cache[0]:
@@ -761,7 +833,12 @@ def check() -> list[dict[str, Any]]:
 
     The activation difference between a 4-block and a 2-block model isolates two blocks (embeddings, final norm and
     head cancel); the state check sums parameter, gradient and AdamW state storages after one optimizer step."""
-    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import (
+        ChromaTransformer2DModel,
+        FluxTransformer2DModel,
+        LongCatImageTransformer2DModel,
+        SD3Transformer2DModel,
+    )
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -801,6 +878,15 @@ def check() -> list[dict[str, Any]]:
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(FLOW_CHROMA_TARGETS))) \
             if lora else model
 
+    def longcat(double: int, single: int, lora: bool) -> nn.Module:
+        # LongCat-Image's blocks (FLUX.1's structure, no guidance or pooled embedding) at FLUX's check sizes
+        model = LongCatImageTransformer2DModel(patch_size=1, in_channels=16, num_layers=double,
+                                               num_single_layers=single, attention_head_dim=head_dim,
+                                               num_attention_heads=heads, joint_attention_dim=32,
+                                               pooled_projection_dim=32, axes_dims_rope=[4, 6, 6])
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8,
+                                                target_modules=list(FLOW_LONGCAT_IMAGE_TARGETS))) if lora else model
+
     seq, image_side, text = 40, 12, 10
     ids = torch.randint(0, 101, (batch, seq))
     latents, context = torch.randn(batch, 4, image_side, image_side), torch.randn(batch, text, 32)
@@ -816,6 +902,21 @@ def check() -> list[dict[str, Any]]:
     def run_chroma(model: nn.Module) -> Any:
         return lambda: model(hidden_states=packed, encoder_hidden_states=context, timestep=timestep / 1000,
                              img_ids=image_ids, txt_ids=text_ids, attention_mask=chroma_mask).sample.sum()
+
+    # LongCat-Image-Edit's joint sequence (LongCatImageEditPipeline.__call__, diffusers 0.42.1): the text, the
+    # generated image's tokens and the input image's appended after them, with the edit's rotary ids (text (0, i, i),
+    # generated (1, L + row, L + column), input (2, L + row, L + column); pipeline_longcat_image_edit.py:446-462)
+    # its own generator: the global stream, and so every other case's inputs, stay as they were without this case
+    input_tokens = torch.randn(batch, flux_tokens, 16, generator=torch.Generator().manual_seed(1))  # [B, T, 16]
+    edit_tokens = torch.cat([packed, input_tokens], dim=1)  # [B, 2T, 16]
+    grid = torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij"), -1).reshape(-1, 2) + text
+    edit_ids = torch.cat([torch.cat([torch.full((flux_tokens, 1), float(modality)), grid.float()], dim=1)
+                          for modality in (1, 2)])  # [2T, 3]
+    edit_text_ids = torch.arange(text).float()[:, None].expand(text, 3) * torch.tensor([0.0, 1.0, 1.0])  # [L, 3]
+
+    def run_longcat_edit(model: nn.Module) -> Any:
+        return lambda: model(hidden_states=edit_tokens, encoder_hidden_states=context, timestep=timestep / 1000,
+                             img_ids=edit_ids, txt_ids=edit_text_ids).sample.sum()
 
     def run_decoder(model: nn.Module) -> Any:
         return lambda: model(input_ids=ids, logits_to_keep=1).logits.sum()
@@ -837,7 +938,11 @@ def check() -> list[dict[str, Any]]:
              ("flux_double", flux_tokens + text, lambda n, lora: flux(n, 1, lora), run_flux, 0),
              ("flux_single", flux_tokens + text, lambda n, lora: flux(1, n, lora), run_flux, 0),
              ("chroma_double", flux_tokens + text, lambda n, lora: chroma(n, 1, lora), run_chroma, 0),
-             ("chroma_single", flux_tokens + text, lambda n, lora: chroma(1, n, lora), run_chroma, 0)]
+             ("chroma_single", flux_tokens + text, lambda n, lora: chroma(1, n, lora), run_chroma, 0),
+             ("flux_double (LongCat-Image-Edit blocks)", 2 * flux_tokens + text, lambda n, lora: longcat(n, 1, lora),
+              run_longcat_edit, 0),
+             ("flux_single (LongCat-Image-Edit blocks)", 2 * flux_tokens + text, lambda n, lora: longcat(1, n, lora),
+              run_longcat_edit, 0)]
     for kind, tokens, build, runner, dual_tokens in cases:
         for mode in ("full", "lora"):
             small, large = build(2, mode == "lora"), build(4, mode == "lora")

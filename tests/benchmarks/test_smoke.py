@@ -299,25 +299,8 @@ def test_step_floors(tmp_path, plugin):
 # ---------------------------------------------------------------------------------------------------- memory
 
 
-def test_memory_estimate(tmp_path):
-    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe, the Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5, Chroma and
-    Sana recipes (built on the meta device), FSDP over 2, with the tiny-model check."""
-    out = tmp_path / "memory.json"
-    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
-                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "Kontext", "HunyuanVideo-1.5 t2v", "Chroma", "Sana",
-                  "--check", "--json", str(out))
-    result = read_json(out)
-    assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
-    assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
-                                       "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px",
-                                       "Z-Image-Turbo LoRA r64 512px", "FLUX.1-Kontext LoRA r64 384px",
-                                       "HunyuanVideo-1.5 t2v LoRA r128 53f", "Chroma1-HD LoRA r64 512px",
-                                       "Sana-1.6B LoRA r32", "Sana1.5-4.8B LoRA r32"]
-    # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
-    # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
-    glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
-    assert glm["trainable"] == 40 * 64 * (8192 + 2 * 4352 + 8192 + (4096 + 27392) + (13696 + 4096))
-    recipe = result["recipes"]["LLaDA-8B LoRA r128"]
+def check_llada(recipe: dict[str, Any]) -> None:
+    """LLaDA-8B, configs/dllm/llada8b_gsm8k_lora.yaml, by hand (FSDP over 2 in the run)."""
     assert set(recipe) == {"config", "recipe_checkpointing", "without_checkpointing", "with_checkpointing"}
     one = recipe["without_checkpointing"]["one_gpu"]
     # By hand: embeddings and head 2 · 126464 · 4096, per layer 4 · 4096² (attention) + 3 · 4096 · 12288 (MLP)
@@ -332,6 +315,76 @@ def test_memory_estimate(tmp_path):
     assert sharded["weights"] == pytest.approx(gib["weights"] / 2)
     assert sharded["activations"] == pytest.approx(gib["activations"])
     assert recipe["with_checkpointing"]["one_gpu"]["gib"]["activations"] < gib["activations"]
+
+
+def check_kontext(recipe: dict[str, Any]) -> None:
+    """FLUX.1 Kontext at 384 px, configs/flow/flux_kontext_pickscore.yaml: rank-64 LoRA on FLUX.1-dev's 19 double
+    blocks (8 attention projections 3072 -> 3072 and both streams' MLPs 3072 -> 12288 -> 3072) and the 38 single
+    blocks' to_q/k/v; without checkpointing, FLUX's per-token LoRA activations (19.63h double, 12.41h single, bf16)
+    over 2 x 576 image tokens (the input image appended) and 512 text tokens, micro-batch 2."""
+    one = recipe["without_checkpointing"]["one_gpu"]
+    assert one["trainable"] == 64 * (19 * (8 * (3072 + 3072) + 4 * (3072 + 12288)) + 38 * 3 * (3072 + 3072))
+    per_token = (19 * 19.63 + 38 * 12.41) * 3072 * 2  # bytes per token and sequence
+    assert one["gib"]["activations"] == pytest.approx(per_token * (2 * 576 + 512) * 2 / 2**30, rel=1e-6)
+
+
+def check_longcat_edit(recipe: dict[str, Any]) -> None:
+    """LongCat-Image-Edit at 384 px, configs/flow/longcat_image_edit_pickscore.yaml: LongCat-Image's transformer
+    (6.27B: 10 double and 20 single FLUX-style blocks of 3072), rank-64 LoRA on the double blocks' 8 attention
+    projections and both MLPs and the single blocks' to_q/k/v; EMA; checkpointed over 2 x 576 image tokens (the input
+    image appended) and a text row of 1 + 49 + 1 + 512 = 563 (<|vision_start|>, the input's merged vision tokens at
+    192 px, which Qwen2-VL's processor rounds to 196 = 7 x 28, <|vision_end|>, the 512 padded instruction tokens);
+    each block keeps its input and one double block (19.63h per token, FLUX's LoRA coefficient) is recomputed,
+    micro-batch 2 x 2 (CFG), bf16. The extras are LongCat-Image's: Qwen2.5-VL-7B and the VAE."""
+    assert recipe["recipe_checkpointing"] is True
+    one = recipe["with_checkpointing"]["one_gpu"]
+    assert 6.25e9 < one["parameters"] < 6.3e9
+    assert one["trainable"] == 64 * (10 * (8 * (3072 + 3072) + 4 * (3072 + 12288)) + 20 * 3 * (3072 + 3072))
+    assert one["gib"]["trainable_state"] == pytest.approx(one["trainable"] * (16 + 4) / 2**30)
+    h, tokens = 3072, 2 * 576 + 563
+    assert one["gib"]["activations"] == pytest.approx((30 * tokens * h + 19.63 * h * tokens) * 2 * 4 / 2**30)
+    assert 15 < one["gib"]["frozen_extras"] < 16.5  # Qwen2.5-VL-7B (8.29B) and the VAE (84M) in bf16
+
+
+def test_memory_estimate(tmp_path):
+    """LLaDA-8B, FLUX.1 Kontext and LongCat-Image-Edit (built on the meta device), FSDP over 2: the script runs as
+    users run it and its numbers are the hand-computed ones. Every other family and the tiny-model check:
+    test_memory_estimate_every_family_and_the_tiny_model_check (slow)."""
+    out = tmp_path / "memory.json"
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "llada", "Kontext", "LongCat-Image-Edit",
+                  "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"settings", "recipes"} and result["settings"]["gpus"] == [2]
+    assert list(result["recipes"]) == ["LLaDA-8B LoRA r128", "FLUX.1-Kontext LoRA r64 384px",
+                                       "LongCat-Image-Edit LoRA r64 384px"]
+    check_llada(result["recipes"]["LLaDA-8B LoRA r128"])
+    check_kontext(result["recipes"]["FLUX.1-Kontext LoRA r64 384px"])
+    check_longcat_edit(result["recipes"]["LongCat-Image-Edit LoRA r64 384px"])
+
+
+@pytest.mark.slow
+def test_memory_estimate_every_family_and_the_tiny_model_check(tmp_path):
+    """GLM-4.1V-9B, LLaDA-8B, the Wan2.1-1.3B video recipe, the Qwen-Image, Z-Image-Turbo, editing, HunyuanVideo 1.5,
+    Chroma and Sana recipes (built on the meta device), FSDP over 2, with the tiny-model check (about 25 s on one
+    thread: the check builds and runs some 70 tiny models)."""
+    out = tmp_path / "memory.json"
+    run_benchmark(tmp_path, "memory_estimate.py", "--gpus", "2", "--only", "GLM-4.1V", "llada", "1.3B LoRA r128 33f",
+                  "A14B", "Qwen-Image LoRA r64 512px", "Z-Image", "Kontext", "LongCat-Image-Edit",
+                  "HunyuanVideo-1.5 t2v", "Chroma", "Sana", "--check", "--json", str(out))
+    result = read_json(out)
+    assert set(result) == {"settings", "recipes", "check"} and result["settings"]["gpus"] == [2]
+    assert list(result["recipes"]) == ["GLM-4.1V-9B LoRA r64", "LLaDA-8B LoRA r128", "Wan2.1-1.3B LoRA r128 33f",
+                                       "Wan2.2-A14B LoRA r64 (2 experts) 33f", "Qwen-Image LoRA r64 512px",
+                                       "Z-Image-Turbo LoRA r64 512px", "FLUX.1-Kontext LoRA r64 384px",
+                                       "LongCat-Image-Edit LoRA r64 384px", "HunyuanVideo-1.5 t2v LoRA r128 53f",
+                                       "Chroma1-HD LoRA r64 512px", "Sana-1.6B LoRA r32", "Sana1.5-4.8B LoRA r32"]
+    # GLM-4.1V-9B, configs/vlm/glm41v_grounding.yaml: rank-64 LoRA per layer on q (4096 -> 4096), k and v
+    # (4096 -> 2 x 128), o (4096 -> 4096), the fused gate_up (4096 -> 2 x 13696) and down (13696 -> 4096); 40 layers.
+    glm = result["recipes"]["GLM-4.1V-9B LoRA r64"]["with_checkpointing"]["one_gpu"]
+    assert glm["trainable"] == 40 * 64 * (8192 + 2 * 4352 + 8192 + (4096 + 27392) + (13696 + 4096))
+    check_llada(result["recipes"]["LLaDA-8B LoRA r128"])
+    check_kontext(result["recipes"]["FLUX.1-Kontext LoRA r64 384px"])
+    check_longcat_edit(result["recipes"]["LongCat-Image-Edit LoRA r64 384px"])
     # Wan2.1-T2V-1.3B, configs/flow/wan_t2v.yaml: rank-128 LoRA on 8 attention projections (1536 -> 1536) and the MLP
     # (1536 -> 8960 -> 1536) of each of 30 blocks; bf16 base; 33 frames at 480 x 832 are 9 x 30 x 52 = 14,040 tokens,
     # 226 text tokens, micro-batch 1 x 2 (CFG).
@@ -372,15 +425,6 @@ def test_memory_estimate(tmp_path):
     assert z_image["trainable"] == 34 * 64 * (4 * (3840 + 3840) + 3 * (3840 + 10240))
     assert z_image["gib"]["weights"] == pytest.approx(z_image["parameters"] * 2 / 2**30) and z_image["parameters"] > 6e9
     assert z_image["gib"]["frozen_extras"] > 7  # Qwen3-4B (4.02B parameters) in bf16 and the VAE
-    # FLUX.1 Kontext at 384 px, configs/flow/flux_kontext_pickscore.yaml: rank-64 LoRA on FLUX.1-dev's 19 double blocks
-    # (8 attention projections 3072 -> 3072 and both streams' MLPs 3072 -> 12288 -> 3072) and the 38 single blocks'
-    # to_q/k/v; without checkpointing, FLUX's per-token LoRA activations (19.63h double, 12.41h single, bf16) over
-    # 2 x 576 image tokens (the input image appended) and 512 text tokens, micro-batch 2.
-    kontext = result["recipes"]["FLUX.1-Kontext LoRA r64 384px"]
-    one = kontext["without_checkpointing"]["one_gpu"]
-    assert one["trainable"] == 64 * (19 * (8 * (3072 + 3072) + 4 * (3072 + 12288)) + 38 * 3 * (3072 + 3072))
-    per_token = (19 * 19.63 + 38 * 12.41) * 3072 * 2  # bytes per token and sequence
-    assert one["gib"]["activations"] == pytest.approx(per_token * (2 * 576 + 512) * 2 / 2**30, rel=1e-6)
     # HunyuanVideo 1.5 480p, configs/flow/hunyuan_video15_t2v.yaml: 8.33B parameters, the published 8.3B; rank-128
     # LoRA on 54 dual-stream blocks (8 attention projections 2048 -> 2048, both streams' MLPs 2048 -> 8192 -> 2048)
     # and the text token refiner's 2 blocks (to_q/k/v/out 2048 -> 2048, MLP 2048 -> 8192 -> 2048, after its 3584 ->
@@ -423,11 +467,13 @@ def test_memory_estimate(tmp_path):
     large = result["recipes"]["Sana1.5-4.8B LoRA r32"]["with_checkpointing"]["one_gpu"]
     assert 4.7e9 < large["parameters"] < 4.75e9 and large["trainable"] == 3 * one["trainable"]
     # The estimator against saved-tensor and optimizer-state bytes measured on tiny float32 models, Wan, Qwen-Image,
-    # Z-Image, HunyuanVideo 1.5, Chroma and Sana blocks included.
-    assert len(result["check"]) == 34
+    # Z-Image, HunyuanVideo 1.5, Chroma and Sana blocks included, and LongCat's blocks over an edit's joint sequence
+    # (generated, input-image and text tokens) against FLUX's coefficients, which the LongCat rows use.
+    assert len(result["check"]) == 38
     assert {row["model"].split(" ")[0] for row in result["check"]} >= {"wan", "qwen_image", "z_image",
                                                                        "hunyuan_video15", "chroma_double",
                                                                        "chroma_single", "sana", "sana15"}
+    assert sum("LongCat-Image-Edit blocks" in row["model"] for row in result["check"]) == 4
     for row in result["check"]:
         if "bf16" in row["model"]:
             # Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5 and Sana LoRA blocks at bfloat16 under autocast keep float32

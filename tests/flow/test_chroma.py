@@ -217,12 +217,14 @@ def test_auto_detection_and_refusals(make_plugin, pipelines):
 def test_another_pipeline_is_refused_in_one_line(make_plugin, pipelines):
     """``adapter: chroma`` names the pipeline class it reproduces: on a FLUX.1 checkpoint (the model Chroma derives
     from, a likely mix-up) it is refused in one line when the adapter is built, as the Sana and LongCat-Image adapters
-    refuse theirs, not with a TypeError from deep inside ``FluxPipeline.encode_prompt`` at the first prompt."""
+    refuse theirs, not with a TypeError from deep inside ``FluxPipeline.encode_prompt`` at the first prompt; the
+    line names the adapter that drives the class found. The reverse (``adapter: flux`` on a Chroma checkpoint) is in
+    tests/flow/test_pipeline_refusals.py."""
     from diffusers import FluxPipeline
 
     from mmrl.plugins.flow.adapters.chroma import ChromaAdapter
 
-    refused = r"^the chroma adapter reproduces ChromaPipeline; got FluxPipeline$"
+    refused = r"^the chroma adapter drives ChromaPipeline, not FluxPipeline: set plugin.adapter: flux \(or auto\)$"
     with pytest.raises(ValueError, match=refused):
         ChromaAdapter(FluxPipeline.from_pretrained(str(pipelines["flux"])), torch.device("cpu"))
     with pytest.raises(ValueError, match=refused):

@@ -244,11 +244,10 @@ def test_other_pipelines_lengths_and_sizes_are_refused_in_one_line(longcat, pipe
 
     from mmrl.plugins.flow.adapters.longcat_image import LongCatImageAdapter
 
-    with pytest.raises(ValueError, match=r"^the longcat_image adapter reproduces LongCatImagePipeline; got "
-                                         r"FluxPipeline$"):
+    refused = r"^the longcat_image adapter drives LongCatImagePipeline, not FluxPipeline: set plugin.adapter: flux "
+    with pytest.raises(ValueError, match=refused + r"\(or auto\)$"):
         LongCatImageAdapter(FluxPipeline.from_pretrained(pipelines["flux"]), torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"^the longcat_image adapter reproduces LongCatImagePipeline; got "
-                                         r"FluxPipeline$"):
+    with pytest.raises(ValueError, match=refused + r"\(or auto\)$"):
         longcat(model=str(pipelines["flux"]), adapter="longcat_image")
     assert json.loads((pipelines["longcat_image"] / "model_index.json").read_text())["_class_name"] == \
         "LongCatImagePipeline"

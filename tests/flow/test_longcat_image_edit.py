@@ -3,9 +3,15 @@ Qwen2.5-VL that reads the input image, the 1+1-block transformer, the 16-channel
 ``from_pretrained``, with prompt rows naming the image to edit: the plugin's ODE is the pipeline's own sampler on the
 same image (its size rule set to the run's size) with and without CFG, every row's prompt and negative prompt are
 the pipeline's encodings read with its image, the training forward gives ratio 1 on-policy, GRPO steps train the
-LoRA, and options the edit pipeline does not have are refused."""
+LoRA, options the edit pipeline does not have are refused, the memory estimator's text length is the pipeline's, and
+the recipe runs a step."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ from tests.flow.checks import (
     image_rows,
     perturb_lora,
     row_images,
+    run_recipe_step,
     train_two_steps,
     write_image_rows,
 )
@@ -138,3 +145,50 @@ def test_renorm_options_and_other_lengths_are_refused(make_plugin, edits):
     with pytest.raises(ValueError, match=r"^plugin.max_sequence_length is 64; LongCatImageEditPipeline pads every "
                                          r"prompt to exactly 512 tokens[^\n]*$"):
         plugin.rollout(plugin.policy(), image_batch(_rows(edits, 0), 1))
+
+
+def _memory_estimate() -> Any:
+    """benchmarks/memory_estimate.py as a module (its LongCat-Image-Edit row sizes the text with this formula)."""
+    name = "benchmarks_memory_estimate"
+    if name not in sys.modules:  # registered before it runs: its dataclasses look their module up
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_estimate.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize(("height", "width", "indices"), [(16, 16, (0, 1)), (16, 32, (2, 3)), (32, 32, (0, 1))],
+                         ids=["16x16", "16x32", "32x32"])
+def test_the_memory_estimators_text_length_is_the_pipelines(make_plugin, edits, height, width, indices):
+    """The text row the memory estimator counts for LongCat-Image-Edit (``longcat_edit_text_tokens``: two markers, the
+    merged vision tokens of the input at half its sides, 512) is the length of the rows the adapter encodes with the
+    pipeline's own ``encode_prompt``, at the tiny processor's pixel bounds (4 to 16 merged tokens: 4, 6 and 16 here);
+    and its grid rule is transformers' ``smart_resize`` at Qwen2-VL's default bounds, which the full-size row uses
+    (384 px: a 192 px text image, 7 x 7 tokens, 563 in all)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    estimator = _memory_estimate()
+    plugin = make_plugin("longcat_image_edit", **_options(edits, cfg=False, height=height, width=width))
+    _, conditioning, _ = plugin.sampler.row_conditioning(_rows(edits, *indices))
+    bounds = plugin.adapter.pipeline.text_processor.image_processor.size  # shortest_edge / longest_edge: pixels
+    expected = estimator.longcat_edit_text_tokens(height, width, bounds.shortest_edge, bounds.longest_edge)
+    assert conditioning["prompt_embeds"].shape[1] == expected
+    for side_h, side_w in ((192, 192), (256, 256), (512, 512), (384, 672), (2048, 64), (20, 30)):
+        rows, columns = estimator.qwen2_vl_grid(side_h, side_w)
+        assert (rows * 28, columns * 28) == smart_resize(side_h, side_w)
+    assert estimator.longcat_edit_text_tokens(384, 384) == 1 + 7 * 7 + 1 + 512
+
+
+def test_the_recipe_runs_a_step_on_the_tiny_pipeline(pipelines, edits, tmp_path):
+    """configs/flow/longcat_image_edit_pickscore.yaml as written (true CFG 4.5 with each row's negative, 10 steps with
+    one trained step drawn from 1-3, EMA, gradient checkpointing, two optimizer steps per rollout, evaluation at a
+    larger output and input size), on the tiny pipeline at 16 px with the edit rows and the test reward: the
+    combination loads, trains at ratio 1 and evaluates."""
+    trainer = run_recipe_step("longcat_image_edit_pickscore.yaml", pipelines["longcat_image_edit"], tmp_path,
+                              f"plugin.dataset={edits / 'train.jsonl'}", f"plugin.eval_dataset={edits / 'train.jsonl'}",
+                              "plugin.resolution=16", "plugin.eval_height=32", "plugin.eval_width=32",
+                              "plugin.eval_condition_size=[32, 32]", "rewards.functions=[{name: test_brightness}]")
+    plugin = trainer.plugin
+    assert (plugin.adapter.name, plugin.cfg, plugin.guidance_scale) == ("longcat_image_edit", True, 4.5)
+    assert plugin.config.gradient_checkpointing and plugin.config.max_sequence_length == TOKENS

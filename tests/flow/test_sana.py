@@ -4,7 +4,8 @@ DPM-Solver++ scheduler) built from config classes, saved and loaded back through
 is the pipeline's sampler with the Euler flow scheduler swapped in, prompts and the negative prompt are the
 pipeline's encodings (the negative prompt's through the adapter's negative-prompt hook, which the sampler uses), the
 training forward gives ratio 1, GRPO steps train the LoRA, the exported LoRA loads with
-``SanaPipeline.load_lora_weights``, the recipe runs, and Sana-Sprint is refused in one line."""
+``SanaPipeline.load_lora_weights``, the recipe runs, ``adapter_options.clean_caption`` is the pipeline's caption
+cleaning, and Sana-Sprint is refused in one line."""
 
 from __future__ import annotations
 
@@ -234,9 +235,57 @@ def test_complex_human_instruction_option(sana):
     with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*complex_human_instruction"
                                           r": a list of strings \(\[\] for none\); got 'describe'$"):
         sana(adapter_options={"complex_human_instruction": "describe"})
-    with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*; 'clean_caption' is not "
-                                          r"one$"):
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*allowed: keys of "
+                                          r"complex_human_instruction, clean_caption \(the sana adapter's\); "
+                                          r"'clean_captions' is not one$"):
+        sana(adapter_options={"clean_captions": True})
+
+
+# A prompt and a negative prompt that SanaPipeline's caption cleaning changes: an HTML tag and entity, a URL, an
+# escaped space and a run of bad punctuation (its _clean_caption removes or replaces each)
+DIRTY, DIRTY_NEGATIVE = "A <b>Cat</b> &amp; a dog at https://example.com/x%20y", "blurry ### [ugly] <i>photo</i>"
+
+
+def test_clean_caption_is_the_pipelines_caption_cleaning(sana):
+    """``adapter_options: {clean_caption: true}`` samples what ``SanaPipeline(..., clean_caption=True)`` samples (the
+    pipeline's own cleaning of the prompts and of the negative prompt, run by its ``encode_prompt``); the check can
+    fail: the same prompts uncleaned give other images."""
+    pytest.importorskip("bs4", reason="SanaPipeline's caption cleaning needs beautifulsoup4")
+    pytest.importorskip("ftfy", reason="SanaPipeline's caption cleaning needs ftfy")
+    plugin = sana(adapter_options={"clean_caption": True}, negative_prompt=DIRTY_NEGATIVE, eval_num_steps=3,
+                  eval_guidance_scale=3.0)
+    prompts = [DIRTY, LONG]
+    pipeline = _euler_pipeline(plugin)
+    assert pipeline._text_preprocessing([DIRTY], clean_caption=True) != [DIRTY.lower()]  # cleaning changes it
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(prompts, 1, first_seed=5, training=False)).validate()
+    generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
+    with torch.no_grad():
+        expected = pipeline(prompts, negative_prompt=DIRTY_NEGATIVE, height=32, width=32, num_inference_steps=3,
+                            guidance_scale=3.0, generator=generators, output_type="pt", use_resolution_binning=False,
+                            max_sequence_length=TOKENS, clean_caption=True).images
+    torch.testing.assert_close(rollout.payload["images"], expected, rtol=0, atol=1e-5)
+    uncleaned = sana(negative_prompt=DIRTY_NEGATIVE, eval_num_steps=3, eval_guidance_scale=3.0)
+    other = uncleaned.rollout(uncleaned.policy(), prompt_batch(prompts, 1, first_seed=5, training=False))
+    assert (rollout.payload["images"] - other.payload["images"]).abs().max() > 1e-3
+    # the negative prompt is cleaned too (SanaPipeline.encode_prompt passes clean_caption to its negative path)
+    cleaned = plugin.adapter.encode_negative_prompt(DIRTY_NEGATIVE, TOKENS)["prompt_embeds"]
+    raw = uncleaned.adapter.encode_negative_prompt(DIRTY_NEGATIVE, TOKENS)["prompt_embeds"]
+    assert (cleaned - raw).abs().max() > 1e-3
+
+
+def test_clean_caption_without_its_packages_or_not_a_bool_is_refused(sana, monkeypatch):
+    """Where beautifulsoup4 or ftfy is missing SanaPipeline warns and encodes the prompt uncleaned; the adapter refuses
+    ``clean_caption: true`` in one line naming what is missing (false stays allowed), and a non-boolean value."""
+    from mmrl.plugins.flow.adapters import sana as sana_module
+
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*clean_caption: true or "
+                                          r"false \(SanaPipeline's caption cleaning\); got 'yes'$"):
+        sana(adapter_options={"clean_caption": "yes"})
+    monkeypatch.setattr(sana_module, "caption_cleaning_packages", lambda: {"beautifulsoup4": False, "ftfy": True})
+    with pytest.raises(ConfigError, match=r"^config key 'plugin.adapter_options': [^\n]*beautifulsoup4 missing: "
+                                          r"pip install beautifulsoup4$"):
         sana(adapter_options={"clean_caption": True})
+    assert sana(adapter_options={"clean_caption": False}).adapter.clean_caption is False
 
 
 def test_recomputed_logp_has_ratio_one_for_any_micro_batch_split(sana):

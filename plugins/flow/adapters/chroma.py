@@ -70,11 +70,9 @@ class ChromaAdapter(FluxAdapter):
     default_max_sequence_length = 512  # ChromaPipeline's default (also its maximum)
 
     def __init__(self, pipeline: Any, device: torch.device):
-        # By name (plugin.adapter: chroma) any checkpoint reaches here; a FLUX.1 one would otherwise fail only at the
-        # first prompt, inside FluxPipeline.encode_prompt (no negative_prompt keyword), as a TypeError
-        kind = type(pipeline).__name__
-        if kind not in self.pipeline_classes:
-            raise ValueError(f"the {self.name} adapter reproduces {self.pipeline_classes[0]}; got {kind}")
+        # By name (plugin.adapter: chroma) any checkpoint reaches here; FluxAdapter.__init__ refuses another class
+        # than ChromaPipeline (a FLUX.1 one would otherwise fail only at the first prompt, inside
+        # FluxPipeline.encode_prompt: no negative_prompt keyword, a TypeError)
         super().__init__(pipeline, device)
         #: The dtype of the text mask ChromaPipeline builds (its text encoder's float dtype in diffusers 0.42.1,
         #: bool were it fixed), read at the first :meth:`encode_prompts`: the transformer gets the mask so.

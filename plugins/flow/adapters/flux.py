@@ -4,6 +4,11 @@ guidance scale given to the model through its guidance embedding instead of a se
 
 Defaults: guidance 3.5 (the FLUX.1-dev default, also used by DanceGRPO, arXiv:2505.07818) and Flow-GRPO's FLUX
 LoRA targets, which add the feed-forward layers of both streams to the attention projections.
+
+The adapter and its subclasses (``chroma``, ``flux_kontext``, ``longcat_image``, ``longcat_image_edit``) refuse, when
+built, a pipeline of a class they do not drive (:func:`refuse_other_pipelines`): by name (``plugin.adapter: flux``)
+any checkpoint reaches the adapter, and a Chroma, Kontext or LongCat checkpoint would otherwise fail only at the first
+prompt (``ChromaPipeline.encode_prompt`` takes no ``prompt_2``: a TypeError) or, worse, run with the wrong inputs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,25 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+
+
+def refuse_other_pipelines(adapter: type[FlowAdapter], pipeline: Any) -> None:
+    """Raise a one-line ValueError unless ``pipeline``'s class is one of ``adapter.pipeline_classes``, naming the class
+    found, the classes the adapter drives and the registered adapter that drives the class found (the one
+    ``plugin.adapter: auto`` would pick from the checkpoint's ``model_index.json``), or saying that none does.
+
+    Classes are compared by name, as ``auto`` compares ``model_index.json``'s ``_class_name``. An adapter that
+    declares no pipeline class (one chosen by name only, e.g. ``flux2_edit``) checks its pipeline itself."""
+    kind = type(pipeline).__name__
+    if not adapter.pipeline_classes or kind in adapter.pipeline_classes:
+        return
+    from mmrl.plugins.flow.adapters import flow_adapters
+
+    drivers = [name for name in flow_adapters.names() if kind in flow_adapters.get(name).pipeline_classes]
+    instead = (f"set plugin.adapter: {drivers[0]} (or auto)" if drivers else
+               "no registered flow adapter drives it (docs/flow.md section 12 adds one)")
+    raise ValueError(f"the {adapter.name} adapter drives {' or '.join(adapter.pipeline_classes)}, not {kind}: "
+                     f"{instead}")
 
 
 class FluxAdapter(FlowAdapter):
@@ -31,6 +55,7 @@ class FluxAdapter(FlowAdapter):
     default_max_sequence_length = 512  # FluxPipeline's default
 
     def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         self._ids: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
 

@@ -84,10 +84,7 @@ class LongCatImageAdapter(FluxAdapter):
     default_max_sequence_length = 512  # the pipeline's tokenizer_max_length: every prompt is padded to it
 
     def __init__(self, pipeline: Any, device: torch.device):
-        kind = type(pipeline).__name__
-        if kind not in self.pipeline_classes:
-            raise ValueError(f"the {self.name} adapter reproduces {self.pipeline_classes[0]}; got {kind}")
-        super().__init__(pipeline, device)
+        super().__init__(pipeline, device)  # FluxAdapter.__init__ refuses another class than pipeline_classes
         #: ``adapter_options.enable_cfg_renorm`` / ``cfg_renorm_min``: the pipeline's defaults.
         self.enable_cfg_renorm = True
         self.cfg_renorm_min = 0.0

@@ -6,7 +6,8 @@ What the adapter reproduces of ``SanaPipeline`` (diffusers 0.42.1, ``pipelines/s
 of that file):
 
 - prompts (``_get_gemma_prompt_embeds`` 222-278, ``encode_prompt`` 280-409): each prompt is lowercased and stripped
-  (``_text_preprocessing`` 495-518, ``clean_caption=False`` as ``__call__``'s default), the instruction lines joined
+  (``_text_preprocessing`` 495-518, ``clean_caption=False`` as ``__call__``'s default, line 695; its docstring, line
+  774, says True, but the keyword's default is False), the instruction lines joined
   by newlines are put in front of it (256-258), the tokenizer right-pads (249) to the instruction's own token count
   (BOS included) + ``max_sequence_length`` − 2 (259-260) and truncates there, Gemma-2's last hidden state is read
   with the padding mask, and of that sequence the first token (BOS) and the last ``max_sequence_length`` − 1 are kept
@@ -50,6 +51,12 @@ the guidance scale, ``guidance_embeds``), refused in one line, as is any other p
 Euler scheduler (``SanaPipeline`` passes it no μ, so the pipeline itself cannot run it). Sana's ControlNet and PAG
 pipelines have no adapter.
 
+``adapter_options: {clean_caption: true}`` is ``__call__(clean_caption=True)``: the pipeline's own
+``_clean_caption`` (DeepFloyd IF's caption cleaning, 520-636: URLs, HTML through BeautifulSoup, ``ftfy.fix_text``,
+punctuation, file names and the like), run twice per prompt and on the negative prompt too (361, 383). It needs
+``beautifulsoup4`` and ``ftfy``; where one is missing the pipeline logs a warning and encodes the prompt uncleaned
+(498-504), which the adapter refuses in one line instead. No file is downloaded.
+
 Defaults: guidance 4.5 with the empty negative prompt (the pipeline's), LoRA on the query/key/value/output projections
 of the self-attention (linear attention) and the cross-attention of every block, as the SD3 adapter's attention
 targets (Flow-GRPO's).
@@ -65,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.flux import refuse_other_pipelines
 
 
 def euler_scheduler_for(scheduler: Any) -> Any:
@@ -89,6 +97,14 @@ def euler_scheduler_for(scheduler: Any) -> Any:
                                            shift=float(config.flow_shift))
 
 
+def caption_cleaning_packages() -> dict[str, bool]:
+    """Whether each package ``SanaPipeline._clean_caption`` needs is importable, by its pip name, as diffusers checks
+    them (``is_bs4_available``, ``is_ftfy_available``; pipeline_sana.py 60-64, 496-504)."""
+    from diffusers.utils import is_bs4_available, is_ftfy_available
+
+    return {"beautifulsoup4": is_bs4_available(), "ftfy": is_ftfy_available()}
+
+
 def default_complex_human_instruction(pipeline: Any) -> list[str]:
     """The instruction lines ``SanaPipeline.__call__`` (of ``pipeline``, an instance or the class) puts in front of
     every prompt by default: its keyword's default in the installed diffusers, read from the signature."""
@@ -110,23 +126,40 @@ class SanaAdapter(FlowAdapter):
 
     def __init__(self, pipeline: Any, device: torch.device):
         kind = type(pipeline).__name__
-        if kind.startswith("SanaSprint") or getattr(pipeline.transformer.config, "guidance_embeds", False):
+        # Sana-Sprint first, with its own reason: a SanaSprintPipeline, or a SanaPipeline holding a Sprint transformer
+        # (guidance_embeds). Another class's transformer is not read: FLUX.1-dev's also embeds guidance.
+        sprint_transformer = kind == "SanaPipeline" and getattr(pipeline.transformer.config, "guidance_embeds", False)
+        if kind.startswith("SanaSprint") or sprint_transformer:
             raise ValueError(f"the sana adapter does not train Sana-Sprint ({kind}): a few-step sCM consistency model "
                              "with an embedded guidance scale, not SanaPipeline's flow-matching sampler")
-        if kind != "SanaPipeline":
-            raise ValueError(f"the sana adapter reproduces SanaPipeline; got {kind}")
+        refuse_other_pipelines(type(self), pipeline)
         super().__init__(pipeline, device)
         self.scheduler = euler_scheduler_for(pipeline.scheduler)  # the private copy the σ grids come from
         #: The instruction lines put in front of every prompt (``adapter_options.complex_human_instruction``).
         self.complex_human_instruction = default_complex_human_instruction(pipeline)
+        #: ``adapter_options.clean_caption``: the pipeline's caption cleaning of prompts and negative prompt.
+        self.clean_caption = False
 
     def configure(self, options: dict[str, Any], *, cfg: bool) -> None:
         """``adapter_options``: ``complex_human_instruction``, a list of strings (the lines put before every prompt;
-        ``[]`` for none, as the pipeline's ``complex_human_instruction=None``); default the pipeline's own."""
-        unknown = sorted(set(options) - {"complex_human_instruction"})
+        ``[]`` for none, as the pipeline's ``complex_human_instruction=None``); default the pipeline's own.
+        ``clean_caption``, true or false (default false, ``__call__``'s): the pipeline's caption cleaning, which
+        needs ``beautifulsoup4`` and ``ftfy`` (refused when either is missing, where the pipeline would warn and
+        encode the prompt uncleaned)."""
+        unknown = sorted(set(options) - {"complex_human_instruction", "clean_caption"})
         if unknown:
-            raise ValueError(f"keys of complex_human_instruction (the {self.name} adapter's); {unknown[0]!r} is not "
-                             "one")
+            raise ValueError(f"keys of complex_human_instruction, clean_caption (the {self.name} adapter's); "
+                             f"{unknown[0]!r} is not one")
+        if "clean_caption" in options:
+            value = options["clean_caption"]
+            if not isinstance(value, bool):
+                raise ValueError(f"clean_caption: true or false (SanaPipeline's caption cleaning); got {value!r}")
+            missing = [name for name, available in caption_cleaning_packages().items() if not available]
+            if value and missing:
+                raise ValueError(f"clean_caption: false, or true with beautifulsoup4 and ftfy installed (SanaPipeline "
+                                 f"would encode the prompts uncleaned without them); {' and '.join(missing)} missing: "
+                                 f"pip install {' '.join(missing)}")
+            self.clean_caption = value
         if "complex_human_instruction" in options:
             lines = options["complex_human_instruction"]
             if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
@@ -145,7 +178,7 @@ class SanaAdapter(FlowAdapter):
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         embeds, mask, _, _ = self.pipeline.encode_prompt(
             prompts, do_classifier_free_guidance=False, device=self.device, max_sequence_length=max_sequence_length,
-            complex_human_instruction=self.complex_human_instruction or None,
+            complex_human_instruction=self.complex_human_instruction or None, clean_caption=self.clean_caption,
         )
         # embeds [n, L, D] (BOS + the last L - 1 positions of instruction + prompt), mask [n, L] (1: a real token)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
@@ -159,7 +192,7 @@ class SanaAdapter(FlowAdapter):
         _, _, embeds, mask = self.pipeline.encode_prompt(
             None, do_classifier_free_guidance=True, negative_prompt=[prompt], device=self.device,
             prompt_embeds=placeholder, prompt_attention_mask=torch.ones(1, 1, device=self.device),
-            max_sequence_length=max_sequence_length,
+            max_sequence_length=max_sequence_length, clean_caption=self.clean_caption,
         )
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}  # [1, L, D], [1, L]
 
