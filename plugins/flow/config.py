@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
+from mmrl.plugins.flow.matching import MatchingConfig
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
 from mmrl.policy import lora_config_class
 from mmrl.prompts import read_prompt_file
@@ -241,6 +242,14 @@ class FlowPluginConfig:
         "algorithm.micro_batch_size. Null: the batch as it comes.",
         ref="flow_grpo#104, DanceGRPO#57 (batch-dependent kernels break ratio == 1)",
     )
+    likelihood: Literal["sde", "matching"] = config_field(
+        "sde", help="The log-prob of an action: 'sde', the Gaussian density of each trained SDE step (Flow-GRPO, "
+        "DanceGRPO and the credit strategies), or 'matching', Advantage Weighted Matching: the weighted, negated "
+        "flow-matching loss of the final sample at plugin.matching.num_times noised copies, one action column each "
+        "(plugin.matching; docs/flow.md section 16).",
+        ref="AWM arXiv:2509.25050; scxue/advantage_weighted_matching",
+    )
+    matching: MatchingConfig = field(default_factory=MatchingConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
 
     def validate(self, path: str) -> None:
@@ -249,6 +258,8 @@ class FlowPluginConfig:
         if self.adapter != "auto" and self.adapter not in flow_adapters:
             raise ConfigError(f"{path}.adapter", self.adapter, f"'auto' or one of {', '.join(flow_adapters.names())}")
         self._check_sde_kind(path)
+        if self.likelihood == "matching":
+            self._check_matching(path)
         highest = self.sde_kind().max_noise_level
         if highest is not None and self.noise_level > highest:
             raise ConfigError(f"{path}.noise_level", self.noise_level, f"a number in (0, {highest:g}] for sde "
@@ -268,7 +279,8 @@ class FlowPluginConfig:
                 if not 0 <= lo < hi <= self.num_steps or hi - lo < self.window_size:
                     raise ConfigError(f"{path}.window_range", self.window_range,
                                       f"[lo, hi] with 0 <= lo < hi <= {self.num_steps} and hi - lo >= window_size")
-            self._refuse_a_deterministic_last_step(path)
+            if self.likelihood == "sde":  # matching rollouts train no SDE step
+                self._refuse_a_deterministic_last_step(path)
         strategy(self).validate(self, f"{path}.credit")
         if self.train_experts is not None and (not self.train_experts
                                                or len(set(self.train_experts)) != len(self.train_experts)):
@@ -303,6 +315,27 @@ class FlowPluginConfig:
             raise ConfigError(f"{path}.dataset", self.dataset, "exactly one of dataset (a file or folder) and prompts")
         if self.prompts is not None and not self.prompts:
             raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
+
+    def _check_matching(self, path: str) -> None:
+        """``likelihood: matching`` takes Flow-GRPO's uniform credit only and none of the options that shape SDE
+        log-probs; the discrete time samplers need a grid step in each stratum."""
+        credit = self.credit
+        if credit.strategy != "step":
+            raise ConfigError(f"{path}.credit.strategy", credit.strategy, "'step' with plugin.likelihood matching (its "
+                              "actions are training times of the final sample, not denoising steps to credit)")
+        for key in ("ratio_norm", "ratio_norm_reweight", "noise_weighting"):
+            if getattr(credit, key):
+                raise ConfigError(f"{path}.credit.{key}", True, "false with plugin.likelihood matching (it acts on "
+                                  "SDE transition log-probs, which matching has none of)")
+        for key, default in (("train_steps", "fraction"), ("cps_log_prob", "flow_grpo"),
+                             ("kl_variance", "flow_grpo")):
+            if getattr(self, key) != default:
+                raise ConfigError(f"{path}.{key}", getattr(self, key), f"{default!r} with plugin.likelihood matching "
+                                  "(an SDE log-prob option; matching's are under plugin.matching)")
+        if self.share_initial_noise and self.matching.sde_sigma_range is None:
+            raise ConfigError(f"{path}.share_initial_noise", True, "false with plugin.likelihood matching and ODE "
+                              "rollouts (matching.sde_sigma_range null): the samples of a group would be identical")
+        self.matching.check_grid(f"{path}.matching", self.num_steps, self.timestep_fraction)
 
     def _check_sde_kind(self, path: str) -> None:
         """``sde`` names a stochastic kind of the registry (built-in or registered by a package); the deterministic
@@ -341,7 +374,10 @@ class FlowPluginConfig:
                               "deterministic last step: no log-prob, infinite KL)")
 
     def num_actions(self) -> int:
-        """A, the width of the action axis (trained steps per sample for 'step'; see the credit strategy)."""
+        """A, the width of the action axis (trained steps per sample for 'step'; see the credit strategy; the
+        training times with ``likelihood: matching``)."""
+        if self.likelihood == "matching":
+            return self.matching.num_times
         return credit_strategies.get(self.credit.strategy)(self).num_actions(self)
 
     def step_selection_count(self) -> int:

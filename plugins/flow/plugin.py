@@ -27,7 +27,10 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
 - all randomness comes from the per-sample seeds (or, with ``share_initial_noise``, from the group id), so a
   rollout does not depend on how samples are laid out over processes or rollout batches;
 - the KL is Flow-GRPO's KL between the Gaussian means of the policy and the reference, the reference being the
-  same transformer with its LoRA adapter disabled (full fine-tuning: a frozen copy, kept when ``kl_coef > 0``).
+  same transformer with its LoRA adapter disabled (full fine-tuning: a frozen copy, kept when ``kl_coef > 0``);
+- with ``plugin.likelihood: matching`` (Advantage Weighted Matching, :mod:`.matching`) the rollout trains no SDE step:
+  its K columns are training times of the final sample, ``old_logp`` is None, and :meth:`FlowPlugin.forward` returns
+  the negated weighted flow-matching loss at each time and the velocity KL to the reference.
 
 This module holds the contract only. The config is :mod:`.config` (re-exported here), the sampling engine that
 rollouts, forwards and the credit strategies share is :class:`~.sampler.FlowSampler`, and the SDE kinds are the
@@ -50,6 +53,7 @@ from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.flow.buckets import BUCKET_KEY, assign_buckets, bucket_name, condition_size_for, row_size
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows, row_image_paths
 from mmrl.plugins.flow.credit import credit_strategies
+from mmrl.plugins.flow.matching import MatchingLikelihood
 from mmrl.plugins.flow.sampler import FlowSampler
 from mmrl.policy import (
     DIFFUSERS_LORA_WEIGHTS,
@@ -63,6 +67,7 @@ from mmrl.policy import (
 from mmrl.rollout import Rollout, RolloutError
 
 LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
+MATCHING_EMA_FILE = "matching_ema.safetensors"  # plugin.matching.ema_kl_coef's EMA weights, in checkpoints
 
 __all__ = ["LORA_WEIGHTS", "FlowLoraConfig", "FlowPlugin", "FlowPluginConfig"]
 
@@ -122,7 +127,8 @@ class FlowPlugin(Plugin):
     def check_config(cls, train_config: Any) -> None:
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
         ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
-        ``algorithm.top_entropy_quantile`` (no per-step entropy)."""
+        ``algorithm.top_entropy_quantile`` (no per-step entropy); with ``likelihood: matching`` a ratio level other than
+        ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``)."""
         check_reference_sync(train_config)
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
@@ -130,6 +136,14 @@ class FlowPlugin(Plugin):
         if train_config.algorithm.top_entropy_quantile < 1:
             raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
                               "1 with plugin flow (it reports no per-step entropy to select by)")
+        if train_config.plugin.config.likelihood == "matching":
+            from mmrl.trainer.learn import ratio_level
+
+            level = ratio_level(train_config)
+            if level not in ("token", "sequence"):
+                raise ConfigError("algorithm.policy_loss.ratio_level", level, "'token' (AWM's exp_first) "
+                                  "or 'sequence' (sum_first) with plugin.likelihood matching (its rollouts have no "
+                                  "chunks)")
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback
@@ -239,6 +253,9 @@ class FlowPlugin(Plugin):
                                    or adapter.default_max_sequence_length, image_slots=image_slots,
                                    last_images=last_images)
         self.credit = credit_strategies.get(config.credit.strategy)(config)
+        #: ``likelihood: matching``: AWM's rollouts and scoring (:mod:`.matching`); None for SDE log-probs.
+        self.matching = MatchingLikelihood(config.matching, self.sampler, runtime) \
+            if config.likelihood == "matching" else None
 
     @property
     def model_evaluations(self) -> dict[str, int]:
@@ -274,14 +291,32 @@ class FlowPlugin(Plugin):
             with self.adapter.sized(*size, condition=condition):
                 if not batch.training:
                     return self.sampler.evaluation_rollout(policy, batch)
-                rollout = self.credit.rollout(self.sampler, policy, batch)
+                rollout = self._training_rollout(policy, batch)
             # the training forward regenerates at this size: every sample carries it
             rollout.replay[BUCKET_KEY] = torch.tensor([size], dtype=torch.long).expand(len(batch), 2).clone()
             return rollout
         if not batch.training:  # at plugin.eval_height x eval_width, the adapter back at the training size after
             with self.adapter.sized(*self.config.resolved_eval_size(), condition=self.condition_sizes[1]):
                 return self.sampler.evaluation_rollout(policy, batch)
+        return self._training_rollout(policy, batch)
+
+    def _training_rollout(self, policy: nn.Module, batch: PromptBatch) -> Rollout:
+        """The credit strategy's rollout, or with ``likelihood: matching`` AWM's (:meth:`.MatchingLikelihood.rollout`:
+        no SDE step is trained, the K training times are drawn)."""
+        if self.matching is not None:
+            return self.matching.rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
+
+    @property
+    def redraws_per_epoch(self) -> bool:
+        """With ``likelihood: matching`` and ``matching.redraw_per_epoch`` each inner epoch has its own times and
+        noise (:meth:`.MatchingLikelihood.num_draws` > 1): the core scores the old policy on each epoch's draw."""
+        return self.matching is not None and self.matching.num_draws() > 1
+
+    def start_inner_epoch(self, epoch: int) -> None:
+        """Select the matching draw of inner epoch ``epoch`` (SDE log-probs draw nothing per epoch)."""
+        if self.matching is not None:
+            self.matching.epoch = int(epoch)
 
     @staticmethod
     def _batch_image_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
@@ -312,6 +347,13 @@ class FlowPlugin(Plugin):
         """
         self.credit.forward_check(actions)
         replay = rollout.replay
+        if self.matching is not None:  # AWM: the columns are training times (every action is active)
+            width = int(replay["matching_times"].shape[2])
+            columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
+            reference = self._reference_module if need_reference else None
+            with self._rollout_size(rollout):
+                logp, kl, aux = self.matching.score(policy, rollout, columns, reference=reference)
+            return PolicyOutput(logp=logp, kl=kl, aux_loss=aux)
         width = int(replay["latents"].shape[1])
         columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
         if any(c >= width for c in columns):
@@ -412,7 +454,9 @@ class FlowPlugin(Plugin):
 
     def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """:meth:`Plugin.save_trainable`; for two experts each trained expert in its :meth:`expert_folders` folder,
-        in the format of a one-transformer run (diffusers' LoRA file or ``trainable.safetensors``)."""
+        in the format of a one-transformer run (diffusers' LoRA file or ``trainable.safetensors``). With
+        ``matching.ema_kl_coef`` the EMA of the EMA KL goes next to it (:data:`MATCHING_EMA_FILE`)."""
+        self._save_matching_ema(directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().save_trainable(policy, directory)
@@ -428,7 +472,8 @@ class FlowPlugin(Plugin):
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """What :meth:`save_trainable` wrote, each trained expert from its folder (a LoRA of another rank or alpha is
-        refused in one line, as for one transformer)."""
+        refused in one line, as for one transformer), and the EMA of the EMA KL."""
+        self._load_matching_ema(directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().load_trainable(policy, directory)
@@ -450,6 +495,33 @@ class FlowPlugin(Plugin):
         for _, expert, folder in folders:
             save_policy(expert, folder, fmt)
         return fmt
+
+    def _save_matching_ema(self, directory: str | Path) -> None:
+        """The EMA weights of ``matching.ema_kl_coef`` and the step of their last update, on the main process."""
+        matching = self.matching
+        if matching is None or matching.ema is None or not self.runtime.is_main_process:
+            return
+        from safetensors.torch import save_file
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        save_file({name: value.detach().cpu().contiguous() for name, value in matching.ema.items()},
+                  str(Path(directory) / MATCHING_EMA_FILE), metadata={"step": str(matching.ema_step)})
+
+    def _load_matching_ema(self, directory: str | Path) -> None:
+        """Restore the EMA of ``matching.ema_kl_coef`` from a checkpoint; a checkpoint without it is refused."""
+        matching = self.matching
+        if matching is None or matching.config.ema_kl_coef == 0:
+            return
+        from safetensors import safe_open
+
+        path = Path(directory) / MATCHING_EMA_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: a run with plugin.matching.ema_kl_coef > 0 resumes its EMA "
+                                    "weights from the checkpoint (saved with every checkpoint once training started)")
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            step = int(handle.metadata()["step"])
+            matching.ema = {name: handle.get_tensor(name).to(self.runtime.device) for name in handle.keys()}  # noqa: SIM118
+        matching.ema_step = step
 
     # ------------------------------------------------------------------ building blocks
     def reference_module(self) -> nn.Module | None:

@@ -89,10 +89,12 @@ class FlowSampler:
 
     @torch.no_grad()
     def chain_rollout(self, policy: nn.Module, batch: PromptBatch, plan: StepPlan, *, tail: list[int] | None = None,
-                      solver: str = "euler") -> Rollout:
+                      solver: str = "euler", keep_final: bool = False) -> Rollout:
         """Every sample on its own trajectory (its own noise), SDE where ``plan.stochastic`` says so, the trained
         steps stored. With ``tail`` (grid indices from :func:`~mmrl.plugins.flow.credit.solvers.tail_grid`) the steps
-        from ``tail[0]`` on are replaced by ``solver`` on that sub-grid (no trained step may lie there)."""
+        from ``tail[0]`` on are replaced by ``solver`` on that sub-grid (no trained step may lie there). With
+        ``keep_final`` the latent the rollout decodes is kept in ``replay["final_latents"]`` ``[n, *latent]``
+        (float32; ``plugin.likelihood: matching`` trains on it, :mod:`.matching`)."""
         from mmrl.plugins.flow.credit.solvers import ode_tail
 
         config = self.config
@@ -153,10 +155,13 @@ class FlowSampler:
 
         step_index = plan.step_index.to(device)  # [n, A]
         final = latents if predicted is None else predicted
-        return self._training_rollout(
+        rollout = self._training_rollout(
             batch, prompts, conditioning, extra, final, before, after, old_logp, means, step_index,
             mask=torch.ones_like(old_logp), evaluations=self.model_evaluations["rollout"] - counted,
         )
+        if keep_final:
+            rollout.replay["final_latents"] = final
+        return rollout
 
     @torch.no_grad()
     def shared_rollout(self, policy: nn.Module, batch: PromptBatch, template: Any) -> Rollout:

@@ -1,0 +1,362 @@
+"""Advantage Weighted Matching (``plugin.likelihood: matching``) on the tiny SD3 pipeline.
+
+Every expected value is restated here from the released code (scxue/advantage_weighted_matching@be51372,
+``advantage_weighted_matching/scripts/train_sd3_awm.py``, "L" below): the surrogate log-prob (L210-252), the time
+samplers (L1138-1207), the loss (L1292-1354); none of them calls :mod:`mmrl.plugins.flow.matching`'s formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mmrl.config import ConfigError, from_dict
+from mmrl.plugins.flow.matching import MatchingConfig, draw_times
+from mmrl.plugins.flow.plugin import FlowPluginConfig
+from mmrl.seeding import derive_seed
+from mmrl.trainer import Trainer
+from mmrl.trainer.learn import old_policy_pass
+from tests.flow.conftest import plugin_options, prompt_batch
+
+NOISE_TAG = 0xA3E2  # the documented contract: ε of (sample, epoch, column) from derive_seed(seed, tag, epoch, column)
+
+
+def _matching(make_plugin, runtime=None, plugin=None, **matching):
+    from mmrl.plugin import Runtime
+
+    options = {"num_times": 3, **matching}
+    return make_plugin("sd3", runtime or Runtime(needs_reference=True), likelihood="matching", matching=options,
+                       num_steps=6, timestep_fraction=0.99, **(plugin or {}))
+
+
+def _upstream_log_prob(velocity, noise, clean, t, weighting, power=0.25):
+    """train_sd3_awm.py L237-251, written out: float64, mean over every non-batch dim, then the weighting."""
+    log_prob = -(velocity.double() - (noise.double() - clean.double())) ** 2
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    t = t.double()
+    if weighting == "t":
+        return log_prob * t
+    if weighting == "t2":
+        return log_prob * t**2
+    if weighting == "uniform":
+        return log_prob
+    if weighting == "huber":
+        return -(torch.sqrt(-log_prob + 1e-10) - 1e-5) * t
+    assert weighting == "ghuber"
+    return -(torch.pow(-log_prob + 1e-10, power) - torch.pow(torch.tensor(1e-10, dtype=torch.float64), power)) \
+        * t / power
+
+
+def _noise(seeds, epoch, column, shape):
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
+        derive_seed(int(seed), NOISE_TAG, epoch, column))) for seed in seeds.tolist()])
+
+
+def _record_velocity(plugin):
+    """Wrap the sampler's velocity function: every call's (latents, timesteps, output)."""
+    calls = []
+    original = plugin.sampler.velocity
+
+    def velocity(module, latents, timesteps, conditioning, guidance_scale, *, phase):
+        out = original(module, latents, timesteps, conditioning, guidance_scale, phase=phase)
+        calls.append((latents.detach().clone(), timesteps.detach().clone(), out))
+        return out
+
+    plugin.sampler.velocity = velocity
+    return calls
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "t", "t2", "huber", "ghuber"])
+def test_log_prob_is_the_weighted_flow_matching_loss_of_the_final_sample(make_plugin, weighting):
+    plugin = _matching(make_plugin, weighting=weighting, time_sampler="logit_normal")
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))
+    replay = rollout.replay
+    assert rollout.old_logp is None and rollout.mask.shape == (4, 3) and bool((rollout.mask == 1).all())
+    clean = replay["clean_latents"]  # [4, *latent]
+    # x₀ is the latent the reward saw: decoding it gives the rollout's images
+    torch.testing.assert_close(plugin.adapter.decode(plugin.adapter.finalize(clean, replay["conditioning"])),
+                               rollout.payload["images"])
+    calls = _record_velocity(plugin)
+    output = plugin.forward(policy, rollout, need_reference=True)
+    assert output.logp.shape == (4, 3) and len(calls) == 6  # policy and reference per column
+    for k in range(3):
+        t = replay["matching_times"][:, 0, k]
+        noise = _noise(replay["matching_seeds"], 0, k, tuple(clean.shape[1:]))
+        latents, timesteps, velocity = calls[2 * k]
+        x_t = (1 - t.reshape(-1, 1, 1, 1)) * clean + t.reshape(-1, 1, 1, 1) * noise  # L1268
+        torch.testing.assert_close(latents, x_t, rtol=0, atol=1e-6)
+        torch.testing.assert_close(timesteps, t * 1000, rtol=1e-6, atol=1e-4)  # L214: timestep = t·1000
+        expected = _upstream_log_prob(velocity, noise, clean, t, weighting)
+        torch.testing.assert_close(output.logp[:, k].double(), expected, rtol=1e-6, atol=1e-7)
+    # LoRA B = 0: the policy is the reference
+    assert output.kl is not None and float(output.kl.detach().abs().max()) == 0.0
+
+
+def test_velocity_kl_both_weightings(make_plugin):
+    for kl_weight in ("uniform", "elbo"):
+        plugin = _matching(make_plugin, kl_weight=kl_weight)
+        policy = plugin.policy()
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        rollout = plugin.rollout(policy, prompt_batch(["a cat"], 2))
+        calls = _record_velocity(plugin)
+        output = plugin.forward(policy, rollout, need_reference=True)
+        for k in range(3):
+            t = rollout.replay["matching_times"][:, 0, k].double()
+            v, v_ref = calls[2 * k][2].double(), calls[2 * k + 1][2].double()
+            kl = ((v - v_ref) ** 2).mean(dim=(1, 2, 3))  # L1335-1337
+            if kl_weight == "elbo":
+                std = torch.sqrt(t / (1 - torch.clamp(t, 0, 0.99))) * 0.7  # L236
+                kl = kl / (2 * std**2)
+            assert float(kl.detach().min()) > 0
+            torch.testing.assert_close(output.kl[:, k].double(), kl, rtol=1e-5, atol=0)
+
+
+def _unshift(t, s):
+    return t / (s - (s - 1) * t)
+
+
+@pytest.mark.parametrize("sampler", ["logit_normal", "uniform"])
+def test_continuous_times_take_one_draw_per_stratum(sampler):
+    config = MatchingConfig(num_times=4, time_sampler=sampler, time_shift=3.0)
+    sigmas, timesteps = torch.linspace(1, 0, 7), torch.linspace(1, 0, 7)[:-1] * 1000
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([draw_times(config, generator, sigmas, timesteps, 5)[0] for _ in range(2000)])  # [D, K]
+    raw = _unshift(draws.double(), 3.0)
+    if sampler == "logit_normal":  # L1144-1159: u = (k + U)/K, t = shift(sigmoid(Φ⁻¹(u))), then t >= 0.01
+        assert float(draws.min()) >= 0.01
+        u = torch.distributions.Normal(0.0, 1.0).cdf(torch.logit(raw))
+    else:  # L1163-1169: t = shift(0.2 + 0.8·(k + U)/K)
+        u = (raw - 0.2) / 0.8
+    for k in range(4):  # one draw in each stratum, uniform inside it
+        assert float(u[:, k].min()) >= k / 4 - 1e-5 and float(u[:, k].max()) <= (k + 1) / 4 + 1e-5
+        assert abs(float(u[:, k].mean()) - (k + 0.5) / 4) < 0.01
+    times, model = draw_times(config, torch.Generator().manual_seed(1), sigmas, timesteps, 5)
+    torch.testing.assert_close(model, times * 1000)
+
+
+# The floored strata of the released recipes (S = 14 steps, timestep_fraction 0.9: M = 12; K = 6), by hand from
+# L1173-1177 (linspace(0, 12, 7)), L1198-1202 (linspace(1, 12, 7) = 1, 2.83, 4.67, 6.5, 8.33, 10.17, 12) and
+# L1182-1191 (0, then linspace(1, 12, 6) = 1, 3.2, 5.4, 7.6, 9.8, 12).
+STRATA = {
+    "discrete": [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)],
+    "discrete_wo_init": [(1, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)],
+    "discrete_with_init": [(0, 1), (1, 3), (3, 5), (5, 7), (7, 9), (9, 12)],
+}
+
+
+@pytest.mark.parametrize("sampler", sorted(STRATA))
+def test_discrete_times_are_grid_steps_one_per_stratum(sampler):
+    config = MatchingConfig(num_times=6, time_sampler=sampler)
+    sigmas = torch.linspace(1, 0, 15) ** 0.5  # any decreasing grid: t is σ at the drawn step
+    timesteps = sigmas[:-1] * 1000
+    generator = torch.Generator().manual_seed(0)
+    seen = [set() for _ in range(6)]
+    for _ in range(400):
+        t, model = draw_times(config, generator, sigmas, timesteps, int(14 * 0.9))
+        index = [int((sigmas - value).abs().argmin()) for value in t.tolist()]
+        torch.testing.assert_close(t, sigmas[index])
+        torch.testing.assert_close(model, timesteps[index])
+        for k, i in enumerate(index):
+            seen[k].add(i)
+    assert [set(range(lo, hi)) for lo, hi in STRATA[sampler]] == seen
+
+
+def test_ratio_is_exactly_one_before_an_update_and_each_epoch_has_its_own_draw(make_plugin):
+    from mmrl.plugin import Runtime
+
+    # fixed transformer batches: the old pass's pieces of 3 and the training forward's 4 rows see the same shapes
+    plugin = _matching(make_plugin, Runtime(inner_epochs=2), {"transformer_batch_size": 2}, time_sampler="uniform")
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))
+    times = rollout.replay["matching_times"]
+    assert plugin.redraws_per_epoch and times.shape == (4, 2, 3)
+    assert not torch.equal(times[:, 0], times[:, 1])  # each epoch draws its own times
+    logps = []
+    for epoch in range(2):
+        plugin.start_inner_epoch(epoch)
+        old = old_policy_pass(plugin, policy, rollout, batch_size=3).old_logp  # eval mode, no grad, pieces of 3
+        policy.train()
+        current = plugin.forward(policy, rollout, need_reference=False).logp
+        assert torch.equal(current.detach(), old)  # the same x_t for the old and the current pass: ratio ≡ 1
+        logps.append(old)
+    assert not torch.allclose(logps[0], logps[1])  # the second epoch draws new times and noise
+    plugin.start_inner_epoch(5)
+    with pytest.raises(RuntimeError, match="inner epoch 5"):
+        plugin.forward(policy, rollout, need_reference=False)
+
+
+def _upstream_loss(log_probs, old_log_probs, advantages, clip_range, kl, beta, loss_type, adv_clip_max=5.0,
+                   advantage_max=1.0):
+    """L1293-1352 with the [K, B] layout transposed to [B, K]: advantages clipped and rescaled, the clipped
+    surrogate on exp_first (per (sample, time)) or sum_first (mean over times, then exp) ratios, + β·mean KL."""
+    advantages = torch.clamp(advantages, -adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max
+    if loss_type == "sum_first":
+        ratio = torch.exp(log_probs.mean(dim=1) - old_log_probs.mean(dim=1))  # [B]
+    else:
+        ratio = torch.exp(log_probs - old_log_probs).reshape(-1)  # [B·K]
+        advantages = advantages.unsqueeze(1).expand_as(log_probs).reshape(-1)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.mean(torch.maximum(unclipped, clipped)) + beta * kl.mean()
+
+
+@pytest.mark.parametrize(("loss_type", "policy_loss"), [
+    ("exp_first", "{name: grpo, clip_low: 0.002, clip_high: 0.002}"),
+    ("sum_first", "{name: gspo, clip_low: 0.002, clip_high: 0.002}"),
+])
+def test_the_learner_loss_and_gradient_are_the_released_loss(train_config, tmp_path, loss_type, policy_loss):
+    beta = 0.3
+    config = train_config("sd3", tmp_path, f"algorithm.policy_loss={policy_loss}", f"algorithm.kl_coef={beta}",
+                          "algorithm.action_chunk_size=null", likelihood="matching", num_steps=6,
+                          matching={"num_times": 3, "weighting": "ghuber", "advantage_scale": 0.2,
+                                    "time_sampler": "logit_normal"})
+    trainer = Trainer(config)
+    plugin, policy = trainer.plugin, trainer.plugin.policy()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a policy away from the reference: a KL with a gradient
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    rollout = plugin.rollout(policy, prompt_batch(["a cat"], 3))
+    clean = rollout.replay["clean_latents"]
+    lora = [p for name, p in policy.named_parameters() if "lora_" in name]
+
+    # the released loss on log-probs and velocities written out here (the sampler's one velocity function)
+    log_probs, kls = [], []
+    for k in range(3):
+        t = rollout.replay["matching_times"][:, 0, k]
+        noise = _noise(rollout.replay["matching_seeds"], 0, k, tuple(clean.shape[1:]))
+        x_t = (1 - t.reshape(-1, 1, 1, 1)) * clean + t.reshape(-1, 1, 1, 1) * noise
+        conditioning = rollout.replay["conditioning"]
+        v = plugin.sampler.velocity(policy, x_t, t * 1000, conditioning, plugin.sampler.guidance_scale,
+                                    phase="forward")
+        with torch.no_grad(), plugin._reference_module(policy) as reference:
+            v_ref = plugin.sampler.velocity(reference, x_t, t * 1000, conditioning, plugin.sampler.guidance_scale,
+                                            phase="forward")
+        log_probs.append(_upstream_log_prob(v, noise, clean, t, "ghuber"))
+        kls.append(((v.double() - v_ref.double()) ** 2).mean(dim=(1, 2, 3)))
+    log_probs, kl = torch.stack(log_probs, dim=1), torch.stack(kls, dim=1)  # [B, K]
+    shifts = torch.tensor([[-0.009, 0.001, -0.001], [0.003, -0.0015, -0.001], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    old = log_probs.detach() + shifts  # some ratios clipped (A > 0, r > 1.002; A < 0, r < 0.998), some not
+    advantages = torch.tensor([1.5, -0.7, 4.0])
+    expected = _upstream_loss(log_probs, old, advantages.double(), 0.002, kl, beta, loss_type)
+    expected_grad = torch.autograd.grad(expected, lora)
+
+    part = dataclasses.replace(rollout, old_logp=old.float())
+    n, a = part.mask.shape
+    loss, metrics, _, _ = trainer.learner._micro_loss(part, advantages, True, float(n * a), float(n), a, None,
+                                                      part.mask.double().sum(dim=1))
+    got_grad = torch.autograd.grad(loss, lora)
+    assert float(metrics["policy/clip_fraction"]) > 0  # the clip is exercised
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5, abs=1e-8)
+    for got, want in zip(got_grad, expected_grad, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-4, atol=1e-8)
+    assert max(float(g.abs().max()) for g in expected_grad) > 1e-4
+
+
+def test_two_grpo_steps_with_two_inner_epochs_and_the_ema_kl_move_the_lora_weights(train_config, tmp_path):
+    config = train_config("sd3", tmp_path, "algorithm.inner_epochs=2", "algorithm.kl_coef=0.01",
+                          "algorithm.policy_loss={name: grpo, clip_low: 0.5, clip_high: 0.5}",
+                          "eval.save_samples=false", likelihood="matching", num_steps=4,
+                          matching={"num_times": 2, "weighting": "ghuber", "time_sampler": "discrete",
+                                    "ema_kl_coef": 1.0, "ema_decay_schedule": "constant"})
+    trainer = Trainer(config)
+    transformer = trainer.plugin.policy()
+    before = {name: p.detach().clone() for name, p in transformer.named_parameters() if "lora_B" in name}
+    history = trainer.train().history
+    assert [record["step"] for record in history] == [1, 2]
+    for record in history:
+        assert record["loss/first_step_ratio_deviation"] == 0.0
+        assert math.isfinite(record["loss/total"])
+    assert history[1]["policy/kl"] > 0 and history[1]["loss/aux"] > 0  # the EMA KL once the weights moved
+    moved = [name for name, p in transformer.named_parameters() if name in before
+             and not torch.equal(before[name], p.detach())]
+    assert len(moved) > len(before) // 2
+
+
+@pytest.mark.parametrize(("options", "key"), [
+    ({"credit": {"strategy": "chunk"}}, "plugin.credit.strategy"),
+    ({"credit": {"ratio_norm": True}}, "plugin.credit.ratio_norm"),
+    ({"credit": {"noise_weighting": True}}, "plugin.credit.noise_weighting"),
+    ({"train_steps": "window"}, "plugin.train_steps"),
+    ({"kl_variance": "none"}, "plugin.kl_variance"),
+    ({"cps_log_prob": "gaussian"}, "plugin.cps_log_prob"),
+    ({"num_steps": 6, "timestep_fraction": 0.9, "matching": {"num_times": 6}}, "plugin.timestep_fraction"),
+    ({"matching": {"sde_sigma_range": [0.9, 0.3]}}, "plugin.matching.sde_sigma_range"),
+    ({"matching": {"weighting": "t**2"}}, "plugin.matching.weighting"),
+    ({"share_initial_noise": True}, "plugin.share_initial_noise"),
+])
+def test_bad_combinations_are_refused_in_one_line(pipelines, options, key):
+    values = plugin_options(pipelines["sd3"], likelihood="matching", **options)
+    values.pop("name")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:
+        from_dict(FlowPluginConfig, values, "plugin")
+    assert "\n" not in str(error.value)
+
+
+def test_a_chunk_ratio_is_refused(train_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss\.ratio_level") as error:
+        train_config("sd3", tmp_path, "algorithm.policy_loss={name: grpo, ratio_level: chunk}",
+                     "algorithm.action_chunk_size=null", likelihood="matching", matching={"num_times": 2})
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("schedule", "decay"), [("linear", 0.002), ("constant", 0.3)])
+def test_ema_kl_follows_the_released_ema_and_loss(make_plugin, tmp_path, schedule, decay):
+    """L649-658 (the EMA starts as a copy), L1409-1419 (ema ← d·ema + (1 − d)·θ after each epoch, d = min(0.3,
+    0.001·step) for "linear"), L1276-1280 and L1341-1350 (ema_beta · mean over (time, sample) of mean((v − v_ema)²))."""
+    plugin = _matching(make_plugin, ema_kl_coef=2.0, ema_decay=0.3, ema_decay_schedule=schedule)
+    policy = plugin.policy()
+    trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
+    batch = prompt_batch(["a cat"], 2)
+    plugin.rollout(policy, batch)  # step 0: the copy
+    start = {name: p.detach().clone() for name, p in trained.items()}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trained.values():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    rollout = plugin.rollout(policy, dataclasses.replace(batch, step=2))  # two steps done
+    plugin.rollout(policy, dataclasses.replace(batch, step=2))  # a second rollout batch of the step: no update
+    ema = {name: decay * start[name] + (1 - decay) * p.detach() for name, p in trained.items()}
+    for name, value in ema.items():
+        torch.testing.assert_close(plugin.matching.ema[name], value)
+
+    now = {name: p.detach().clone() for name, p in trained.items()}
+    output = plugin.forward(policy, rollout, need_reference=False)
+    assert all(torch.equal(p, now[name]) for name, p in trained.items())  # the trained weights are back
+    clean, replay = rollout.replay["clean_latents"], rollout.replay
+    with torch.no_grad():  # v_ema written out: the EMA weights in place, the sampler's velocity function
+        for name, p in trained.items():
+            p.copy_(ema[name])
+        v_ema = []
+        for k in range(3):
+            t = replay["matching_times"][:, 0, k]
+            noise = _noise(replay["matching_seeds"], 0, k, tuple(clean.shape[1:]))
+            x_t = (1 - t.reshape(-1, 1, 1, 1)) * clean + t.reshape(-1, 1, 1, 1) * noise
+            v_ema.append(plugin.sampler.velocity(policy, x_t, t * 1000, replay["conditioning"],
+                                                 plugin.sampler.guidance_scale, phase="forward"))
+        for name, p in trained.items():
+            p.copy_(now[name])
+    calls = _record_velocity(plugin)
+    output = plugin.forward(policy, rollout, need_reference=False)
+    v = [calls[3 + k][2] for k in range(3)]  # the three EMA forwards come first
+    expected = 2.0 * torch.stack([((v[k].double() - v_ema[k].double()) ** 2).mean(dim=(1, 2, 3))
+                                  for k in range(3)]).mean()
+    assert output.aux_loss.requires_grad and float(expected.detach()) > 0
+    # rtol: the EMA here and the plugin's round differently in float32 (|v − v_ema| ~ 1e-3 of |v| at d = 0.002)
+    torch.testing.assert_close(output.aux_loss.double(), expected, rtol=1e-4, atol=0)
+    assert old_policy_pass(plugin, policy, rollout).old_logp.shape == (2, 3)  # no EMA term without gradients
+
+    plugin.save_trainable(policy, tmp_path / "policy")  # the EMA travels with checkpoints
+    saved = {name: value.clone() for name, value in plugin.matching.ema.items()}
+    plugin.matching.ema, plugin.matching.ema_step = None, -1
+    plugin.load_trainable(policy, tmp_path / "policy")
+    assert plugin.matching.ema_step == 2 and all(torch.equal(plugin.matching.ema[n], v) for n, v in saved.items())
