@@ -137,8 +137,9 @@ class VLMPluginConfig:
     family: str = config_field(
         "auto", help="Model adapter: qwen2_vl, qwen2_5_vl; qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, "
         "glm4v_moe, glm46v (GLM-4.6V and GLM-4.6V-Flash), internvl (InternVL3/3.5, dense or MoE), gemma4, gemma3, "
-        "mistral3 (Mistral Small 3.1/3.2, Ministral 3, Magistral Small 1.2) (when transformers has them) or another "
-        "registered one; 'auto' reads model_type from the checkpoint's config.json.",
+        "mistral3 (Mistral Small 3.1/3.2, Ministral 3, Magistral Small 1.2), smolvlm (SmolVLM2), idefics3 (SmolVLM v1) "
+        "(when transformers has them) or another registered one; 'auto' reads model_type from the checkpoint's "
+        "config.json.",
     )
     tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v",
                         "glm4v_moe", "internvl", "internvl_moe", "gemma4", "gemma4_moe",

@@ -29,7 +29,10 @@ from mmrl.plugins.vlm.plugin import VLMPluginConfig
 from tests.vlm.conftest import make_plugin, plugin_options
 
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "glm4v_moe",
-                "internvl", "gemma4", "gemma3", "mistral3")
+                "glm46v", "glm46v_moe", "internvl", "gemma4", "gemma3", "mistral3", "smolvlm", "idefics3")
+BUILD_ADAPTERS = {"glm46v_moe": "glm46v"}
+"""The adapter that loads a tiny build of another name (GLM-4.6V's MoE build is family glm46v, MoE read from its
+checkpoint); every other build is loaded by the adapter of its own name."""
 GROUPS = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])  # interleaved groups, as the spread layout deals them
 
 
@@ -41,7 +44,7 @@ def decode_plugins(tiny_models, tmp_path_factory):
 
     plugins = {}
     for family in ALL_FAMILIES:
-        if family not in vlm_adapters:
+        if BUILD_ADAPTERS.get(family, family) not in vlm_adapters:
             continue
         path = tiny_models.get(family) or build_tiny_model(family, tmp_path_factory.mktemp("qwen3") / family)
         torch.manual_seed(0)  # the LoRA A initialisation

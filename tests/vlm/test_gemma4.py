@@ -4,9 +4,10 @@ attention inside images, soft-capped logits): the rollout's log-probs equal the 
 forward's ``logits`` of the chat written by hand with the processor on the raw image (with and without the feature
 cache), and would not without the soft-capping; a batched processor output is split into each prompt's own padded
 patch sets and re-padded at collation; left-padded rows get the positions they have alone; the cache holds the
-embedder's output and freezing covers it; the pixel bounds pick the soft-token budget; videos are refused and
-``family: auto`` finds the adapter. On the MoE build (the 26B-A4B's routed experts): the adapter is MoE per checkpoint,
-and the batched rollout's log-probs equal a plain per-sample forward.
+embedder's output and freezing covers it; the pixel bounds pick the soft-token budget, and ``min_pixels`` is taken
+up to the smallest area that budget gives an image (swept through transformers' resize) and refused above it; videos
+are refused and ``family: auto`` finds the adapter. On the MoE build (the 26B-A4B's routed experts): the adapter is
+MoE per checkpoint, and the batched rollout's log-probs equal a plain per-sample forward.
 
 The decode loop against ``generate``, the shared prompt forward, the shared prefill and LoRA training steps run for
 Gemma 4 in test_decode.py, test_prefix.py, test_plugin.py and test_training.py; the MoE build's router loss, LoRA on
@@ -279,6 +280,54 @@ def test_pixel_bounds_pick_the_soft_token_budget(gemma4_model):
     with pytest.raises(ValueError, match=r"^gemma4: max_pixels 10000 is below the smallest soft-token budget, "
                                          r"70 tokens of 144 pixels; set max_pixels to at least 10080$"):
         Gemma4Adapter(str(gemma4_model), min_pixels=10, max_pixels=10_000)
+
+
+def _swept_smallest_area(tokens, patch, pooling, heights, aspect):
+    """The smallest area transformers' ``get_aspect_ratio_preserving_size`` gives, under ``tokens`` soft tokens, to
+    images of ``heights`` by every width up to ``aspect`` times the height, both orientations; and one such image."""
+    from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
+
+    best = None
+    for height in heights:
+        for width in range(1, aspect * height + 1):
+            for h, w in ((height, width), (width, height)):
+                new_h, new_w = get_aspect_ratio_preserving_size(h, w, patch, tokens * pooling ** 2, pooling)
+                if best is None or new_h * new_w < best[0]:
+                    best = (new_h * new_w, w, h)
+    return best
+
+
+def test_min_pixels_holds_up_to_the_smallest_area_and_is_refused_above(gemma4_model):
+    """Every image is scaled to fill the soft-token budget, then its sides are rounded down to whole tokens, so the
+    smallest resized area (``smallest_resized_area``) is about half the budget's, not the budget's: swept through
+    transformers' own resize over images of every aspect ratio, its minimum is that area, reached (by the processor
+    too, its real patches counted); a square image already falls below the budget's area. ``min_pixels`` up to it is
+    taken, above it refused in one line naming the largest allowed."""
+    from mmrl.plugins.vlm.adapters.gemma4 import Gemma4Adapter, smallest_resized_area
+
+    # (tokens, patch, pooling): the tiny build's 12-pixel tokens, the released checkpoints' 48-pixel ones
+    for tokens, patch, pooling, heights, aspect in [(70, 4, 3, range(1, 41), 20), (140, 4, 3, range(1, 21), 40),
+                                                    (280, 16, 3, range(1, 21), 80), (70, 16, 3, range(1, 41), 20)]:
+        side = patch * pooling
+        area, _, _ = _swept_smallest_area(tokens, patch, pooling, heights, aspect)
+        assert area == smallest_resized_area(tokens, side), (tokens, side)
+        assert area < tokens * side * side // 2 + side * side  # about half the budget
+    assert smallest_resized_area(280, 48) == 139 * 48 * 48  # 280 / 2 - 1 tokens (the function's docstring)
+
+    adapter = Gemma4Adapter(str(gemma4_model), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)  # 70 tokens of 12²
+    smallest = adapter.smallest_area
+    assert smallest == smallest_resized_area(70, 12) < 70 * 144
+    _, width, height = _swept_smallest_area(70, 4, 3, range(1, 41), 20)
+    made = adapter.processor(text=[hand_written_chat("q")], images=[[random_image(width, height, 0)]],
+                             return_tensors="pt")
+    assert int((made["image_position_ids"][0] != -1).all(-1).sum()) * 16 == smallest  # real 4² patches
+    square = adapter.resized_size((64, 64))
+    assert square[0] * square[1] < 70 * 144  # the budget's area is no lower bound
+    assert Gemma4Adapter(str(gemma4_model), min_pixels=smallest, max_pixels=MAX_PIXELS).min_pixels == smallest
+    with pytest.raises(ValueError, match=rf"^gemma4: min_pixels {smallest + 1} exceeds the smallest image the "
+                                         rf"processor makes under its 70-token budget \({smallest} pixels: .*; set "
+                                         rf"plugin.min_pixels to at most {smallest}$"):
+        Gemma4Adapter(str(gemma4_model), min_pixels=smallest + 1, max_pixels=MAX_PIXELS)
 
 
 def test_videos_are_refused_and_the_tokens_and_family_are_gemmas(gemma4_model, adapter):

@@ -16,6 +16,7 @@ from mmrl.plugins.vlm.plugin import VLMPluginConfig, completion_lengths, replay_
 from mmrl.rollout import Rollout
 from mmrl.trainer.learn import old_policy_pass
 from tests.vlm.conftest import make_plugin, plugin_options, prompt_batch
+from tests.vlm.test_decode import BUILD_ADAPTERS
 
 PROMPTS, GROUP = 3, 2
 
@@ -346,17 +347,20 @@ def test_completions_never_contain_vision_placeholders(lora_plugins):
 
 
 @pytest.mark.parametrize(("family", "options"), [("qwen2_5_vl", {}), ("qwen3_vl", {}), ("qwen3_5", {}), ("gemma3", {}),
-                                                ("mistral3", {"cache_image_features": False})])
+                                                ("mistral3", {"cache_image_features": False}),
+                                                ("glm46v_moe", {"cache_image_features": False}),
+                                                ("smolvlm", {"cache_image_features": False}), ("idefics3", {})])
 def test_memory_levers_keep_ratio_one_and_train(tiny_models, family, options, tmp_path):
     """sdpa attention, a bfloat16 base under float32 LoRA adapters and gradient checkpointing: the training forward
     (train mode, checkpointed) reproduces the rollout's log-probs and back-propagates into the adapters only. Qwen3-VL,
     Qwen3.5, Gemma 3 and Mistral 3 (from pixels) deviated by 3e-4 to 3e-3 while the no-grad passes shared the prompt
-    pass and the checkpointed one could not."""
+    pass and the checkpointed one could not. GLM-4.6V's MoE build runs its training pass with the router loss, whose
+    logits the adapter's hooks carry out of the checkpointed language model; SmolVLM2 from pixels, v1 from features."""
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    if family not in vlm_adapters:
-        pytest.skip(f"transformers has no {family}")
+    if BUILD_ADAPTERS.get(family, family) not in vlm_adapters:
+        pytest.skip(f"transformers has no {BUILD_ADAPTERS.get(family, family)}")
     model = tiny_models.get(family) or build_tiny_model(family, tmp_path / family)
     plugin = make_plugin(model, attn_implementation="sdpa", dtype="bfloat16", gradient_checkpointing=True,
                          logprob_chunk_size=3, **options)
@@ -427,7 +431,10 @@ def test_fused_lm_head_matches_the_model_logits(tiny_models):
         plugin.token_logp(plugin.policy(), prompts, completions, rollout.num_actions, with_entropy=False)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl", "gemma4", "gemma3", "mistral3"])
+# GLM-4.1V and GLM-4.6V (M-RoPE positions, as Qwen2-VL's) check their shared prefill through the rollout's log-probs
+# against a plain per-sample forward in test_glm4v.py and test_glm46v.py instead.
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "internvl", "gemma4", "gemma3", "mistral3", "smolvlm",
+                                    "idefics3"])
 def test_shared_prefill_generates_from_the_same_distribution(tiny_models, family, tmp_path):
     """Prefilling each distinct prompt once and copying its cache to its samples (groups interleaved as the spread
     layout deals them, images of different sizes) gives the logits of a plain batched generate; InternVL's, Gemma

@@ -13,6 +13,7 @@ from mmrl.plugins.vlm.plugin import replay_prompts
 from mmrl.plugins.vlm.prefix import distinct_prompts, shared_prompt_hidden
 from mmrl.rollout import Rollout
 from tests.vlm.conftest import make_plugin, prompt_batch
+from tests.vlm.test_decode import BUILD_ADAPTERS
 
 
 def _perturb_lora(plugin, seed):
@@ -42,7 +43,8 @@ def _pass(plugin, prompts, completions, width, share):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe",
-                                    "glm4v", "glm4v_moe", "internvl", "gemma4", "gemma3", "mistral3"])
+                                    "glm4v", "glm4v_moe", "glm46v", "glm46v_moe", "internvl", "gemma4", "gemma3",
+                                    "mistral3", "smolvlm", "idefics3"])
 def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path):
     """Values and adapter gradients of the split pass equal the plain pass's, for interleaved groups, mixed image
     sizes and completions of different lengths (one of a single token); Qwen3-VL (pixels replayed, deepstack
@@ -50,14 +52,14 @@ def test_shared_prompt_pass_matches_the_plain_pass(tiny_models, family, tmp_path
     the gradients flow back through), InternVL (plain 1-D positions continued past the left-padded prompts, tiles
     instead of grids), Gemma 4 (bidirectional attention inside the prompt's images, sliding windows, key/value
     sharing across layers, soft-capped logits), Gemma 3 (token types for the prompt pass only, fixed-size images) and
-    Mistral 3 (plain positions read by Ministral 3's query scaling, padded images with their sizes) too when
-    transformers has them."""
+    Mistral 3 (plain positions read by Ministral 3's query scaling, padded images with their sizes), GLM-4.6V (dense
+    and MoE) and SmolVLM2 / SmolVLM (frames of tiles as one row, plain positions) too when transformers has them."""
     if family not in tiny_models:
         from mmrl.plugins.vlm.adapters import vlm_adapters
         from mmrl.plugins.vlm.testing import build_tiny_model
 
-        if family not in vlm_adapters:
-            pytest.skip(f"transformers has no {family}")
+        if BUILD_ADAPTERS.get(family, family) not in vlm_adapters:
+            pytest.skip(f"transformers has no {BUILD_ADAPTERS.get(family, family)}")
         plugin = make_plugin(build_tiny_model(family, tmp_path / family))
     else:
         plugin = make_plugin(tiny_models[family])

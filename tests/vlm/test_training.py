@@ -170,9 +170,10 @@ def test_toy_recipe_runs_one_step_offline(tmp_path, tiny_models):
     assert "eval/iou_mean" in result.evaluations[1]
 
 
-@pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("internvl", "qwen2_vl"),
+@pytest.mark.parametrize(("family", "convention"), [("glm4v", "glm4v"), ("glm46v", "glm4v"), ("internvl", "qwen2_vl"),
                                                     ("gemma4", "absolute"), ("gemma3", "qwen2_5_vl"),
-                                                    ("mistral3", "qwen2_5_vl")])
+                                                    ("mistral3", "qwen2_5_vl"), ("smolvlm", "qwen2_5_vl"),
+                                                    ("idefics3", "qwen2_5_vl")])
 def test_toy_recipe_runs_with_a_tiny_build_of_another_family(tmp_path, family, convention):
     """plugin.tiny_model builds every family the tests build, e.g. GLM-4.1V and InternVL: the toy recipe's step on
     it, boxes read in the family's convention (InternVL: 0-1000 of the image, Qwen2-VL's; Gemma 3: pixels of its
@@ -278,11 +279,18 @@ LORA_KINDS = {
     "qwen3_5_moe": ATTENTION_AND_MLP | {"in_proj_qkv", "in_proj_z", "out_proj"},  # MLP: the shared expert's
     "glm4v": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"},  # GLM-4.1V's fused MLP input
     "glm4v_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},  # peft would move MLP names onto the experts
+    "glm46v": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"},  # GLM-4.6V-Flash: GLM-4.1V's MLP
+    # GLM-4.6V: peft keeps the MLP names on the dense layers and shared experts (model_type glm46v has no MoE mapping)
+    "glm46v_moe": ATTENTION_AND_MLP,
     "internvl": ATTENTION_AND_MLP,  # its ViT's q/k/v_proj are excluded with the tower and the projector
     "gemma4": ATTENTION_AND_MLP,  # its ViT's q/k/v and gate/up/down_proj are excluded with the tower and embedder
     "gemma3": ATTENTION_AND_MLP,  # SigLIP's q/k/v_proj are excluded with the tower and the projector
     "mistral3": ATTENTION_AND_MLP,  # Pixtral's q/k/v/o and gate/up/down_proj are excluded with the tower and projector
+    "smolvlm": ATTENTION_AND_MLP,  # SigLIP's q/k/v_proj are excluded with the tower and the connector
+    "idefics3": ATTENTION_AND_MLP,
 }
+# The adapter that loads a build of another name (GLM-4.6V's MoE build is family glm46v, MoE read from the checkpoint)
+LORA_ADAPTERS = {"glm46v_moe": "glm46v"}
 # The test reward needs spread at step 1 for the LoRA to move: the tiny InternVL's and Gemma 3's six first completions
 # at run seed 0 hold no digit (reward std 0, no update), at seed 2 they do.
 RUN_SEEDS = {"internvl": 2, "gemma3": 2}
@@ -300,12 +308,12 @@ def test_newer_families_train_with_lora(tmp_path, family):
     from mmrl.plugins.vlm.adapters import vlm_adapters
     from mmrl.plugins.vlm.testing import build_tiny_model
 
-    if family not in vlm_adapters:
-        pytest.skip(f"transformers has no {family}")
+    if LORA_ADAPTERS.get(family, family) not in vlm_adapters:
+        pytest.skip(f"transformers has no {LORA_ADAPTERS.get(family, family)}")
     model = build_tiny_model(family, tmp_path / family)
     trainer = Trainer(load_config(to_dict(_config(tmp_path, model, family)), [f"run.seed={RUN_SEEDS.get(family, 0)}"]))
     plugin = trainer.plugin
-    assert plugin.adapter.name == family
+    assert plugin.adapter.name == LORA_ADAPTERS.get(family, family)
     adapted = {name.rsplit(".lora_", 1)[0] for name, _ in plugin.model.named_parameters() if ".lora_A." in name}
     assert {name.rsplit(".", 1)[-1] for name in adapted} == LORA_KINDS[family]
     assert not any(re.match(plugin.adapter.vision_module_pattern, name) or ".experts." in name for name in adapted)
@@ -326,7 +334,7 @@ def test_newer_families_train_with_lora(tmp_path, family):
 # The tiny MoE builds, the adapter that loads each (Gemma 4's is family gemma4, MoE read from the checkpoint), and
 # each one's fused expert tensor and router weight (Gemma 4's decoder layer holds them beside its dense MLP).
 MOE_BUILDS = {"qwen3_vl_moe": "qwen3_vl_moe", "qwen3_5_moe": "qwen3_5_moe", "glm4v_moe": "glm4v_moe",
-              "gemma4_moe": "gemma4"}
+              "glm46v_moe": "glm46v", "gemma4_moe": "gemma4"}
 MOE_NAMES = {"gemma4_moe": ("experts.gate_up_proj", "router.proj.weight")}
 DEFAULT_MOE_NAMES = ("mlp.experts.gate_up_proj", "mlp.gate.weight")
 
@@ -379,6 +387,27 @@ def test_moe_lora_reaches_the_fused_experts_with_target_parameters(tmp_path, bui
     assert any(".experts." in name and ".lora_B." in name for name in changed)
 
 
+def _routed(plugin, build, inputs):
+    """The model's output for ``inputs`` with the router logits it records. GLM-4.6V's wrapper cannot return them
+    (``Glm46VModel`` builds its output from the MoE language model's, which has them, with a class that has no
+    ``router_logits`` field: a TypeError): for it they are read off the language model's own output."""
+    from types import SimpleNamespace
+
+    from mmrl.plugins.vlm.adapters.base import _base_model
+
+    if build != "glm46v_moe":
+        return plugin.model(**inputs, output_router_logits=True, use_cache=False)
+    language_model = _base_model(plugin.model).model.language_model
+    recorded = []
+    handle = language_model.register_forward_hook(lambda _module, _args, output: recorded.append(output.router_logits))
+    try:
+        with pytest.raises(TypeError, match="router_logits"):
+            plugin.model(**inputs, output_router_logits=True, use_cache=False)
+    finally:
+        handle.remove()
+    return SimpleNamespace(router_logits=recorded[0])
+
+
 def _switch_load_balancing(router_logits, attention_mask, num_experts, top_k, *, probabilities_given=False):
     """transformers' load_balancing_loss_func written out: over every layer's real tokens together, the fraction
     of top-k assignments f_e and the mean router probability P_e of each expert; num_experts · Σ_e f_e · P_e (Switch
@@ -413,8 +442,7 @@ def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, build):
     prepared = PassInputs(plugin, replay_prompts(rollout.replay), rollout.replay["completion_ids"])
     with torch.no_grad():
         # the positions the plugin passes (Gemma 4's plain rotary positions of left-padded rows; M-RoPE: none)
-        routed = plugin.model(**plugin.adapter._positioned(prepared.inputs), output_router_logits=True,
-                              use_cache=False)
+        routed = _routed(plugin, build, plugin.adapter._positioned(prepared.inputs))
         text = plugin.model.config.text_config
         experts = getattr(text, "num_experts", None) or text.num_local_experts  # GLM-4.5V: n_routed_experts
         top_k = getattr(text, "top_k_experts", None) or text.num_experts_per_tok  # Gemma 4: top_k_experts

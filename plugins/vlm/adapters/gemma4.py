@@ -18,8 +18,12 @@ conventions of the base class, against transformers 5.25's ``models/gemma4/model
   masks out and the pooler ignores).
 - **Pixel bounds become a soft-token budget.** The processor supports 70, 140, 280, 560 or 1,120 soft tokens per
   image; the adapter takes the largest whose area (``tokens · (patch · pooling)²``, 2,304 pixels a token in the
-  released checkpoints) fits in ``max_pixels``. ``min_pixels`` plays no part: every image is scaled to fill the budget.
-  :meth:`resized_size` is the processor's resized size.
+  released checkpoints) fits in ``max_pixels``. ``min_pixels`` holds by construction up to the smallest area the
+  processor makes under that budget, and cannot be met above it, so a larger one is refused in one line
+  (:meth:`smallest_area`, as SmolVLM's adapter treats its smallest canvas). That area is not the budget's: every
+  image is scaled to fill the budget and then each side is rounded *down* to whole soft tokens, so a square image
+  under 280 tokens gets 16 × 16 = 256 and one whose ideal height is just under two tokens loses almost half its
+  width's tokens (:func:`smallest_resized_area`). :meth:`resized_size` is the processor's resized size.
 - **Plain rotary positions.** Without position ids the model numbers positions from the first column, padding
   included (``Gemma4Model.forward``), so left-padded rows would sit past their padding; the adapter (``mrope``
   false) passes each row's positions from the padding mask, as ``generate`` computes them.
@@ -122,6 +126,12 @@ class Gemma4Adapter(VLMAdapter):
         text_config = self.checkpoint_text_config()
         self.moe = bool(getattr(text_config, "enable_moe_block", False))
         self.top_k_experts = int(text_config.top_k_experts) if self.moe else 0
+        smallest = self.smallest_area
+        if self.min_pixels > smallest:
+            raise ValueError(f"gemma4: min_pixels {self.min_pixels} exceeds the smallest image the processor makes "
+                             f"under its {image_processor.max_soft_tokens}-token budget ({smallest} pixels: every "
+                             "image is scaled to the budget and its sides rounded down to whole soft tokens); set "
+                             f"plugin.min_pixels to at most {smallest}")
 
     # ------------------------------------------------------------------ loading and sizes
     def load_processor(self) -> Any:
@@ -143,6 +153,14 @@ class Gemma4Adapter(VLMAdapter):
         """Patch rows per image as the processor pads them: ``max_soft_tokens · pooling²``."""
         image_processor = self.processor.image_processor
         return int(image_processor.max_soft_tokens) * int(image_processor.pooling_kernel_size) ** 2
+
+    @property
+    def smallest_area(self) -> int:
+        """The smallest resized area (pixels) the processor gives any image under the adapter's budget
+        (:func:`smallest_resized_area`): every image has at least this many, none need have more."""
+        image_processor = self.processor.image_processor
+        return smallest_resized_area(int(image_processor.max_soft_tokens),
+                                     int(image_processor.patch_size) * int(image_processor.pooling_kernel_size))
 
     def resized_size(self, image_size: Sequence[float]) -> tuple[int, int]:
         """``(width, height)`` the processor resizes an image of ``image_size`` ``(width, height)`` to
@@ -317,6 +335,37 @@ def soft_token_budget(max_pixels: int, patch_size: int, pooling_kernel_size: int
     return max(fitting)
 
 
+def smallest_resized_area(tokens: int, side: int) -> int:
+    """The smallest area (pixels) ``get_aspect_ratio_preserving_size`` (transformers 5.25
+    ``models/gemma4/image_processing_gemma4.py:33-84``) resizes any image to under a budget of ``tokens`` soft
+    tokens of ``side × side`` pixels (``side = patch_size · pooling_kernel_size``).
+
+    The function scales an image to the budget's area, ``tokens · side²``, keeping its aspect ratio, then rounds each
+    side *down* to a multiple of ``side``. In soft tokens the ideal sides are ``a`` and ``b = tokens / a``; with
+    ``a ≥ 1`` and ``b ≥ 1`` the image gets ``⌊a⌋ · ⌊b⌋`` tokens. For ``⌊a⌋ = k`` (``1 ≤ k < tokens``) ``b`` ranges
+    over ``(tokens / (k + 1), tokens / k]``, whose smallest floor is ``⌊tokens / (k + 1)⌋``, reached as ``a``
+    approaches ``k + 1`` from below. Where ``tokens / (k + 1)`` is a whole number ``m``, an image whose ideal sides are
+    exactly ``k + 1`` and ``m`` tokens (e.g. 595 × 34 pixels, width × height, under 70 tokens: 35 and 2) can have
+    both computed a rounding error below (``sqrt`` and products in float64), so both floors drop to ``k · (m − 1)``
+    tokens, ``k`` fewer than the exact infimum, and the function reaches it (tests/vlm/test_gemma4.py sweeps images
+    through it). So the fewest tokens are ``min k · (⌈tokens / (k + 1)⌉ − 1)`` over ``1 ≤ k < tokens − 1`` (for
+    ``m = 1`` the dropped side is the next case): about half the budget, at ``k = 1``, an image about ``tokens / 4``
+    times as wide as high (or the transpose). A side whose ideal length is below one token
+    (``a < 1``: an image more than ``tokens`` times as wide as high) becomes one token and the other
+    ``min(⌊aspect⌋, tokens) = tokens``: the whole budget; so does a side computed just below one token.
+
+    Args:
+        tokens: The soft-token budget (``max_soft_tokens``).
+        side: Pixels per soft token along a side.
+
+    Returns:
+        The smallest area in pixels, ``side²`` times the fewest soft tokens.
+    """
+    # k + 1 < tokens: at k + 1 = tokens the dropped side would be 0 tokens, which the function widens to the budget
+    fewest = min([tokens] + [k * (-(-tokens // (k + 1)) - 1) for k in range(1, tokens - 1)])
+    return fewest * side * side
+
+
 def pad_patches(prompts: Sequence[PromptInputs]) -> tuple[Tensor, Tensor]:
     """The prompts' images concatenated in order, each padded to the widest patch set among them: ``(pixel_values
     [Σ images, M, D], image_position_ids [Σ images, M, 2])``. Padding rows are zero at position ``(-1, -1)``, as the
@@ -330,4 +379,4 @@ def pad_patches(prompts: Sequence[PromptInputs]) -> tuple[Tensor, Tensor]:
     return torch.cat(pixels), torch.cat(positions)
 
 
-__all__ = ["SOFT_TOKEN_BUDGETS", "Gemma4Adapter", "pad_patches", "soft_token_budget"]
+__all__ = ["SOFT_TOKEN_BUDGETS", "Gemma4Adapter", "pad_patches", "smallest_resized_area", "soft_token_budget"]
