@@ -179,16 +179,16 @@ def test_tokenizers_know_every_word_and_the_vae_is_the_identity():
     longest = max((row["prompt"] for row in world.training_rows()), key=lambda p: len(p.split()))
     assert len(clip(longest).input_ids) <= clip.model_max_length  # BOS + words + EOS fit
 
-    class Pipe:  # what the adapter's decode reads
+    class StableDiffusion3Pipeline:  # what the adapter's decode reads, under the class name the adapter drives
         vae = identity_vae()
         scheduler = None
 
     images = torch.from_numpy(world.sample_images(world.split()["test"], np.random.default_rng(0)))
     pixels = images.permute(0, 3, 1, 2).float() / 255
-    vae = Pipe.vae
+    vae = StableDiffusion3Pipeline.vae
     latents = vae.encode(pixels * 2 - 1, return_dict=False)[0] * vae.config.scaling_factor
     assert torch.allclose(latents, pixels * 2 - 1, atol=1e-6)  # latent = 2 * pixel - 1
-    decoded = SD3Adapter(Pipe(), torch.device("cpu")).decode(latents)
+    decoded = SD3Adapter(StableDiffusion3Pipeline(), torch.device("cpu")).decode(latents)
     assert torch.equal((decoded * 255).round(), (pixels * 255).round())
 
 

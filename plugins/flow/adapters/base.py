@@ -66,7 +66,9 @@ class FlowAdapter(ABC):
 
     #: Registry name (``plugin.adapter``).
     name: ClassVar[str]
-    #: ``model_index.json`` ``_class_name`` values this adapter handles (auto-detection).
+    #: ``model_index.json`` ``_class_name`` values this adapter handles (auto-detection). Every built-in adapter
+    #: refuses a pipeline of another class when it is built, before reading its components
+    #: (:func:`refuse_other_pipelines`); one with none declared (chosen by name only) checks the class itself.
     pipeline_classes: ClassVar[tuple[str, ...]]
     #: Default LoRA target modules (peft suffix match on module names).
     lora_target_modules: ClassVar[tuple[str, ...]]
@@ -607,3 +609,22 @@ def load_pipeline(model: str, dtype: torch.dtype) -> Any:
         pipeline = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+def refuse_other_pipelines(adapter: type[FlowAdapter], pipeline: Any) -> None:
+    """Raise a one-line ValueError unless ``pipeline``'s class is one of ``adapter.pipeline_classes``, naming the class
+    found, the classes the adapter drives and the registered adapter that drives the class found (the one
+    ``plugin.adapter: auto`` would pick from the checkpoint's ``model_index.json``), or saying that none does.
+
+    Classes are compared by name, as ``auto`` compares ``model_index.json``'s ``_class_name``. An adapter that
+    declares no pipeline class (one chosen by name only, e.g. ``flux2_edit``) checks its pipeline itself."""
+    kind = type(pipeline).__name__
+    if not adapter.pipeline_classes or kind in adapter.pipeline_classes:
+        return
+    from mmrl.plugins.flow.adapters import flow_adapters
+
+    drivers = [name for name in flow_adapters.names() if kind in flow_adapters.get(name).pipeline_classes]
+    instead = (f"set plugin.adapter: {drivers[0]} (or auto)" if drivers else
+               "no registered flow adapter drives it (docs/flow.md section 12 adds one)")
+    raise ValueError(f"the {adapter.name} adapter drives {' or '.join(adapter.pipeline_classes)}, not {kind}: "
+                     f"{instead}")

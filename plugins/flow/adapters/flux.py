@@ -19,26 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
-
-
-def refuse_other_pipelines(adapter: type[FlowAdapter], pipeline: Any) -> None:
-    """Raise a one-line ValueError unless ``pipeline``'s class is one of ``adapter.pipeline_classes``, naming the class
-    found, the classes the adapter drives and the registered adapter that drives the class found (the one
-    ``plugin.adapter: auto`` would pick from the checkpoint's ``model_index.json``), or saying that none does.
-
-    Classes are compared by name, as ``auto`` compares ``model_index.json``'s ``_class_name``. An adapter that
-    declares no pipeline class (one chosen by name only, e.g. ``flux2_edit``) checks its pipeline itself."""
-    kind = type(pipeline).__name__
-    if not adapter.pipeline_classes or kind in adapter.pipeline_classes:
-        return
-    from mmrl.plugins.flow.adapters import flow_adapters
-
-    drivers = [name for name in flow_adapters.names() if kind in flow_adapters.get(name).pipeline_classes]
-    instead = (f"set plugin.adapter: {drivers[0]} (or auto)" if drivers else
-               "no registered flow adapter drives it (docs/flow.md section 12 adds one)")
-    raise ValueError(f"the {adapter.name} adapter drives {' or '.join(adapter.pipeline_classes)}, not {kind}: "
-                     f"{instead}")
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 class FluxAdapter(FlowAdapter):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 class Flux2Adapter(FlowAdapter):
@@ -49,6 +49,7 @@ class Flux2Adapter(FlowAdapter):
     default_max_sequence_length = 512  # Flux2Pipeline's default
 
     def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         self._ids: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
 

@@ -51,7 +51,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, call_per_group, check_pipeline_folder
+from mmrl.plugins.flow.adapters.base import (
+    Conditioning,
+    FlowAdapter,
+    call_per_group,
+    check_pipeline_folder,
+    refuse_other_pipelines,
+)
 
 
 def _unused(name: str) -> bool:
@@ -99,9 +105,15 @@ class Flux3Adapter(FlowAdapter):
     def __init__(self, pipeline: Any, device: torch.device):
         from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 
-        if getattr(pipeline.transformer.config, "flow_map", False):
+        kind = type(pipeline).__name__
+        # The step-distilled FLUX.3 first, with its own reason: its modular pipeline class, or the base class holding a
+        # flow-map transformer. Another class's transformer is not read (refuse_other_pipelines names its adapter).
+        distilled = kind == "Flux3DistilledModularPipeline" or (
+            kind in self.pipeline_classes and getattr(pipeline.transformer.config, "flow_map", False))
+        if distilled:
             raise ValueError("the flux3 adapter does not train step-distilled (flow-map) FLUX.3: its velocity also "
                              "takes the timestep each step jumps to, which the flow plugin's steps do not carry")
+        refuse_other_pipelines(type(self), pipeline)
         guider = getattr(pipeline, "guider", None)
         if guider is not None and (guider.guidance_rescale or guider.use_original_formulation):
             raise ValueError("the flux3 adapter combines guidance as v_u + w·(v_c − v_u): this pipeline's guider sets "

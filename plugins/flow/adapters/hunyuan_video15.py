@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 class HunyuanVideo15Adapter(FlowAdapter):
@@ -85,6 +85,7 @@ class HunyuanVideo15Adapter(FlowAdapter):
     default_num_frames = 121  # HunyuanVideo15Pipeline.__call__'s num_frames
 
     def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         channels = int(pipeline.vae.config.latent_channels)
         expected = 2 * channels + 1

@@ -85,7 +85,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale, refuse_other_pipelines
 
 OPTIONS: dict[str, str] = {
     "audio_guidance_scale": "the audio stream's CFG scale (a number >= 0; LTX2Pipeline's default 7.0)",
@@ -125,6 +125,7 @@ class LTX2Adapter(FlowAdapter):
     option_docs: ClassVar[dict[str, str]] = OPTIONS
 
     def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         config = pipeline.transformer.config
         if int(config.audio_patch_size) != 1 or int(config.audio_patch_size_t) != 1:

@@ -99,7 +99,9 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
     def from_pretrained(cls, model: str, *, dtype: torch.dtype, device: torch.device) -> LTX2ImageToVideoAdapter:
         """Load the pipeline at ``model``; an ``LTX2Pipeline`` folder (Lightricks/LTX-2's model_index.json names it)
         becomes an ``LTX2ImageToVideoPipeline`` of the same components, as diffusers' example loads the checkpoint
-        (``LTX2ImageToVideoPipeline.from_pretrained("Lightricks/LTX-2")``)."""
+        (``LTX2ImageToVideoPipeline.from_pretrained("Lightricks/LTX-2")``). The conversion comes before the adapter is
+        built, so the pipeline-class check of :class:`LTX2Adapter` (``refuse_other_pipelines``) sees the class this
+        adapter drives; another class is refused here, before anything is built."""
         pipeline = load_pipeline(model, dtype)
         name = type(pipeline).__name__
         if name == "LTX2Pipeline":

@@ -29,11 +29,13 @@ attention modules and ``{img,txt}_mlp.net.0.proj`` / ``{img,txt}_mlp.net.2.proj`
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 class QwenImageAdapter(FlowAdapter):
@@ -47,6 +49,10 @@ class QwenImageAdapter(FlowAdapter):
     default_guidance_scale = 4.0  # QwenImagePipeline.__call__'s true_cfg_scale
     supports_cfg = True
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s default
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
+        super().__init__(pipeline, device)
 
     @property
     def vae_scale_factor(self) -> int:

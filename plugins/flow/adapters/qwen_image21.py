@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, call_per_group
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, call_per_group, refuse_other_pipelines
 from mmrl.plugins.flow.adapters.qwen_image import padded_text
 
 #: Latent tokens per image slot of the text encoder's sequence: a 2×2 group (the transformer's
@@ -84,6 +84,7 @@ class QwenImage21Adapter(FlowAdapter):
     default_max_sequence_length = 512  # the pipeline has no limit; this only bounds the cached prompt tensors
 
     def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         #: Step counts the configured ``sample_sigmas`` did not fit (warned once each).
         self._warned_steps: set[int] = set()

@@ -71,8 +71,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
-from mmrl.plugins.flow.adapters.flux import refuse_other_pipelines
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 def euler_scheduler_for(scheduler: Any) -> Any:

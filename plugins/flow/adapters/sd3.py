@@ -7,9 +7,12 @@ the joint-attention projections of the image and text streams.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, refuse_other_pipelines
 
 
 class SD3Adapter(FlowAdapter):
@@ -23,6 +26,10 @@ class SD3Adapter(FlowAdapter):
     default_guidance_scale = 4.5
     supports_cfg = True
     default_max_sequence_length = 256  # StableDiffusion3Pipeline's default
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
+        super().__init__(pipeline, device)
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
         prompt_embeds, _, pooled, _ = self.pipeline.encode_prompt(

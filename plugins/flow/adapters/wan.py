@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale, refuse_other_pipelines
 
 
 class WanAdapter(FlowAdapter):
@@ -93,6 +93,7 @@ class WanAdapter(FlowAdapter):
     decode_batch_size = 1
 
     def __init__(self, pipeline: Any, device: torch.device):
+        self.check_pipeline_class(pipeline)  # before anything reads the pipeline's components
         super().__init__(pipeline, device)
         config = pipeline.config
         transformer_2 = getattr(pipeline, "transformer_2", None)
@@ -118,6 +119,12 @@ class WanAdapter(FlowAdapter):
             boundary = float(boundary_ratio) * float(pipeline.scheduler.config.num_train_timesteps)
             self.experts_module = WanExperts(pipeline.transformer, transformer_2, boundary)
         self.scheduler = euler_scheduler_for(pipeline.scheduler)
+
+    @classmethod
+    def check_pipeline_class(cls, pipeline: Any) -> None:
+        """Refuse a pipeline of a class this adapter does not drive, in one line naming the adapter that drives it
+        (:func:`~mmrl.plugins.flow.adapters.base.refuse_other_pipelines`); ``wan_v2v`` also takes a ``WanPipeline``."""
+        refuse_other_pipelines(cls, pipeline)
 
     # ------------------------------------------------------------------ components
     @property

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning
+from mmrl.plugins.flow.adapters.base import Conditioning, load_pipeline
 from mmrl.plugins.flow.adapters.wan import WanAdapter
 
 
@@ -58,6 +58,24 @@ class WanImageToVideoAdapter(WanAdapter):
     pipeline_classes = ("WanImageToVideoPipeline",)
     image_conditioned = True
     takes_last_image = True
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, dtype: torch.dtype, device: torch.device) -> WanImageToVideoAdapter:
+        """Load the pipeline at ``model``; a ``WanPipeline`` with ``expand_timesteps`` (Wan 2.2 TI2V-5B, whose
+        ``model_index.json`` names ``WanPipeline``: one checkpoint for text- and image-to-video) becomes a
+        ``WanImageToVideoPipeline`` of the same components and config, as ``WanImageToVideoPipeline.from_pretrained``
+        loads it (Flow-Factory's image-to-video model does so for TI2V-5B: X-GenGroup/Flow-Factory@a0b2bc5,
+        ``src/flow_factory/models/wan/wan2_i2v.py:84-85``, ``examples/grpo/lora/wan22/i2v.yaml:34``). Any other
+        class reaches the adapter as loaded, and one it does not drive is refused there, naming the adapter that
+        drives it (a Wan 2.1 text-to-video ``WanPipeline``: ``wan``, its transformer takes no image condition)."""
+        pipeline = load_pipeline(model, dtype)
+        if type(pipeline).__name__ == "WanPipeline" and pipeline.config.get("expand_timesteps", False):
+            from diffusers import WanImageToVideoPipeline
+
+            pipeline = WanImageToVideoPipeline(**pipeline.components, expand_timesteps=True,
+                                               boundary_ratio=pipeline.config.get("boundary_ratio"))
+            pipeline.set_progress_bar_config(disable=True)
+        return cls(pipeline, device)
 
     @property
     def reads_image_pairs(self) -> bool:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, GuidanceScale, encoded_latents
+from mmrl.plugins.flow.adapters.base import Conditioning, GuidanceScale, encoded_latents, refuse_other_pipelines
 from mmrl.plugins.flow.adapters.wan import WanAdapter
 from mmrl.rollout import RolloutError
 
@@ -81,6 +81,16 @@ class WanVideoToVideoAdapter(WanAdapter):
         self.strength = DEFAULT_STRENGTH
         # (video, frames, H, W) → {"latents": [1, C, F_lat, h, w] float32, "pixels": [1, 3, F, H, W] uint8 (CPU)}
         self._videos: OrderedDict[tuple[Any, ...], dict[str, Tensor]] = OrderedDict()
+
+    @classmethod
+    def check_pipeline_class(cls, pipeline: Any) -> None:
+        """A ``WanVideoToVideoPipeline`` or a ``WanPipeline``: the released V2V checkpoints are Wan text-to-video ones
+        (module docstring), whose ``model_index.json`` names ``WanPipeline``. That class is not declared in
+        :attr:`pipeline_classes`, where ``adapter: auto`` would read it (it gives such a folder to ``wan``); any other
+        class is refused as every adapter refuses it, naming the adapter that drives it (a Wan image-to-video
+        checkpoint: ``wan_i2v``)."""
+        if type(pipeline).__name__ != "WanPipeline":
+            refuse_other_pipelines(cls, pipeline)
 
     def configure(self, options: dict[str, Any], *, cfg: bool) -> None:
         """``plugin.adapter_options``: ``strength`` only, a number in (0, 1]."""

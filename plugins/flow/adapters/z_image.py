@@ -38,10 +38,12 @@ blocks as well as the 30 main blocks).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale
+from mmrl.plugins.flow.adapters.base import Conditioning, FlowAdapter, GuidanceScale, refuse_other_pipelines
 
 
 class ZImageAdapter(FlowAdapter):
@@ -60,6 +62,10 @@ class ZImageAdapter(FlowAdapter):
     #: ``plugin.cfg_normalization`` and ``plugin.cfg_truncation`` (None: off), set by the plugin.
     cfg_normalization: float | None = None
     cfg_truncation: float | None = None
+
+    def __init__(self, pipeline: Any, device: torch.device):
+        refuse_other_pipelines(type(self), pipeline)  # before anything reads the pipeline's components
+        super().__init__(pipeline, device)
 
     def resolution_multiple(self) -> int:
         return self.vae_scale_factor * 2  # 2×2 patches (the pipeline's image processor uses the same multiple)
