@@ -50,7 +50,9 @@ has no SA-Solver and uses Euler steps (and its own SDE kinds) on the pipeline's 
 **The EMA KL** (``matching.ema_kl_coef``, upstream's ``ema_beta``): ema_kl_coef · mean over (sample, time) of
 mean((v_θ − v_ema)²) (``ema_kl_weight``, as ``kl_weight``), v_ema the velocity of an exponential moving average of
 the trained weights, returned as ``PolicyOutput.aux_loss`` (the core averages it over the optimizer step's backward
-passes, as upstream's gradient accumulation averages its micro-batch means; L1276-1280, L1341-1352). Upstream keeps
+passes, as upstream's gradient accumulation averages its micro-batch means; L1276-1280, L1341-1352: the mean over
+(sample, time) only for equal micro-batches and action chunks that divide K, docs/flow.md section 16). Upstream adds
+it inside its ``beta > 0`` branch (L1330), where mmrl adds it whatever ``algorithm.kl_coef``. Upstream keeps
 the EMA as a second LoRA adapter, initialised to the trained one (L649-658) and moved after every epoch by
 ema ← d·ema + (1 − d)·θ with d = min(kl_ema_decay, 0.001·global_step) (L1409-1419); mmrl keeps a copy of the trained
 parameters and makes the same update before each training step's first rollout, with the training steps done in
@@ -375,6 +377,16 @@ class MatchingLikelihood:
             lo, hi = config.sde_sigma_range
             grid = sigmas[:-1].detach().cpu()
             stochastic[:] = (grid >= lo) & (grid <= hi)
+            if sampler.config.share_initial_noise and not bool(stochastic.any()):
+                # The config allows shared initial noise only with SDE steps; a range between two grid points (the
+                # grid is known only here, at the adapter's size) leaves ODE everywhere: every sample of a group the
+                # same image, zero advantages, no update, and no error anywhere else.
+                from mmrl.rollout import RolloutError
+
+                raise RolloutError(f"plugin.matching.sde_sigma_range {[lo, hi]} holds no sigma of the {steps}-step "
+                                   f"grid ({', '.join(f'{s:.4f}' for s in grid.tolist())}), so with "
+                                   "plugin.share_initial_noise every sample of a group would be the same: widen the "
+                                   "range or set share_initial_noise false")
         plan = StepPlan(step_index=torch.zeros(n, 0, dtype=torch.long), stochastic=stochastic)
         rollout = sampler.chain_rollout(policy, batch, plan, keep_final=True)
         clean = rollout.replay["final_latents"]  # [n, *latent] float32: x₀, what the reward saw

@@ -360,3 +360,217 @@ def test_ema_kl_follows_the_released_ema_and_loss(make_plugin, tmp_path, schedul
     plugin.matching.ema, plugin.matching.ema_step = None, -1
     plugin.load_trainable(policy, tmp_path / "policy")
     assert plugin.matching.ema_step == 2 and all(torch.equal(plugin.matching.ema[n], v) for n, v in saved.items())
+
+
+def test_draws_depend_on_each_sample_seed_only_not_on_the_batch_layout(make_plugin):
+    """Multi-process and rollout-batch layouts: a sample's times and noise seed are functions of its own seed (the
+    core's per-sample seed, process-independent), so the same sample drawn in another batch, at another position,
+    alongside other samples, gets the same draw; and ε of (sample, epoch, column) is the documented generator's."""
+    from mmrl.plugin import Runtime
+
+    plugin = _matching(make_plugin, Runtime(inner_epochs=2), time_sampler="logit_normal")
+    policy = plugin.policy()
+    whole = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))  # seeds 100..103
+    alone = plugin.rollout(policy, prompt_batch(["a dog"], 2, first_seed=102, first_group=1))  # seeds 102, 103
+    for key in ("matching_times", "matching_timesteps", "matching_seeds"):
+        assert torch.equal(whole.replay[key][2:], alone.replay[key]), key
+    assert not torch.equal(whole.replay["matching_times"][0], whole.replay["matching_times"][1])  # per sample
+    # ε regenerated from the seed, whatever rows share the forward: the recorded x_t of sample 102 is the same
+    calls = _record_velocity(plugin)
+    plugin.forward(policy, whole, need_reference=False)
+    plugin.forward(policy, alone, need_reference=False)
+    for k in range(3):
+        torch.testing.assert_close(calls[k][0][2:], calls[3 + k][0][:], rtol=0, atol=0)
+    # draw 0 does not depend on how many inner epochs are drawn
+    single = _matching(make_plugin, Runtime(inner_epochs=1), time_sampler="logit_normal")
+    one = single.rollout(single.policy(), prompt_batch(["a cat", "a dog"], 2))
+    assert one.replay["matching_times"].shape == (4, 1, 3)
+    assert torch.equal(one.replay["matching_times"][:, 0], whole.replay["matching_times"][:, 0])
+
+
+def test_evaluation_runs_the_plain_sampler_and_leaves_the_ema_alone(make_plugin):
+    plugin = _matching(make_plugin, ema_kl_coef=1.0)
+    policy = plugin.policy()
+    calls = _record_velocity(plugin)
+    evaluation = plugin.rollout(policy, prompt_batch(["a cat"], 2, training=False))
+    assert evaluation.mask.shape == (2, 0) and "matching_times" not in (evaluation.replay or {})
+    assert len(calls) == 3  # eval_num_steps Euler steps, one velocity each
+    assert plugin.matching.ema is None and plugin.matching.ema_step == -1  # only training rollouts move the EMA
+    plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    assert plugin.matching.ema is not None and plugin.matching.ema_step == 0
+
+
+def test_action_chunks_give_the_loss_and_gradient_of_all_columns_at_once(train_config, tmp_path):
+    """``algorithm.action_chunk_size`` back-propagates the K time columns in chunks (here 2 + 1 of K = 3): each
+    chunk's forward scores its columns only, at the same x_t, and with the step-wide denominators the chunks' losses
+    and gradients sum to the unchunked ones (policy term with its clip, action weights, velocity KL)."""
+    config = train_config("sd3", tmp_path, "algorithm.policy_loss={name: grpo, clip_low: 0.002, clip_high: 0.002}",
+                          "algorithm.kl_coef=0.3", "algorithm.action_chunk_size=null", likelihood="matching",
+                          num_steps=6, matching={"num_times": 3, "weighting": "huber", "advantage_scale": 0.2})
+    trainer = Trainer(config)
+    plugin, policy = trainer.plugin, trainer.plugin.policy()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    rollout = plugin.rollout(policy, prompt_batch(["a cat"], 3))
+    with torch.no_grad():
+        logp = plugin.forward(policy, rollout, need_reference=False).logp
+    shifts = torch.tensor([[-0.009, 0.001, -0.001], [0.003, -0.0015, -0.001], [0.0, 0.0, 0.0]])
+    part = dataclasses.replace(rollout, old_logp=logp + shifts)  # some ratios clipped
+    advantages = torch.tensor([1.5, -0.7, 4.0])
+    lora = [p for name, p in policy.named_parameters() if "lora_" in name]
+    n, a = part.mask.shape
+    lengths = part.mask.double().sum(dim=1)
+
+    def loss_and_grad(columns):
+        loss, _, _, _ = trainer.learner._micro_loss(part, advantages, True, float(n * a), float(n), a, columns,
+                                                    lengths)
+        return loss.detach(), torch.autograd.grad(loss, lora)
+
+    whole, whole_grad = loss_and_grad(None)
+    chunks = [loss_and_grad(torch.tensor(columns)) for columns in ([0, 1], [2])]
+    assert float(whole.abs()) > 0
+    torch.testing.assert_close(sum(loss for loss, _ in chunks), whole, rtol=1e-5, atol=1e-9)
+    for k, want in enumerate(whole_grad):
+        torch.testing.assert_close(sum(grads[k] for _, grads in chunks), want, rtol=1e-4, atol=1e-9)
+
+
+def test_a_resumed_run_continues_exactly_with_its_ema(train_config, tmp_path):
+    """Two steps in one go, and one step then a resume from its checkpoint for the second: the same LoRA weights,
+    the same EMA (restored with the step of its last update, then moved by d = min(0.3, 0.001·step) of the resumed
+    step) and the same losses: the draws come from the samples' seeds, not from state a restart loses."""
+    def config(folder, *overrides):
+        return train_config("sd3", tmp_path / folder, "algorithm.kl_coef=0.01", "algorithm.action_chunk_size=null",
+                            "algorithm.micro_batch_size=4", "eval.save_samples=false", *overrides,
+                            likelihood="matching", num_steps=4,
+                            matching={"num_times": 2, "time_sampler": "uniform", "ema_kl_coef": 1.0})
+
+    straight = Trainer(config("straight"))
+    history = straight.train().history
+    Trainer(config("resumed", "run.max_steps=1")).train()
+    resumed = Trainer(config("resumed", "run.resume=latest"))  # the checkpoint's EMA: ema_step 0
+    rest = resumed.train().history
+    assert [record["step"] for record in rest] == [2]
+    assert rest[0]["loss/total"] == history[1]["loss/total"] and history[1]["loss/aux"] > 0
+    ema, again = straight.plugin.matching, resumed.plugin.matching
+    assert ema.ema_step == again.ema_step == 1 and ema.ema.keys() == again.ema.keys()
+    for name, value in ema.ema.items():
+        assert torch.equal(value, again.ema[name]), name
+    mine = dict(resumed.plugin.policy().named_parameters())
+    for name, parameter in straight.plugin.policy().named_parameters():
+        if parameter.requires_grad:
+            assert torch.equal(parameter.detach(), mine[name].detach()), name
+
+
+@pytest.mark.parametrize("sampler", ["logit_normal", "discrete"])
+def test_flux_transformer_sees_sigma_t_for_x_t_on_its_shifted_grid(make_plugin, sampler):
+    """The timestep convention on a family other than SD3: FLUX's scheduler shifts its grid with the image size
+    (σ ≠ linspace) and its transformer takes σ itself (FluxPipeline passes timestep/1000). The matching forward must
+    hand the transformer σ = t for x_t = (1 − t)·x₀ + t·ε: t·1000 in the scheduler's convention for the continuous
+    samplers, the grid's own (σ_i, timestep_i) pair for the discrete ones."""
+    plugin = make_plugin("flux", likelihood="matching", num_steps=6, timestep_fraction=0.99,
+                         matching={"num_times": 3, "time_sampler": sampler})
+    policy = plugin.policy()
+    sigmas, timesteps = plugin.sampler.training_schedule()
+    assert not torch.allclose(sigmas, torch.linspace(1, 0, 7))  # a shifted grid
+    rollout = plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    times = rollout.replay["matching_times"][:, 0]  # [2, 3]
+    if sampler == "discrete":  # every t is a grid σ, with its own timestep
+        index = (times.reshape(-1, 1) - sigmas.reshape(1, -1)).abs().argmin(dim=1)
+        torch.testing.assert_close(times.reshape(-1), sigmas[index], rtol=0, atol=0)
+        torch.testing.assert_close(rollout.replay["matching_timesteps"][:, 0].reshape(-1), timesteps[index])
+    seen = []
+    hook = policy.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["timestep"].detach()),
+                                            with_kwargs=True)
+    try:
+        plugin.forward(policy, rollout, need_reference=False)
+    finally:
+        hook.remove()
+    assert len(seen) == 3
+    for k in range(3):
+        torch.testing.assert_close(seen[k].float(), times[:, k], rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_autocast_scores_the_transformer_output_in_float64(make_plugin):
+    """Under bf16 autocast the adapter returns the (CFG-combined) velocity in float32, and the squared error is taken
+    in float64 on it (upstream: ``noise_pred.double()``, L244-245), not in the autocast dtype; the old-policy pass in
+    pieces of 3 gives ratio exactly 1 (``transformer_batch_size``: fixed kernel shapes)."""
+    from mmrl.plugin import Runtime
+
+    runtime = Runtime(mixed_precision="bf16", autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    plugin = _matching(make_plugin, runtime, {"transformer_batch_size": 2}, weighting="t2")
+    policy = plugin.policy()
+    rollout = plugin.rollout(policy, prompt_batch(["a cat", "a dog"], 2))
+    clean = rollout.replay["clean_latents"]
+    assert clean.dtype == torch.float32
+    calls = _record_velocity(plugin)
+    output = plugin.forward(policy, rollout, need_reference=False)
+    for k in range(3):
+        velocity = calls[k][2]
+        assert velocity.dtype == torch.float32
+        t = rollout.replay["matching_times"][:, 0, k]
+        noise = _noise(rollout.replay["matching_seeds"], 0, k, tuple(clean.shape[1:]))
+        expected = _upstream_log_prob(velocity, noise, clean, t, "t2")
+        torch.testing.assert_close(output.logp[:, k].double(), expected, rtol=1e-6, atol=0)
+    old = old_policy_pass(plugin, policy, rollout, batch_size=3).old_logp
+    assert torch.equal(output.logp.detach(), old)
+
+
+def test_a_bucketed_rollout_draws_on_its_own_grid_and_the_forward_runs_at_its_size(make_plugin, tmp_path):
+    """``plugin.buckets`` on FLUX, whose σ grid shifts with the image size: a wide row's discrete times are σ of the
+    wide grid, its x₀ is the wide latent, and its forward (after a square rollout moved the adapter) runs at the wide
+    size, the transformer seeing σ = t, with ratio exactly 1 against the old-policy pass."""
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in [{"prompt": "a cat", "aspect_ratio": "2:1"},
+                                                                   {"prompt": "a dog"}]))
+    plugin = make_plugin("flux", prompts=None, dataset=str(prompts), buckets=[[16, 16], [16, 32]],
+                         likelihood="matching", num_steps=6, timestep_fraction=0.99, transformer_batch_size=2,
+                         matching={"num_times": 3, "time_sampler": "discrete"})
+    policy = plugin.policy()
+    rows = plugin.dataset("train")
+    batch = prompt_batch(["a cat"], 2)
+    batch.rows = [rows[0]] * 2
+    with plugin.adapter.sized(16, 32):
+        wide_grid = plugin.sampler.training_schedule()[0]
+    square_grid = plugin.sampler.training_schedule()[0]
+    assert not torch.allclose(wide_grid[1:-1], square_grid[1:-1])
+    wide = plugin.rollout(policy, batch)
+    square_batch = prompt_batch(["a dog"], 2, first_seed=7)
+    square_batch.rows = [rows[1]] * 2
+    square = plugin.rollout(policy, square_batch)
+    assert wide.replay["output_size"].tolist() == [[16, 32]] * 2
+    assert wide.replay["clean_latents"].shape[1:] != square.replay["clean_latents"].shape[1:]
+    times = wide.replay["matching_times"][:, 0]  # [2, 3]
+    index = (times.reshape(-1, 1) - wide_grid.reshape(1, -1)).abs().argmin(dim=1)
+    torch.testing.assert_close(times.reshape(-1), wide_grid[index], rtol=0, atol=0)
+    seen = []
+    hook = policy.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["timestep"].detach()),
+                                            with_kwargs=True)
+    try:
+        current = plugin.forward(policy, wide, need_reference=False).logp
+    finally:
+        hook.remove()
+    for k in range(3):
+        torch.testing.assert_close(seen[k].float(), times[:, k], rtol=1e-6, atol=1e-6)
+    old = old_policy_pass(plugin, policy, wide, batch_size=1).old_logp
+    assert torch.equal(current.detach(), old)
+
+
+def test_shared_initial_noise_with_an_sde_range_that_holds_no_grid_sigma_is_refused(make_plugin):
+    """``share_initial_noise`` passes the config check with an ``sde_sigma_range``, but a range between two grid points
+    leaves every step an ODE step: the G samples of a group would be one image (zero advantages, silently)."""
+    from mmrl.rollout import RolloutError
+
+    plugin = _matching(make_plugin, None, {"share_initial_noise": True}, sde_sigma_range=[0.3, 0.9], num_times=2)
+    grid = plugin.sampler.training_schedule()[0][:-1].tolist()  # [S]
+    rollout = plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 2))  # steps in the range: SDE, two images
+    assert not torch.equal(rollout.replay["clean_latents"][0], rollout.replay["clean_latents"][1])
+    lo = (grid[1] + grid[2]) / 2  # strictly between two grid points
+    plugin.matching.config.sde_sigma_range = [lo, lo + 1e-4]
+    with pytest.raises(RolloutError, match=r"^plugin\.matching\.sde_sigma_range .* holds no sigma") as error:
+        plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 2))
+    assert "\n" not in str(error.value)
