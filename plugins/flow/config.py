@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
 from mmrl.plugins.flow.matching import MatchingConfig
+from mmrl.plugins.flow.nft import NFTConfig
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
 from mmrl.policy import lora_config_class
 from mmrl.prompts import read_prompt_file
@@ -242,14 +243,18 @@ class FlowPluginConfig:
         "algorithm.micro_batch_size. Null: the batch as it comes.",
         ref="flow_grpo#104, DanceGRPO#57 (batch-dependent kernels break ratio == 1)",
     )
-    likelihood: Literal["sde", "matching"] = config_field(
+    likelihood: Literal["sde", "matching", "nft"] = config_field(
         "sde", help="The log-prob of an action: 'sde', the Gaussian density of each trained SDE step (Flow-GRPO, "
-        "DanceGRPO and the credit strategies), or 'matching', Advantage Weighted Matching: the weighted, negated "
+        "DanceGRPO and the credit strategies), 'matching', Advantage Weighted Matching: the weighted, negated "
         "flow-matching loss of the final sample at plugin.matching.num_times noised copies, one action column each "
-        "(plugin.matching; docs/flow.md section 16).",
-        ref="AWM arXiv:2509.25050; scxue/advantage_weighted_matching",
+        "(plugin.matching; docs/flow.md section 16), or 'nft', DiffusionNFT: the implicit positive and negative "
+        "policies' x0 errors at int(num_steps*timestep_fraction) grid times of the final sample, two columns per "
+        "time, for algorithm.policy_loss nft; rollouts sample with the old (EMA) policy (plugin.nft; section 17).",
+        ref="AWM arXiv:2509.25050; scxue/advantage_weighted_matching; DiffusionNFT arXiv:2509.16117, "
+        "NVlabs/DiffusionNFT",
     )
     matching: MatchingConfig = field(default_factory=MatchingConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
 
     def validate(self, path: str) -> None:
@@ -260,6 +265,8 @@ class FlowPluginConfig:
         self._check_sde_kind(path)
         if self.likelihood == "matching":
             self._check_matching(path)
+        if self.likelihood == "nft":
+            self._check_nft(path)
         highest = self.sde_kind().max_noise_level
         if highest is not None and self.noise_level > highest:
             raise ConfigError(f"{path}.noise_level", self.noise_level, f"a number in (0, {highest:g}] for sde "
@@ -337,6 +344,36 @@ class FlowPluginConfig:
                               "rollouts (matching.sde_sigma_range null): the samples of a group would be identical")
         self.matching.check_grid(f"{path}.matching", self.num_steps, self.timestep_fraction)
 
+    def _check_nft(self, path: str) -> None:
+        """``likelihood: nft`` takes Flow-GRPO's uniform credit only and none of the SDE log-prob options; its
+        deterministic rollouts need each sample's own initial noise and at least one trained time."""
+        credit = self.credit
+        if credit.strategy != "step":
+            raise ConfigError(f"{path}.credit.strategy", credit.strategy, "'step' with plugin.likelihood nft (its "
+                              "actions are training times of the final sample, not denoising steps to credit)")
+        for key in ("ratio_norm", "ratio_norm_reweight", "noise_weighting"):
+            if getattr(credit, key):
+                raise ConfigError(f"{path}.credit.{key}", True, "false with plugin.likelihood nft (it acts on SDE "
+                                  "transition log-probs, which nft has none of)")
+        for key, default in (("train_steps", "fraction"), ("cps_log_prob", "flow_grpo"),
+                             ("kl_variance", "flow_grpo"), ("decode_latent", "sample")):
+            if getattr(self, key) != default:
+                raise ConfigError(f"{path}.{key}", getattr(self, key), f"{default!r} with plugin.likelihood nft "
+                                  "(its rollouts are deterministic and train no SDE step; nft's options are under "
+                                  "plugin.nft)")
+        if self.share_initial_noise:
+            raise ConfigError(f"{path}.share_initial_noise", True, "false with plugin.likelihood nft (deterministic "
+                              "rollouts: the samples of a group would be identical)")
+        if self.nft_num_times() < 1:
+            raise ConfigError(f"{path}.timestep_fraction", self.timestep_fraction, f"a fraction with int(num_steps * "
+                              f"fraction) >= 1 with plugin.likelihood nft (the trained times; num_steps "
+                              f"{self.num_steps})")
+
+    def nft_num_times(self) -> int:
+        """K of ``likelihood: nft``: ⌊num_steps·timestep_fraction⌋ grid times per sample (upstream's
+        ``num_train_timesteps``, train_nft_sd3.py:L569)."""
+        return int(self.num_steps * self.timestep_fraction)
+
     def _check_sde_kind(self, path: str) -> None:
         """``sde`` names a stochastic kind of the registry (built-in or registered by a package); the deterministic
         ``ode`` kind has no log-prob to train."""
@@ -378,6 +415,8 @@ class FlowPluginConfig:
         training times with ``likelihood: matching``)."""
         if self.likelihood == "matching":
             return self.matching.num_times
+        if self.likelihood == "nft":  # (e⁺, e⁻) per time
+            return 2 * self.nft_num_times()
         return credit_strategies.get(self.credit.strategy)(self).num_actions(self)
 
     def step_selection_count(self) -> int:

@@ -30,7 +30,10 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   same transformer with its LoRA adapter disabled (full fine-tuning: a frozen copy, kept when ``kl_coef > 0``);
 - with ``plugin.likelihood: matching`` (Advantage Weighted Matching, :mod:`.matching`) the rollout trains no SDE step:
   its K columns are training times of the final sample, ``old_logp`` is None, and :meth:`FlowPlugin.forward` returns
-  the negated weighted flow-matching loss at each time and the velocity KL to the reference.
+  the negated weighted flow-matching loss at each time and the velocity KL to the reference;
+- with ``plugin.likelihood: nft`` (DiffusionNFT, :mod:`.nft`) the rollout is sampled by the old (EMA) policy and
+  trains no SDE step: its 2K columns are the implicit positive and negative policies' x₀ errors at K training times
+  of the final sample, for ``algorithm.policy_loss: nft``; the old policy travels with checkpoints.
 
 This module holds the contract only. The config is :mod:`.config` (re-exported here), the sampling engine that
 rollouts, forwards and the credit strategies share is :class:`~.sampler.FlowSampler`, and the SDE kinds are the
@@ -54,6 +57,7 @@ from mmrl.plugins.flow.buckets import BUCKET_KEY, assign_buckets, bucket_name, c
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows, row_image_paths
 from mmrl.plugins.flow.credit import credit_strategies
 from mmrl.plugins.flow.matching import MatchingLikelihood
+from mmrl.plugins.flow.nft import NFTLikelihood
 from mmrl.plugins.flow.sampler import FlowSampler
 from mmrl.policy import (
     DIFFUSERS_LORA_WEIGHTS,
@@ -68,6 +72,8 @@ from mmrl.rollout import Rollout, RolloutError
 
 LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
 MATCHING_EMA_FILE = "matching_ema.safetensors"  # plugin.matching.ema_kl_coef's EMA weights, in checkpoints
+NFT_OLD_FILE = "nft_old.safetensors"  # plugin.likelihood nft's old (EMA) policy, in checkpoints
+NFT_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")  # equal with nft's full masks: the mean over (sample, time)
 
 __all__ = ["LORA_WEIGHTS", "FlowLoraConfig", "FlowPlugin", "FlowPluginConfig"]
 
@@ -128,7 +134,8 @@ class FlowPlugin(Plugin):
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
         ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
         ``algorithm.top_entropy_quantile`` (no per-step entropy); with ``likelihood: matching`` a ratio level other than
-        ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``)."""
+        ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``); with ``likelihood: nft`` what would make the
+        loss differ from DiffusionNFT's (:meth:`_check_nft`), and ``policy_loss: nft`` without it."""
         check_reference_sync(train_config)
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
@@ -144,6 +151,42 @@ class FlowPlugin(Plugin):
                 raise ConfigError("algorithm.policy_loss.ratio_level", level, "'token' (AWM's exp_first) "
                                   "or 'sequence' (sum_first) with plugin.likelihood matching (its rollouts have no "
                                   "chunks)")
+        if train_config.plugin.config.likelihood == "nft":
+            cls._check_nft(train_config)
+        elif train_config.algorithm.policy_loss.name == "nft":
+            raise ConfigError("algorithm.policy_loss.name", "nft", "a loss other than nft with plugin.likelihood "
+                              f"{train_config.plugin.config.likelihood!r}; nft reads the columns of plugin.likelihood "
+                              "nft")
+
+    @staticmethod
+    def _check_nft(train_config: Any) -> None:
+        """The settings under which the learner's loss and gradient are DiffusionNFT's (:mod:`.nft`): the ``nft``
+        policy loss, a mean over (sample, column) aggregation, action chunks of whole times, no advantage clip below
+        the loss's A_max, and the old policy's step counter moving by the optimizer steps of a training step."""
+        algorithm, nft = train_config.algorithm, train_config.plugin.config.nft
+        if algorithm.policy_loss.name != "nft":
+            raise ConfigError("algorithm.policy_loss.name", algorithm.policy_loss.name, "nft with plugin.likelihood "
+                              "nft (its columns are x0 errors, not log-probs a ratio loss could read)")
+        if algorithm.aggregation not in NFT_AGGREGATIONS:
+            raise ConfigError("algorithm.aggregation", algorithm.aggregation, f"one of {', '.join(NFT_AGGREGATIONS)} "
+                              "with plugin.likelihood nft (upstream's mean over samples and times)")
+        if algorithm.action_chunk_size is not None and algorithm.action_chunk_size % 2:
+            raise ConfigError("algorithm.action_chunk_size", algorithm.action_chunk_size, "null or an even number "
+                              "with plugin.likelihood nft (a time's two columns share its forwards; 2: one time per "
+                              "backward, as upstream)")
+        limit = float(algorithm.policy_loss.options.get("adv_clip_max", 5.0))
+        if not limit > 0:
+            raise ConfigError("algorithm.policy_loss.adv_clip_max", limit, "a number > 0 (A_max of nft's optimality "
+                              "weight r = clamp(A/(2*A_max) + 1/2, 0, 1))")
+        if algorithm.advantage_clip is not None and algorithm.advantage_clip < limit:
+            raise ConfigError("algorithm.advantage_clip", algorithm.advantage_clip, f"null or >= the nft loss's "
+                              f"adv_clip_max ({limit:g}) with plugin.likelihood nft (the loss clips at adv_clip_max "
+                              "itself; a tighter clip changes its optimality weights)")
+        steps = algorithm.minibatches * algorithm.inner_epochs
+        if nft.optimizer_steps_per_step != steps:
+            raise ConfigError("plugin.nft.optimizer_steps_per_step", nft.optimizer_steps_per_step, f"{steps} "
+                              "(algorithm.minibatches x inner_epochs: the optimizer steps of a training step, which "
+                              "the old policy's decay counts)")
 
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback
@@ -256,6 +299,9 @@ class FlowPlugin(Plugin):
         #: ``likelihood: matching``: AWM's rollouts and scoring (:mod:`.matching`); None for SDE log-probs.
         self.matching = MatchingLikelihood(config.matching, self.sampler, runtime) \
             if config.likelihood == "matching" else None
+        #: ``likelihood: nft``: DiffusionNFT's rollouts (by the old policy) and scoring (:mod:`.nft`); None otherwise.
+        self.nft = NFTLikelihood(config.nft, self.sampler, runtime, config.nft_num_times()) \
+            if config.likelihood == "nft" else None
 
     @property
     def model_evaluations(self) -> dict[str, int]:
@@ -305,18 +351,23 @@ class FlowPlugin(Plugin):
         no SDE step is trained, the K training times are drawn)."""
         if self.matching is not None:
             return self.matching.rollout(policy, batch)
+        if self.nft is not None:
+            return self.nft.rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
 
     @property
     def redraws_per_epoch(self) -> bool:
         """With ``likelihood: matching`` and ``matching.redraw_per_epoch`` each inner epoch has its own times and
         noise (:meth:`.MatchingLikelihood.num_draws` > 1): the core scores the old policy on each epoch's draw."""
-        return self.matching is not None and self.matching.num_draws() > 1
+        return (self.matching is not None and self.matching.num_draws() > 1) or (self.nft is not None
+                                                                                and self.nft.num_draws() > 1)
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select the matching draw of inner epoch ``epoch`` (SDE log-probs draw nothing per epoch)."""
         if self.matching is not None:
             self.matching.epoch = int(epoch)
+        if self.nft is not None:
+            self.nft.epoch = int(epoch)
 
     @staticmethod
     def _batch_image_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
@@ -354,6 +405,13 @@ class FlowPlugin(Plugin):
             with self._rollout_size(rollout):
                 logp, kl, aux = self.matching.score(policy, rollout, columns, reference=reference)
             return PolicyOutput(logp=logp, kl=kl, aux_loss=aux)
+        if self.nft is not None:  # DiffusionNFT: columns (2k, 2k + 1) are time k's (e⁺/β, e⁻/β)
+            width = int(replay["nft_times"].shape[2]) * 2
+            columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
+            reference = self._reference_module if need_reference else None
+            with self._rollout_size(rollout):
+                values, kl = self.nft.score(policy, rollout, columns, reference=reference)
+            return PolicyOutput(logp=values, kl=kl)
         width = int(replay["latents"].shape[1])
         columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
         if any(c >= width for c in columns):
@@ -455,8 +513,10 @@ class FlowPlugin(Plugin):
     def save_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """:meth:`Plugin.save_trainable`; for two experts each trained expert in its :meth:`expert_folders` folder,
         in the format of a one-transformer run (diffusers' LoRA file or ``trainable.safetensors``). With
-        ``matching.ema_kl_coef`` the EMA of the EMA KL goes next to it (:data:`MATCHING_EMA_FILE`)."""
+        ``matching.ema_kl_coef`` the EMA of the EMA KL goes next to it (:data:`MATCHING_EMA_FILE`), with
+        ``likelihood: nft`` the old policy (:data:`NFT_OLD_FILE`)."""
         self._save_matching_ema(directory)
+        self._save_nft_old(directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().save_trainable(policy, directory)
@@ -472,8 +532,9 @@ class FlowPlugin(Plugin):
 
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """What :meth:`save_trainable` wrote, each trained expert from its folder (a LoRA of another rank or alpha is
-        refused in one line, as for one transformer), and the EMA of the EMA KL."""
+        refused in one line, as for one transformer), the EMA of the EMA KL and nft's old policy."""
         self._load_matching_ema(directory)
+        self._load_nft_old(directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().load_trainable(policy, directory)
@@ -522,6 +583,34 @@ class FlowPlugin(Plugin):
             step = int(handle.metadata()["step"])
             matching.ema = {name: handle.get_tensor(name).to(self.runtime.device) for name in handle.keys()}  # noqa: SIM118
         matching.ema_step = step
+
+    def _save_nft_old(self, directory: str | Path) -> None:
+        """``likelihood: nft``'s old policy and the step of its last update, on the main process."""
+        nft = self.nft
+        if nft is None or nft.old is None or not self.runtime.is_main_process:
+            return
+        from safetensors.torch import save_file
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        save_file({name: value.detach().cpu().contiguous() for name, value in nft.old.items()},
+                  str(Path(directory) / NFT_OLD_FILE), metadata={"step": str(nft.old_step)})
+
+    def _load_nft_old(self, directory: str | Path) -> None:
+        """Restore ``likelihood: nft``'s old policy from a checkpoint; a checkpoint without it is refused (upstream
+        restarts the old adapter from the trained weights on resume, train_nft_sd3.py:L540-541; mmrl continues)."""
+        nft = self.nft
+        if nft is None:
+            return
+        from safetensors import safe_open
+
+        path = Path(directory) / NFT_OLD_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: a run with plugin.likelihood nft resumes its old policy from "
+                                    "the checkpoint (saved with every checkpoint once training started)")
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            step = int(handle.metadata()["step"])
+            nft.old = {name: handle.get_tensor(name).to(self.runtime.device) for name in handle.keys()}  # noqa: SIM118
+        nft.old_step = step
 
     # ------------------------------------------------------------------ building blocks
     def reference_module(self) -> nn.Module | None:
