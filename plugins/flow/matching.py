@@ -57,8 +57,12 @@ the EMA as a second LoRA adapter, initialised to the trained one (L649-658) and 
 ema ← d·ema + (1 − d)·θ with d = min(kl_ema_decay, 0.001·global_step) (L1409-1419); mmrl keeps a copy of the trained
 parameters and makes the same update before each training step's first rollout, with the training steps done in
 place of upstream's optimizer steps (equal in the released recipes, one optimizer step per epoch). The copy travels
-with checkpoints (``FlowPlugin.save_trainable``); it is a per-process copy of the local parameters, so it needs
-unsharded (data-parallel) training.
+with checkpoints (``FlowPlugin.save_trainable``; a checkpoint of step 0, written before the first rollout, holds an
+empty file and the resumed run copies at its first rollout); it is a per-process copy of the local parameters, so
+it needs unsharded (data-parallel) training: ``FlowPlugin`` refuses FSDP and ZeRO-3 launches at start-up and
+:func:`trained_copy` a sharded parameter. ``FlowPlugin.check_config`` refuses an ``algorithm.action_chunk_size``
+that does not divide K (a short last chunk would weigh its times more in the backward passes' mean); a smaller last
+micro-batch (``micro_batch_size`` not dividing the per-process minibatch) still weighs its rows more.
 
 **Not done here.** Upstream's off-policy mode (``off_policy``: sample and score the old policy with the EMA adapter,
 L883-904, L1233-1240) would make the EMA the behaviour policy; the released recipes set ``off_policy: False``, and
@@ -290,6 +294,23 @@ def velocity_kl(velocity: Tensor, reference: Tensor, t: Tensor, kl_weight: str) 
     raise ValueError(f"unknown matching kl_weight {kl_weight!r}; expected uniform or elbo")
 
 
+def trained_copy(module: nn.Module, what: str) -> dict[str, Tensor]:
+    """A copy of ``module``'s trained parameters by name, refusing parameters that are a shard of a larger tensor
+    (DeepSpeed ZeRO-3's ``ds_id``, FSDP's flat parameters, FSDP2's DTensors): a plugin-held copy of local shards
+    would be saved by the main process alone. The plugin refuses such launches at start-up; this catches the ones
+    it cannot see (a wrapper set up without Accelerate's launch variables)."""
+    copy = {}
+    for name, parameter in module.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if hasattr(parameter, "ds_id") or getattr(parameter, "_is_flat_param", False) \
+                or type(parameter.data).__name__ == "DTensor":
+            raise RuntimeError(f"flow: {what} copies the trained parameters of this process, and {name!r} is a shard "
+                               "(FSDP or DeepSpeed ZeRO-3); train data-parallel (DDP) instead")
+        copy[name] = parameter.detach().clone()
+    return copy
+
+
 # ------------------------------------------------------------------------------------------------- the plugin side
 class MatchingLikelihood:
     """The rollout and the scoring of ``plugin.likelihood: matching`` on a :class:`~.sampler.FlowSampler`.
@@ -328,7 +349,7 @@ class MatchingLikelihood:
         module = self.runtime.unwrap(policy)
         trained = {name: p for name, p in module.named_parameters() if p.requires_grad}
         if self.ema is None:
-            self.ema = {name: p.detach().clone() for name, p in trained.items()}
+            self.ema = trained_copy(module, "plugin.matching.ema_kl_coef's EMA")
         else:
             decay = self.ema_decay(step)
             for name, value in self.ema.items():

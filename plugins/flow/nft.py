@@ -41,7 +41,12 @@ d = min(0.001·s, 0.5), type 2 d = 0 for s < 75 then min(0.0075·(s − 75), 0.9
 steps made so far (L1021). mmrl keeps a copy of the trained parameters (:attr:`NFTLikelihood.old`, saved with
 checkpoints), swaps it in for the rollout and for v_old, and updates it before the rollout of training step s ≥ 1
 with d = return_decay(s·``nft.optimizer_steps_per_step``): the optimizer steps made before that rollout, upstream's
-counter (``check_config`` holds ``optimizer_steps_per_step`` = minibatches × inner_epochs).
+counter (``check_config`` holds ``optimizer_steps_per_step`` = minibatches × inner_epochs). The copy is saved with
+checkpoints (an empty file at step 0, before the first rollout made it: the resumed run copies then, as one never
+stopped); it holds this process's parameters, so FSDP and ZeRO-3 launches are refused. Upstream restarts the old
+adapter from the trained LoRA on resume (L540-541, L576-579); mmrl continues the saved one. The loss has no term
+that the learner averages per backward pass (unlike AWM's EMA KL): its columns and KL take the step-wide
+``token_mean`` denominator, so uneven micro-batches and action chunks change nothing.
 
 **The sampler.** Upstream's rollouts use ``solver: dpm2``, deterministic (config/nft.py:65-66; solver.py:27-75,
 207-260): a DDIM step (the Euler step of the flow ODE), DPM-Solver++(2M) multistep updates in the data
@@ -66,7 +71,7 @@ from torch import Tensor, nn
 
 from mmrl.algos.policy_losses import broadcast_advantages, masked_mean
 from mmrl.config import config_field
-from mmrl.plugins.flow.matching import column_noise, noised, velocity_kl
+from mmrl.plugins.flow.matching import column_noise, noised, trained_copy, velocity_kl
 from mmrl.registry import ANY_FINITE
 from mmrl.seeding import derive_seed
 
@@ -268,7 +273,7 @@ class NFTLikelihood:
         module = self.runtime.unwrap(policy)
         trained = {name: p for name, p in module.named_parameters() if p.requires_grad}
         if self.old is None:
-            self.old = {name: p.detach().clone() for name, p in trained.items()}
+            self.old = trained_copy(module, "plugin.likelihood nft's old policy")
         else:
             decay = self.decay(step)
             for name, value in self.old.items():

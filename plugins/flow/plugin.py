@@ -102,6 +102,26 @@ def _check_sizes(config: FlowPluginConfig, adapter: Any) -> None:
             raise ConfigError(f"plugin.{key}", size, f"two multiples of {multiple} for {why}")
 
 
+def _sharded_launch() -> str | None:
+    """``"FSDP"`` or ``"DeepSpeed ZeRO-3"`` when this process was launched to train sharded parameters, else None.
+
+    Read where Accelerate reads it when the trainer builds its Accelerator (before the plugin): ``accelerate launch``
+    sets ``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED`` and ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` or
+    ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` (accelerate ``utils/launch.py``; ``DeepSpeedPlugin.__post_init__`` reads
+    the stage from them), as :func:`mmrl.trainer.trainer._import_group_default_modules` reads the FSDP flag."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "FSDP"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if config_file != "none" and Path(config_file).is_file():
+        stage = str(json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage", stage))
+    return "DeepSpeed ZeRO-3" if stage == "3" else None
+
+
 def _row_source(config: FlowPluginConfig, split: str) -> tuple[Path | None, str]:
     """(the folder relative paths of ``split``'s rows are read from, None for an inline prompt list; its name for
     errors), as :func:`~.config.load_rows` picks the split's source."""
@@ -151,6 +171,13 @@ class FlowPlugin(Plugin):
                 raise ConfigError("algorithm.policy_loss.ratio_level", level, "'token' (AWM's exp_first) "
                                   "or 'sequence' (sum_first) with plugin.likelihood matching (its rollouts have no "
                                   "chunks)")
+            matching, chunk = train_config.plugin.config.matching, train_config.algorithm.action_chunk_size
+            if matching.ema_kl_coef > 0 and chunk is not None and matching.num_times % chunk:
+                # The EMA KL is each backward pass's mean over its (sample, time) pairs, and the learner averages it
+                # over the step's backward passes: a short last chunk would weigh its times more than the others.
+                raise ConfigError("algorithm.action_chunk_size", chunk, f"null or a divisor of "
+                                  f"plugin.matching.num_times ({matching.num_times}) with matching.ema_kl_coef "
+                                  f"{matching.ema_kl_coef:g} > 0 (equal chunks weigh every time of the EMA KL alike)")
         if train_config.plugin.config.likelihood == "nft":
             cls._check_nft(train_config)
         elif train_config.algorithm.policy_loss.name == "nft":
@@ -200,6 +227,8 @@ class FlowPlugin(Plugin):
             if isinstance(component, nn.Module):
                 component.requires_grad_(False).eval()
         _check_sizes(config, adapter)
+        if config.likelihood in ("matching", "nft"):
+            self._refuse_unscorable_elements(config, adapter)
         adapter.set_size(*config.resolved_size())
         self.condition_sizes = config.resolved_condition_sizes()  # (training, evaluation); None: the output size
         adapter.set_condition_size(self.condition_sizes[0])
@@ -302,6 +331,29 @@ class FlowPlugin(Plugin):
         #: ``likelihood: nft``: DiffusionNFT's rollouts (by the old policy) and scoring (:mod:`.nft`); None otherwise.
         self.nft = NFTLikelihood(config.nft, self.sampler, runtime, config.nft_num_times()) \
             if config.likelihood == "nft" else None
+        if self._held_copies():
+            sharding = _sharded_launch()
+            if sharding is not None:
+                what = "plugin.likelihood nft" if self.nft is not None else "plugin.matching.ema_kl_coef > 0"
+                raise ConfigError("plugin.likelihood", config.likelihood, f"a data-parallel (DDP) launch, not "
+                                  f"{sharding}, with {what}: its copy of the trained parameters would hold this "
+                                  "process's shard, and the main process alone saves it")
+
+    @staticmethod
+    def _refuse_unscorable_elements(config: FlowPluginConfig, adapter: Any) -> None:
+        """``likelihood: matching | nft`` take their errors over every element of the adapter's latent, so each must
+        be generated. Wan 2.2 TI2V-5B image-to-video (``wan_i2v`` on an ``expand_timesteps`` checkpoint) keeps the
+        image's latent frame inside the latent: the transformer sees the image there at timestep 0 and the frame is
+        replaced before decoding (:meth:`~.adapters.wan_i2v.WanImageToVideoAdapter.finalize`), so its elements would
+        enter AWM's (v − (ε − x₀))² and DiffusionNFT's x₀ errors and adaptive weights as noise. The other
+        image-conditioned adapters hold only generated elements: the editing ones cut the condition tokens from the
+        transformer's output (flux_kontext, qwen_image_edit, flux2_edit, longcat_image_edit), LTX-2 drops the
+        image's tokens from its latent (``ltx2_i2v``), and Wan 2.1/2.2 A14B and HunyuanVideo-1.5 image-to-video give
+        the image through extra channels while every latent frame is generated."""
+        if adapter.name == "wan_i2v" and getattr(adapter, "expand_timesteps", False):
+            raise ConfigError("plugin.likelihood", config.likelihood, f"sde with {config.model} (adapter wan_i2v on "
+                              "an expand_timesteps checkpoint, Wan 2.2 TI2V-5B): its first latent frame is the given "
+                              "image, not generated, and the matching and nft errors would count it")
 
     @property
     def model_evaluations(self) -> dict[str, int]:
@@ -515,8 +567,7 @@ class FlowPlugin(Plugin):
         in the format of a one-transformer run (diffusers' LoRA file or ``trainable.safetensors``). With
         ``matching.ema_kl_coef`` the EMA of the EMA KL goes next to it (:data:`MATCHING_EMA_FILE`), with
         ``likelihood: nft`` the old policy (:data:`NFT_OLD_FILE`)."""
-        self._save_matching_ema(directory)
-        self._save_nft_old(directory)
+        self._save_copies(directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().save_trainable(policy, directory)
@@ -533,8 +584,7 @@ class FlowPlugin(Plugin):
     def load_trainable(self, policy: nn.Module, directory: str | Path) -> None:
         """What :meth:`save_trainable` wrote, each trained expert from its folder (a LoRA of another rank or alpha is
         refused in one line, as for one transformer), the EMA of the EMA KL and nft's old policy."""
-        self._load_matching_ema(directory)
-        self._load_nft_old(directory)
+        self._load_copies(policy, directory)
         folders = self.expert_folders(directory)
         if not folders:
             return super().load_trainable(policy, directory)
@@ -557,60 +607,93 @@ class FlowPlugin(Plugin):
             save_policy(expert, folder, fmt)
         return fmt
 
-    def _save_matching_ema(self, directory: str | Path) -> None:
-        """The EMA weights of ``matching.ema_kl_coef`` and the step of their last update, on the main process."""
-        matching = self.matching
-        if matching is None or matching.ema is None or not self.runtime.is_main_process:
+    def _held_copies(self) -> list[tuple[str, str, Any]]:
+        """The plugin-held copies of the trained parameters this run keeps: ``(file, what, holder)`` with ``holder``
+        the :class:`.MatchingLikelihood` (``ema``, ``ema_step``) or :class:`.NFTLikelihood` (``old``, ``old_step``)."""
+        copies = []
+        if self.matching is not None and self.matching.config.ema_kl_coef > 0:
+            copies.append((MATCHING_EMA_FILE, "the EMA of plugin.matching.ema_kl_coef", self.matching))
+        if self.nft is not None:
+            copies.append((NFT_OLD_FILE, "the old policy of plugin.likelihood nft", self.nft))
+        return copies
+
+    @staticmethod
+    def _copy_state(holder: Any) -> tuple[dict[str, Tensor] | None, int]:
+        """(the copy, the training step of its last update; -1 and None before the first training rollout)."""
+        if isinstance(holder, MatchingLikelihood):
+            return holder.ema, holder.ema_step
+        return holder.old, holder.old_step
+
+    @staticmethod
+    def _set_copy_state(holder: Any, copy: dict[str, Tensor] | None, step: int) -> None:
+        """Set what :meth:`_copy_state` reads."""
+        if isinstance(holder, MatchingLikelihood):
+            holder.ema, holder.ema_step = copy, step
+        else:
+            holder.old, holder.old_step = copy, step
+
+    def _save_copies(self, directory: str | Path) -> None:
+        """Each plugin-held copy (:meth:`_held_copies`) and the step of its last update, on the main process. A
+        checkpoint written before the first training rollout (step 0: a stop signal during the first evaluation)
+        holds the file with no tensors and step -1: resumed, the first rollout copies the trained weights, as in a
+        run that was never stopped."""
+        if not self.runtime.is_main_process:
             return
         from safetensors.torch import save_file
 
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        save_file({name: value.detach().cpu().contiguous() for name, value in matching.ema.items()},
-                  str(Path(directory) / MATCHING_EMA_FILE), metadata={"step": str(matching.ema_step)})
+        for file, _, holder in self._held_copies():
+            copy, step = self._copy_state(holder)
+            if copy is None and step != -1:
+                raise RuntimeError(f"flow: {file} has no tensors but was last updated at step {step}")
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            tensors = {} if copy is None else {name: value.detach().cpu().contiguous() for name, value in copy.items()}
+            save_file(tensors, str(Path(directory) / file), metadata={"step": str(step)})
 
-    def _load_matching_ema(self, directory: str | Path) -> None:
-        """Restore the EMA of ``matching.ema_kl_coef`` from a checkpoint; a checkpoint without it is refused."""
-        matching = self.matching
-        if matching is None or matching.config.ema_kl_coef == 0:
+    def _load_copies(self, policy: nn.Module, directory: str | Path) -> None:
+        """Restore each plugin-held copy from a checkpoint. Refused in one line: a missing file, and a file whose
+        names or shapes are not the trained parameters' (another LoRA rank or target list, another model), naming
+        the first mismatch."""
+        copies = self._held_copies()
+        if not copies:
             return
         from safetensors import safe_open
 
-        path = Path(directory) / MATCHING_EMA_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: a run with plugin.matching.ema_kl_coef > 0 resumes its EMA "
-                                    "weights from the checkpoint (saved with every checkpoint once training started)")
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            step = int(handle.metadata()["step"])
-            matching.ema = {name: handle.get_tensor(name).to(self.runtime.device) for name in handle.keys()}  # noqa: SIM118
-        matching.ema_step = step
+        trained = {name: p for name, p in self.runtime.unwrap(policy).named_parameters() if p.requires_grad}
+        for file, what, holder in copies:
+            path = Path(directory) / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: a run with {what} resumes it from the checkpoint (every "
+                                        "checkpoint of such a run holds it)")
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                step = int((handle.metadata() or {}).get("step", "-2"))
+                names = list(handle.keys())
+                if step == -1 and not names:  # written before the first training rollout: nothing copied yet
+                    self._set_copy_state(holder, None, -1)
+                    continue
+                if step < 0:
+                    raise ValueError(f"{path}: step {step} with {len(names)} tensors; allowed: a step >= 0 with the "
+                                     "copy's tensors, or step -1 with none (a checkpoint of step 0)")
+                problem = self._copy_mismatch(handle, names, trained)
+                if problem is not None:
+                    raise ValueError(f"{path} does not hold {what} of this run's trained parameters: {problem}")
+                copy = {name: handle.get_tensor(name).to(trained[name].device) for name in names}
+            self._set_copy_state(holder, copy, step)
 
-    def _save_nft_old(self, directory: str | Path) -> None:
-        """``likelihood: nft``'s old policy and the step of its last update, on the main process."""
-        nft = self.nft
-        if nft is None or nft.old is None or not self.runtime.is_main_process:
-            return
-        from safetensors.torch import save_file
-
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        save_file({name: value.detach().cpu().contiguous() for name, value in nft.old.items()},
-                  str(Path(directory) / NFT_OLD_FILE), metadata={"step": str(nft.old_step)})
-
-    def _load_nft_old(self, directory: str | Path) -> None:
-        """Restore ``likelihood: nft``'s old policy from a checkpoint; a checkpoint without it is refused (upstream
-        restarts the old adapter from the trained weights on resume, train_nft_sd3.py:L540-541; mmrl continues)."""
-        nft = self.nft
-        if nft is None:
-            return
-        from safetensors import safe_open
-
-        path = Path(directory) / NFT_OLD_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: a run with plugin.likelihood nft resumes its old policy from "
-                                    "the checkpoint (saved with every checkpoint once training started)")
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            step = int(handle.metadata()["step"])
-            nft.old = {name: handle.get_tensor(name).to(self.runtime.device) for name in handle.keys()}  # noqa: SIM118
-        nft.old_step = step
+    @staticmethod
+    def _copy_mismatch(handle: Any, names: list[str], trained: dict[str, nn.Parameter]) -> str | None:
+        """The first difference between a copy file's tensors and the trained parameters (names, then shapes), None
+        when they match."""
+        missing = [name for name in trained if name not in set(names)]
+        if missing:
+            return f"it lacks {missing[0]!r} ({len(missing)} trained parameter(s) missing)"
+        extra = [name for name in names if name not in trained]
+        if extra:
+            return f"{extra[0]!r} is not a trained parameter here ({len(extra)} such tensor(s))"
+        for name in names:
+            shape = tuple(handle.get_slice(name).get_shape())
+            if shape != tuple(trained[name].shape):
+                return f"{name!r} is {shape}, the trained parameter {tuple(trained[name].shape)}"
+        return None
 
     # ------------------------------------------------------------------ building blocks
     def reference_module(self) -> nn.Module | None:

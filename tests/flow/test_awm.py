@@ -574,3 +574,97 @@ def test_shared_initial_noise_with_an_sde_range_that_holds_no_grid_sigma_is_refu
     with pytest.raises(RolloutError, match=r"^plugin\.matching\.sde_sigma_range .* holds no sigma") as error:
         plugin.rollout(plugin.policy(), prompt_batch(["a cat"], 2))
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------------------------------- the held EMA copy
+def _awm_config(train_config, tmp_path, folder, *overrides):
+    return train_config("sd3", tmp_path / folder, "algorithm.kl_coef=0.01", "algorithm.action_chunk_size=null",
+                        "algorithm.micro_batch_size=4", "eval.save_samples=false", *overrides,
+                        likelihood="matching", num_steps=4,
+                        matching={"num_times": 2, "time_sampler": "uniform", "ema_kl_coef": 1.0})
+
+
+def test_a_step_zero_checkpoint_resumes_exactly_and_exports(train_config, tmp_path):
+    """The trainer writes a checkpoint at step 0 when a stop signal arrives during the evaluation before step 1,
+    before any rollout made the EMA: it holds an empty EMA file (step -1), the resumed run copies the trained weights
+    at its first rollout as a run that was never stopped does, and `mmrl export` of it works."""
+    from mmrl.policy import export_run
+
+    straight = Trainer(_awm_config(train_config, tmp_path, "straight"))
+    history = straight.train().history
+    Trainer(_awm_config(train_config, tmp_path, "stopped")).save_checkpoint()  # what a stop before step 1 writes
+    export_run(tmp_path / "stopped", tmp_path / "export")
+    assert (tmp_path / "export").is_dir()
+    resumed = Trainer(_awm_config(train_config, tmp_path, "stopped", "run.resume=latest"))
+    assert resumed.plugin.matching.ema is None and resumed.plugin.matching.ema_step == -1
+    rest = resumed.train().history
+    assert [record["step"] for record in rest] == [record["step"] for record in history] == [1, 2]
+    assert [record["loss/total"] for record in rest] == [record["loss/total"] for record in history]
+    ema, again = straight.plugin.matching, resumed.plugin.matching
+    assert ema.ema_step == again.ema_step == 1
+    for name, value in ema.ema.items():
+        assert torch.equal(value, again.ema[name]), name
+
+
+def test_an_ema_file_of_other_parameters_is_refused_at_load_in_one_line(make_plugin, tmp_path):
+    """A copy whose names or shapes are not the trained parameters' (another LoRA rank, another model) is refused
+    when the checkpoint is loaded, naming the file and the first mismatch, not by a KeyError at the next update."""
+    from safetensors.torch import save_file
+
+    plugin = _matching(make_plugin, ema_kl_coef=1.0)
+    policy = plugin.policy()
+    plugin.rollout(policy, prompt_batch(["a cat"], 2))  # step 0: the EMA is a copy
+    plugin.save_trainable(policy, tmp_path / "good")
+    plugin.load_trainable(policy, tmp_path / "good")  # its own checkpoint loads
+    trained = {name: value.clone() for name, value in plugin.matching.ema.items()}
+    first = next(iter(trained))
+    cases = {
+        "missing": ({k: v for k, v in trained.items() if k != first}, f"lacks '{first}'"),
+        "extra": ({**trained, "not.a.parameter": torch.zeros(1)}, "'not.a.parameter' is not a trained parameter"),
+        "shape": ({**trained, first: torch.zeros(*trained[first].shape, 2)}, f"'{first}' is"),
+    }
+    for case, (tensors, why) in cases.items():
+        folder = tmp_path / case
+        plugin.save_trainable(policy, folder)
+        save_file(tensors, str(folder / "matching_ema.safetensors"), metadata={"step": "0"})
+        with pytest.raises(ValueError, match="matching_ema.safetensors") as error:
+            plugin.load_trainable(policy, folder)
+        assert why in str(error.value) and "\n" not in str(error.value), case
+
+
+def test_a_chunk_size_that_does_not_divide_the_times_is_refused_with_the_ema_kl(train_config, tmp_path):
+    """The EMA KL is each backward pass's mean over its (sample, time) pairs, averaged over the step's passes: with
+    K = 3 times in chunks of 2 the last chunk's time would weigh twice the others'. A divisor is accepted."""
+    matching = {"num_times": 3, "time_sampler": "uniform", "ema_kl_coef": 1.0}
+    with pytest.raises(ConfigError, match=r"algorithm\.action_chunk_size") as error:
+        train_config("sd3", tmp_path, "algorithm.action_chunk_size=2", likelihood="matching", matching=matching)
+    assert "\n" not in str(error.value) and "num_times (3)" in str(error.value)
+    train_config("sd3", tmp_path, "algorithm.action_chunk_size=3", likelihood="matching", matching=matching)
+    train_config("sd3", tmp_path, "algorithm.action_chunk_size=2", likelihood="matching",
+                 matching={**matching, "ema_kl_coef": 0.0})
+
+
+@pytest.mark.parametrize(("variables", "what"), [
+    ({"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "DeepSpeed ZeRO-3"),
+])
+def test_a_sharded_launch_with_the_ema_kl_is_refused_at_start_up(make_plugin, monkeypatch, variables, what):
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"plugin\.likelihood") as error:
+        _matching(make_plugin, ema_kl_coef=1.0)
+    assert what in str(error.value) and "\n" not in str(error.value)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # ZeRO-2 keeps whole parameters on every process
+    if "ACCELERATE_USE_DEEPSPEED" in variables:
+        _matching(make_plugin, ema_kl_coef=1.0)
+    _matching(make_plugin)  # no EMA copy: nothing to refuse
+
+
+def test_a_sharded_parameter_is_refused_when_the_ema_copies_it(make_plugin):
+    """A wrapper the start-up check cannot see (ZeRO-3 marks its partitioned parameters with ``ds_id``)."""
+    plugin = _matching(make_plugin, ema_kl_coef=1.0)
+    policy = plugin.policy()
+    next(p for p in policy.parameters() if p.requires_grad).ds_id = 0
+    with pytest.raises(RuntimeError, match="shard") as error:
+        plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    assert "\n" not in str(error.value)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mmrl.config import ConfigError, from_dict
+from mmrl.plugin import Runtime
 from mmrl.plugins.flow.nft import return_decay
 from mmrl.plugins.flow.plugin import FlowPluginConfig
 from mmrl.seeding import derive_seed
@@ -360,3 +361,88 @@ def test_each_inner_epoch_has_its_own_permutation_and_noise(make_plugin):
     plugin.start_inner_epoch(5)
     with pytest.raises(RuntimeError, match="inner epoch 5"):
         plugin.forward(policy, rollout, need_reference=False)
+
+
+# ------------------------------------------------------------------------------------------------- the held old policy
+def _nft_config(train_config, tmp_path, folder, *overrides):
+    return train_config("sd3", tmp_path / folder, "algorithm.policy_loss={name: nft, adv_clip_max: 5.0}",
+                        "algorithm.kl_coef=0.01", "algorithm.action_chunk_size=2", "eval.save_samples=false",
+                        *overrides, likelihood="nft", nft={"beta": 0.1, "decay_type": 1})
+
+
+def test_a_step_zero_checkpoint_resumes_exactly_and_exports(train_config, tmp_path):
+    """A checkpoint written before the first rollout (a stop signal during the evaluation before step 1) holds an
+    empty old-policy file (step -1): the resumed run's first rollout copies the trained weights as a run that was
+    never stopped does (L576-579), to the same losses, weights and old policy; `mmrl export` of it works."""
+    from mmrl.policy import export_run
+
+    straight = Trainer(_nft_config(train_config, tmp_path, "straight"))
+    history = straight.train().history
+    Trainer(_nft_config(train_config, tmp_path, "stopped")).save_checkpoint()
+    export_run(tmp_path / "stopped", tmp_path / "export")
+    resumed = Trainer(_nft_config(train_config, tmp_path, "stopped", "run.resume=latest"))
+    assert resumed.plugin.nft.old is None and resumed.plugin.nft.old_step == -1
+    rest = resumed.train().history
+    assert [record["step"] for record in rest] == [record["step"] for record in history] == [1, 2]
+    assert [record["loss/total"] for record in rest] == [record["loss/total"] for record in history]
+    old, again = straight.plugin.nft, resumed.plugin.nft
+    assert old.old_step == again.old_step == 1
+    for name, value in old.old.items():
+        assert torch.equal(value, again.old[name]), name
+    mine = dict(resumed.plugin.policy().named_parameters())
+    for name, parameter in straight.plugin.policy().named_parameters():
+        if parameter.requires_grad:
+            assert torch.equal(parameter.detach(), mine[name].detach()), name
+
+
+def test_an_old_policy_file_of_other_parameters_is_refused_at_load_in_one_line(make_plugin, tmp_path):
+    from safetensors.torch import save_file
+
+    plugin = _nft(make_plugin)
+    policy = plugin.policy()
+    plugin.rollout(policy, prompt_batch(["a cat"], 2))
+    plugin.save_trainable(policy, tmp_path / "good")
+    plugin.load_trainable(policy, tmp_path / "good")
+    trained = {name: value.clone() for name, value in plugin.nft.old.items()}
+    first = next(iter(trained))
+    for case, tensors in {"missing": {k: v for k, v in trained.items() if k != first},
+                          "shape": {**trained, first: trained[first][:1]}}.items():
+        folder = tmp_path / case
+        plugin.save_trainable(policy, folder)
+        save_file(tensors, str(folder / "nft_old.safetensors"), metadata={"step": "3"})
+        with pytest.raises(ValueError, match=r"nft_old\.safetensors") as error:
+            plugin.load_trainable(policy, folder)
+        assert repr(first) in str(error.value) and "\n" not in str(error.value), case
+
+
+def test_a_sharded_launch_is_refused_at_start_up(make_plugin, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=r"plugin\.likelihood") as error:
+        _nft(make_plugin)
+    assert "FSDP" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("kind", "likelihood"), [("wan22_ti2v_i2v", "nft"), ("wan22_ti2v_i2v", "matching"),
+                                                 ("wan22_i2v", "nft")])
+def test_wan22_ti2v_image_to_video_is_refused(tmp_path_factory, kind, likelihood):
+    """Wan 2.2 TI2V-5B's image is the first latent frame of the latent the errors are taken over (at timestep 0,
+    replaced before decoding): refused in one line for nft and matching. Wan 2.2 I2V-A14B gives the image through
+    extra channels and generates every latent frame: accepted."""
+    from mmrl.plugins.flow.plugin import FlowPlugin
+    from mmrl.plugins.flow.testing import save_tiny_pipeline
+    from tests.flow.checks import write_image_rows
+
+    root = tmp_path_factory.getbasetemp() / f"nft_{kind}"
+    if not root.is_dir():
+        save_tiny_pipeline(kind, root)
+    rows = write_image_rows(tmp_path_factory.mktemp("frames"), [("a cat walks", (16, 16))])
+    options = plugin_options(root, likelihood=likelihood, dataset=str(rows), prompts=None, eval_prompts=None,
+                             num_frames=5, **({"matching": {"num_times": 2}} if likelihood == "matching" else {}))
+    options.pop("name")
+    config = from_dict(FlowPluginConfig, options, "plugin")
+    if kind != "wan22_ti2v_i2v":
+        assert FlowPlugin(config, Runtime()).adapter.name == "wan_i2v"
+        return
+    with pytest.raises(ConfigError, match=r"plugin\.likelihood") as error:
+        FlowPlugin(config, Runtime())
+    assert "TI2V-5B" in str(error.value) and "\n" not in str(error.value)
