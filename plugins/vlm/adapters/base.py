@@ -942,6 +942,44 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+@contextmanager
+def lifted_router_logits(model: nn.Module, *, what: str) -> Iterator[None]:
+    """For the duration, a forward of ``model`` (a wrapper whose ``model.language_model`` is a MoE text model that
+    records its router logits) returns them as its output's ``router_logits`` (one ``[n·L, E]`` per sparse layer, in
+    layer order), for wrappers whose own output class cannot carry them (InternVL, GLM-4.6V: their adapters' module
+    docstrings).
+
+    One forward hook on the language model takes the logits out of its output before the wrapper builds its own;
+    another on the outer model, put before any other hook there (:class:`RouterAuxLoss` reads the output in its own),
+    sets them on the wrapper's output. The hooks are removed on exit, so a backward that recomputes checkpointed layers
+    outside the call records nothing.
+
+    Args:
+        what: the family's name for the language model, for the one-line error when it is not found.
+    """
+    hf_model = _base_model(model)
+    language_model = find_submodule(hf_model, ("model.language_model",), what=what)
+    taken: list[tuple[Tensor, ...]] = []
+
+    def take(_module: nn.Module, _args: Any, output: Any) -> Any:
+        logits = getattr(output, "router_logits", None)
+        if logits is None:
+            return None
+        taken.append(tuple(logits))
+        return type(output)(**{key: value for key, value in output.items() if key != "router_logits"})
+
+    def give(_module: nn.Module, _args: Any, output: Any) -> Any:
+        if taken:
+            output.router_logits = taken.pop()
+        return output
+
+    handles = [language_model.register_forward_hook(take), hf_model.register_forward_hook(give, prepend=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
 def select_cache_rows(cache: Any, index: Tensor) -> None:
     """Index a KV cache's batch rows in place: row i becomes row ``index[i]`` (``index`` may repeat rows and be
     longer than the batch: a distinct prompt's cache copied to its G samples). Differentiable.

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.vlm.adapters.base import DEFAULT_LORA_TARGETS, _base_model, find_submodule, switch_load_balancing
+from mmrl.plugins.vlm.adapters.base import DEFAULT_LORA_TARGETS, lifted_router_logits, switch_load_balancing
 from mmrl.plugins.vlm.adapters.glm4v import Glm4vAdapter
 
 TEXT_MODEL_TYPES = {"glm4v_text": False, "glm4v_moe_text": True}
@@ -122,28 +122,8 @@ class Glm46vAdapter(Glm4vAdapter):
         if not (self.moe and inputs.get("output_router_logits")):
             yield
             return
-        hf_model = _base_model(model)
-        language_model = find_submodule(hf_model, ("model.language_model",), what="glm46v language model")
-        taken: list[tuple[Tensor, ...]] = []
-
-        def take(_module: nn.Module, _args: Any, output: Any) -> Any:
-            logits = getattr(output, "router_logits", None)
-            if logits is None:
-                return None
-            taken.append(tuple(logits))
-            return type(output)(**{key: value for key, value in output.items() if key != "router_logits"})
-
-        def give(_module: nn.Module, _args: Any, output: Any) -> Any:
-            if taken:
-                output.router_logits = taken.pop()
-            return output
-
-        handles = [language_model.register_forward_hook(take), hf_model.register_forward_hook(give, prepend=True)]
-        try:
+        with lifted_router_logits(model, what="glm46v language model"):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def router_load_balancing_loss(self, output: Any, attention_mask: Tensor | None) -> Tensor | None:
         """GLM-4.5V's ``aux_loss`` for GLM-4.6V: transformers' ``load_balancing_loss_func``

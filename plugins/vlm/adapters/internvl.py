@@ -76,6 +76,7 @@ from mmrl.plugins.vlm.adapters.base import (
     VLMAdapter,
     _base_model,
     find_submodule,
+    lifted_router_logits,
     open_unresized,
     switch_load_balancing,
 )
@@ -294,28 +295,8 @@ class InternVLAdapter(VLMAdapter):
         if not (self.moe and inputs.get("output_router_logits")):
             yield inputs
             return
-        hf_model = _base_model(model)
-        language_model = find_submodule(hf_model, ("model.language_model",), what="internvl language model")
-        taken: list[tuple[Tensor, ...]] = []
-
-        def take(_module: nn.Module, _args: Any, output: Any) -> Any:
-            logits = getattr(output, "router_logits", None)
-            if logits is None:
-                return None
-            taken.append(tuple(logits))
-            return type(output)(**{key: value for key, value in output.items() if key != "router_logits"})
-
-        def give(_module: nn.Module, _args: Any, output: Any) -> Any:
-            if taken:
-                output.router_logits = taken.pop()
-            return output
-
-        handles = [language_model.register_forward_hook(take), hf_model.register_forward_hook(give, prepend=True)]
-        try:
+        with lifted_router_logits(model, what="internvl language model"):
             yield inputs
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def router_load_balancing_loss(self, output: Any, attention_mask: Tensor | None) -> Tensor | None:
         """transformers' ``load_balancing_loss_func`` (``modeling_qwen3_moe.py``) from the output's ``router_logits``
