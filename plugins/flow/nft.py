@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from mmrl.algos.policy_losses import broadcast_advantages, masked_mean
 from mmrl.config import config_field
 from mmrl.plugins.flow.matching import column_noise, noised, trained_copy, velocity_kl
-from mmrl.registry import ANY_FINITE
+from mmrl.registry import Range
 from mmrl.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def optimality(advantages: Tensor, adv_clip_max: float, adv_mode: str) -> Tensor
 
 
 def nft_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                    adv_clip_max: Annotated[float, ANY_FINITE] = 5.0,
+                    adv_clip_max: Annotated[float, Range(0, low_open=True)] = 5.0,
                     adv_mode: Literal["all", "positive_only", "negative_only", "one_only", "binary"] = "all",
                     ) -> tuple[Tensor, dict]:
     """DiffusionNFT's policy loss on the columns of ``plugin.likelihood: nft`` (arXiv:2509.16117).
@@ -191,9 +191,8 @@ def nft_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     A_max·(r·e⁺ + (1 − r)·e⁻)/β (train_nft_sd3.py:L959-960, L983). No ratio: ``old_logp`` feeds no term.
 
     Args:
-        adv_clip_max: A_max > 0 (upstream ``train.adv_clip_max``: 5); declared any finite number because the one
-            config that can name this loss (``plugin.likelihood: nft``) refuses A_max <= 0 in
-            ``FlowPlugin.check_config``, and so does this function.
+        adv_clip_max: A_max > 0 (upstream ``train.adv_clip_max``: 5): the advantages are clipped to ±A_max and
+            r divides by it.
         adv_mode: Upstream's ``train.adv_mode``: ``all`` (the recipes), ``positive_only``, ``negative_only``,
             ``one_only`` (1 where A > 0, else 0), ``binary`` (sign).
 
