@@ -10,15 +10,20 @@ for both builds in test_decode.py, test_prefix.py and test_training.py; GLM's bo
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from mmrl.config import ConfigError
 from mmrl.plugins.vlm.plugin import row_images, row_video_fps, row_videos
 from mmrl.trainer.learn import old_policy_pass
 from tests.vlm.conftest import assert_old_logp_is_a_plain_forward, make_plugin, prompt_batch
 from tests.vlm.test_decode import assert_decode_scores_are_teacher_forced
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GLM = ("glm4v", "glm4v_moe")
 
@@ -197,6 +202,20 @@ def test_family_auto_and_lora_targets_that_peft_would_move_are_refused(glm_model
 
     assert adapter_for("auto", str(glm_models["glm4v"])) is Glm4vAdapter
     assert adapter_for("auto", str(glm_models["glm4v_moe"])) is Glm4vMoeAdapter
-    with pytest.raises(ConfigError, match=r"peft rewrote gate_proj, up_proj.*target_parameters"):
-        make_plugin(glm_models["glm4v_moe"], lora={"rank": 4, "alpha": 8.0,
-                                                   "target_modules": ["q_proj", "gate_proj", "up_proj"]})
+    # In a fresh interpreter: once (1 of 2 CI runs, 2026-12-07) this refusal did not happen in a pytest-xdist worker
+    # after other tests had run there (peft did not rewrite the targets; not reproduced in any sequential order
+    # tried), so the check of what peft and mmrl do is isolated from whatever process state caused that.
+    script = (
+        "import re, sys\n"
+        "from mmrl.config import ConfigError\n"
+        "from tests.vlm.conftest import make_plugin\n"
+        "try:\n"
+        f"    make_plugin({str(glm_models['glm4v_moe'])!r}, lora={{'rank': 4, 'alpha': 8.0,\n"
+        "                'target_modules': ['q_proj', 'gate_proj', 'up_proj']})\n"
+        "except ConfigError as error:\n"
+        "    ok = re.search(r'peft rewrote gate_proj, up_proj.*target_parameters', str(error))\n"
+        "    sys.exit(0 if ok else f'other refusal: {error}')\n"
+        "sys.exit('not refused')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
