@@ -379,8 +379,10 @@ def test_draws_depend_on_each_sample_seed_only_not_on_the_batch_layout(make_plug
     calls = _record_velocity(plugin)
     plugin.forward(policy, whole, need_reference=False)
     plugin.forward(policy, alone, need_reference=False)
-    for k in range(3):
-        torch.testing.assert_close(calls[k][0][2:], calls[3 + k][0][:], rtol=0, atol=0)
+    for k in range(3):  # x_t = (1 - t)·x0 + t·ε: x0 comes from rollouts of other batch sizes, whose kernels round
+        # differently in the last bits (seen: 5e-7 under ATEN_CPU_CAPABILITY=default); an ε that depended on the
+        # layout would differ by O(1)
+        torch.testing.assert_close(calls[k][0][2:], calls[3 + k][0][:], rtol=0, atol=1e-5)
     # draw 0 does not depend on how many inner epochs are drawn
     single = _matching(make_plugin, Runtime(inner_epochs=1), time_sampler="logit_normal")
     one = single.rollout(single.policy(), prompt_batch(["a cat", "a dog"], 2))
