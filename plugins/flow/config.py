@@ -323,17 +323,22 @@ class FlowPluginConfig:
         if self.prompts is not None and not self.prompts:
             raise ConfigError(f"{path}.prompts", self.prompts, "a non-empty list of prompts")
 
+    def _refuse_sde_credit(self, path: str, likelihood: str) -> None:
+        """The forward-process likelihoods (``matching``, ``nft``) take Flow-GRPO's uniform credit only and none of the
+        credit options that act on SDE transition log-probs."""
+        credit = self.credit
+        if credit.strategy != "step":
+            raise ConfigError(f"{path}.credit.strategy", credit.strategy, f"'step' with plugin.likelihood {likelihood} "
+                              "(its actions are training times of the final sample, not denoising steps to credit)")
+        for key in ("ratio_norm", "ratio_norm_reweight", "noise_weighting"):
+            if getattr(credit, key):
+                raise ConfigError(f"{path}.credit.{key}", True, f"false with plugin.likelihood {likelihood} (it acts "
+                                  f"on SDE transition log-probs, which {likelihood} has none of)")
+
     def _check_matching(self, path: str) -> None:
         """``likelihood: matching`` takes Flow-GRPO's uniform credit only and none of the options that shape SDE
         log-probs; the discrete time samplers need a grid step in each stratum."""
-        credit = self.credit
-        if credit.strategy != "step":
-            raise ConfigError(f"{path}.credit.strategy", credit.strategy, "'step' with plugin.likelihood matching (its "
-                              "actions are training times of the final sample, not denoising steps to credit)")
-        for key in ("ratio_norm", "ratio_norm_reweight", "noise_weighting"):
-            if getattr(credit, key):
-                raise ConfigError(f"{path}.credit.{key}", True, "false with plugin.likelihood matching (it acts on "
-                                  "SDE transition log-probs, which matching has none of)")
+        self._refuse_sde_credit(path, "matching")
         for key, default in (("train_steps", "fraction"), ("cps_log_prob", "flow_grpo"),
                              ("kl_variance", "flow_grpo")):
             if getattr(self, key) != default:
@@ -347,14 +352,7 @@ class FlowPluginConfig:
     def _check_nft(self, path: str) -> None:
         """``likelihood: nft`` takes Flow-GRPO's uniform credit only and none of the SDE log-prob options; its
         deterministic rollouts need each sample's own initial noise and at least one trained time."""
-        credit = self.credit
-        if credit.strategy != "step":
-            raise ConfigError(f"{path}.credit.strategy", credit.strategy, "'step' with plugin.likelihood nft (its "
-                              "actions are training times of the final sample, not denoising steps to credit)")
-        for key in ("ratio_norm", "ratio_norm_reweight", "noise_weighting"):
-            if getattr(credit, key):
-                raise ConfigError(f"{path}.credit.{key}", True, "false with plugin.likelihood nft (it acts on SDE "
-                                  "transition log-probs, which nft has none of)")
+        self._refuse_sde_credit(path, "nft")
         for key, default in (("train_steps", "fraction"), ("cps_log_prob", "flow_grpo"),
                              ("kl_variance", "flow_grpo"), ("decode_latent", "sample")):
             if getattr(self, key) != default:
