@@ -33,8 +33,8 @@ is; what GLM does differently is here:
 - **Boxes** are ``[x1, y1, x2, y2]`` on a 0–1000 grid relative to the image, inside ``<|begin_of_box|>`` …
   ``<|end_of_box|>`` (zai-org/GLM-V@8fc9756 README "Grounding"): box convention ``glm4v``.
 - **LoRA targets**: the attention projections and GLM-4.1V's fused ``gate_up_proj`` / ``down_proj``; for GLM-4.5V
-  the attention only (peft rewrites its MLP names onto the routed experts, see :class:`Glm4vMoeAdapter`); the vision
-  tower's modules are excluded by the shared pattern.
+  the attention only (peft 0.21 rewrites its MLP names onto the routed experts, peft 0.22 does not; see
+  :class:`Glm4vMoeAdapter`); the vision tower's modules are excluded by the shared pattern.
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ class Glm4vMoeAdapter(Glm4vAdapter):
     model_class = "Glm4vMoeForConditionalGeneration"
     # The attention only: peft 0.21 maps gate_proj/up_proj/down_proj targets of a glm4v_moe model onto the routed
     # experts' fused parameters (its transformers-v4 compatibility mapping), taking them off the dense layer and the
-    # shared experts, which attach_lora refuses; the experts take lora.target_parameters.
+    # shared experts, which attach_lora refuses; the experts take lora.target_parameters. peft 0.22 leaves those
+    # names on the dense and shared-expert MLPs (a user may add them there); the default stays the attention so that
+    # the same config trains the same modules under either peft (tests/vlm/test_glm4v.py runs the installed one).
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj")
     moe = True
 
