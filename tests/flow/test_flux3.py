@@ -125,5 +125,11 @@ def test_a_guider_the_plugin_would_not_reproduce_is_refused(pipelines):
 def test_a_folder_without_modular_index_is_refused(tmp_path):
     from mmrl.plugins.flow.adapters.flux3 import load_modular_pipeline
 
-    with pytest.raises(FileNotFoundError, match="has no modular_model_index.json"):
+    with pytest.raises(FileNotFoundError, match=r"has no modular_model_index.json \(not a diffusers modular pipeline, "
+                                                r"which the flux3 adapter loads\)$"):
+        load_modular_pipeline(str(tmp_path), torch.float32)
+    # a regular diffusers folder: the line names the adapter its model_index.json class takes
+    (tmp_path / "model_index.json").write_text('{"_class_name": "Flux2Pipeline"}')
+    with pytest.raises(FileNotFoundError, match=r"which the flux3 adapter loads\): its model_index.json names "
+                                                r"Flux2Pipeline; set plugin.adapter: flux2 \(or auto\)$"):
         load_modular_pipeline(str(tmp_path), torch.float32)

@@ -243,9 +243,8 @@ def test_unsupported_rows_and_settings_are_refused_in_one_line(ltx2, pipelines, 
     with pytest.raises(ValueError, match=r"^ltx2_i2v adapter: call_transformer takes all 424 latent elements of a "
                                          r"sample \(the image's tokens included: fill\(\) puts them in\); got 296$"):
         adapter.call_transformer(plugin.policy(), generated, torch.ones(1), {}, 1.0)
-    with pytest.raises(ValueError, match=r"^ltx2_i2v adapter: .*tiny-sd3 is a StableDiffusion3Pipeline; it takes "
-                                         r"an LTX2ImageToVideoPipeline or an LTX2Pipeline folder \(the same "
-                                         r"components\)$"):
+    with pytest.raises(ValueError, match=r"^the ltx2_i2v adapter drives LTX2ImageToVideoPipeline or LTX2Pipeline, "
+                                         r"not StableDiffusion3Pipeline: set plugin.adapter: sd3 \(or auto\)$"):
         LTX2ImageToVideoAdapter.from_pretrained(str(pipelines["sd3"]), dtype=torch.float32, device=torch.device("cpu"))
 
 

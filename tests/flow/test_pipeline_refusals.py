@@ -178,7 +178,8 @@ WRONG = [
     ("wan", "wan_i2v", "WanImageToVideoPipeline", "WanPipeline", "wan_i2v"),
     ("wan_i2v", "wan", "WanPipeline", "WanImageToVideoPipeline", "wan"),  # Wan 2.1 T2V: no image condition
     ("wan", "wan_v2v", "WanVideoToVideoPipeline", "WanPipeline", "wan_v2v"),
-    ("wan_v2v", "wan_i2v", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "wan_i2v"),
+    ("wan_v2v", "wan_i2v", "WanImageToVideoPipeline", "WanVideoToVideoPipeline or WanPipeline",
+     "wan_i2v"),
     ("hunyuan_video15", "hunyuan_video15_i2v", "HunyuanVideo15ImageToVideoPipeline", "HunyuanVideo15Pipeline",
      "hunyuan_video15_i2v"),
     ("hunyuan_video15_i2v", "hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline",

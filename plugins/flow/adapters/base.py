@@ -611,20 +611,29 @@ def load_pipeline(model: str, dtype: torch.dtype) -> Any:
     return pipeline
 
 
-def refuse_other_pipelines(adapter: type[FlowAdapter], pipeline: Any) -> None:
-    """Raise a one-line ValueError unless ``pipeline``'s class is one of ``adapter.pipeline_classes``, naming the class
-    found, the classes the adapter drives and the registered adapter that drives the class found (the one
-    ``plugin.adapter: auto`` would pick from the checkpoint's ``model_index.json``), or saying that none does.
+def adapter_driving(class_name: str) -> str | None:
+    """The registered flow adapter that declares pipeline class ``class_name`` (the one ``plugin.adapter: auto``
+    picks for a ``model_index.json`` naming it), or None."""
+    from mmrl.plugins.flow.adapters import flow_adapters
+
+    drivers = [name for name in flow_adapters.names() if class_name in flow_adapters.get(name).pipeline_classes]
+    return drivers[0] if drivers else None
+
+
+def refuse_other_pipelines(adapter: type[FlowAdapter], pipeline: Any, accepted: tuple[str, ...] | None = None) -> None:
+    """Raise a one-line ValueError unless ``pipeline``'s class is one of ``adapter.pipeline_classes`` (or of
+    ``accepted``, for an adapter that also takes classes ``auto`` gives to another adapter, e.g. ``wan_v2v`` a
+    ``WanPipeline``), naming the class found, the classes the adapter takes and the registered adapter that drives
+    the class found (the one ``plugin.adapter: auto`` would pick from the checkpoint's ``model_index.json``), or
+    saying that none does.
 
     Classes are compared by name, as ``auto`` compares ``model_index.json``'s ``_class_name``. An adapter that
     declares no pipeline class (one chosen by name only, e.g. ``flux2_edit``) checks its pipeline itself."""
     kind = type(pipeline).__name__
-    if not adapter.pipeline_classes or kind in adapter.pipeline_classes:
+    accepted = adapter.pipeline_classes if accepted is None else accepted
+    if not accepted or kind in accepted:
         return
-    from mmrl.plugins.flow.adapters import flow_adapters
-
-    drivers = [name for name in flow_adapters.names() if kind in flow_adapters.get(name).pipeline_classes]
-    instead = (f"set plugin.adapter: {drivers[0]} (or auto)" if drivers else
+    driver = adapter_driving(kind)
+    instead = (f"set plugin.adapter: {driver} (or auto)" if driver else
                "no registered flow adapter drives it (docs/flow.md section 12 adds one)")
-    raise ValueError(f"the {adapter.name} adapter drives {' or '.join(adapter.pipeline_classes)}, not {kind}: "
-                     f"{instead}")
+    raise ValueError(f"the {adapter.name} adapter drives {' or '.join(accepted)}, not {kind}: {instead}")

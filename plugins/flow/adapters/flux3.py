@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from mmrl.plugins.flow.adapters.base import (
     Conditioning,
     FlowAdapter,
+    adapter_driving,
     call_per_group,
     check_pipeline_folder,
     refuse_other_pipelines,
@@ -63,6 +64,19 @@ from mmrl.plugins.flow.adapters.base import (
 def _unused(name: str) -> bool:
     """The prompt upsampler and its processor: listed by a FLUX.3 folder, never run by the adapter."""
     return name.startswith("prompt_upsampler")
+
+
+def _other_folder_hint(path: Path) -> str:
+    """For a folder that is not a modular pipeline: the adapter its ``model_index.json`` class takes (``auto``'s
+    choice), so the refusal says what to set; empty when the folder has no index or its class no adapter."""
+    import json
+
+    index = path / "model_index.json"
+    if not index.is_file():
+        return ""
+    class_name = str(json.loads(index.read_text()).get("_class_name"))
+    driver = adapter_driving(class_name)
+    return f": its model_index.json names {class_name}; set plugin.adapter: {driver} (or auto)" if driver else ""
 
 
 def load_modular_pipeline(model: str, dtype: torch.dtype) -> Any:
@@ -78,7 +92,7 @@ def load_modular_pipeline(model: str, dtype: torch.dtype) -> Any:
         index = path / "modular_model_index.json"
         if not index.is_file():
             raise FileNotFoundError(f"flow model folder {path} has no modular_model_index.json (not a diffusers "
-                                    "modular pipeline)")
+                                    f"modular pipeline, which the flux3 adapter loads){_other_folder_hint(path)}")
         listed = json.loads(index.read_text())
         check_pipeline_folder(path, {key: value for key, value in listed.items() if not _unused(key)})
         model = str(path)

@@ -63,7 +63,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmrl.plugins.flow.adapters.base import Conditioning, GuidanceScale, encoded_latents, load_pipeline
+from mmrl.plugins.flow.adapters.base import (
+    Conditioning,
+    GuidanceScale,
+    encoded_latents,
+    load_pipeline,
+    refuse_other_pipelines,
+)
 from mmrl.plugins.flow.adapters.ltx2 import OPTIONS, LTX2Adapter
 
 I2V_OPTIONS: dict[str, str] = {
@@ -109,9 +115,8 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
 
             pipeline = LTX2ImageToVideoPipeline(**pipeline.components)
             pipeline.set_progress_bar_config(disable=True)
-        elif name != "LTX2ImageToVideoPipeline":
-            raise ValueError(f"{cls.name} adapter: {model} is a {name}; it takes an LTX2ImageToVideoPipeline or an "
-                             "LTX2Pipeline folder (the same components)")
+        else:  # another class: refused as every adapter refuses one, naming the adapter that drives it
+            refuse_other_pipelines(cls, pipeline, accepted=(*cls.pipeline_classes, "LTX2Pipeline"))
         return cls(pipeline, device)
 
     def configure(self, options: dict[str, Any], *, cfg: bool) -> None:

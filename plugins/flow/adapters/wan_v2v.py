@@ -87,10 +87,9 @@ class WanVideoToVideoAdapter(WanAdapter):
         """A ``WanVideoToVideoPipeline`` or a ``WanPipeline``: the released V2V checkpoints are Wan text-to-video ones
         (module docstring), whose ``model_index.json`` names ``WanPipeline``. That class is not declared in
         :attr:`pipeline_classes`, where ``adapter: auto`` would read it (it gives such a folder to ``wan``); any other
-        class is refused as every adapter refuses it, naming the adapter that drives it (a Wan image-to-video
-        checkpoint: ``wan_i2v``)."""
-        if type(pipeline).__name__ != "WanPipeline":
-            refuse_other_pipelines(cls, pipeline)
+        class is refused as every adapter refuses it, naming both classes and the adapter that drives the class found
+        (a Wan image-to-video checkpoint: ``wan_i2v``)."""
+        refuse_other_pipelines(cls, pipeline, accepted=(*cls.pipeline_classes, "WanPipeline"))
 
     def configure(self, options: dict[str, Any], *, cfg: bool) -> None:
         """``plugin.adapter_options``: ``strength`` only, a number in (0, 1]."""
