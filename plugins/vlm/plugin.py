@@ -851,7 +851,7 @@ def check_pixel_bounds(adapter: Any, config: VLMPluginConfig) -> None:
     import dataclasses
 
     defaults = {field.name: field.default for field in dataclasses.fields(VLMPluginConfig)}
-    for option in getattr(adapter, "unused_pixel_bounds", ()):
+    for option in adapter.unused_pixel_bounds:
         value = getattr(config, option)
         if value != defaults[option]:
             raise ConfigError(f"plugin.{option}", value,
@@ -873,8 +873,8 @@ def _check_resized_size(row: dict[str, Any], prompt: dict[str, Tensor], adapter:
     grid = prompt.get("image_grid_thw")
     if grid is not None and grid.numel():
         actual = [int(grid[0, 2]) * adapter.patch_size, int(grid[0, 1]) * adapter.patch_size]
-    elif grid is None and callable(getattr(adapter, "image_sizes", None)):
-        sizes = adapter.image_sizes(prompt["input_ids"])  # [images, 2] (height, width), the processor's (encode)
+    elif grid is None and (sizes := adapter.image_sizes(prompt["input_ids"])) is not None:
+        # [images, 2] (height, width), the processor's (encode)
         if not sizes.shape[0]:
             return
         actual = [int(sizes[0, 1]), int(sizes[0, 0])]

@@ -163,3 +163,21 @@ def test_models_load_without_hub_kernels_so_sampling_and_training_run_one_path(a
         model.eval()
         # transformers 5.24 records the mode it kernelized for; 5.18 (the declared floor) has no such attribute
         assert getattr(model, "kernels_mode", None) is None
+
+
+def test_every_family_that_refuses_pixel_bounds_says_why():
+    """``unused_pixel_bounds`` and ``image_sizes`` have base-class defaults (none; the ids do not say), and a family
+    that declares unused bounds overrides ``pixel_bounds_refusal``, whose text ends the plugin's one-line refusal
+    (the base raises, naming the adapter, rather than refuse with no reason)."""
+    from mmrl.plugins.vlm.adapters.base import VLMAdapter
+
+    assert VLMAdapter.unused_pixel_bounds == ()
+    assert VLMAdapter.image_sizes(object.__new__(VLMAdapter), torch.zeros(1, 3, dtype=torch.long)) is None
+    declaring = []
+    for name in vlm_adapters.names():
+        adapter = vlm_adapters.get(name)
+        assert set(adapter.unused_pixel_bounds) <= {"min_pixels", "max_pixels"}, name
+        if adapter.unused_pixel_bounds:
+            declaring.append(name)
+            assert adapter.pixel_bounds_refusal is not VLMAdapter.pixel_bounds_refusal, name
+    assert {"gemma3", "mistral3"} <= set(declaring)

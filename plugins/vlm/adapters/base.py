@@ -119,6 +119,10 @@ class VLMAdapter:
     #: (``output_router_logits=True``) from which :meth:`router_load_balancing_loss` computes the load-balancing loss
     #: (plugin.router_aux_loss_coef). A family with dense and MoE checkpoints (Gemma 4) sets it per checkpoint.
     moe: bool = False
+    #: The pixel bounds (``"min_pixels"``, ``"max_pixels"``) the family's processor cannot honour (Gemma 3 resizes
+    #: every image to its tower's square; Mistral 3 never enlarges one): the plugin refuses a non-default value of
+    #: each at start-up, with :meth:`pixel_bounds_refusal` saying why, instead of ignoring it.
+    unused_pixel_bounds: ClassVar[tuple[str, ...]] = ()
     #: Vision placeholder and delimiter tokens (see :meth:`suppressed_token_ids`).
     vision_tokens: ClassVar[tuple[str, ...]] = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                 "<|vision_end|>", "<|vision_pad|>")
@@ -188,6 +192,19 @@ class VLMAdapter:
         return "second_per_grid_ts" in getattr(self.processor, "model_input_names", ())
 
     # ------------------------------------------------------------------ loading
+    def pixel_bounds_refusal(self) -> str:
+        """Why :attr:`unused_pixel_bounds` cannot be honoured (the end of the plugin's one-line refusal). A family
+        that declares unused bounds overrides it."""
+        raise NotImplementedError(f"the {self.name} adapter declares unused_pixel_bounds "
+                                  f"{self.unused_pixel_bounds} but no pixel_bounds_refusal saying why")
+
+    def image_sizes(self, input_ids: Tensor) -> Tensor | None:
+        """``[images, 2]`` (height, width) in pixels of each image of a prompt as the processor resized it, read from
+        the prompt's ids, for a family whose prompts state their images' sizes in their tokens and have no
+        ``image_grid_thw`` (Mistral 3's rows of ``[IMG]``, SmolVLM's tile markers); the plugin checks them against the
+        row's ``resized_size``. None (the default): the ids do not say."""
+        return None
+
     @classmethod
     def transformers_class(cls) -> type[nn.Module]:
         """The model class; a clear error when the installed transformers lacks it."""
