@@ -450,7 +450,7 @@ def test_moe_training_pass_adds_the_router_load_balancing_loss(tmp_path, build):
                                           probabilities_given=build == "gemma4_moe")
         plain = plugin.forward(plugin.policy(), rollout, need_reference=False)
     assert output.aux_loss.requires_grad and plain.aux_loss is None
-    assert float(output.aux_loss) == pytest.approx(0.5 * expected, rel=1e-5)
+    assert float(output.aux_loss.detach()) == pytest.approx(0.5 * expected, rel=1e-5)
     torch.testing.assert_close(output.logp.detach(), plain.logp, rtol=0, atol=1e-5)
     plugin.config.router_aux_loss_coef = 0.0
     assert plugin.forward(plugin.policy(), rollout, need_reference=False).aux_loss is None
