@@ -281,6 +281,9 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("policy_losses", "gspo", "dual_clip", 1.0, "a number > 1 or null"),  # Ye et al. 2020, eq. (5): c > 1
     ("policy_losses", "spg", "mix", 1.5, "a number in [0, 1]"),
     ("policy_losses", "nft", "adv_clip_max", 0.0, "a number > 0"),  # r divides by A_max
+    ("policy_losses", "cispo", "clip_low", 1.0, "a number in [0, 1) or null"),  # the weight's floor 1 − ε_low > 0
+    ("policy_losses", "sapo", "tau_neg", 0.0, "a number > 0"),  # the gate is scaled by 4/τ
+    ("policy_losses", "gmpo", "clip_high", -0.1, "a number >= 0"),  # the log-space interval must hold 0 (r = 1)
     ("advantage_estimators", "grpo", "eps", -1e-6, "a number >= 0"),
     ("advantage_estimators", "wd1", "temperature", 0.0, "a number > 0"),
     ("likelihood_estimators", "spg_upper", "beta", 0.5, "a number >= 1"),
@@ -449,6 +452,10 @@ def _probes() -> dict[str, Any]:
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     probes["policy_losses.spg.mix"] = _loss_probe("spg", "mix", columns=2)
     probes["policy_losses.nft.adv_clip_max"] = _loss_probe("nft", "adv_clip_max", columns=2)
+    for loss, options in (("cispo", ("clip_low", "clip_high")), ("sapo", ("tau_pos", "tau_neg")),
+                          ("gmpo", ("clip_low", "clip_high"))):
+        for option in options:
+            probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     probes["advantage_estimators.wd1.temperature"] = _wd1_probe
     for name in ("one_step", "spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.p_mask_prompt"] = _plan_probe(name, "p_mask_prompt")

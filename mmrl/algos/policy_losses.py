@@ -212,3 +212,205 @@ def reinforce_policy_loss(
     loss = -adv * logp  # [N, A]
     metrics = _ratio_metrics(log_ratio(logp.detach(), old_logp, mask), mask)
     return loss, metrics
+
+
+# CISPO truncates its importance weight to [1 − ε_low, 1 + ε_high] with CLIP_LOW and CLIP_HIGH: both keep r = 1
+# inside, so the on-policy weight is 1 (a cap below 1, as TRL's with `epsilon_high` unset, would scale even the
+# on-policy gradient down). SAPO's gate is scaled by 4/τ: τ > 0. GMPO's bounds are on the log-ratio, [−ε_low, ε_high]
+# holds 0 (r = 1) for any ε >= 0 and the ratio bounds e^(±ε) stay positive.
+SAPO_TEMPERATURE = Range(0, low_open=True)
+GMPO_CLIP = Range(0)
+
+
+@policy_losses.register("cispo")
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: Annotated[float, CLIP_LOW] | None = None,
+    clip_high: Annotated[float, CLIP_HIGH] = 4.0,
+    ratio_level: Literal["token", "chunk", "sequence"] = "token",
+    chunk_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE weighted by the truncated importance ratio, L = −sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π.
+
+    MiniMax 2025, "MiniMax-M1", arXiv:2506.13585 (the CISPO objective); the loss of ScaleRL, Khatri et al. 2025,
+    arXiv:2510.13786. Unlike PPO-clip, no action loses its gradient: the ratio is truncated and detached (sg), so it
+    only scales the REINFORCE gradient −A·∇log π of every action, by a weight in [1 − ε_low, 1 + ε_high]. On-policy
+    (r = 1) the weight is 1: the value and the gradient are REINFORCE's, −A·log π and −A·∇log π.
+
+    The libraries clip differently:
+
+    - TRL ``loss_type="cispo"`` (``trl/trainer/grpo_trainer.py`` L3080-3082 at huggingface/trl@f2cd577) caps the
+      ratio from above at ``epsilon_high`` itself, min(r, ε_max), with no lower bound; TRL recommends ScaleRL's
+      ε_max = 5.0 (``trl/trainer/grpo_config.py`` L191-195): ``clip_low: null, clip_high: 4.0``, the defaults here.
+      TRL with ``epsilon_high`` unset caps at ``epsilon`` (0.2), a weight of 0.2 even on-policy; mmrl has no cap
+      below 1 (``clip_high >= 0``).
+    - verl ``compute_policy_loss_cispo`` (``verl/trainer/ppo/core_algos.py`` L1721-1779 at volcengine/verl@b178a3c)
+      clamps to [1 − ``clip_ratio_low``, 1 + ``clip_ratio_high``], 0.2 each unless configured: ``clip_low: 0.2,
+      clip_high: 0.2``. Its example (``examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh``) sets
+      ``clip_ratio_low=10``, a lower bound below 0 that never binds: ``clip_low: null, clip_high: 0.2``.
+
+    MiniMax-M1 likewise leaves the lower bound off (a large ε_low) and tunes ε_high only. Aggregate with
+    ``token_mean``, as MiniMax-M1 (normalised by the batch's tokens), TRL's cispo (the step's token count,
+    L3139-3142) and verl's default ``token-mean``. ``ratio_level`` as TRL's ``importance_sampling_level`` (verl:
+    token only); log r is clamped to ±20 (:mod:`mmrl.algos.ratios`), as verl does.
+
+    Metrics besides the ratio statistics: ``clip_fraction_low`` / ``clip_fraction_high``, the actions whose weight
+    was truncated at the lower / upper bound whatever the advantage's sign (the weight of both signs is truncated:
+    verl's ``pg_clipfrac`` counts both, TRL's ``cispo_clip_ratio`` only r > ε_max with A > 0, L3254-3256);
+    ``clip_fraction`` their union; ``is_weight_mean``, the mean truncated weight.
+
+    Args:
+        clip_low: ε_low in [0, 1), the weight's lower bound 1 − ε_low; null: no lower bound (MiniMax-M1, TRL).
+        clip_high: ε_high >= 0, the weight's cap 1 + ε_high (TRL's ``epsilon_high`` minus 1; ScaleRL: 4.0).
+        ratio_level: "token" (MiniMax-M1), "chunk" (needs chunk ids from the rollout) or "sequence".
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    if clip_low is not None and not 0 <= clip_low < 1:
+        raise ValueError(f"cispo clip_low must be in [0, 1) or null (no lower bound), got {clip_low}")
+    if not 0 <= clip_high < math.inf:
+        raise ValueError(f"cispo clip_high must be >= 0 (the weight's cap is 1 + clip_high), got {clip_high}")
+    # The ratio of the detached log-probs: the weight is a constant of the loss, the stop-gradient sg of CISPO.
+    log_r = log_ratio(logp.detach(), old_logp, mask, level=ratio_level, chunk_ids=chunk_ids)  # [N, A]
+    ratio = log_r.exp()  # [N, A]
+    weight = ratio.clamp(min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)  # [N, A]
+    adv = broadcast_advantages(advantages, logp).to(logp.dtype)  # [N, A]
+    loss = -weight * adv * logp  # [N, A]
+    with torch.no_grad():
+        high = ratio > 1.0 + clip_high  # [N, A]
+        low = ratio < 1.0 - clip_low if clip_low is not None else torch.zeros_like(high)  # [N, A]
+        fractions = {"clip_fraction": low | high, "clip_fraction_low": low, "clip_fraction_high": high}
+    metrics = _ratio_metrics(log_r, mask, fractions, ratio=ratio)
+    metrics["is_weight_mean"] = masked_mean(weight, mask)
+    return loss, metrics
+
+
+@policy_losses.register("sapo")
+def sapo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    tau_pos: Annotated[float, SAPO_TEMPERATURE] = 1.0,
+    tau_neg: Annotated[float, SAPO_TEMPERATURE] = 1.05,
+    ratio_level: Literal["token", "chunk", "sequence"] = "token",
+    chunk_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO: a soft gate in place of the hard clip, L = −(4/τ)·σ(τ·(r − 1))·A, τ by the sign of the advantage.
+
+    Gao et al. (Qwen team) 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347. τ = ``tau_pos`` where
+    A > 0 and ``tau_neg`` where A ≤ 0. The gate is the loss *value* (times −A), not a weight on log π: the gradient
+    is −A·w·∇log π with w = 4·s·(1 − s)·r, s = σ(τ·(r − 1)), so an action's update fades smoothly as r leaves 1
+    (faster for larger τ; the paper takes τ_neg > τ_pos, negative updates being the less stable) instead of stopping
+    at a clip bound. The factor 4/τ makes w = 1 at r = 1 for every τ: on-policy the gradient is the plain policy
+    gradient −A·∇log π (the value is −(2/τ)·A).
+
+    TRL ``loss_type="sapo"`` (``trl/trainer/grpo_trainer.py`` L3092-3095 at huggingface/trl@f2cd577;
+    ``sapo_temperature_pos`` 1.0, ``sapo_temperature_neg`` 1.05, ``grpo_config.py`` L196-201) and verl
+    ``compute_policy_loss_sapo`` (``verl/trainer/ppo/core_algos.py`` L1329-1411 at volcengine/verl@b178a3c;
+    ``tau_pos`` 1.0, ``tau_neg`` 1.05) compute exactly this on the token ratio, verl with log r clamped to ±20 as
+    mmrl. Both average per sequence, then over sequences: TRL's sapo shares grpo's reduction (L3124-3128), verl
+    forces ``seq-mean-token-mean`` whatever ``loss_agg_mode`` (L1394-1397). ``aggregation: seq_mean_token_mean``
+    reproduces them and the paper's objective (a per-sequence token mean, averaged over the group).
+    ``ratio_level: sequence`` gates GSPO's sequence ratio, as TRL's ``importance_sampling_level="sequence"``.
+
+    Metrics besides the ratio statistics: ``soft_weight_mean``, the mean of w (1 on-policy; no hard clip, so no
+    clip fractions).
+
+    Args:
+        tau_pos: τ > 0 of the actions with A > 0 (paper, TRL, verl: 1.0).
+        tau_neg: τ > 0 of the actions with A ≤ 0 (paper, TRL, verl: 1.05).
+        ratio_level: "token" (SAPO), "chunk" (needs chunk ids from the rollout) or "sequence".
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    for name, tau in (("tau_pos", tau_pos), ("tau_neg", tau_neg)):
+        if not 0 < tau < math.inf:
+            raise ValueError(f"sapo {name} must be > 0 (the gate is scaled by 4/tau), got {tau}")
+    log_r = log_ratio(logp, old_logp, mask, level=ratio_level, chunk_ids=chunk_ids)  # [N, A]
+    ratio = log_r.exp()  # [N, A]
+    adv = broadcast_advantages(advantages, logp).to(ratio.dtype)  # [N, A]
+    temperature = torch.full_like(ratio, tau_neg).masked_fill(adv > 0, tau_pos)  # [N, A] (A = 0 takes tau_neg)
+    gate = torch.sigmoid(temperature * (ratio - 1.0))  # [N, A]
+    loss = -(4.0 / temperature) * gate * adv  # [N, A]
+    with torch.no_grad():
+        weight = 4.0 * gate * (1.0 - gate) * ratio  # [N, A] d(loss)/d(log π) = −A·weight
+    metrics = _ratio_metrics(log_r, mask, ratio=ratio)
+    metrics["soft_weight_mean"] = masked_mean(weight, mask)
+    return loss, metrics
+
+
+@policy_losses.register("gmpo")
+def gmpo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: Annotated[float, GMPO_CLIP] = 0.4,
+    clip_high: Annotated[float, GMPO_CLIP] = 0.4,
+    ratio_level: Literal["sequence"] = "sequence",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: −A times the geometric mean of a sequence's token ratios, each clipped in log space before the mean.
+
+    Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673 (code: callsys/GMPO). With
+    x = log r per action, s = sgn(A_{i,t}) and m the mask, for row i::
+
+        c_{i,t} = s·min(s·x, s·clip(x, −ε_low, ε_high))      (A > 0: x capped at ε_high; A < 0: raised to −ε_low)
+        ρ_i = exp(Σ_t m·c / Σ_t m),   Ā_i = Σ_t m·A / Σ_t m,   L_{i,t} = −Ā_i·ρ_i  (every action of the row)
+
+    Each token is clipped before the mean, PPO's pessimistic min in log space; GSPO (``ratio_level: sequence`` of
+    ``grpo``) clips the mean instead. A clipped token gets no gradient, the others −Ā·ρ_i·∇log π / |o_i|. On-policy
+    (r = 1) ρ_i = 1 and row i's gradient is −Ā_i·mean_t ∇log π: under ``seq_mean_token_mean`` REINFORCE's.
+
+    verl ``loss_mode: geo_mean`` (``verl/trainer/ppo/core_algos.py`` L1635-1718 at volcengine/verl@b178a3c)
+    computes exactly c, ρ and Ā (per-action advantages enter through their masked mean and their signs) and takes
+    the plain mean of −Ā·ρ over the rows; TRL's experimental ``GMPOTrainer`` (``trl/experimental/gmpo/
+    gmpo_trainer.py`` L80-120 at huggingface/trl@f2cd577) the same with one advantage per sequence. Aggregate with
+    ``seq_mean_token_mean`` to reproduce both and the paper's mean over the group (verl's mean also counts rows
+    without active actions, with loss 0; mmrl's does not). Where A = 0, c = 0 as verl's sgn (TRL takes the A < 0
+    branch): with per-sequence advantages that row's loss is 0·ρ either way. x is clamped to ±20 first
+    (:mod:`mmrl.algos.ratios`; verl leaves that clamp commented out, TRL has none), which changes only an
+    unclipped token past e^±20. The bounds are log-ratios, a ratio range (e^−ε_low, e^ε_high): 0.4 each is the
+    paper's, TRL ``GMPOConfig``'s default ``epsilon`` and verl's example ``clip_ratio`` (``examples/gmpo_trainer``).
+
+    Metrics besides the token ratio statistics: ``clip_fraction_high`` (A > 0, x > ε_high), ``clip_fraction_low``
+    (A < 0, x < −ε_low), ``clip_fraction`` their union, as TRL's GMPO counts them (L143-149); ``geo_ratio_mean``,
+    the masked mean of ρ_i over the actions.
+
+    Args:
+        clip_low: ε_low >= 0, log-space: token ratios of A < 0 are raised to e^−ε_low (paper: 0.4).
+        clip_high: ε_high >= 0, log-space: token ratios of A > 0 are capped at e^ε_high (paper: 0.4).
+        ratio_level: "sequence", the only one: ρ spans every action of a row (the trainer then refuses
+            ``action_chunk_size``, which would show it a few actions at a time).
+
+    Shapes:
+        logp, old_logp, mask ``[N, A]``; advantages ``[N]`` or ``[N, A]`` → loss ``[N, A]``.
+    """
+    if not (0 <= clip_low < math.inf and 0 <= clip_high < math.inf):
+        raise ValueError(f"gmpo clip_low and clip_high are log-ratio bounds >= 0; got {clip_low}, {clip_high}")
+    if ratio_level != "sequence":
+        raise ValueError(f"gmpo ratio_level must be 'sequence' (its geometric mean spans the row), got {ratio_level!r}")
+    log_r = log_ratio(logp, old_logp, mask)  # [N, A] token level, with gradients
+    adv = broadcast_advantages(advantages, logp).to(log_r.dtype)  # [N, A]
+    sign = torch.sign(adv)  # [N, A]
+    clipped = sign * torch.minimum(sign * log_r, sign * log_r.clamp(-clip_low, clip_high))  # [N, A]
+    weights = mask.to(log_r.dtype)  # [N, A]
+    count = weights.sum(dim=1).clamp(min=1.0)  # [N]; a row without active actions gets ρ = 1 and Ā = 0
+    geo_ratio = ((clipped * weights).sum(dim=1) / count).exp()  # [N] ρ_i
+    row_adv = (adv * weights).sum(dim=1) / count  # [N] Ā_i
+    loss = (-row_adv * geo_ratio).unsqueeze(1).repeat(1, logp.shape[1])  # [N, A]
+    with torch.no_grad():
+        high = (adv > 0) & (log_r > clip_high)  # [N, A]
+        low = (adv < 0) & (log_r < -clip_low)  # [N, A]
+        fractions = {"clip_fraction": low | high, "clip_fraction_low": low, "clip_fraction_high": high}
+    metrics = _ratio_metrics(log_r, mask, fractions)
+    metrics["geo_ratio_mean"] = masked_mean(geo_ratio.unsqueeze(1).expand_as(logp), mask)
+    return loss, metrics
