@@ -317,7 +317,9 @@ def sapo_policy_loss(
     ``tau_pos`` 1.0, ``tau_neg`` 1.05) compute exactly this on the token ratio, verl with log r clamped to ±20 as
     mmrl. Both average per sequence, then over sequences: TRL's sapo shares grpo's reduction (L3124-3128), verl
     forces ``seq-mean-token-mean`` whatever ``loss_agg_mode`` (L1394-1397). ``aggregation: seq_mean_token_mean``
-    reproduces them and the paper's objective (a per-sequence token mean, averaged over the group).
+    reproduces them and the paper's objective (a per-sequence token mean, averaged over the group; TRL's
+    ``.mean()`` also counts rows without active actions, e.g. completions emptied by
+    ``mask_truncated_completions``, scaling the step by the share of non-empty rows; verl and mmrl leave them out).
     ``ratio_level: sequence`` gates GSPO's sequence ratio, as TRL's ``importance_sampling_level="sequence"``.
 
     Metrics besides the ratio statistics: ``soft_weight_mean``, the mean of w (1 on-policy; no hard clip, so no
@@ -374,12 +376,17 @@ def gmpo_policy_loss(
     computes exactly c, ρ and Ā (per-action advantages enter through their masked mean and their signs) and takes
     the plain mean of −Ā·ρ over the rows; TRL's experimental ``GMPOTrainer`` (``trl/experimental/gmpo/
     gmpo_trainer.py`` L80-120 at huggingface/trl@f2cd577) the same with one advantage per sequence. Aggregate with
-    ``seq_mean_token_mean`` to reproduce both and the paper's mean over the group (verl's mean also counts rows
-    without active actions, with loss 0; mmrl's does not). Where A = 0, c = 0 as verl's sgn (TRL takes the A < 0
-    branch): with per-sequence advantages that row's loss is 0·ρ either way. x is clamped to ±20 first
-    (:mod:`mmrl.algos.ratios`; verl leaves that clamp commented out, TRL has none), which changes only an
-    unclipped token past e^±20. The bounds are log-ratios, a ratio range (e^−ε_low, e^ε_high): 0.4 each is the
-    paper's, TRL ``GMPOConfig``'s default ``epsilon`` and verl's example ``clip_ratio`` (``examples/gmpo_trainer``).
+    ``seq_mean_token_mean`` to reproduce both and the paper's mean over the group (both upstream means also count
+    rows without active actions, verl's with loss 0, TRL's with the constant −A, e.g. completions emptied by
+    ``mask_truncated_completions``: the step is scaled by the share of non-empty rows; mmrl's mean leaves them out).
+    Where A = 0, c = 0 as verl's sgn (TRL takes the A < 0 branch): with per-sequence advantages that row's loss is
+    0·ρ either way. x is clamped to ±20 first (:mod:`mmrl.algos.ratios`, shared by every loss: a ratio past e^20
+    is a numerical failure, not signal; verl leaves that clamp commented out, TRL has none). It matters only where
+    the *unclipped* side passes it (A > 0 with x < −20, A < 0 with x > 20), and there more than in PPO, whose
+    gradient the ratio itself scales: that token enters ρ_i as ∓20 and gets no gradient, where upstream it keeps
+    −Ā·ρ_i/|o_i| like the others (50 tokens at x = 0.01 and one at −25, A = 1: ρ 0.677 here, 0.613 upstream).
+    The bounds are log-ratios, a ratio range (e^−ε_low, e^ε_high): 0.4 each is the paper's, TRL ``GMPOConfig``'s
+    default ``epsilon`` and verl's example ``clip_ratio`` (``examples/gmpo_trainer``).
 
     Metrics besides the token ratio statistics: ``clip_fraction_high`` (A > 0, x > ε_high), ``clip_fraction_low``
     (A < 0, x < −ε_low), ``clip_fraction`` their union, as TRL's GMPO counts them (L143-149); ``geo_ratio_mean``,

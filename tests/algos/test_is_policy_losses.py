@@ -59,7 +59,8 @@ def _token_mean(terms_per_row):
 
 
 def _seq_mean_token_mean(terms_per_row):
-    """TRL grpo/sapo and verl seq-mean-token-mean: rows without active tokens count in neither."""
+    """verl seq-mean-token-mean and TRL grpo/sapo, rows without active tokens left out as verl and mmrl do (TRL's
+    ``.mean()`` counts them with loss 0: a scale of non-empty/all rows, see the sapo docstring)."""
     rows = [sum(row) / len(row) for row in terms_per_row if row]
     return sum(rows) / len(rows)
 
@@ -123,7 +124,8 @@ def _verl_geo_mean(new, old, adv, clip_low, clip_high):
 
 def _trl_gmpo(new, old, adv, epsilon_low, epsilon_high):
     """TRL GMPOTrainer ([B] advantages): where(A > 0, min(x, clamp(x)), max(x, clamp(x))), exp of the masked mean,
-    −ρ·A per sequence, mean over the sequences."""
+    −ρ·A per sequence, mean over the sequences (rows without active tokens left out; TRL counts them with the
+    constant −A, see the gmpo docstring)."""
     losses = []
     for i in range(MASK.shape[0]):
         active = _active(i)
@@ -201,6 +203,97 @@ def test_the_comparisons_are_off_policy_and_reach_the_clip_bounds():
     log_r = (new - old).detach()[MASK > 0]
     assert (log_r > 0.4).any() and (log_r < -0.4).any()
     assert (log_r.exp() > 1.3).any() and (log_r.exp() < 0.8).any()
+
+
+# ------------------------------------------------------------------- chunk and sequence ratios, off-policy
+CHUNKS = torch.tensor([[0, 0, 1, 1, 2]] * MASK.shape[0])
+
+
+def _unit_log_ratio(new, old, i, t, level):
+    """The masked mean of x over the unit of action t: TRL ``importance_sampling_level="sequence"``
+    (grpo_trainer.py L3057-3059) for the row, Chunk-GRPO (arXiv:2510.21583) for the actions sharing t's chunk id."""
+    if level == "sequence":
+        members = _active(i)
+    else:
+        members = [u for u in _active(i) if CHUNKS[i, u] == CHUNKS[i, t]]
+    return sum(new[i, u] - old[i, u] for u in members) / len(members)
+
+
+def _cispo_at_level(new, old, adv, level, clip_low, clip_high):
+    """TRL cispo on the unit ratio: −sg(clip(r_unit))·A·logp per action, token-count normaliser."""
+    rows = []
+    for i in range(MASK.shape[0]):
+        row = []
+        for t in _active(i):
+            weight = torch.exp(_unit_log_ratio(new, old, i, t, level)).clamp(1 - clip_low, 1 + clip_high).detach()
+            row.append(-weight * _adv(adv, i, t) * new[i, t])
+        rows.append(row)
+    return _token_mean(rows)
+
+
+def _sapo_at_level(new, old, adv, level, tau_pos, tau_neg):
+    """TRL sapo on the unit ratio (gradients through every action of the unit): −σ(τ(r_unit − 1))·4/τ·A."""
+    rows = []
+    for i in range(MASK.shape[0]):
+        row = []
+        for t in _active(i):
+            a = _adv(adv, i, t)
+            tau = tau_pos if a > 0 else tau_neg
+            ratio = torch.exp(_unit_log_ratio(new, old, i, t, level))
+            row.append(-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a)
+        rows.append(row)
+    return _seq_mean_token_mean(rows)
+
+
+@pytest.mark.parametrize("per_action", [False, True], ids=["adv[N]", "adv[N,A]"])
+@pytest.mark.parametrize("level", ["chunk", "sequence"])
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+def test_chunk_and_sequence_ratios_off_policy(name, level, per_action):
+    """Off-policy the unit's geometric-mean ratio replaces the token ratio (on-policy every level gives r = 1, so
+    only this comparison sees the level). CISPO's bounds 0.8 / 1.3 bind for some units and not for others."""
+    options = {"ratio_level": level, "chunk_ids": CHUNKS}
+    if name == "cispo":
+        def upstream(n, o, a):
+            return _cispo_at_level(n, o, a, level, 0.2, 0.3)
+
+        def mmrl(n, o, a):
+            return _mmrl("cispo", n, o, a, "token_mean", clip_low=0.2, clip_high=0.3, **options)
+    else:
+        def upstream(n, o, a):
+            return _sapo_at_level(n, o, a, level, 0.5, 3.0)
+
+        def mmrl(n, o, a):
+            return _mmrl("sapo", n, o, a, "seq_mean_token_mean", tau_pos=0.5, tau_neg=3.0, **options)
+    unit_ratios = []
+    for seed in range(3):
+        new, old, adv = _compare(upstream, mmrl, seed, per_action)
+        unit_ratios += [_unit_log_ratio(new, old, i, t, level).exp().item() for i in range(MASK.shape[0])
+                        for t in _active(i)]
+    assert any(r > 1.3 for r in unit_ratios) and any(r < 0.8 for r in unit_ratios)
+    assert any(0.8 < r < 1.3 for r in unit_ratios) and len(set(unit_ratios)) < len(unit_ratios)
+
+
+def test_gmpo_log_ratio_clamp_touches_only_the_unclipped_side_past_20():
+    """The ±20 clamp of :mod:`mmrl.algos.ratios` (verl and TRL have none): a token at x = −25 is clipped to −ε_low
+    anyway where A < 0 (upstream's value and gradient), but where A > 0 it enters ρ as −20 and loses its gradient,
+    where upstream keeps x and −Ā·ρ/|o| (the gmpo docstring's numbers)."""
+    x = torch.full((2, 50), 0.01, dtype=torch.float64)
+    x[:, 7] = -25.0
+    new = x.clone().requires_grad_(True)
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    loss, _ = policy_losses["gmpo"](new, torch.zeros_like(x), adv, torch.ones_like(x))
+    (grad,) = torch.autograd.grad(loss[:, 0].sum(), new)
+    bounded = x.clamp(-0.4, 0.4)
+    upstream_c = torch.where(adv[:, None] > 0, torch.minimum(x, bounded), torch.maximum(x, bounded))  # [2, 50]
+    upstream_rho = upstream_c.mean(dim=1).exp()  # [2]
+    torch.testing.assert_close(loss[0, 0], upstream_rho[0])  # A < 0: the clipped side, as upstream
+    torch.testing.assert_close(grad[0, 7], torch.zeros((), dtype=torch.float64))  # clipped: frozen upstream too
+    torch.testing.assert_close(grad[0, 0], upstream_rho[0] / 50)
+    assert upstream_rho[1].item() == pytest.approx(0.613, abs=1e-3)
+    clamped_rho = (x[1].clamp(min=-20.0).clamp(max=0.4)).mean().exp()
+    assert clamped_rho.item() == pytest.approx(0.677, abs=1e-3)
+    torch.testing.assert_close(loss[1, 0], -clamped_rho)
+    assert grad[1, 7].item() == 0.0 and grad[1, 0].item() == pytest.approx(-clamped_rho.item() / 50)
 
 
 @pytest.mark.parametrize("name", ["cispo", "sapo", "gmpo"])
