@@ -10,7 +10,11 @@ estimate (root mean over completions of the per-completion variance), and the st
 and not) is in the table with the tail masked, as every estimator here: it then estimates the same ELBO as the others
 (of the real tokens), and :func:`espo_enumeration` checks its weights against the exact ELBO by enumeration.
 ``trace`` (TraceRL) is not: it draws nothing and is no ELBO estimate; :func:`trace_report` says where it sits against
-the exact ELBO on the same completions, with the sampler's own step maps.
+the exact ELBO on the same completions, with the sampler's own step maps. ``random_masking`` (UniGRPO / dLLM-RL) is in
+the table although it is no ELBO estimate either (its bias column says how far its sum of per-token log-probs is);
+``sdmc`` (GDPO's quadrature ELBO) runs at the budgets that are a multiple of its nodes, and
+:func:`sdmc_enumeration` gives its exact expectation per rule and masking (the ``gauss-4`` rows run at the budgets
+that are a multiple of 4 only).
 
 Part 2 (``--part training``): held-out greedy accuracy against RL steps on the toy world (configs/dllm/toy.yaml) for
 the one_step (per-token ratio), elbo_l, coupled and coupled_cv (sequence ratio) estimators at the same number of masked
@@ -20,11 +24,11 @@ forwards per completion, trace (per-token ratio; shrink 1 and 8, forwards fixed 
 folder holding another run's checkpoints is refused by the trainer).
 
 ``--json`` also writes the raw results: for ``variance`` ``{"rows": [...], "espo_enumeration": {...}, "trace":
-{...}}``, rows holding ``estimator``, ``name``, ``forwards`` (the plan's rows), ``forwarded_rows`` (the mean number
-of them that score something and are forwarded, per completion), ``bias_vs_exact_elbo``, ``sd``,
-``sd_difference_shared_plan``, ``sd_difference_independent_plans``, ``seconds`` and ``elbo_t_exact_sd`` (elbo_t's exact
-sd at that number of forwards, the reference of the variance goal); for ``training`` ``{estimator: {seed: {"curve":
-{step: held-out accuracy}, "seconds": ...}}}``.
+{...}}`` (``sdmc_enumeration`` is printed, as a JSON line and in the markdown), rows holding ``estimator``, ``name``,
+``forwards`` (the plan's rows), ``forwarded_rows`` (the mean number of them that score something and are forwarded,
+per completion), ``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``,
+``seconds`` and ``elbo_t_exact_sd`` (elbo_t's exact sd at that number of forwards, the reference of the variance
+goal); for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seconds": ...}}}``.
 
     python benchmarks/dllm_estimators.py --part variance --threads 1
     python benchmarks/dllm_estimators.py --part training --threads 1 --seeds 0 1 2 --steps 60 --eval-every 15
@@ -51,6 +55,7 @@ from mmrl.plugins.dllm import toy
 from mmrl.plugins.dllm.adapters import MaskedLMAdapter
 from mmrl.plugins.dllm.estimators import draw_plan, exact_elbo, likelihood_estimators, score_plan
 from mmrl.plugins.dllm.generation import completion_mask, generate
+from mmrl.plugins.dllm.masking import sdmc_quadrature
 
 # (label, estimator, options): every row gets the budget's number of masked forwards (one_step without prompt
 # masking is deterministic and always takes one).
@@ -67,7 +72,20 @@ ESTIMATORS = [
     ("spg_upper (EUBO, beta 1.5)", "spg_upper", {"beta": 1.5}),
     ("espo coupled (ESPO's reduce_var: x ~ U{0..L}, complement row)", "espo", {"coupled": True}),
     ("espo uncoupled (one x-subset per forward)", "espo", {"coupled": False}),
+    ("random_masking (UniGRPO / dLLM-RL, t ~ U(0.1, 0.9); no ELBO)", "random_masking", {}),
+    ("random_masking coupled (dLLM-RL's coupled: S and S^c per t)", "random_masking", {"coupled": True}),
+    ("sdmc gauss-1, count (GDPO)", "sdmc", {"quadrature": "gauss-1"}),
+    ("sdmc gauss-2, count (GDPO's code, NeMo's default)", "sdmc", {"quadrature": "gauss-2"}),
+    ("sdmc gauss-2, bernoulli", "sdmc", {"quadrature": "gauss-2", "masking": "bernoulli"}),
 ]
+# sdmc spreads its forwards evenly over its quadrature nodes: an sdmc row runs only at the budgets that are a
+# multiple of them. These rows run after the others at the budgets that are a multiple of 4 (8 by default).
+WIDE_SDMC = [
+    ("sdmc gauss-4, count (8 forwards only)", "sdmc", {"quadrature": "gauss-4"}),
+    ("sdmc gauss-4, bernoulli (8 forwards only)", "sdmc", {"quadrature": "gauss-4", "masking": "bernoulli"}),
+]
+SDMC_VARIANTS = [("gauss-1", "count"), ("gauss-2", "count"), ("gauss-2", "bernoulli"), ("gauss-3", "count"),
+                 ("gauss-4", "count"), ("gauss-4", "bernoulli"), ("simpson", "count"), ("simpson", "bernoulli")]
 # trace is not in the table: it is no ELBO estimate and draws nothing (trace_report compares it with the ELBO).
 TRACE_SHRINKS = (1, 8)
 
@@ -216,6 +234,40 @@ def espo_enumeration(scorer, prompt: Tensor, completion: Tensor, real: Tensor, m
 
 
 @torch.no_grad()
+def sdmc_enumeration(scorer, prompt: Tensor, completion: Tensor, real: Tensor, mask_id: int, exact: Tensor) -> dict:
+    """The exact expectation of ``sdmc`` (GDPO's quadrature ELBO) minus the exact ELBO, per rule and masking.
+
+    With the rule's nodes ``t_j`` and weights ``w_j`` (:func:`~mmrl.plugins.dllm.masking.sdmc_quadrature`) and
+    ``h_l`` the mean of ``g(S)`` over the ``l``-subsets (enumerated), the mean of the estimate is
+    ``Σ_j (w_j/t_j)·h_{k_j}`` with ``k_j = min(L, max(1, ⌊t_j·L⌋))`` for ``masking: count`` and
+    ``Σ_j (w_j/t_j)·Σ_l C(L,l) t_j^l (1−t_j)^{L−l} h_l`` for ``bernoulli``, whatever the number of draws per node.
+    Returns, per variant, the mean and the largest absolute difference from the exact ELBO over the completions.
+    """
+    sizes = []
+    for b in range(completion.shape[0]):
+        positions = real[b].nonzero().squeeze(-1).tolist()
+        sizes.append(_size_means(subset_logprobs(scorer, prompt[b], completion[b], real[b], mask_id), positions))
+    out = {}
+    for quadrature, masking in SDMC_VARIANTS:
+        nodes, weights = (values.tolist() for values in sdmc_quadrature(quadrature))
+        gaps = []
+        for b, h in enumerate(sizes):
+            length = len(h) - 1
+            value = 0.0
+            for t, w in zip(nodes, weights, strict=True):
+                if masking == "count":
+                    inner = h[min(length, max(1, math.floor(t * length)))]
+                else:
+                    inner = sum(math.comb(length, l) * t ** l * (1 - t) ** (length - l) * h[l]
+                                for l in range(1, length + 1))
+                value += w / t * inner
+            gaps.append(value - float(exact[b]))
+        out[f"{quadrature}, {masking}"] = {"mean_minus_exact_elbo": sum(gaps) / len(gaps),
+                                           "max_abs_minus_exact_elbo": max(abs(gap) for gap in gaps)}
+    return out
+
+
+@torch.no_grad()
 def trace_report(scorer, prompt: Tensor, completion: Tensor, real: Tensor, step_map: Tensor, mask_id: int,
                  exact: Tensor) -> dict:
     """Where ``trace`` sits against the exact ELBO on the sampled completions, with the sampler's own step maps.
@@ -309,7 +361,7 @@ def exact_elbo_t_sd(scorer, prompt, completion, real, mask_id: int, budgets: lis
 
 
 @torch.no_grad()
-def variance_table(args: argparse.Namespace) -> list[dict]:
+def variance_table(args: argparse.Namespace) -> tuple[dict, dict]:
     adapter = MaskedLMAdapter(str(toy.ASSETS))
     model = adapter.load_model(attn_implementation="eager").eval()
     perturbed = adapter.load_model(attn_implementation="eager").eval()
@@ -325,11 +377,15 @@ def variance_table(args: argparse.Namespace) -> list[dict]:
     print(json.dumps({"espo enumeration": espo_check}), flush=True)
     trace = trace_report(scorer, prompt, completion, real, step_map, adapter.mask_id, exact)
     print(json.dumps({"trace against the exact ELBO": trace}), flush=True)
+    sdmc_check = sdmc_enumeration(scorer, prompt, completion, real, adapter.mask_id, exact)
+    print(json.dumps({"sdmc expectation against the exact ELBO": sdmc_check}), flush=True)
     c, r = prompt.shape[0], args.repeats
     rep = lambda t: t.repeat(r, 1)  # noqa: E731 — row k·C + i is repeat k of completion i
     rows = []
     for budget in args.budgets:
-        for label, name, options in ESTIMATORS:
+        for label, name, options in ESTIMATORS + WIDE_SDMC:
+            if name == "sdmc" and budget % sdmc_quadrature(options.get("quadrature", "gauss-2"))[0].numel():
+                continue  # the same number of draws at every node
             started = time.perf_counter()
             plan = draw_plan(name, rep(prompt), rep(completion), rep(real), num_samples=budget,
                              generator=torch.Generator().manual_seed(budget), **options)
@@ -355,10 +411,11 @@ def variance_table(args: argparse.Namespace) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         row["elbo_t_exact_sd"] = exact_t.get(row["forwards"])
-    return {"rows": rows, "espo_enumeration": espo_check, "trace": trace}
+    # sdmc's enumeration is printed and in the markdown; the JSON keeps the keys its readers check
+    return {"rows": rows, "espo_enumeration": espo_check, "trace": trace}, sdmc_check
 
 
-def variance_markdown(result: dict, args: argparse.Namespace) -> str:
+def variance_markdown(result: dict, args: argparse.Namespace, sdmc_check: dict | None = None) -> str:
     rows, espo_check, trace = result["rows"], result["espo_enumeration"], result["trace"]
     lines = [
         f"{args.completions} sampled completions (1-4 tokens incl. EOS), {args.repeats} repetitions each; θ' = θ "
@@ -386,6 +443,11 @@ def variance_markdown(result: dict, args: argparse.Namespace) -> str:
               "", "| quantity | value |", "|---|---|"]
     lines += [f"| {key} | {value:+.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
               for key, value in trace.items() if key != "completions"]
+    if sdmc_check:
+        lines += ["", "sdmc's exact expectation (enumerated) against the exact ELBO:", "",
+                  "| quadrature, masking | mean − exact ELBO | max abs |", "|---|---|---|"]
+        lines += [f"| {key} | {value['mean_minus_exact_elbo']:+.4f} | {value['max_abs_minus_exact_elbo']:.4f} |"
+                  for key, value in sdmc_check.items()]
     return "\n".join(lines)
 
 
@@ -481,8 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.part == "variance":
-        raw = variance_table(args)
-        print(variance_markdown(raw, args))
+        raw, sdmc_check = variance_table(args)
+        print(variance_markdown(raw, args, sdmc_check))
     else:
         results = training_curves(args)
         print(training_markdown(results))

@@ -219,7 +219,10 @@ def _config(registry: str, name: str, option: str, value: Any) -> tuple[dict, st
         return (data, f"rewards.functions[0].args.judge_args.{option}",
                 lambda c: c.rewards.functions[0].args["judge_args"][option])
     if registry == "likelihood_estimators":
-        data = {"plugin": {"name": "dllm", "estimator": name, "estimator_options": {option: value}},
+        # random_masking also needs t_low <= t_high: the other bound at its loosest
+        other = {("random_masking", "t_low"): {"t_high": 1.0}, ("random_masking", "t_high"): {"t_low": 1e-9}}
+        options = {**other.get((name, option), {}), option: value}
+        data = {"plugin": {"name": "dllm", "estimator": name, "estimator_options": options},
                 "rewards": {"functions": [{"name": "exact_match"}]}}
         return data, f"plugin.estimator_options.{option}", lambda c: c.plugin.config.estimator_options[option]
     raise AssertionError(f"no config builder for registry {registry}")
@@ -290,6 +293,7 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("likelihood_estimators", "elbo_t", "eps", 1.0, "a number in [0, 1)"),
     ("likelihood_estimators", "one_step", "p_mask_prompt", 1.5, "a number in [0, 1]"),
     ("likelihood_estimators", "spg_lower", "block_length", 0, "an integer >= 1"),
+    ("likelihood_estimators", "random_masking", "t_low", 0.0, "a number in (0, 1]"),  # a masking rate
     ("reward_functions", "jpeg_compressibility", "quality", 101, "an integer in [1, 100]"),
     ("reward_functions", "iou", "max_pixels", 783, "an integer >= 784 or null"),  # one 28 × 28 patch
     ("reward_functions", "math", "abs_tol", -1e-9, "a number >= 0"),  # math.isclose refuses negative tolerances
@@ -472,6 +476,9 @@ def _probes() -> dict[str, Any]:
     probes["reward_functions.numeric_match.decimals"] = _reward_probe("numeric_match", "decimals")
     for name in ("math", "gsm8k_answer"):
         for option in ("rel_tol", "abs_tol"):
+    # t ~ U(t_low, t_high) also needs t_low <= t_high: probe each bound with the other at its loosest
+    probes["likelihood_estimators.random_masking.t_low"] = _plan_probe("random_masking", "t_low", t_high=1.0)
+    probes["likelihood_estimators.random_masking.t_high"] = _plan_probe("random_masking", "t_high", t_low=1e-9)
             probes[f"reward_functions.{name}.{option}"] = _reward_probe(name, option)
     probes["reward_functions.countdown.format_score"] = _reward_probe("countdown", "format_score")
     boxes = {"completion": "[0, 0, 10, 10]", "row": {"solution": [0, 0, 10, 10], "image_size": [100, 100]}}

@@ -43,6 +43,8 @@ References:
     wd1 — Tang et al. 2025, arXiv:2507.08838 (uses the d1 one-step estimator in a ratio-free loss).
     TraceRL — Wang et al. 2025, arXiv:2509.06949 (the decoding trajectory's own context for every token: ``trace``).
     ESPO — Ou et al. 2025, arXiv:2512.03759 (count-sampled complementary pairs over ``0..L``: ``espo``).
+    UniGRPO (MMaDA) — Yang et al. 2025, arXiv:2505.15809 (random masking rate per draw: ``random_masking``).
+    GDPO — Rojas et al. 2025, arXiv:2510.08554 (quadrature over t, masks drawn per node: ``sdmc``).
 
 ``uniform_one_step`` is the one estimator for **canvas** models (DiffusionGemma: uniform-token noise, no mask
 token); its ``model`` is the ``DiffusionGemmaForBlockDiffusion`` itself (:mod:`mmrl.plugins.dllm.canvas`).
@@ -66,6 +68,8 @@ from mmrl.plugins.dllm.masking import (
     elbo_t_plan,
     espo_plan,
     one_step_plan,
+    random_masking_plan,
+    sdmc_plan,
     spg_plan,
     trace_plan,
 )
@@ -84,6 +88,7 @@ ELBO_EPS = Range(0, 1, high_open=True)  # t ~ U(ε, 1) needs ε < 1; ε = 0 is u
 BLOCK_LENGTH = Range(1)
 RENYI_BETA = Range(1)  # the Rényi order of SPG's EUBO (arXiv:2510.09541), β >= 1 as MaskPlan requires
 SHRINK = Range(1)  # TraceRL's distinct decoding steps per step group
+MASK_RATE = Range(0, 1, low_open=True)  # UniGRPO's masking-rate bounds: t ~ U(t_low, t_high) in (0, 1]
 
 __all__ = [
     "MaskPlan",
@@ -102,6 +107,8 @@ __all__ = [
     "spg_lower",
     "spg_upper",
     "trace",
+    "random_masking",
+    "sdmc",
     "uniform_one_step",
 ]
 
@@ -218,6 +225,8 @@ _PLANS: dict[str, Callable[..., MaskPlan]] = {
     "espo": espo_plan,
     "spg_lower": lambda *args, **kwargs: spg_plan(*args, bound="lower", **kwargs),
     "spg_upper": lambda *args, **kwargs: spg_plan(*args, bound="upper", **kwargs),
+    "random_masking": random_masking_plan,
+    "sdmc": sdmc_plan,
 }
 
 
@@ -411,10 +420,11 @@ def coupled(
     (``coupled_grpo.py`` L106-122, L254-279 at apple/ml-diffucoder@f735e01; exact enumeration at L = 5 gives a target
     about 1.5× the ELBO in magnitude). Its completion tail after the first EOS is masked in the fully masked row only
     and follows ``r < t`` / ``r > t`` in the pair (visible context in one of the two rows); mmrl masks the tail in every
-    row, as d1 and SPG do (:mod:`~mmrl.plugins.dllm.masking`). dLLM-RL's ``coupled`` (as summarized in our research
-    notes; its code was not re-checked here) averages the masked-token log-probs of the two rows: ``E[g(S)/|S|]`` over a
-    uniform ``|S| ∈ {1..L}`` is ``ELBO/L``, but when both rows are kept non-empty the ``l = L`` term never occurs, so
-    that average is biased as well.
+    row, as d1 and SPG do (:mod:`~mmrl.plugins.dllm.masking`). dLLM-RL's ``coupled`` method
+    (Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L347-399) draws ``t ~ U(lower_p, upper_p)`` (0.1, 0.9) per pair,
+    masks each completion token w.p. ``t`` in one row and the complement in the other (an empty row is dropped), and
+    feeds each masked token's own log-prob to a per-token ratio, each row's surrogate averaged over its masked tokens
+    (L573-607): no importance weights and no ELBO; mmrl has it as ``random_masking`` with ``coupled: true``.
 
     Args:
         stratified: Spread the pair counts ``m`` of each sample evenly over 1..L_b (unbiased, lower variance).
@@ -715,6 +725,154 @@ def trace(
     if step_map is None:
         raise ValueError("the trace estimator needs step_map [B, L], the decoding step of every completion position")
     plan = trace_plan(prompt_ids, completion_ids, completion_mask, step_map=step_map, shrink=shrink, tail=tail)
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("random_masking")
+def random_masking(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    t_low: Annotated[float, MASK_RATE] = 0.1,
+    t_high: Annotated[float, MASK_RATE] = 0.9,
+    coupled: bool = False,
+    micro_batch: int | None = None,
+) -> Tensor:
+    """UniGRPO's random masking (MMaDA, Yang et al. 2025, arXiv:2505.15809) as released in dLLM-RL: per draw a
+    masking rate ``t ~ U(t_low, t_high)``, each real token masked w.p. ``t``, each masked token scored by its own
+    log-prob; a token's action value is the mean of its log-probs over the draws that mask it.
+
+    est = Σ_i (1/c_i) Σ_{n: i∈S_n} log p_θ(x^i | c, x_{S_n}),   S_n ~ Bern(t_n)^{L_b},  t_n ~ U(t_low, t_high),
+
+    with ``c_i`` the number of draws (of ``N = num_samples``, dLLM-RL's ``mask_times_per_sample``) that mask token
+    ``i``; tokens masked in no draw contribute nothing. Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L301-345 and
+    ``train/rl_dream.py`` L307-351 (the same with Dream's shift): one training row per draw, the prompt never masked,
+    pads after the first ``post_num`` masked and never scored, empty draws dropped; ``configs/rl_mmada_v.yaml`` and
+    ``configs/rl_lladav.yaml`` L66-71 run it with ``lower_p 0.1``, ``upper_p 0.9``, ``mask_times_per_sample 2``,
+    ``post_num 1`` (the first pad, LLaDA's EOS, scored: mmrl's real tokens up to and including the first stop
+    token). Gen-Verse/MMaDA@3cdb870 has no RL code of its own: its README (L192-194) points to dLLM-RL for UniGRPO.
+    The plan is :func:`~mmrl.plugins.dllm.masking.random_masking_plan`.
+
+    How it maps onto mmrl's token columns (``objective: grpo``; the plugin lists it with ``one_step`` and ``trace``
+    as a per-token estimator): dLLM-RL's loss (``rl_llada.py`` L573-607) takes, per row, the clipped per-token
+    surrogate with the ratio ``exp(logp_new − logp_old)`` of each masked token, averages it over the row's masked
+    tokens and then over the rows. mmrl holds one value per token: the token's log-prob averaged over the draws that
+    mask it, so its ratio is the geometric mean of its per-draw ratios (equal to dLLM-RL's per-row ratio when the
+    token is masked in one draw, as with ``N = 1``; with several draws dLLM-RL clips each draw's ratio apart and
+    mmrl clips their geometric mean). The plugin's action mask keeps the real tokens masked in at least one draw of
+    the sample's plans (one per inner epoch with ``redraw_masks``): with one plan and ``N = 1``, ``aggregation:
+    seq_mean_token_mean`` is then dLLM-RL's mean over the row's masked tokens, then over sequences. With ``N > 1``
+    dLLM-RL weights each row by ``1/|S_n|`` and mmrl each covered token alike; with several plans a token masked only
+    in another epoch's plan has the column 0 under every policy in this epoch (ratio 1, no gradient) and still counts
+    in the epoch's token denominators. dLLM-RL's KL (``β·k1`` or ``k3`` of new against *old* log-probs, summed over a
+    row's masked tokens, L595-602) is the core's KL to the reference on the same columns.
+
+    ``coupled=True`` is dLLM-RL's ``method == "coupled"`` (``rl_llada.py`` L347-399): every draw is a pair, the
+    Bernoulli(t) set and its complement among the real tokens (two rows; ``num_samples`` even, ``N/2`` is its
+    ``mask_times_per_sample``), so every real token is masked in exactly one row of each pair and none is left out.
+    It is not mmrl's :func:`coupled` (unbiased ELBO weights ``L/m``, one sequence ratio).
+
+    **Not an ELBO, not a bound.** In per-token form the ELBO is ``Σ_i E_{t~U(0,1)} E[log p(x^i | c, x_S) | i ∈ S]``
+    with the other tokens masked w.p. ``t`` (the ``1/t`` weight cancels ``P(i ∈ S) = t``). Here there is no weight:
+    as ``N → ∞`` column ``i`` tends to the same conditional mean with ``t`` drawn from the density ``∝ t`` on
+    ``[t_low, t_high]`` (the rate given that ``i`` is masked; coupled, the same law when ``t_low + t_high = 1``, since
+    the complement row masks at rate ``1 − t``), so the columns sum to an ELBO-like quantity with a
+    tilted, truncated masking-rate law; at finite ``N`` the column is a ratio of sums (biased ``O(1/N)``) and tokens
+    no draw masks drop out of the sum (on the toy benchmark, +0.16 nats at 2 forwards without ``coupled``, +0.005
+    with it). What RL uses is the per-token ratio, exactly 1 at ``θ = θ_old`` since π_θ, π_old and π_ref share the
+    plan.
+
+    Args:
+        t_low: Lowest masking rate, in (0, 1] (dLLM-RL ``lower_p``: 0.1).
+        t_high: Highest masking rate, in [t_low, 1] (dLLM-RL ``upper_p``: 0.9).
+        coupled: Pair every draw with its complement (dLLM-RL's ``coupled`` method); needs an even number of
+            forwards (``plugin.num_mc_samples``).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = random_masking_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator, t_low=t_low,
+        t_high=t_high, coupled=coupled,
+    )
+    return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
+
+
+@likelihood_estimators.register("sdmc")
+def sdmc(
+    model: Callable[[Tensor], Any],
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    mask_id: int,
+    num_samples: int,
+    generator: torch.Generator | None,
+    quadrature: Literal["gauss-1", "gauss-2", "gauss-3", "gauss-4", "gauss-5", "simpson"] = "gauss-2",
+    masking: Literal["count", "bernoulli"] = "count",
+    micro_batch: int | None = None,
+) -> Tensor:
+    """GDPO's semi-deterministic Monte Carlo (SDMC) ELBO: the integral over ``t`` by a fixed quadrature rule, only the
+    masks at each node drawn at random.
+
+    est = Σ_j w_j · (1/t_j) · (1/d) Σ_{r=1..d} Σ_{i∈S_{j,r}} log p_θ(x^i | c, x_{S_{j,r}}),
+
+    with the rule's ``J`` nodes ``t_j`` and weights ``w_j`` on [0, 1] (:func:`~mmrl.plugins.dllm.masking.
+    sdmc_quadrature`: ``gauss-n`` Gauss-Legendre mapped from [−1, 1] by ``t = (x+1)/2``, ``w = w_x/2``; ``simpson``
+    GDPO's ``(0.1, 0.5, 1.0)`` with ``(1, 4, 1)/6``) and ``d = N/J`` mask draws per node (``num_samples`` must be a
+    multiple of ``J``). Rojas et al. 2025, "Improving Reasoning for Diffusion Language Models via Group Diffusion
+    Policy Optimization" (GDPO), arXiv:2510.08554. Released code: GDPO's ``gdpo/likelihood_estimators.py``
+    ``NumericalIntegrationEstimator`` (the Gauss rules as closed-form nodes on [−1, 1] and ``xi = point*.5 + .5``,
+    ``.5 * loss``; ``forward_process`` masks exactly ``int(p_mask * target_len)`` positions by ``randperm``;
+    ``get_loss`` divides the masked tokens' cross-entropy by ``p_mask``; ``mc_batch_size`` copies per node averaged)
+    and its port NVIDIA-NeMo/RL@d6d94dd ``nemo_rl/models/policy/dllm/elbo.py`` ``SdmcElboEstimator`` and
+    ``get_quadrature`` (the same nodes and counts, the count clamped to at least 1, the default ``gauss-2`` with
+    ``mc_samples: 1`` in ``dllm/config.py``). The prompt is never masked.
+
+    Masks (``masking``): ``"count"`` (GDPO's code, the default): exactly ``k_j = min(L, max(1, ⌊t_j·L⌋))`` real
+    tokens, a uniform ``k_j``-subset (NeMo's clamp to 1; GDPO's reference code masks ``⌊t_j·L⌋`` with no clamp, so
+    a node with ``t_j·L < 1`` scores nothing there; they agree once ``L ≥ 1/t_1``, e.g. ``L ≥ 5`` for ``gauss-2``).
+    ``"bernoulli"``: each real token masked w.p. ``t_j``, the ELBO's own forward process.
+
+    **Biased, and how much.** The ELBO is ``∫_0^1 f(t) dt`` with ``f(t) = (1/t)·E_{S~Bern(t)^L} g(S) =
+    Σ_{l=1..L} C(L,l) t^{l−1}(1−t)^{L−l} h_l`` (:func:`exact_elbo`), a polynomial of degree ``L − 1`` in ``t``.
+    With ``masking="bernoulli"`` the estimate's expectation is ``Σ_j w_j f(t_j)``, the quadrature of ``f``: for
+    ``gauss-n`` it is *exactly* the ELBO when ``L ≤ 2n`` (Gauss-Legendre integrates degree ``≤ 2n − 1`` exactly),
+    and otherwise off by the rule's error ``f^{(2n)}(ξ)·(n!)^4 / ((2n+1)·((2n)!)^3)`` for some ``ξ ∈ (0, 1)`` —
+    small when ``f`` is smooth (tokens whose log-probs change little with the masking rate), not small in general
+    for ``L ≫ n``. ``simpson`` is exact only for ``L = 1``. With ``masking="count"`` the expectation is
+    ``Σ_j (w_j/t_j)·h_{k_j}``, ``h_k`` the mean of ``g`` over the ``k``-subsets: the count is ``⌊t_j·L⌋`` instead
+    of the binomial spread around ``t_j·L``, and the weight ``1/t_j`` is not ``L/k_j``, so even a model whose
+    tokens ignore their context (``h_l = l·a``) gets ``a·Σ_j w_j k_j/t_j ≠ L·a`` (e.g. ``+6.7%`` at ``L = 4``,
+    ``gauss-2``: ``k = (1, 3)``). ``tests/dllm/test_sdmc.py`` enumerates both expectations against
+    :func:`exact_elbo`: on its tiny random model (ELBO −12.63 at L = 3, −35.34 at L = 5) ``gauss-2`` is off by
+    −2.95 and +6.03 nats with ``count`` masks, by 0 and 2e-5 with ``bernoulli``; the toy benchmark reports the bias
+    next to the sd. Short completions are the worst case for counts: with ``L = 1`` the
+    token is masked at every node and the estimate's mean is ``(Σ_j w_j/t_j)·h_1`` (3× the ELBO for ``gauss-2``;
+    GDPO's unclamped count gives 0 instead); ``bernoulli`` masks it w.p. ``t_j``, which cancels the ``1/t_j``.
+    What SDMC buys is variance against sampling ``t``: the ``1/t`` weight is bounded by ``1/t_1``. On the toy
+    benchmark (1-4 tokens; docs/performance.md) its sd is 1.5× (``count``) to 1.8× (``bernoulli``) below
+    ``elbo_t``'s exact sd at 2 and 8 forwards, GDPO's claim against double Monte Carlo, but 2-4× above ``elbo_l``'s
+    and ``coupled``'s, whose count laws already remove the ``1/t`` tail.
+
+    Args:
+        quadrature: ``gauss-1`` .. ``gauss-5`` (Gauss-Legendre on [0, 1]) or ``simpson`` (GDPO's nodes 0.1, 0.5, 1).
+        masking: ``"count"`` (GDPO: ``⌊t_j·L⌋`` tokens, at least 1) or ``"bernoulli"`` (each token w.p. ``t_j``).
+        micro_batch: Rows per forward; ``None`` runs all draws at once.
+
+    Shapes:
+        prompt_ids ``[B, P]``, completion_ids and completion_mask ``[B, L]`` → ``float32 [B]``.
+    """
+    plan = sdmc_plan(
+        prompt_ids, completion_ids, completion_mask, num_samples=num_samples, generator=generator,
+        quadrature=quadrature, masking=masking,
+    )
     return score_plan(model, prompt_ids, completion_ids, plan, mask_id=mask_id, micro_batch=micro_batch)
 
 

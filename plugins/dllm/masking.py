@@ -733,3 +733,127 @@ def trace_plan(
         masked = _with_tail(masked, real)
     weights = torch.where(scored, float(rows), 0.0).to(torch.float32)
     return MaskPlan(masked, weights, _num_tokens(real), name="trace")
+
+
+# ---------------------------------------------------------------------- UniGRPO / dLLM-RL: random masking
+def random_masking_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | SampleStreams | None = None,
+    t_low: float = 0.1,
+    t_high: float = 0.9,
+    coupled: bool = False,
+) -> MaskPlan:
+    """UniGRPO's random masking as released in dLLM-RL: per draw ``t ~ U(t_low, t_high)``, each real token masked
+    w.p. ``t``, the masked tokens scored with no importance weight. A token's weight is ``N / c_i`` in each of the
+    ``c_i`` rows that mask it, so that :meth:`MaskPlan.reduce`'s mean over the ``N`` rows gives every token the
+    average of its log-probs over those rows; a token masked in no row is not scored.
+
+    Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L301-345 (``method == "random_masking"``): per sample and each of
+    ``mask_times_per_sample`` draws, ``t = (upper − lower)·rand + lower``, ``rand_mask = rand(L) < t`` with the
+    prompt cleared (L321-325) and the pads after the first ``post_num`` left out and masked (L325, L332); a draw that
+    masks nothing is dropped (L327-328). ``num_samples`` is ``mask_times_per_sample``. With ``coupled`` (its
+    ``method == "coupled"``, L347-399): each draw is a pair of rows, the Bernoulli(t) set ``S`` and its complement
+    ``S^c`` among the real tokens (rows ``0..N/2−1`` the sets, ``N/2..N−1`` their complements; ``N`` must be even,
+    ``N/2`` is ``mask_times_per_sample``), so every real token is masked in exactly one row of each pair. See
+    :func:`~mmrl.plugins.dllm.estimators.random_masking` for how the rows map onto token columns.
+
+    Shapes:
+        → a plan with ``N`` rows; ``weights[n, b, i] = N / c_{b,i}`` where row ``n`` masks real token ``i``.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if not (0.0 < t_low <= 1.0 and 0.0 < t_high <= 1.0 and t_low <= t_high):
+        raise ValueError(f"t_low and t_high must satisfy 0 < t_low <= t_high <= 1, got t_low={t_low}, "
+                         f"t_high={t_high}")
+    if coupled and num_samples % 2:
+        raise ValueError(f"the random_masking estimator with coupled: true needs an even num_samples (pairs of "
+                         f"complementary rows), got {num_samples}")
+    device = completion_ids.device
+    n, (b, length) = num_samples, completion_ids.shape
+    draws = n // 2 if coupled else n
+    t = (t_high - t_low) * uniform((draws, b), generator, device, batch_axis=1) + t_low  # [D, B]
+    r = uniform((draws, b, length), generator, device, batch_axis=1)  # [D, B, L]
+    masked = (r < t.unsqueeze(-1)) & real  # [D, B, L]
+    if coupled:
+        masked = torch.cat([masked, real.unsqueeze(0) & ~masked], dim=0)  # [N, B, L]: S, then S^c
+    rows = masked.sum(dim=0, keepdim=True).to(torch.float64)  # [1, B, L]: c_i, the rows that mask token i
+    weights = torch.where(masked, n / rows.clamp(min=1.0), 0.0).to(torch.float32)
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="random_masking")
+
+
+# ---------------------------------------------------------------------- GDPO: semi-deterministic Monte Carlo
+SDMC_QUADRATURES = ("gauss-1", "gauss-2", "gauss-3", "gauss-4", "gauss-5", "simpson")
+SDMC_MASKINGS = ("count", "bernoulli")
+# GDPO's Simpson rule on [0, 1] with its first node moved from 0 (where 1/t is singular) to 0.1.
+_SIMPSON = ((0.1, 0.5, 1.0), (1 / 6, 4 / 6, 1 / 6))
+
+
+def sdmc_quadrature(rule: str) -> tuple[Tensor, Tensor]:
+    """The nodes ``t_j`` and weights ``w_j`` of a quadrature rule for ``∫_0^1 f(t) dt ≈ Σ_j w_j f(t_j)``.
+
+    ``gauss-n``: the ``n``-point Gauss-Legendre rule, computed by the Golub-Welsch method (the nodes on [−1, 1] are
+    the eigenvalues of the Jacobi matrix of the Legendre recurrence, off-diagonal ``k / sqrt(4k² − 1)``; the weights
+    ``2·v_0²`` from the first components of its unit eigenvectors), then mapped onto [0, 1] by ``t = (x + 1)/2``,
+    ``w = w_x / 2`` (GDPO's ``xi = point * .5 + .5`` and ``.5 * loss``). Exact for polynomials of degree
+    ``<= 2n − 1``. ``simpson``: GDPO's ``(0.1, 0.5, 1.0)`` with weights ``(1, 4, 1)/6``, not exact even for a line.
+
+    Shapes:
+        → ``float64 [J]`` nodes (increasing) and ``float64 [J]`` weights (summing to 1).
+    """
+    if rule == "simpson":
+        return torch.tensor(_SIMPSON[0], dtype=torch.float64), torch.tensor(_SIMPSON[1], dtype=torch.float64)
+    if rule not in SDMC_QUADRATURES:
+        raise ValueError(f"quadrature must be one of {', '.join(SDMC_QUADRATURES)}, got {rule!r}")
+    points = int(rule.split("-")[1])
+    k = torch.arange(1, points, dtype=torch.float64)
+    off = k / torch.sqrt(4.0 * k * k - 1.0)  # [J−1]
+    jacobi = torch.diag(off, 1) + torch.diag(off, -1)  # [J, J]
+    nodes, vectors = torch.linalg.eigh(jacobi)  # ascending eigenvalues
+    weights = 2.0 * vectors[0] ** 2
+    return (nodes + 1.0) / 2.0, weights / 2.0
+
+
+def sdmc_plan(
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_samples: int,
+    generator: torch.Generator | SampleStreams | None = None,
+    quadrature: str = "gauss-2",
+    masking: str = "count",
+) -> MaskPlan:
+    """GDPO's semi-deterministic Monte Carlo: the ELBO's integral over ``t`` by a fixed quadrature rule, the masks at
+    each node drawn at random, ``d = N / J`` draws at each of the ``J`` nodes.
+
+    Rows ``j·d .. (j+1)·d − 1`` belong to node ``j`` (nodes in increasing order). ``masking="count"`` (GDPO's
+    reference code, NVIDIA-NeMo/RL ``SdmcElboEstimator``): exactly ``k_j = min(L_b, max(1, ⌊t_j·L_b⌋))`` real tokens,
+    a uniform ``k_j``-subset; ``masking="bernoulli"`` (the ELBO's own forward process): each real token w.p. ``t_j``.
+    Masked real tokens carry the weight ``N·w_j / (d·t_j)``, so that :meth:`MaskPlan.reduce` (the mean over the N rows)
+    is ``Σ_j (w_j / t_j)·(1/d)·Σ_{rows of j} g(S)``. See :func:`~mmrl.plugins.dllm.estimators.sdmc`.
+    """
+    real = _check(prompt_ids, completion_ids, completion_mask, num_samples)
+    if masking not in SDMC_MASKINGS:
+        raise ValueError(f"masking must be one of {', '.join(SDMC_MASKINGS)}, got {masking!r}")
+    nodes, node_weights = sdmc_quadrature(quadrature)  # [J], [J]
+    points = nodes.shape[0]
+    if num_samples % points:
+        raise ValueError(f"the sdmc estimator with quadrature {quadrature} needs num_samples a multiple of its "
+                         f"{points} nodes (the same number of mask draws at every node), got {num_samples}")
+    device = completion_ids.device
+    n, (b, length), per_node = num_samples, completion_ids.shape, num_samples // points
+    t = nodes.to(device).repeat_interleave(per_node).view(n, 1, 1)  # [N, 1, 1]: each row's node
+    scale = (n * node_weights.to(device) / (per_node * nodes.to(device))).repeat_interleave(per_node)  # [N]
+    keys = uniform((n, b, length), generator, device, batch_axis=1)  # [N, B, L]
+    eligible = real.unsqueeze(0).expand(n, -1, -1)
+    if masking == "bernoulli":
+        masked = (keys < t) & eligible
+    else:
+        real_count = real.sum(dim=-1).unsqueeze(0)  # [1, B]
+        counts = torch.floor(t.view(n, 1) * real_count.to(torch.float64)).long().clamp(min=1)  # [N, B]
+        masked = random_subset(eligible, torch.minimum(counts, real_count), keys)
+    weights = torch.where(masked, scale.view(n, 1, 1), 0.0).to(torch.float32)
+    return MaskPlan(_with_tail(masked, real), weights, _num_tokens(real), name="sdmc")

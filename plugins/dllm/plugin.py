@@ -47,6 +47,10 @@ How it maps onto the rollout contract (docs/dllm.md has the long version):
 - ``payload["completions"]`` holds the decoded text (up to, not including, the first EOS). ``replay`` also holds
   the completion ids as sampled, the completion mask (tokens up to and including the first EOS; the tail after it is
   masked in every scoring forward, as d1 and SPG do), ``prompt_width`` and the ``step_map`` of the decoder.
+- **UniGRPO's random masking** (``estimator: random_masking``, dLLM-RL's ``random_masking``/``coupled`` methods) is
+  per token as ``one_step``: each column is the token's log-prob averaged over the draws that mask it, and the
+  rollout's action mask keeps only the real tokens that some draw of the sample's plans masks (dLLM-RL averages
+  each row's surrogate over its masked tokens).
 - **ESPO** (Ou et al. 2025, arXiv:2512.03759; ML-GSAI/ESPO@b5f2dac ``espo/espo_trainer.py``) scores all
   ``gen_length`` positions (its loss has no completion mask): ``score_tail`` hands the estimator every position as
   real (:meth:`DLLMPlugin.scored_positions`), so the tail is masked, visible and scored like the other tokens and
@@ -83,7 +87,7 @@ from mmrl.plugins.dllm.canvas import (
 from mmrl.plugins.dllm.dream_sampler import DreamSamplerConfig, dream_generate
 from mmrl.plugins.dllm.estimators import MaskPlan, draw_plan, likelihood_estimators, plan_token_logprobs
 from mmrl.plugins.dllm.generation import check_schedule, completion_mask, generate, guided
-from mmrl.plugins.dllm.masking import SampleStreams, trace_plan
+from mmrl.plugins.dllm.masking import SampleStreams, sdmc_quadrature, trace_plan
 from mmrl.policy import attach_lora, check_reference_sync, frozen_copy, lora_config_class, reference_policy
 from mmrl.prompts import check_chat_template_kwargs, read_jsonl_prompts
 from mmrl.rollout import Rollout
@@ -92,7 +96,9 @@ OBJECTIVES = ("grpo", "wd1", "spg")
 DEFAULT_ESTIMATORS = {"grpo": "elbo_l", "wd1": "one_step", "spg": "spg_lower"}
 CANVAS_ESTIMATOR = "uniform_one_step"  # the only estimator of canvas models (adapter noise "uniform")
 TRACE_ESTIMATOR = "trace"  # TraceRL: the plan is built from the rollout's step_map, not drawn
-PER_TOKEN_ESTIMATORS = ("one_step", TRACE_ESTIMATOR, CANVAS_ESTIMATOR)  # each column holds the token's own log-prob
+RANDOM_MASKING = "random_masking"  # UniGRPO / dLLM-RL: the action mask keeps the tokens its draws mask
+# each column holds the token's own log-prob
+PER_TOKEN_ESTIMATORS = ("one_step", TRACE_ESTIMATOR, CANVAS_ESTIMATOR, RANDOM_MASKING)
 BUILTIN_DATASETS = ("toy_addition",)
 PLAN_SEED_TAG = 0x91A4  # separates a sample's mask-plan stream from its decoding noise
 # Estimator parameters the plugin sets itself (everything else is an estimator option).
@@ -228,14 +234,16 @@ class DLLMPluginConfig:
     )
     estimator: str | None = config_field(
         None, help="Likelihood estimator: one_step, elbo_t, elbo_l, coupled, coupled_cv, espo, spg_lower, spg_upper, "
-        "trace "
+        "trace, random_masking, sdmc "
         "(masked models; trace: TraceRL's per-token log-probs in the decoding trajectory's own context, from the "
-        "rollout's step map), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
+        "rollout's step map; random_masking: UniGRPO's per-token log-probs at a random masking rate; sdmc: GDPO's "
+        "quadrature ELBO), uniform_one_step (canvas models: DiffusionGemma). Null: elbo_l for grpo, one_step for "
         "wd1, spg_lower for spg; uniform_one_step for a canvas model.",
     )
     num_mc_samples: int = config_field(
-        4, minimum=1, help="Masked forwards per completion (coupled, and espo with coupled: an even number; "
-        "coupled_cv: at least 2; "
+        4, minimum=1, help="Masked forwards per completion (coupled, and espo or random_masking with coupled: an even "
+        "number; coupled_cv: at least 2; sdmc: a multiple of its quadrature nodes; random_masking: dLLM-RL's "
+        "mask_times_per_sample; "
         "one_step without prompt masking uses one; trace ignores it: one forward per step group).",
         ref="LLaDA likelihood: 128; SPG num_t: 2",
     )
@@ -297,6 +305,24 @@ class DLLMPluginConfig:
         if name == "coupled" and self.num_mc_samples % 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "an even number for the coupled estimator (pairs of complementary masks)")
+        if name == RANDOM_MASKING:
+            options = self.estimator_options
+            if options.get("t_low", 0.1) > options.get("t_high", 0.9):
+                raise ConfigError(f"{path}.estimator_options.t_low", options.get("t_low", 0.1),
+                                  f"a number <= t_high ({options.get('t_high', 0.9)}): t ~ U(t_low, t_high)")
+            if options.get("coupled", False) and self.num_mc_samples % 2:
+                raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples, "an even number for the "
+                                  "random_masking estimator with coupled: true (each draw is a pair of complementary "
+                                  "rows)")
+            if self.objective == "spg":
+                raise ConfigError(f"{path}.objective", self.objective, "grpo or wd1 with estimator random_masking "
+                                  "(its per-token log-probs are no ELBO: there is no ELBO/EUBO pair for spg)")
+        if name == "sdmc":
+            nodes = sdmc_quadrature(self.estimator_options.get("quadrature", "gauss-2"))[0].numel()
+            if self.num_mc_samples % nodes:
+                raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples, f"a multiple of {nodes}, the nodes "
+                                  f"of the sdmc quadrature {self.estimator_options.get('quadrature', 'gauss-2')} "
+                                  "(the same number of mask draws at every node)")
         if name == "coupled_cv" and self.num_mc_samples < 2:
             raise ConfigError(f"{path}.num_mc_samples", self.num_mc_samples,
                               "at least 2 for coupled_cv (a fully masked row and a partly masked one)")
@@ -506,8 +532,13 @@ class DLLMPlugin(Plugin):
             replay["epoch_ref_logp"] = torch.stack(refs, dim=1)  # [N, E, A]
         # old_logp None: when the run needs them, the core scores the sampling policy with forward() on each epoch's
         # plan before the first update (redraws_per_epoch).
+        mask = self.action_mask(scored)  # [N, A]
+        if self.estimator == RANDOM_MASKING and config.token_columns:
+            # UniGRPO (dLLM-RL) averages each row's surrogate over the tokens it masks: a token masked in none of
+            # the sample's draws has no log-prob (its column is 0 under every policy) and is no action.
+            mask = mask * replay["plan_weights"].ne(0).flatten(1, 2).any(dim=1).to(mask.dtype)  # [N, G]
         return Rollout(
-            group_ids=batch.group_ids, old_logp=None, mask=self.action_mask(scored), payload=payload,
+            group_ids=batch.group_ids, old_logp=None, mask=mask, payload=payload,
             replay=replay, ref_logp=ref_logp, metrics=metrics,
             truncated=~finished if self.adapter.stop_ids else None,  # no stop token in the generated length
         )
@@ -606,6 +637,7 @@ class DLLMPlugin(Plugin):
 
     def action_mask(self, real: Tensor) -> Tensor:
         """The rollout's action mask: the completion mask over the token columns (grpo), else one per column.
+        (:meth:`rollout` also drops, for ``random_masking``, the tokens that no draw of the sample's plans masks.)
 
         Shapes:
             real ``[N, G]`` → ``[N, A]`` float32.

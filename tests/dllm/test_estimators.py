@@ -441,7 +441,8 @@ def test_plan_structure(batch):
 def test_registry_and_validation(batch):
     prompt, completion, mask = batch
     assert set(likelihood_estimators.names()) == {"one_step", "elbo_t", "elbo_l", "coupled", "coupled_cv", "espo",
-                                                  "spg_lower", "spg_upper", "trace", "uniform_one_step"}
+                                                  "spg_lower", "spg_upper", "trace", "random_masking", "sdmc",
+                                                  "uniform_one_step"}
     assert likelihood_estimators.describe("elbo_l").startswith("LLaDA l-sampling")
     options = {option.name for option in likelihood_estimators.options("spg_upper")}
     assert {"beta", "masking", "block_length", "p_mask_prompt"} <= options
