@@ -752,10 +752,17 @@ def random_masking(
     with ``c_i`` the number of draws (of ``N = num_samples``, dLLM-RL's ``mask_times_per_sample``) that mask token
     ``i``; tokens masked in no draw contribute nothing. Gen-Verse/dLLM-RL@10b4fd1 ``train/rl_llada.py`` L301-345 and
     ``train/rl_dream.py`` L307-351 (the same with Dream's shift): one training row per draw, the prompt never masked,
-    pads after the first ``post_num`` masked and never scored, empty draws dropped; ``configs/rl_mmada_v.yaml`` and
-    ``configs/rl_lladav.yaml`` L66-71 run it with ``lower_p 0.1``, ``upper_p 0.9``, ``mask_times_per_sample 2``,
-    ``post_num 1`` (the first pad, LLaDA's EOS, scored: mmrl's real tokens up to and including the first stop
-    token). Gen-Verse/MMaDA@3cdb870 has no RL code of its own: its README (L192-194) points to dLLM-RL for UniGRPO.
+    pads after the first ``post_num`` masked and never scored, empty draws dropped. The configs that select it,
+    ``configs/rl_mmada_v.yaml`` and ``configs/rl_lladav.yaml`` (L66-71: ``lower_p 0.1``, ``upper_p 0.9``,
+    ``mask_times_per_sample 2``, ``post_num 1``, ``data_type: mmu``), run ``train/rl_mmada_v.py`` (``rl_v.py``
+    L168-175; the ``rl_lladav.py`` it names for LLaDA-V is not in the repository at that commit), whose text path
+    (L305-404) is ``rl_llada.py``'s but whose ``mmu`` path (``prepare_inputs_and_labels_for_mmu``, L535-577) masks
+    the first completion token of a draw that masks nothing (L557-564) instead of dropping it; mmrl drops it, as the
+    text path (it happens w.p. ``E[(1 − t)^L]``, negligible beyond a few tokens). ``post_num 1`` scores the first
+    pad id (``<|endoftext|>``) after the response as well: for a response that ends ``<|eot_id|><|endoftext|>…``
+    dLLM-RL scores both, mmrl's real tokens stop at the first stop token (either id), so mmrl scores one token
+    fewer there; they agree when the response ends at its first ``<|endoftext|>``. Gen-Verse/MMaDA@3cdb870 has no RL
+    code of its own: its README (L192-194) points to dLLM-RL for UniGRPO.
     The plan is :func:`~mmrl.plugins.dllm.masking.random_masking_plan`.
 
     How it maps onto mmrl's token columns (``objective: grpo``; the plugin lists it with ``one_step`` and ``trace``
@@ -770,7 +777,9 @@ def random_masking(
     dLLM-RL weights each row by ``1/|S_n|`` and mmrl each covered token alike; with several plans a token masked only
     in another epoch's plan has the column 0 under every policy in this epoch (ratio 1, no gradient) and still counts
     in the epoch's token denominators. dLLM-RL's KL (``β·k1`` or ``k3`` of new against *old* log-probs, summed over a
-    row's masked tokens, L595-602) is the core's KL to the reference on the same columns.
+    row's masked tokens, then averaged over the rows, L595-602) becomes the core's KL to the reference on the same
+    columns, added to each token's loss before the aggregation, so averaged over the tokens where dLLM-RL sums a
+    row's (at equal ``β`` its KL term is ``|S_n|`` times mmrl's).
 
     ``coupled=True`` is dLLM-RL's ``method == "coupled"`` (``rl_llada.py`` L347-399): every draw is a pair, the
     Bernoulli(t) set and its complement among the real tokens (two rows; ``num_samples`` even, ``N/2`` is its
@@ -782,10 +791,13 @@ def random_masking(
     as ``N → ∞`` column ``i`` tends to the same conditional mean with ``t`` drawn from the density ``∝ t`` on
     ``[t_low, t_high]`` (the rate given that ``i`` is masked; coupled, the same law when ``t_low + t_high = 1``, since
     the complement row masks at rate ``1 − t``), so the columns sum to an ELBO-like quantity with a
-    tilted, truncated masking-rate law; at finite ``N`` the column is a ratio of sums (biased ``O(1/N)``) and tokens
-    no draw masks drop out of the sum (on the toy benchmark, +0.16 nats at 2 forwards without ``coupled``, +0.005
-    with it). What RL uses is the per-token ratio, exactly 1 at ``θ = θ_old`` since π_θ, π_old and π_ref share the
-    plan.
+    tilted, truncated masking-rate law. At finite ``N`` the mean of column ``i`` is exactly ``1 − (1 − p̄)^N`` times
+    that limit, ``p̄ = (t_low + t_high)/2`` the chance that one draw masks a given token: given which draws mask
+    ``i``, those draws are iid from the law conditional on ``i ∈ S``, so their average has no ratio-of-sums bias;
+    what is lost is the tokens no draw masks (column 0; a quarter of them at ``N = 2`` with the defaults; none with
+    ``coupled``). On the toy benchmark the columns sum to +0.16 nats above the ELBO at 2 forwards without
+    ``coupled``, +0.005 with it. What RL uses is the per-token ratio, exactly 1 at ``θ = θ_old`` since π_θ, π_old
+    and π_ref share the plan.
 
     Args:
         t_low: Lowest masking rate, in (0, 1] (dLLM-RL ``lower_p``: 0.1).
@@ -833,7 +845,9 @@ def sdmc(
     ``get_loss`` divides the masked tokens' cross-entropy by ``p_mask``; ``mc_batch_size`` copies per node averaged)
     and its port NVIDIA-NeMo/RL@d6d94dd ``nemo_rl/models/policy/dllm/elbo.py`` ``SdmcElboEstimator`` and
     ``get_quadrature`` (the same nodes and counts, the count clamped to at least 1, the default ``gauss-2`` with
-    ``mc_samples: 1`` in ``dllm/config.py``). The prompt is never masked.
+    ``mc_samples: 1`` in ``dllm/config.py``; its earlier commits, 9e6c837 to 0ee69a7, round ``t·L`` instead of
+    flooring it). Each node and draw gets a fresh mask (GDPO's ``forward_process`` runs at every node and draws a
+    ``randperm`` per copy). The prompt is never masked.
 
     Masks (``masking``): ``"count"`` (GDPO's code, the default): exactly ``k_j = min(L, max(1, ⌊t_j·L⌋))`` real
     tokens, a uniform ``k_j``-subset (NeMo's clamp to 1; GDPO's reference code masks ``⌊t_j·L⌋`` with no clamp, so
@@ -841,7 +855,9 @@ def sdmc(
     ``"bernoulli"``: each real token masked w.p. ``t_j``, the ELBO's own forward process.
 
     **Biased, and how much.** The ELBO is ``∫_0^1 f(t) dt`` with ``f(t) = (1/t)·E_{S~Bern(t)^L} g(S) =
-    Σ_{l=1..L} C(L,l) t^{l−1}(1−t)^{L−l} h_l`` (:func:`exact_elbo`), a polynomial of degree ``L − 1`` in ``t``.
+    Σ_{l=1..L} C(L,l) t^{l−1}(1−t)^{L−l} h_l`` (:func:`exact_elbo`), a polynomial of degree at most ``L − 1`` in
+    ``t`` and finite at ``t = 0`` (``f(0) = L·h_1``: ``g(∅) = 0`` cancels the ``1/t``; only a drawn mask's weight is
+    singular there).
     With ``masking="bernoulli"`` the estimate's expectation is ``Σ_j w_j f(t_j)``, the quadrature of ``f``: for
     ``gauss-n`` it is *exactly* the ELBO when ``L ≤ 2n`` (Gauss-Legendre integrates degree ``≤ 2n − 1`` exactly),
     and otherwise off by the rule's error ``f^{(2n)}(ξ)·(n!)^4 / ((2n+1)·((2n)!)^3)`` for some ``ξ ∈ (0, 1)`` —
@@ -857,7 +873,7 @@ def sdmc(
     token is masked at every node and the estimate's mean is ``(Σ_j w_j/t_j)·h_1`` (3× the ELBO for ``gauss-2``;
     GDPO's unclamped count gives 0 instead); ``bernoulli`` masks it w.p. ``t_j``, which cancels the ``1/t_j``.
     What SDMC buys is variance against sampling ``t``: the ``1/t`` weight is bounded by ``1/t_1``. On the toy
-    benchmark (1-4 tokens; docs/performance.md) its sd is 1.5× (``count``) to 1.8× (``bernoulli``) below
+    benchmark (2-4 real tokens; docs/performance.md) its sd is 1.5× (``count``) to 1.8× (``bernoulli``) below
     ``elbo_t``'s exact sd at 2 and 8 forwards, GDPO's claim against double Monte Carlo, but 2-4× above ``elbo_l``'s
     and ``coupled``'s, whose count laws already remove the ``1/t`` tail.
 

@@ -270,6 +270,52 @@ def test_columns_tend_to_the_elbo_term_under_a_rate_tilted_by_t(model, coupled):
             assert abs(limit - elbo_term) > 1e-3  # a different target than the ELBO's own term
 
 
+def _masked_rate_mean(table: dict, length: int, i: int, lower: float, upper: float, coupled: bool) -> float:
+    """E[log p(x^i | c, x_S) | i ∈ S] for the row that masks token i, enumerated: t ~ U(lower, upper), S ~ Bern(t)^L;
+    coupled, the row that masks i is S (w.p. t, others masked at rate t) or S^c (w.p. 1 − t, a set T ∋ i arising as
+    the complement of a Bernoulli(t) set: t^{L−|T|}(1−t)^{|T|})."""
+    grid = torch.linspace(lower, upper, 20_001, dtype=torch.float64)
+    total = 0.0
+    for subset, logp in table.items():
+        if i in subset:
+            size = len(subset)
+            density = grid ** size * (1 - grid) ** (length - size)
+            if coupled:
+                density = density + (1 - grid) ** size * grid ** (length - size)
+            total += float(logp[i]) * float(torch.trapezoid(density, grid))
+    norm = float(torch.trapezoid(grid, grid)) + (float(torch.trapezoid(1 - grid, grid)) if coupled else 0.0)
+    return total / norm
+
+
+@pytest.mark.parametrize(("draws", "lower", "upper", "coupled"), [
+    (2, 0.1, 0.9, False), (3, 0.2, 0.5, False), (4, 0.2, 0.6, True)])
+def test_column_mean_at_few_draws_is_the_limit_times_the_chance_some_draw_masks_the_token(
+        model, draws, lower, upper, coupled):
+    """At N draws E[column i] = (1 − (1 − p̄)^N)·E[log p(x^i | c, x_S) | i ∈ S], p̄ = (t_low + t_high)/2 (coupled:
+    every pair masks i once, the factor is 1 and the conditional law a mixture of the rates t and 1 − t): the draws
+    that mask i average iid draws of the conditional law, so the only finite-N effect is the tokens no draw masks.
+    Within 4.5 standard errors over copies, for L = 3 and 5."""
+    from tests.dllm.test_estimators import _logp_table
+
+    prompt, completion, real = _batch()
+    copies = 3000
+    plan = random_masking_plan(prompt.repeat(copies, 1), completion.repeat(copies, 1), real.repeat(copies, 1),
+                               num_samples=draws, generator=torch.Generator().manual_seed(6), t_low=lower,
+                               t_high=upper, coupled=coupled)
+    with torch.no_grad():
+        token_logp = plan_token_logprobs(model, prompt.repeat(copies, 1), completion.repeat(copies, 1), plan,
+                                         mask_id=MASK, micro_batch=4096)
+    columns = (plan.weights * token_logp).mean(dim=0).double().view(copies, 2, -1)  # [copies, B, G]
+    covered = 1.0 if coupled else 1 - (1 - (lower + upper) / 2) ** draws
+    for b, length in ((0, 3), (1, 5)):
+        table = _logp_table(model, prompt[b], completion[b], list(range(length)))
+        for i in range(length):
+            expected = covered * _masked_rate_mean(table, length, i, lower, upper, coupled)
+            values = columns[:, b, i]
+            mean, se = float(values.mean()), float(values.std()) / math.sqrt(copies)
+            assert abs(mean - expected) < 4.5 * se, (b, i, mean, expected, se)
+
+
 @pytest.mark.parametrize(("estimator", "options", "forwards"), [
     ("random_masking", {"coupled": True}, 2), ("sdmc", {"quadrature": "gauss-2", "masking": "bernoulli"}, 2)])
 def test_grpo_steps_train_with_ratio_one(tmp_path, estimator, options, forwards):

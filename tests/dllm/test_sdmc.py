@@ -68,6 +68,24 @@ def test_quadrature_is_gauss_legendre_on_the_unit_interval():
         sdmc_quadrature("gauss-6")
 
 
+def test_counts_match_gdpos_closed_form_nodes():
+    """The count ``⌊t_j·L⌋`` from the Golub-Welsch nodes equals ``int(t_j·L)`` from GDPO's closed-form nodes
+    (±1/√3; 0, ±√(3/5); ±√(3/7 ∓ (2/7)√(6/5)); 0, ±(1/3)√(5 ∓ 2√(10/7)), mapped by ``x·.5 + .5``) for every
+    ``L ≤ 4096``: the nodes agree to an ulp, and a node an ulp below ``k/L`` (a middle node just under 0.5) would
+    mask one token fewer than GDPO at every even L."""
+    a, b = math.sqrt(3 / 7 - 2 / 7 * math.sqrt(6 / 5)), math.sqrt(3 / 7 + 2 / 7 * math.sqrt(6 / 5))
+    c, d = math.sqrt(5 - 2 * math.sqrt(10 / 7)) / 3, math.sqrt(5 + 2 * math.sqrt(10 / 7)) / 3
+    closed = {"gauss-1": [0.0], "gauss-2": [-1 / math.sqrt(3), 1 / math.sqrt(3)],
+              "gauss-3": [-math.sqrt(3 / 5), 0.0, math.sqrt(3 / 5)], "gauss-4": [-b, -a, a, b],
+              "gauss-5": [-d, -c, 0.0, c, d]}
+    lengths = torch.arange(1, 4097, dtype=torch.float64)  # [4096]
+    for name, points in closed.items():
+        nodes = sdmc_quadrature(name)[0]  # [J]
+        gdpo = torch.tensor([[int((x * .5 + .5) * length) for x in points] for length in range(1, 4097)])  # [4096, J]
+        ours = torch.floor(nodes.unsqueeze(0) * lengths.unsqueeze(1)).long()
+        assert torch.equal(ours, gdpo), name
+
+
 @pytest.mark.parametrize(("quadrature", "masking", "per_node"), [
     ("gauss-2", "count", 1), ("gauss-3", "count", 2), ("simpson", "count", 1), ("gauss-2", "bernoulli", 2)])
 def test_plan_is_gdpos_nodes_counts_and_weights(quadrature, masking, per_node):
@@ -152,6 +170,28 @@ def test_estimator_mean_is_the_enumerated_expectation(model, quadrature, masking
         table = _logp_table(model, prompt[b], completion[b], list(range(length)))
         expected = _enumerated(table, length, quadrature, masking)
         assert abs(float(mean[b]) - expected) <= 4.5 * float(se[b]) + 1e-5, (b, float(mean[b]), expected)
+
+
+@pytest.mark.parametrize("masking", ["count", "bernoulli"])
+def test_masks_are_drawn_afresh_at_every_node_and_draw(masking):
+    """GDPO's ``get_loss`` calls ``forward_process`` at every node, which draws a fresh ``randperm`` for every copy:
+    the masks of any two rows are independent, so a token is masked in both w.p. ``P_a·P_b`` (``k/L`` per count row,
+    ``t_j`` per Bernoulli row). Masks shared across nodes (nested: the same keys ranked at every node) or across the
+    draws of a node keep every mean right and fail here (the rows that share keys give ``min(P_a, P_b)``)."""
+    copies, length = 4000, 5
+    prompt = torch.tensor([[4, 5, 6]]).repeat(copies, 1)
+    completion = torch.tensor([[2, 2, 9, 0, 3, PAD]]).repeat(copies, 1)
+    real = (completion != PAD).long()
+    nodes, _ = rule("gauss-2")
+    plan = sdmc_plan(prompt, completion, real, num_samples=4, generator=torch.Generator().manual_seed(8),
+                     quadrature="gauss-2", masking=masking)  # rows 0, 1 at node 0; rows 2, 3 at node 1
+    masked = plan.completion_masked[:, :, :length].double()  # [N, copies, L]
+    marginal = [gdpo_count(t, length) / length if masking == "count" else t for t in nodes]
+    for row_a, row_b in ((0, 1), (2, 3), (0, 2), (1, 3)):
+        both = (masked[row_a] * masked[row_b]).mean(dim=1)  # [copies]: the share of tokens masked in both rows
+        expected = marginal[row_a // 2] * marginal[row_b // 2]
+        se = float(both.std()) / math.sqrt(copies)
+        assert abs(float(both.mean()) - expected) < 4.5 * se, (row_a, row_b, float(both.mean()), expected)
 
 
 def test_a_batched_plan_is_every_sample_drawn_alone():
