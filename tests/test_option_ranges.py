@@ -287,13 +287,15 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("policy_losses", "cispo", "clip_low", 1.0, "a number in [0, 1) or null"),  # the weight's floor 1 − ε_low > 0
     ("policy_losses", "sapo", "tau_neg", 0.0, "a number > 0"),  # the gate is scaled by 4/τ
     ("policy_losses", "gmpo", "clip_high", -0.1, "a number >= 0"),  # the log-space interval must hold 0 (r = 1)
+    ("policy_losses", "dgpo", "beta_dpo", 0.0, "a number > 0"),  # β = 0 makes every group weight σ(0) = 1/2
+    ("policy_losses", "dgpo", "clip_range", 1.0, "a number in (0, 1) or null"),  # the ratio's lower bound 1 − c > 0
     ("advantage_estimators", "grpo", "eps", -1e-6, "a number >= 0"),
     ("advantage_estimators", "wd1", "temperature", 0.0, "a number > 0"),
     ("likelihood_estimators", "spg_upper", "beta", 0.5, "a number >= 1"),
     ("likelihood_estimators", "elbo_t", "eps", 1.0, "a number in [0, 1)"),
+    ("likelihood_estimators", "random_masking", "t_low", 0.0, "a number in (0, 1]"),  # a masking rate
     ("likelihood_estimators", "one_step", "p_mask_prompt", 1.5, "a number in [0, 1]"),
     ("likelihood_estimators", "spg_lower", "block_length", 0, "an integer >= 1"),
-    ("likelihood_estimators", "random_masking", "t_low", 0.0, "a number in (0, 1]"),  # a masking rate
     ("reward_functions", "jpeg_compressibility", "quality", 101, "an integer in [1, 100]"),
     ("reward_functions", "iou", "max_pixels", 783, "an integer >= 784 or null"),  # one 28 × 28 patch
     ("reward_functions", "math", "abs_tol", -1e-9, "a number >= 0"),  # math.isclose refuses negative tolerances
@@ -340,12 +342,13 @@ def test_list_and_explain_show_the_ranges(capsys):
 
 
 # -------------------------------------------------------------------- the declared ranges agree with the runtime checks
-def _loss_probe(name: str, option: str, columns: int = 3):
+def _loss_probe(name: str, option: str, columns: int = 3, **inputs: Any):
+    """``inputs``: the data a loss declares besides the four columns (dgpo's group_ids and ref_logp)."""
     def accepts(value: float) -> bool:
         logp = torch.zeros(2, columns)
         try:
             importlib.import_module("mmrl.algos").policy_losses.get(name)(
-                logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, columns), **{option: value})
+                logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, columns), **inputs, **{option: value})
         except ValueError:
             return False
         return True
@@ -460,6 +463,9 @@ def _probes() -> dict[str, Any]:
                           ("gmpo", ("clip_low", "clip_high"))):
         for option in options:
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
+    for option in ("beta_dpo", "clip_range"):
+        probes[f"policy_losses.dgpo.{option}"] = _loss_probe("dgpo", option, group_ids=torch.tensor([0, 0]),
+                                                             ref_logp=torch.zeros(2, 3))
     probes["advantage_estimators.wd1.temperature"] = _wd1_probe
     for name in ("one_step", "spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.p_mask_prompt"] = _plan_probe(name, "p_mask_prompt")
@@ -470,15 +476,15 @@ def _probes() -> dict[str, Any]:
     for name in ("spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.block_length"] = _plan_probe(name, "block_length", masking="block")
     probes["likelihood_estimators.trace.shrink"] = _trace_probe
+    # t ~ U(t_low, t_high) also needs t_low <= t_high: probe each bound with the other at its loosest
+    probes["likelihood_estimators.random_masking.t_low"] = _plan_probe("random_masking", "t_low", t_high=1.0)
+    probes["likelihood_estimators.random_masking.t_high"] = _plan_probe("random_masking", "t_high", t_low=1e-9)
     for name in ("exact_match", "token_accuracy", "format", "choice", "math", "count", "gsm8k_answer", "countdown",
                  "sudoku", "numeric_match", "word_accuracy", "rouge", "relative_accuracy"):
         probes[f"reward_functions.{name}.max_chars"] = _reward_probe(name, "max_chars")
     probes["reward_functions.numeric_match.decimals"] = _reward_probe("numeric_match", "decimals")
     for name in ("math", "gsm8k_answer"):
         for option in ("rel_tol", "abs_tol"):
-    # t ~ U(t_low, t_high) also needs t_low <= t_high: probe each bound with the other at its loosest
-    probes["likelihood_estimators.random_masking.t_low"] = _plan_probe("random_masking", "t_low", t_high=1.0)
-    probes["likelihood_estimators.random_masking.t_high"] = _plan_probe("random_masking", "t_high", t_low=1e-9)
             probes[f"reward_functions.{name}.{option}"] = _reward_probe(name, option)
     probes["reward_functions.countdown.format_score"] = _reward_probe("countdown", "format_score")
     boxes = {"completion": "[0, 0, 10, 10]", "row": {"solution": [0, 0, 10, 10], "image_size": [100, 100]}}

@@ -421,3 +421,100 @@ def gmpo_policy_loss(
     metrics = _ratio_metrics(log_r, mask, fractions)
     metrics["geo_ratio_mean"] = masked_mean(geo_ratio.unsqueeze(1).expand_as(logp), mask)
     return loss, metrics
+
+
+# DGPO's clip range: the ratio's bounds 1 ± c must keep 1 − c > 0 (ratios are positive), as CLIP_LOW.
+DGPO_CLIP = Range(0, 1, low_open=True, high_open=True)
+DGPO_BETA = Range(0, low_open=True)
+
+
+@policy_losses.register("dgpo")
+def dgpo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    group_ids: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    beta_dpo: Annotated[float, DGPO_BETA] = 100.0,
+    clip_range: Annotated[float, DGPO_CLIP] | None = None,
+    reference: Literal["ref", "old"] = "ref",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""DGPO, Direct Group Preference Optimization: a group-level Bradley-Terry weight on advantage-weighted
+    log-likelihoods.
+
+    Luo, Hu, Tang 2025, "Reinforcing Diffusion Models by Direct Group Preference Optimization", arXiv:2510.08425;
+    released code Luo-Yihong/DGPO@01ceb4b, ``scripts/train_sd3_dgpo.py`` (``compute_group_dgpo_loss_allreduce``
+    L162-193, its call with PPO-style clipping L1126-1149). Upstream writes it on the flow-matching errors
+    dsm_i = mean (ε − x₀ − v_θ)²; here the columns are log-likelihood terms, log p = −dsm for
+    ``plugin.likelihood: dgpo``. Per action column (a training time) and group g, with β = ``beta_dpo``, G_g the rows
+    of group g in this call and ref the baseline (``reference``)::
+
+        S_g = β/G_g · Σ_{i∈g} A_i·(log p_ref,i − log p_i)      (no gradient; = Σ A·β·(dsm − dsm_ref)/G upstream)
+        loss_i = −σ(S_g)·A_i·log p_i                           (= σ(S_g)·A_i·dsm_i upstream, L191)
+
+    so ``token_mean`` over a step's columns is upstream's mean over (sample, time) and its gradient
+    mean_i σ(S_g)·A_i·∇dsm_i. That is the gradient of mean_g softplus(S_g)/β with S_g taken with gradients, i.e. of
+    −log σ(−S_g) per group: lowering the advantage-weighted error below the reference's raises the group's
+    preference likelihood, and σ(S_g) → 0 once the group already prefers its positive samples (the DPO fade-out).
+    With ``clip_range`` = c (upstream ``clip_dsm``, L1133-1144) the ratio r = exp(log p − log p_old) (upstream
+    exp(dsm_old − dsm)) stops the gradient of actions with A > 0 and r > 1 + c, or A ≤ 0 and r < 1 − c; the value
+    is unchanged. ``reference: old`` takes the old log-probs as the baseline (upstream ``use_ema_ref``, from TDM-R1,
+    L1122-1124; the flow plugin's old log-probs are then its fast EMA copy's).
+
+    The groups must be whole in every call: upstream all-reduces S_g over processes (L184-185) so that a group may
+    span GPUs; mmrl's learner keeps a group's samples in one micro-batch instead (the learner refuses a geometry
+    that cannot, :func:`mmrl.trainer.geometry.check_whole_groups`), so S_g is complete without a collective. G_g is
+    the number of rows of group g passed in (upstream's fixed ``num_image_per_prompt``: the same with whole
+    groups). A row whose mask is 0 adds nothing to its group's sum.
+
+    Args:
+        group_ids: ``[N]`` the group of each row (any integers, equal for the members of a group); the learner
+            passes ``rollout.group_ids``.
+        ref_logp: ``[N, A]`` the reference policy's log-probs (no gradient); needed with ``reference: ref``.
+        beta_dpo: β > 0 of S_g (upstream ``train.beta_dpo``: 100 GenEval and OCR, 10 PickScore, 2000 with the EMA
+            reference).
+        clip_range: c in (0, 1) of the stop-gradient clip, or None for none (upstream ``clip_range`` with
+            ``clip_dsm``: 1e-2 GenEval and OCR, 5e-2 PickScore).
+        reference: ``ref`` (the reference policy, upstream's default) or ``old`` (the old policy, ``use_ema_ref``).
+
+    Shapes:
+        logp, old_logp, mask, ref_logp ``[N, A]``; advantages ``[N]`` or ``[N, A]``; group_ids ``[N]`` → loss
+        ``[N, A]``.
+    """
+    if not beta_dpo > 0:
+        raise ValueError(f"dgpo beta_dpo must be > 0, got {beta_dpo}")
+    if clip_range is not None and not 0 < clip_range < 1:
+        raise ValueError(f"dgpo clip_range must be in (0, 1) or null, got {clip_range}")
+    if reference not in ("ref", "old"):
+        raise ValueError(f"dgpo reference must be 'ref' or 'old', got {reference!r}")
+    if group_ids is None or group_ids.shape != logp.shape[:1]:
+        raise ValueError(f"policy_loss dgpo needs group_ids [N] = [{logp.shape[0]}] (the learner passes them), got "
+                         f"{None if group_ids is None else tuple(group_ids.shape)}")
+    baseline = ref_logp if reference == "ref" else old_logp
+    if baseline is None or baseline.shape != logp.shape:
+        raise ValueError(f"policy_loss dgpo with reference {reference!r} needs {reference}_logp shaped like logp "
+                         f"{tuple(logp.shape)}, got {None if baseline is None else tuple(baseline.shape)}")
+    adv = broadcast_advantages(advantages, logp).to(logp.dtype)  # [N, A]
+    log_r = logp.detach() - old_logp  # [N, A]
+    with torch.no_grad():
+        _, dense = torch.unique(group_ids.to(logp.device), return_inverse=True)  # [N] 0..groups-1
+        members = torch.bincount(dense).to(logp.dtype)  # [groups] G_g
+        # A·β·(dsm − dsm_ref) = A·β·(log p_ref − log p); masked entries add nothing (where, not ×: a NaN pad stays out)
+        terms = torch.where(mask > 0, adv * beta_dpo * (baseline.to(logp.dtype) - logp.detach()), 0.0)  # [N, A]
+        sums = logp.new_zeros(members.shape[0], logp.shape[1]).index_add_(0, dense, terms) / members[:, None]
+        weights = torch.sigmoid(sums)[dense]  # [N, A] σ(S_g) of each row's group
+    trained = logp
+    fractions: dict[str, Tensor] = {}
+    if clip_range is not None:
+        with torch.no_grad():
+            ratio = log_r.exp()  # [N, A]
+            high = (adv > 0) & (ratio > 1.0 + clip_range)
+            low = (adv <= 0) & (ratio < 1.0 - clip_range)  # upstream's `where(A > 0, ..., r < 1 − c)`: A = 0 too
+            fractions = {"clip_fraction": high | low, "clip_fraction_low": low, "clip_fraction_high": high}
+        trained = torch.where(high | low, logp.detach(), logp)
+    loss = -weights * adv * trained  # [N, A]
+    metrics = _ratio_metrics(log_r, mask, fractions)
+    metrics["group_weight_mean"] = masked_mean(weights, mask)
+    return loss, metrics

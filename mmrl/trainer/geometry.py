@@ -104,3 +104,26 @@ def batch_geometry(config: TrainConfig, num_processes: int, max_actions: int | N
         inner_epochs=algorithm.inner_epochs,
         action_chunks=action_chunks,
     )
+
+
+def check_whole_groups(geometry: BatchGeometry, layout: str, what: str) -> None:
+    """Refuse, in one line naming the key to change, a geometry in which a mini-batch or micro-batch would not hold
+    whole groups on one process: what a loss that couples the samples of a group needs (``what`` names it; see
+    :func:`mmrl.trainer.sampler.group_minibatch_partition`).
+
+    Upstream DGPO all-reduces its group sums over processes instead (Luo-Yihong/DGPO, ``train_sd3_dgpo.py``
+    L184-185); keeping groups whole gives the same sums without a collective per backward pass.
+    """
+    size, processes = geometry.group_size, geometry.num_processes
+    if processes > 1 and layout != "contiguous":
+        raise ConfigError("rollout.layout", layout, f"'contiguous' with {what} on {processes} processes (its loss "
+                          "couples the samples of a group, which must stay on one process)")
+    groups = geometry.prompts // processes
+    if geometry.prompts % processes or groups % geometry.minibatches:
+        raise ConfigError("algorithm.minibatches", geometry.minibatches, f"a divisor of the {geometry.prompts} "
+                          f"prompts / {processes} process(es) = {geometry.prompts / processes:g} groups per process "
+                          f"with {what} (each mini-batch holds whole groups)")
+    if geometry.micro_batch_size % size:
+        raise ConfigError("algorithm.micro_batch_size", geometry.micro_batch_size, f"a multiple of rollout.group_size "
+                          f"({size}) with {what} (each micro-batch holds whole groups; to bound memory set "
+                          "algorithm.action_chunk_size instead)")

@@ -25,10 +25,10 @@ from mmrl.rollout import Rollout, RolloutError
 from mmrl.seeding import derive_seed
 from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
 from mmrl.trainer.ema import EMA
-from mmrl.trainer.geometry import BatchGeometry, batch_geometry
+from mmrl.trainer.geometry import BatchGeometry, batch_geometry, check_whole_groups
 from mmrl.trainer.metrics import WeightedMeans
 from mmrl.trainer.reference import ReferenceSync
-from mmrl.trainer.sampler import minibatch_partition
+from mmrl.trainer.sampler import group_minibatch_partition, minibatch_partition
 
 
 def ratio_level(config: TrainConfig) -> str:
@@ -110,7 +110,15 @@ class Learner:
         self.reference_sync = reference_sync
         self.parameters = [p for p in policy.parameters() if p.requires_grad]
         self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
-        self.loss_accepts_chunks = "chunk_ids" in inspect.signature(self.policy_loss).parameters
+        accepted = inspect.signature(self.policy_loss).parameters
+        self.loss_accepts_chunks = "chunk_ids" in accepted
+        # A loss that declares `group_ids` couples the samples of a group (DGPO's group sum): each of its calls gets
+        # the rows' group ids, and every mini-batch and micro-batch holds whole groups on one process. One that
+        # declares `ref_logp` gets the reference policy's log-probs (the plugin is asked for them whatever kl_coef).
+        self.loss_reads_groups = "group_ids" in accepted
+        self.loss_reads_reference = "ref_logp" in accepted
+        if self.loss_reads_groups:
+            check_whole_groups(geometry, config.rollout.layout, f"policy_loss {config.algorithm.policy_loss.name!r}")
         self.kl_estimator = kl_estimators.get(config.algorithm.kl_estimator)
         self.optimizer_steps = 0
 
@@ -120,12 +128,19 @@ class Learner:
         algorithm = config.algorithm
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
-        need_reference = algorithm.kl_coef > 0 and rollout.ref_logp is None
-        # The same samples share a mini-batch on any number of processes (see minibatch_partition).
-        partitions = [minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
-                                          acc.num_processes, acc.process_index,
-                                          seed=derive_seed(config.run.seed, step, epoch))
-                      for epoch in range(geometry.inner_epochs)]
+        need_reference = (algorithm.kl_coef > 0 or self.loss_reads_reference) and rollout.ref_logp is None
+        # The same samples share a mini-batch on any number of processes (see minibatch_partition); a group-coupled
+        # loss deals whole groups to the mini-batches instead (group_minibatch_partition).
+        if self.loss_reads_groups:
+            partitions = [group_minibatch_partition(geometry.samples, geometry.group_size, geometry.minibatches,
+                                                    acc.num_processes, acc.process_index,
+                                                    seed=derive_seed(config.run.seed, step, epoch))
+                          for epoch in range(geometry.inner_epochs)]
+        else:
+            partitions = [minibatch_partition(geometry.samples, geometry.minibatches, config.rollout.layout,
+                                              acc.num_processes, acc.process_index,
+                                              seed=derive_seed(config.run.seed, step, epoch))
+                          for epoch in range(geometry.inner_epochs)]
         # [μ] the rollout with each inner epoch's old log-probs; `current`: the first mini-batch's old policy is its
         # own training forward (no old-policy pass scored it)
         epoch_rollouts, current = self.old_policy_rollouts(rollout, first=partitions[0][0] if partitions[0] else ())
@@ -259,6 +274,15 @@ class Learner:
         options = dict(algorithm.policy_loss.options)
         if self.loss_accepts_chunks:
             options["chunk_ids"] = part.chunk_ids
+        if self.loss_reads_groups:
+            options["group_ids"] = part.group_ids
+        if self.loss_reads_reference:
+            reference = output.ref_logp if output.ref_logp is not None else part.ref_logp
+            if reference is None:
+                raise RolloutError(f"policy loss {algorithm.policy_loss.name!r} reads ref_logp, but plugin "
+                                   f"{self.plugin.name!r} returned none (PolicyOutput.ref_logp) and the rollout "
+                                   "carries none")
+            options["ref_logp"] = reference.float()
         per_action, metrics = self.policy_loss(logp, old_logp, advantages, part.mask, **options)  # [n, A]
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
         deviation = max_ratio_deviation(logp.detach(), old_logp, part.mask)

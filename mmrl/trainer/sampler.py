@@ -217,6 +217,39 @@ def minibatch_partition(num_samples: int, minibatches: int, layout: str, num_pro
     return [[i for i, sample in enumerate(mine) if assignment[sample] == m] for m in range(minibatches)]
 
 
+def group_minibatch_partition(num_samples: int, group_size: int, minibatches: int, num_processes: int,
+                              process_index: int, seed: int) -> list[list[int]]:
+    """This process's local sample indices in each mini-batch of one inner epoch, whole groups at a time: the
+    partition of a loss that couples the samples of a group (a policy loss that declares ``group_ids``, DGPO).
+
+    :func:`minibatch_partition` of the groups (units of G consecutive samples, the ``contiguous`` layout's), each
+    group's G local samples listed together in order. The learner then cuts each mini-batch into micro-batches of
+    ``micro_batch_size`` consecutive samples, whole groups when it is a multiple of G. Needs every process to hold
+    whole groups (``rollout.layout: contiguous``, or one process) and a whole number of groups per mini-batch on each
+    process; :func:`mmrl.trainer.geometry.check_whole_groups` refuses the geometries that cannot.
+
+    Args:
+        num_samples: B = P·G, samples in the global batch.
+        group_size: G.
+        minibatches: Mini-batches per inner epoch.
+        num_processes: W.
+        process_index: This process.
+        seed: Seed of this inner epoch (the same on every process).
+
+    Returns:
+        ``minibatches`` lists of indices into this process's ``B / W`` local samples, each of length
+        ``B / (W x minibatches)``, in increasing order.
+    """
+    if num_samples % group_size:
+        raise ValueError(f"{num_samples} samples are not whole groups of {group_size}")
+    groups = num_samples // group_size
+    if groups % (minibatches * num_processes):
+        raise ValueError(f"{groups} groups cannot form {minibatches} mini-batches of whole groups on {num_processes} "
+                         "processes")
+    dealt = minibatch_partition(groups, minibatches, "contiguous", num_processes, process_index, seed)
+    return [[g * group_size + member for g in part for member in range(group_size)] for part in dealt]
+
+
 @dataclass
 class LocalBatchPlan:
     """The samples one process draws in one sampling round.

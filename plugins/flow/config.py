@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mmrl.config import ConfigError, config_field
 from mmrl.plugins.flow.credit import CreditConfig, credit_strategies
+from mmrl.plugins.flow.dgpo import DGPOConfig
 from mmrl.plugins.flow.matching import MatchingConfig
 from mmrl.plugins.flow.nft import NFTConfig
 from mmrl.plugins.flow.schedule import default_window_range, trained_step_count
@@ -243,18 +244,22 @@ class FlowPluginConfig:
         "algorithm.micro_batch_size. Null: the batch as it comes.",
         ref="flow_grpo#104, DanceGRPO#57 (batch-dependent kernels break ratio == 1)",
     )
-    likelihood: Literal["sde", "matching", "nft"] = config_field(
+    likelihood: Literal["sde", "matching", "nft", "dgpo"] = config_field(
         "sde", help="The log-prob of an action: 'sde', the Gaussian density of each trained SDE step (Flow-GRPO, "
         "DanceGRPO and the credit strategies), 'matching', Advantage Weighted Matching: the weighted, negated "
         "flow-matching loss of the final sample at plugin.matching.num_times noised copies, one action column each "
         "(plugin.matching; docs/flow.md section 16), or 'nft', DiffusionNFT: the implicit positive and negative "
         "policies' x0 errors at int(num_steps*timestep_fraction) grid times of the final sample, two columns per "
-        "time, for algorithm.policy_loss nft; rollouts sample with the old (EMA) policy (plugin.nft; section 17).",
+        "time, for algorithm.policy_loss nft; rollouts sample with the old (EMA) policy (plugin.nft; section 17), "
+        "or 'dgpo', DGPO: the negated flow-matching error of the final sample at plugin.dgpo.num_times grid times "
+        "shared by the step, with noise shared within each group, and the reference's, for algorithm.policy_loss "
+        "dgpo (plugin.dgpo; section 18).",
         ref="AWM arXiv:2509.25050; scxue/advantage_weighted_matching; DiffusionNFT arXiv:2509.16117, "
-        "NVlabs/DiffusionNFT",
+        "NVlabs/DiffusionNFT; DGPO arXiv:2510.08425, Luo-Yihong/DGPO",
     )
     matching: MatchingConfig = field(default_factory=MatchingConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
 
     def validate(self, path: str) -> None:
@@ -267,6 +272,8 @@ class FlowPluginConfig:
             self._check_matching(path)
         if self.likelihood == "nft":
             self._check_nft(path)
+        if self.likelihood == "dgpo":
+            self._check_dgpo(path)
         highest = self.sde_kind().max_noise_level
         if highest is not None and self.noise_level > highest:
             raise ConfigError(f"{path}.noise_level", self.noise_level, f"a number in (0, {highest:g}] for sde "
@@ -367,6 +374,30 @@ class FlowPluginConfig:
                               f"fraction) >= 1 with plugin.likelihood nft (the trained times; num_steps "
                               f"{self.num_steps})")
 
+    def _check_dgpo(self, path: str) -> None:
+        """``likelihood: dgpo`` takes Flow-GRPO's uniform credit only and none of the SDE log-prob options; its ODE
+        rollouts need each sample's own initial noise, and its M times distinct grid steps among the first
+        ``trunc_steps + 1``."""
+        self._refuse_sde_credit(path, "dgpo")
+        for key, default in (("train_steps", "fraction"), ("cps_log_prob", "flow_grpo"),
+                             ("kl_variance", "flow_grpo"), ("decode_latent", "sample")):
+            if getattr(self, key) != default:
+                raise ConfigError(f"{path}.{key}", getattr(self, key), f"{default!r} with plugin.likelihood dgpo "
+                                  "(its rollouts are ODE and train no SDE step; dgpo's options are under plugin.dgpo)")
+        if self.share_initial_noise:
+            raise ConfigError(f"{path}.share_initial_noise", True, "false with plugin.likelihood dgpo (ODE rollouts: "
+                              "the samples of a group would be identical)")
+        dgpo = self.dgpo
+        if dgpo.trunc_steps >= self.num_steps:
+            raise ConfigError(f"{path}.dgpo.trunc_steps", dgpo.trunc_steps, f"at most num_steps - 1 "
+                              f"({self.num_steps - 1}): the times are grid steps 0..trunc_steps")
+        if dgpo.num_times > dgpo.trunc_steps + 1:
+            raise ConfigError(f"{path}.dgpo.num_times", dgpo.num_times, f"at most trunc_steps + 1 "
+                              f"({dgpo.trunc_steps + 1}): distinct grid steps among 0..trunc_steps")
+        if dgpo.switch_ema_ref is not None and not dgpo.ema_ref:
+            raise ConfigError(f"{path}.dgpo.switch_ema_ref", dgpo.switch_ema_ref, "null with dgpo.ema_ref false (the "
+                              "rollouts would sample with a fast EMA that is not kept); set ema_ref: true")
+
     def nft_num_times(self) -> int:
         """K of ``likelihood: nft``: ⌊num_steps·timestep_fraction⌋ grid times per sample (upstream's
         ``num_train_timesteps``, train_nft_sd3.py:L569)."""
@@ -415,6 +446,8 @@ class FlowPluginConfig:
             return self.matching.num_times
         if self.likelihood == "nft":  # (e⁺, e⁻) per time
             return 2 * self.nft_num_times()
+        if self.likelihood == "dgpo":
+            return self.dgpo.num_times
         return credit_strategies.get(self.credit.strategy)(self).num_actions(self)
 
     def step_selection_count(self) -> int:

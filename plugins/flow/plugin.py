@@ -33,7 +33,11 @@ How it maps onto the rollout contract (docs/flow.md has the long version):
   the negated weighted flow-matching loss at each time and the velocity KL to the reference;
 - with ``plugin.likelihood: nft`` (DiffusionNFT, :mod:`.nft`) the rollout is sampled by the old (EMA) policy and
   trains no SDE step: its 2K columns are the implicit positive and negative policies' x₀ errors at K training times
-  of the final sample, for ``algorithm.policy_loss: nft``; the old policy travels with checkpoints.
+  of the final sample, for ``algorithm.policy_loss: nft``; the old policy travels with checkpoints;
+- with ``plugin.likelihood: dgpo`` (DGPO, :mod:`.dgpo`) the ODE rollout trains no SDE step: its M columns are the
+  negated flow-matching errors of the final sample at grid times shared by the step, with noise shared within each
+  group, and the forward returns the reference's as ``ref_logp``, for ``algorithm.policy_loss: dgpo``; its optional
+  fast EMA scores the rollout's ``old_logp`` and travels with checkpoints.
 
 This module holds the contract only. The config is :mod:`.config` (re-exported here), the sampling engine that
 rollouts, forwards and the credit strategies share is :class:`~.sampler.FlowSampler`, and the SDE kinds are the
@@ -56,6 +60,7 @@ from mmrl.plugin import Plugin, PolicyOutput, PromptBatch, Runtime
 from mmrl.plugins.flow.buckets import BUCKET_KEY, assign_buckets, bucket_name, condition_size_for, row_size
 from mmrl.plugins.flow.config import FlowLoraConfig, FlowPluginConfig, adapter_class, load_rows, row_image_paths
 from mmrl.plugins.flow.credit import credit_strategies
+from mmrl.plugins.flow.dgpo import DGPOLikelihood
 from mmrl.plugins.flow.matching import MatchingLikelihood
 from mmrl.plugins.flow.nft import NFTLikelihood
 from mmrl.plugins.flow.sampler import FlowSampler
@@ -73,6 +78,8 @@ from mmrl.rollout import Rollout, RolloutError
 LORA_WEIGHTS = DIFFUSERS_LORA_WEIGHTS  # diffusers' LoRA file: `pipe.load_lora_weights(folder)` reads it
 MATCHING_EMA_FILE = "matching_ema.safetensors"  # plugin.matching.ema_kl_coef's EMA weights, in checkpoints
 NFT_OLD_FILE = "nft_old.safetensors"  # plugin.likelihood nft's old (EMA) policy, in checkpoints
+DGPO_EMA_FILE = "dgpo_ema.safetensors"  # plugin.dgpo.ema_ref's fast EMA, in checkpoints
+DGPO_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")  # equal with dgpo's full masks: the mean over (sample, time)
 NFT_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")  # equal with nft's full masks: the mean over (sample, time)
 
 __all__ = ["LORA_WEIGHTS", "FlowLoraConfig", "FlowPlugin", "FlowPluginConfig"]
@@ -155,7 +162,8 @@ class FlowPlugin(Plugin):
         ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
         ``algorithm.top_entropy_quantile`` (no per-step entropy); with ``likelihood: matching`` a ratio level other than
         ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``); with ``likelihood: nft`` what would make the
-        loss differ from DiffusionNFT's (:meth:`_check_nft`), and ``policy_loss: nft`` without it."""
+        loss differ from DiffusionNFT's (:meth:`_check_nft`), and ``policy_loss: nft`` without it; the same for
+        ``likelihood: dgpo`` and DGPO (:meth:`_check_dgpo`)."""
         check_reference_sync(train_config)
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
@@ -178,6 +186,12 @@ class FlowPlugin(Plugin):
                 raise ConfigError("algorithm.action_chunk_size", chunk, f"null or a divisor of "
                                   f"plugin.matching.num_times ({matching.num_times}) with matching.ema_kl_coef "
                                   f"{matching.ema_kl_coef:g} > 0 (equal chunks weigh every time of the EMA KL alike)")
+        if train_config.plugin.config.likelihood == "dgpo":
+            cls._check_dgpo(train_config)
+        elif train_config.algorithm.policy_loss.name == "dgpo":
+            raise ConfigError("algorithm.policy_loss.name", "dgpo", "a loss other than dgpo with plugin.likelihood "
+                              f"{train_config.plugin.config.likelihood!r}; dgpo reads the reference's log-likelihood, "
+                              "which plugin flow returns with plugin.likelihood dgpo")
         if train_config.plugin.config.likelihood == "nft":
             cls._check_nft(train_config)
         elif train_config.algorithm.policy_loss.name == "nft":
@@ -215,6 +229,40 @@ class FlowPlugin(Plugin):
                               "(algorithm.minibatches x inner_epochs: the optimizer steps of a training step, which "
                               "the old policy's decay counts)")
 
+    @staticmethod
+    def _check_dgpo(train_config: Any) -> None:
+        """The settings under which the learner's loss and gradient are DGPO's (:mod:`.dgpo`): the ``dgpo`` policy
+        loss, a mean over (sample, time) aggregation, a reference to score (LoRA, or kl_coef > 0 for full
+        fine-tuning), and with the fast EMA (``dgpo.ema_ref``, needed by the loss's ``clip_range`` and
+        ``reference: old``) one optimizer step per training step, whose rollout scores the EMA's old log-probs."""
+        algorithm, plugin = train_config.algorithm, train_config.plugin.config
+        dgpo, options = plugin.dgpo, algorithm.policy_loss.options
+        if algorithm.policy_loss.name != "dgpo":
+            raise ConfigError("algorithm.policy_loss.name", algorithm.policy_loss.name, "dgpo with plugin.likelihood "
+                              "dgpo (its group weights need the reference's errors, which only dgpo reads)")
+        if algorithm.aggregation not in DGPO_AGGREGATIONS:
+            raise ConfigError("algorithm.aggregation", algorithm.aggregation, f"one of {', '.join(DGPO_AGGREGATIONS)}"
+                              " with plugin.likelihood dgpo (upstream's mean over samples and times)")
+        if plugin.lora is None and algorithm.kl_coef == 0:
+            raise ConfigError("plugin.lora", None, "a LoRA with plugin.likelihood dgpo and algorithm.kl_coef 0 (the "
+                              "DGPO reference is the base model with the LoRA off; full fine-tuning keeps a reference "
+                              "copy only with kl_coef > 0)")
+        for key, reads_ema in (("clip_range", options.get("clip_range") is not None),
+                               ("reference", options.get("reference", "ref") == "old")):
+            if reads_ema and not dgpo.ema_ref:
+                raise ConfigError(f"algorithm.policy_loss.{key}", options.get(key), "its default with "
+                                  "plugin.dgpo.ema_ref false: it reads the old log-probs, which are the fast EMA's "
+                                  "only with plugin.dgpo.ema_ref true (set it)")
+        if dgpo.ema_ref:
+            if algorithm.minibatches * algorithm.inner_epochs != 1:
+                key = "algorithm.minibatches" if algorithm.minibatches != 1 else "algorithm.inner_epochs"
+                raise ConfigError(key, getattr(algorithm, key.split(".")[1]), "1 with plugin.dgpo.ema_ref (upstream "
+                                  "moves the fast EMA after every optimizer step; the rollout scores it once per "
+                                  "training step: one optimizer step per step, as the released recipes)")
+            if algorithm.recompute_old_logp:
+                raise ConfigError("algorithm.recompute_old_logp", True, "false with plugin.dgpo.ema_ref (the old "
+                                  "log-probs are the fast EMA's, which the rollout scored)")
+
     def __init__(self, config: FlowPluginConfig, runtime: Runtime):
         require_extra("flow", "plugin 'flow'")  # one line naming mmrl[flow] instead of an import traceback
         super().__init__(config, runtime)
@@ -227,7 +275,7 @@ class FlowPlugin(Plugin):
             if isinstance(component, nn.Module):
                 component.requires_grad_(False).eval()
         _check_sizes(config, adapter)
-        if config.likelihood in ("matching", "nft"):
+        if config.likelihood in ("matching", "nft", "dgpo"):
             self._refuse_unscorable_elements(config, adapter)
         adapter.set_size(*config.resolved_size())
         self.condition_sizes = config.resolved_condition_sizes()  # (training, evaluation); None: the output size
@@ -331,10 +379,18 @@ class FlowPlugin(Plugin):
         #: ``likelihood: nft``: DiffusionNFT's rollouts (by the old policy) and scoring (:mod:`.nft`); None otherwise.
         self.nft = NFTLikelihood(config.nft, self.sampler, runtime, config.nft_num_times()) \
             if config.likelihood == "nft" else None
+        #: ``likelihood: dgpo``: DGPO's rollouts and scoring (:mod:`.dgpo`); None otherwise.
+        self.dgpo = DGPOLikelihood(config.dgpo, self.sampler, runtime) if config.likelihood == "dgpo" else None
+        if self.dgpo is not None and config.dgpo.kl_cfg > 1 and not self.cfg:
+            raise ConfigError("plugin.dgpo.kl_cfg", config.dgpo.kl_cfg, f"1 with plugin.cfg false on {config.model}: "
+                              "a guided reference needs the unconditional pass (set plugin.cfg true and "
+                              "guidance_scale 1.0 for unguided rollouts)")
         if self._held_copies():
             sharding = _sharded_launch()
             if sharding is not None:
                 what = "plugin.likelihood nft" if self.nft is not None else "plugin.matching.ema_kl_coef > 0"
+                if self.dgpo is not None:
+                    what = "plugin.dgpo.ema_ref"
                 raise ConfigError("plugin.likelihood", config.likelihood, f"a data-parallel (DDP) launch, not "
                                   f"{sharding}, with {what}: its copy of the trained parameters would hold this "
                                   "process's shard, and the main process alone saves it")
@@ -405,14 +461,15 @@ class FlowPlugin(Plugin):
             return self.matching.rollout(policy, batch)
         if self.nft is not None:
             return self.nft.rollout(policy, batch)
+        if self.dgpo is not None:
+            return self.dgpo.rollout(policy, batch)
         return self.credit.rollout(self.sampler, policy, batch)
 
     @property
     def redraws_per_epoch(self) -> bool:
         """With ``likelihood: matching`` and ``matching.redraw_per_epoch`` each inner epoch has its own times and
         noise (:meth:`.MatchingLikelihood.num_draws` > 1): the core scores the old policy on each epoch's draw."""
-        return (self.matching is not None and self.matching.num_draws() > 1) or (self.nft is not None
-                                                                                and self.nft.num_draws() > 1)
+        return any(holder is not None and holder.num_draws() > 1 for holder in (self.matching, self.nft, self.dgpo))
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select the matching draw of inner epoch ``epoch`` (SDE log-probs draw nothing per epoch)."""
@@ -420,6 +477,8 @@ class FlowPlugin(Plugin):
             self.matching.epoch = int(epoch)
         if self.nft is not None:
             self.nft.epoch = int(epoch)
+        if self.dgpo is not None:
+            self.dgpo.epoch = int(epoch)
 
     @staticmethod
     def _batch_image_size(rows: list[dict[str, Any]]) -> tuple[int, int]:
@@ -464,6 +523,13 @@ class FlowPlugin(Plugin):
             with self._rollout_size(rollout):
                 values, kl = self.nft.score(policy, rollout, columns, reference=reference)
             return PolicyOutput(logp=values, kl=kl)
+        if self.dgpo is not None:  # DGPO: the columns are the step's shared times
+            width = int(replay["dgpo_times"].shape[2])
+            columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
+            reference = self._reference_module if need_reference else None
+            with self._rollout_size(rollout):
+                logp, ref_logp, kl = self.dgpo.score(policy, rollout, columns, reference=reference)
+            return PolicyOutput(logp=logp, ref_logp=ref_logp, kl=kl)
         width = int(replay["latents"].shape[1])
         columns = list(range(width)) if actions is None else [int(c) for c in actions.tolist()]
         if any(c >= width for c in columns):
@@ -615,19 +681,21 @@ class FlowPlugin(Plugin):
             copies.append((MATCHING_EMA_FILE, "the EMA of plugin.matching.ema_kl_coef", self.matching))
         if self.nft is not None:
             copies.append((NFT_OLD_FILE, "the old policy of plugin.likelihood nft", self.nft))
+        if self.dgpo is not None and self.dgpo.config.ema_ref:
+            copies.append((DGPO_EMA_FILE, "the fast EMA of plugin.dgpo.ema_ref", self.dgpo))
         return copies
 
     @staticmethod
     def _copy_state(holder: Any) -> tuple[dict[str, Tensor] | None, int]:
         """(the copy, the training step of its last update; -1 and None before the first training rollout)."""
-        if isinstance(holder, MatchingLikelihood):
+        if isinstance(holder, (MatchingLikelihood, DGPOLikelihood)):
             return holder.ema, holder.ema_step
         return holder.old, holder.old_step
 
     @staticmethod
     def _set_copy_state(holder: Any, copy: dict[str, Tensor] | None, step: int) -> None:
         """Set what :meth:`_copy_state` reads."""
-        if isinstance(holder, MatchingLikelihood):
+        if isinstance(holder, (MatchingLikelihood, DGPOLikelihood)):
             holder.ema, holder.ema_step = copy, step
         else:
             holder.old, holder.old_step = copy, step
