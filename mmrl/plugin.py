@@ -65,8 +65,9 @@ class Runtime:
             ``get_state_dict``). Saving reads weights through it, never from local (possibly sharded) parameters.
         autocast: Returns the mixed-precision autocast context for forward passes.
         seed: The run's base seed.
-        needs_reference: Whether :meth:`Plugin.forward` will be asked for the reference policy (``kl_coef > 0``),
-            so that a plugin keeps a frozen copy only when the KL term needs one.
+        needs_reference: Whether :meth:`Plugin.forward` will be asked for the reference policy (``kl_coef > 0``,
+            or a policy loss that reads ``ref_logp`` such as ``dgpo``), so that a plugin keeps a frozen copy only
+            when the run needs one.
         ratio_level: The importance-ratio level the policy loss uses (``"token"``, ``"chunk"``, ``"sequence"``;
             None when unknown, e.g. outside a trainer), so that a plugin providing chunk ids can insist on it.
         inner_epochs: ``algorithm.inner_epochs`` (μ), the number of passes the learner makes over each training

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 
 import pytest
 import torch
@@ -98,3 +99,21 @@ def test_no_reference_without_a_copy_or_an_adapter(kind, tmp_path, monkeypatch):
     rollout = rollout_of(plugin)
     with pytest.raises(RuntimeError, match="needs_reference was False"):
         plugin.forward(plugin.policy(), rollout, need_reference=True)
+
+
+def test_a_loss_that_reads_the_reference_keeps_it_without_a_kl_term(tmp_path):
+    """``dgpo`` reads ``ref_logp`` (its group weights compare the policy with the reference): the trainer tells the
+    plugin it needs a reference whatever ``kl_coef`` (``needs_reference``), so a fully fine-tuned toy keeps its frozen
+    copy with ``kl_coef: 0`` and trains, its first group weights σ(0) = 1/2 (the policy is the reference)."""
+    from mmrl.trainer import Trainer
+    from mmrl.trainer.learn import needs_reference
+    from tests.helpers import toy_config
+
+    config = toy_config(tmp_path, "run.max_steps=2", "algorithm.kl_coef=0", "rollout.layout=contiguous",
+                        "algorithm.policy_loss={name: dgpo, beta_dpo: 5.0}")
+    assert needs_reference(config) and not needs_reference(toy_config(tmp_path / "grpo", "algorithm.kl_coef=0"))
+    trainer = Trainer(config)
+    assert trainer.runtime.needs_reference and trainer.plugin.reference is not None
+    history = trainer.train().history
+    assert history[0]["policy/group_weight_mean"] == pytest.approx(0.5, abs=1e-6)
+    assert len(history) == 2 and all(math.isfinite(record["loss/total"]) for record in history)

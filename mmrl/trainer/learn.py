@@ -39,6 +39,15 @@ def ratio_level(config: TrainConfig) -> str:
     return config.algorithm.policy_loss.options.get("ratio_level", "token" if default is None else default.default)
 
 
+def needs_reference(config: TrainConfig) -> bool:
+    """Whether the learner asks :meth:`Plugin.forward` for the reference policy: for the KL term (``kl_coef > 0``)
+    or for a policy loss that reads the reference's log-probs (one that declares ``ref_logp``, the core's ``dgpo``).
+    The trainer passes it to the plugin as ``Runtime.needs_reference``, so that a fully fine-tuned model keeps its
+    frozen copy whenever either will ask."""
+    loss = policy_losses.get(config.algorithm.policy_loss.name)
+    return config.algorithm.kl_coef > 0 or "ref_logp" in inspect.signature(loss).parameters
+
+
 def needs_old_logp(config: TrainConfig) -> bool:
     """Whether the run needs old-policy log-probs that differ from the training forward's.
 

@@ -41,7 +41,7 @@ from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.collect import Collector
 from mmrl.trainer.ema import EMA
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
-from mmrl.trainer.learn import Learner, chunked_geometry, ratio_level
+from mmrl.trainer.learn import Learner, chunked_geometry, needs_reference, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
 from mmrl.trainer.reference import ReferenceSync
 from mmrl.trainer.sampler import PromptStream
@@ -117,7 +117,7 @@ class Trainer:
             full_state_dict=lambda module: acc.get_state_dict(module),
             autocast=acc.autocast,
             seed=config.run.seed,
-            needs_reference=config.algorithm.kl_coef > 0,
+            needs_reference=needs_reference(config),
             ratio_level=ratio_level(config),
             inner_epochs=config.algorithm.inner_epochs,
         )
