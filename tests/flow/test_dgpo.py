@@ -175,6 +175,83 @@ def test_noise_is_shared_within_a_group_and_times_by_the_step(make_plugin):
     assert float((recovered[0, 0] - recovered[1, 0]).abs().max()) > 0.1  # across inner epochs
 
 
+
+def _recovered_noise(plugin, policy, rollout, epoch=0):
+    """ε of every column as the training forward sees it: each velocity call's x_t, minus (1 − σ)·x₀, over σ."""
+    calls = []
+    original = plugin.sampler.velocity
+
+    def velocity(module, latents, timesteps, conditioning, guidance_scale, *, phase):
+        calls.append(latents.detach().clone())
+        return original(module, latents, timesteps, conditioning, guidance_scale, phase=phase)
+
+    plugin.start_inner_epoch(epoch)
+    plugin.sampler.velocity = velocity
+    try:
+        plugin.forward(policy, rollout, need_reference=False)
+    finally:
+        plugin.sampler.velocity = original
+    clean, steps = rollout.replay["clean_latents"], rollout.replay["dgpo_steps"]
+    sigmas = plugin.sampler.training_schedule()[0]
+    return [(x_t - (1 - sigmas[steps[:, epoch, k]].view(-1, 1, 1, 1)) * clean) / sigmas[steps[:, epoch, k]].view(
+        -1, 1, 1, 1) for k, x_t in enumerate(calls)]
+
+
+def test_the_time_draw_is_upstreams_random_sample_of_steps_0_to_trunc_steps():
+    """``random.sample(range(trunc_steps + 1), M)`` (L1062-1064): M distinct steps, every step 0..trunc_steps
+    (both ends included) drawn with probability M / (trunc_steps + 1), in a random order."""
+    from mmrl.plugins.flow.dgpo import draw_steps
+
+    trunc, m, steps = 3, 2, 400
+    draws = torch.cat([draw_steps(5, step, 2, m, trunc) for step in range(steps)])  # [2·steps, M]
+    assert all(len(set(row)) == m for row in draws.tolist())
+    counts = torch.bincount(draws.flatten(), minlength=trunc + 1)
+    expected = draws.numel() / (trunc + 1)  # 400 per step; binomial sd ≈ 17
+    assert counts.numel() == trunc + 1 and bool(((counts - expected).abs() < 80).all()), counts.tolist()
+    firsts = torch.bincount(draws[:, 0], minlength=trunc + 1)  # the order is random too (the first column uniform)
+    assert bool(((firsts - draws.shape[0] / (trunc + 1)).abs() < 60).all()), firsts.tolist()
+
+
+def test_the_fast_ema_moves_once_per_training_step_over_its_rollout_batches(make_plugin):
+    """A training step samples several rollout batches (``rollout.batch_size``; the recipe's 48 local samples in
+    batches of 12); upstream moves the EMA once per optimizer step (L1175-1177), so the second batch of a step must
+    score the same EMA as the first."""
+    plugin = _dgpo(make_plugin, ema_ref=True)
+    policy = plugin.policy()
+    trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
+    _randomise(policy.named_parameters(), 0, 0.3)
+    plugin.rollout(policy, prompt_batch(["a cat"], 2))  # step 0: a copy of θ₀
+    _randomise(policy.named_parameters(), 1, 0.3)
+    theta_1 = {name: p.detach().clone() for name, p in trained.items()}
+    plugin.rollout(policy, dataclasses.replace(prompt_batch(["a cat"], 2), step=1))  # d = 0: the EMA is θ₁
+    _randomise(policy.named_parameters(), 2, 0.3)
+    theta_2 = {name: p.detach().clone() for name, p in trained.items()}
+    first = plugin.rollout(policy, dataclasses.replace(prompt_batch(["a cat"], 2), step=2))  # d = 0.001
+    second = plugin.rollout(policy, dataclasses.replace(prompt_batch(["a dog"], 2, first_group=1, first_seed=200),
+                                                        step=2))  # the same step's next rollout batch
+    for name, value in plugin.dgpo.ema.items():
+        torch.testing.assert_close(value, 0.001 * theta_1[name] + 0.999 * theta_2[name], rtol=1e-6, atol=1e-7)
+    assert plugin.dgpo.ema_step == 2
+    ema = {name: 0.001 * theta_1[name] + 0.999 * theta_2[name] for name in theta_1}
+    with torch.no_grad(), _with_weights(policy, ema):  # both batches' old log-probs are that EMA's
+        for rollout in (first, second):
+            torch.testing.assert_close(rollout.old_logp, plugin.forward(policy, rollout, need_reference=False).logp,
+                                       rtol=1e-5, atol=1e-7)
+
+
+def test_a_groups_noise_follows_its_run_wide_id_not_its_place_in_the_batch(make_plugin):
+    """The group ids of a step are unique over the run (the prompt stream's positions), so keying ε on them draws
+    fresh noise at every step, as upstream's ``torch.randn`` per call (L95); keying on the group's place in the
+    rollout batch would give the first group of every step the same ε."""
+    plugin = _dgpo(make_plugin)
+    policy = plugin.policy()
+    late = plugin.rollout(policy, dataclasses.replace(prompt_batch(["a cat", "a dog"], 2, first_group=7), step=3))
+    shape = tuple(late.replay["clean_latents"].shape[1:])
+    for k, noise in enumerate(_recovered_noise(plugin, policy, late)):
+        torch.testing.assert_close(noise, _group_noise(0, late.group_ids, 0, k, shape), rtol=0, atol=1e-4)
+        first_place = _group_noise(0, torch.zeros(1, dtype=torch.long), 0, k, shape)[0]
+        assert float((noise[0] - first_place).abs().max()) > 0.1
+
 def _upstream_loss(plugin, policy, rollout, advantages, *, beta_dpo, kl_beta, clip_range, use_ema_ref):
     """One training micro-batch of L1089-1167 on one process: per time j, the DGPO loss (L162-193) with the clipped
     dsm (L1133-1144) and the EMA or LoRA-off reference (L1122-1124), + β·mean KL (L1150-1156), divided by the M
