@@ -18,6 +18,7 @@ from mmrl.config import from_dict
 from mmrl.plugin import PromptBatch, Runtime
 from mmrl.plugins.toy.plugin import ToyPlugin, ToyPluginConfig
 from mmrl.policy import LoraConfig, attach_lora, lora_layers
+from mmrl.reward import reward_functions
 from mmrl.scaffold import new_plugin
 
 
@@ -117,3 +118,56 @@ def test_a_loss_that_reads_the_reference_keeps_it_without_a_kl_term(tmp_path):
     history = trainer.train().history
     assert history[0]["policy/group_weight_mean"] == pytest.approx(0.5, abs=1e-6)
     assert len(history) == 2 and all(math.isfinite(record["loss/total"]) for record in history)
+
+
+@reward_functions.register("test_nan_second_sample")
+def _nan_second_sample(batch):
+    """Token accuracy-like 0/1 scores by prompt parity, NaN for the second sample of every scored batch."""
+    return [float("nan") if i == 1 else float(len(p) % 2) for i, p in enumerate(batch.prompts)]
+
+
+def test_a_group_coupled_loss_sees_whole_groups_after_a_skipped_sample(tmp_path):
+    """``rewards.on_nonfinite: skip`` moves the dropped sample after the kept ones (padding, mask 0); the learner puts
+    it back beside its group before dealing groups, so every call of ``dgpo`` holds whole groups (each id G times)
+    and the dropped sample, masked, adds nothing to its group's sum."""
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    config = toy_config(tmp_path, "run.max_steps=1", "rollout.layout=contiguous", "algorithm.micro_batch_size=4",
+                        "rewards.functions=[{name: test_nan_second_sample}]", "rewards.on_nonfinite=skip",
+                        "algorithm.policy_loss={name: dgpo, beta_dpo: 5.0}")
+    trainer = Trainer(config)
+    calls: list[tuple[list[int], list[float]]] = []
+    loss = trainer.learner.policy_loss
+
+    def recorded(logp, old_logp, advantages, mask, **options):
+        calls.append((options["group_ids"].tolist(), mask[:, 0].tolist()))
+        return loss(logp, old_logp, advantages, mask, **options)
+
+    trainer.learner.policy_loss = recorded
+    trainer.train()
+    assert calls
+    for ids, _ in calls:
+        assert all(ids.count(i) == config.rollout.group_size for i in ids), ids
+    dropped = [(ids[0], mask.count(0.0)) for ids, mask in calls if 0.0 in mask]
+    assert dropped == [(calls[0][0][0], 1)]  # the second sample of the batch: group 0's, masked, kept in its group
+
+
+def test_a_batch_that_holds_part_of_a_group_is_refused_for_a_group_coupled_loss(tmp_path):
+    """Sorting by group id cannot make whole groups of a batch that holds only part of one (dynamic sampling padding
+    with a group that on_nonfinite: skip had cut): the learner refuses it in one line instead of summing part of a
+    group; a batch whose groups are whole but out of order comes back sorted, advantages alongside."""
+    from mmrl.rollout import Rollout, RolloutError
+    from mmrl.trainer import Trainer
+    from tests.helpers import toy_config
+
+    config = toy_config(tmp_path, "run.max_steps=1", "rollout.layout=contiguous", "rollout.group_size=2",
+                        "algorithm.micro_batch_size=2", "algorithm.policy_loss={name: dgpo, beta_dpo: 5.0}")
+    learner = Trainer(config).learner
+    shuffled = Rollout(group_ids=torch.tensor([3, 5, 3, 5]), old_logp=None, mask=torch.ones(4, 2))
+    rollout, advantages = learner._groups_together(shuffled, torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert rollout.group_ids.tolist() == [3, 3, 5, 5] and advantages.tolist() == [0.0, 2.0, 1.0, 3.0]
+    partial = Rollout(group_ids=torch.tensor([3, 3, 4, 5]), old_logp=None, mask=torch.ones(4, 2))
+    with pytest.raises(RolloutError, match=r"^policy_loss 'dgpo' needs whole groups, but this process's batch holds "
+                                           r"part of a group \(group ids \[\[3, 3\], \[4, 5\]\]\)"):
+        learner._groups_together(partial, torch.zeros(4))

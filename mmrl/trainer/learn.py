@@ -137,6 +137,8 @@ class Learner:
         algorithm = config.algorithm
         device = acc.device
         rollout, advantages = batch.rollout.to(device), batch.advantages
+        if self.loss_reads_groups:
+            rollout, advantages = self._groups_together(rollout, advantages)
         need_reference = (algorithm.kl_coef > 0 or self.loss_reads_reference) and rollout.ref_logp is None
         # The same samples share a mini-batch on any number of processes (see minibatch_partition); a group-coupled
         # loss deals whole groups to the mini-batches instead (group_minibatch_partition).
@@ -239,6 +241,26 @@ class Learner:
         if optim.scheduler == "cosine":
             return optim.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
         return optim.lr
+
+    def _groups_together(self, rollout: Rollout, advantages: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
+        """The rollout (and its advantages) with each group's samples consecutive, in the order of their group ids, for
+        a group-coupled loss: the collector puts the samples that ``rewards.on_nonfinite: skip`` dropped after the
+        kept ones (as padding, mask 0), which would cut the units of G consecutive samples that
+        :func:`group_minibatch_partition` deals across two groups. A stable sort by group id brings each dropped
+        sample back beside its group. Raises a one-line RolloutError when some unit of G samples still holds two
+        groups (dynamic sampling that padded the batch with part of a group)."""
+        ids = rollout.group_ids
+        order = torch.sort(ids, stable=True).indices  # [n]
+        if not torch.equal(order, torch.arange(len(order), device=order.device)):
+            rollout = rollout.select(order.cpu())
+            advantages = advantages.index_select(0, order.to(advantages.device))
+        units = rollout.group_ids.reshape(-1, self.geometry.group_size)  # [n / G, G]
+        if not bool((units == units[:, :1]).all()):
+            raise RolloutError(f"policy_loss {self.config.algorithm.policy_loss.name!r} needs whole groups, but this "
+                               f"process's batch holds part of a group (group ids {units.tolist()}): dynamic sampling "
+                               "padded it with part of a group that rewards.on_nonfinite: skip had cut; use "
+                               "on_nonfinite: error with this loss and dynamic sampling")
+        return rollout, advantages
 
     def _optimizer_step(self, means: WeightedMeans) -> None:
         """Clip, set the scheduled learning rate, step, zero the gradients, update the EMA."""
