@@ -232,8 +232,8 @@ class FlowPlugin(Plugin):
     @staticmethod
     def _check_dgpo(train_config: Any) -> None:
         """The settings under which the learner's loss and gradient are DGPO's (:mod:`.dgpo`): the ``dgpo`` policy
-        loss, a mean over (sample, time) aggregation, a reference to score (LoRA, or kl_coef > 0 for full
-        fine-tuning), and with the fast EMA (``dgpo.ema_ref``, needed by the loss's ``clip_range`` and
+        loss, a mean over (sample, time) aggregation (the reference it reads is kept whatever kl_coef: the loss
+        declares ``ref_logp``), and with the fast EMA (``dgpo.ema_ref``, needed by the loss's ``clip_range`` and
         ``reference: old``) one optimizer step per training step, whose rollout scores the EMA's old log-probs."""
         algorithm, plugin = train_config.algorithm, train_config.plugin.config
         dgpo, options = plugin.dgpo, algorithm.policy_loss.options
@@ -243,10 +243,6 @@ class FlowPlugin(Plugin):
         if algorithm.aggregation not in DGPO_AGGREGATIONS:
             raise ConfigError("algorithm.aggregation", algorithm.aggregation, f"one of {', '.join(DGPO_AGGREGATIONS)}"
                               " with plugin.likelihood dgpo (upstream's mean over samples and times)")
-        if plugin.lora is None and algorithm.kl_coef == 0:
-            raise ConfigError("plugin.lora", None, "a LoRA with plugin.likelihood dgpo and algorithm.kl_coef 0 (the "
-                              "DGPO reference is the base model with the LoRA off; full fine-tuning keeps a reference "
-                              "copy only with kl_coef > 0)")
         for key, reads_ema in (("clip_range", options.get("clip_range") is not None),
                                ("reference", options.get("reference", "ref") == "old")):
             if reads_ema and not dgpo.ema_ref:
