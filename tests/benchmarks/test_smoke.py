@@ -115,6 +115,57 @@ def test_flow_credit(tmp_path):
     assert (out / "flow_credit.png").is_file() == (result["matplotlib"] is not None)
 
 
+def test_flow_objectives(tmp_path):
+    """Every objective on the shapes recipe, one step each (2 prompts × G = 8, transformer batches of 8: no padding),
+    its measured cost against the count the recipe implies: per sample, S rollout steps without a graph, and per
+    trained time one forward with a graph plus AWM's EMA and reference forwards (train_sd3_awm.py L1271-1280) or
+    NFT's old-policy forward (train_nft_sd3.py L873-883), none of those with a graph; then --merge of the result."""
+    from mmrl.config import load_config
+    from mmrl.config.loader import apply_overrides, read_yaml
+
+    flow_objectives = load_module("flow_objectives.py")
+    objectives = list(flow_objectives.OBJECTIVES)
+    overrides = ["rollout.prompts_per_step=2", "plugin.transformer_batch_size=8", "eval.num_prompts=1"]
+    out = tmp_path / "objectives"
+    run_benchmark(tmp_path, "flow_objectives.py", "--budget", "1", "--eval-points", "1", "--eval-samples", "1",
+                  "--threads", "1", "--out", str(out), "--override", *overrides)
+    result = read_json(out / "results.json")
+    assert set(result) == {"args", "objectives", "calibration", "budget", "rows", "records", "matplotlib", "torch",
+                           "threads"}
+    assert result["objectives"]["awm"]["overrides"][:2] == ["plugin.likelihood=matching", "algorithm.policy_loss="
+                                                             "{name: grpo, clip_low: 0.9999, clip_high: 1.0}"]
+    base = apply_overrides(read_yaml(ROOT / "configs" / "flow" / "shapes.yaml"), overrides)
+    expected = {}
+    for name in objectives:
+        config = load_config(flow_objectives.objective_config(base, name))
+        flow, n = config.plugin.config, config.rollout.prompts_per_step * config.rollout.group_size
+        if flow.likelihood == "sde":
+            trained, extra = flow.window_size, 0  # Flow-GRPO-Fast's window
+        elif flow.likelihood == "matching":
+            trained = flow.matching.num_times
+            extra = trained * ((config.algorithm.kl_coef > 0) + (flow.matching.ema_kl_coef > 0))
+        else:
+            trained, extra = flow.nft_num_times(), flow.nft_num_times()
+        expected[name] = {"grad_rows": n * trained, "no_grad_rows": n * (flow.num_steps + extra)}
+    assert (expected["awm"]["no_grad_rows"], expected["nft"]["grad_rows"]) == (16 * (10 + 8), 16 * 5)  # K = 4, 5
+    for name, counts in result["calibration"].items():
+        assert {key: counts[key] for key in ("grad_rows", "no_grad_rows")} == expected[name], name
+        assert counts["sampler_rows"] == counts["grad_rows"] + counts["no_grad_rows"]  # the sampler's own count
+        assert counts["forward_equivalents"] == counts["no_grad_rows"] + 3 * counts["grad_rows"]
+    assert result["budget"]["forward_equivalents"] == result["calibration"]["flow_grpo"]["forward_equivalents"]
+    assert result["budget"]["objective_steps"] == {name: 1 for name in objectives}
+    assert [row["objective"] for row in result["rows"]] == objectives
+    for record in result["records"]:
+        assert [e["step"] for e in record["evals"]] == [0, 1] and [s["step"] for s in record["steps"]] == [1]
+        calibrated = result["calibration"][record["objective"]]
+        assert {key: record["steps"][0][key] for key in calibrated} == calibrated  # the run counts what it trains
+        assert record["steps"][0]["seconds"] > 0
+    assert (out / "flow_objectives.png").is_file() == (result["matplotlib"] is not None)
+    merged = tmp_path / "merged"
+    assert flow_objectives.main(["--merge", str(out / "results.json"), "--out", str(merged)]) == 0
+    assert read_json(merged / "results.json")["rows"] == result["rows"]
+
+
 # ---------------------------------------------------------------------------------------------------- dllm
 
 
