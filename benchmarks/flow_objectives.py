@@ -11,6 +11,9 @@ objective needs changes, as in the commands of docs/shapes.md ("Forward-process 
                K = 4 discrete times, ``ghuber``, advantages × 0.2, EMA KL 1, velocity KL 1e-4, clip range 1
 ``nft``        DiffusionNFT (``plugin.likelihood: nft``, section 17): rollouts by the old policy with DPM-Solver++(2M),
                K = 5 of the 10 grid times, β = 1, decay type 1, no KL
+``dgpo``       DGPO (``plugin.likelihood: dgpo``, section 18): ODE rollouts, M = 4 of the grid steps 0..6, the
+               released PickScore recipe's β_DPO 10, clip range 0.05 against the fast EMA (rollouts by it after step
+               200) and velocity KL 1e-3; one optimizer step per step, whole groups per micro-batch (32 = 4 groups)
 =============  =========================================================================================================
 
 The objectives are the table :data:`OBJECTIVES`: a new one (a ``plugin.likelihood`` value and its registered policy
@@ -27,7 +30,10 @@ forwards under ``torch.no_grad`` beside each time's training forward (scxue/adva
 ``advantage_weighted_matching/scripts/train_sd3_awm.py`` L1271-1280), DiffusionNFT's old-policy forward under
 ``torch.no_grad`` before it (NVlabs/DiffusionNFT 24af555, ``scripts/train_nft_sd3.py`` L873-883; upstream also runs
 its LoRA-off reference forward there whatever its KL weight, L894-905, which mmrl skips when ``algorithm.kl_coef`` is
-0). The evaluation's calls are not training compute and are left out.
+0), DGPO's reference (LoRA off) and fast-EMA forwards under ``torch.no_grad`` before each time's training forward
+(Luo-Yihong/DGPO 01ceb4b, ``scripts/train_sd3_dgpo.py`` L1110-1120; mmrl scores the EMA's in the rollout, as
+docs/flow.md section 18 says, which the hook counts the same). The evaluation's calls are not training compute and are
+left out.
 
 **Equal compute.** ``--budget`` is in steps of the reference objective (``flow_grpo``): each objective's cost per
 step is measured first on one training step of a throwaway trainer (the reference objective's too, whether or not it is
@@ -44,15 +50,20 @@ entries run, with every override applied), ``calibration`` (per objective the me
 counts of one training step: ``grad_calls``, ``grad_rows``, ``no_grad_calls``, ``no_grad_rows``, ``sampler_rows``
 (the flow sampler's own row counter, a cross-check: equal to the hook's rows without CFG and padding) and
 ``forward_equivalents``), ``budget`` (``reference``, ``steps``, ``forward_equivalents`` and ``objective_steps``),
-``rows`` (one summary per objective, the table's columns), ``records`` (per objective and seed: ``steps_trained``,
-every training step's clock and counts, every evaluation's score), ``matplotlib`` (its version, null without a plot),
-``torch`` and ``threads``.
+``rows`` (one summary per objective, the table's columns, and the ``seeds`` it averages), ``records`` (per
+objective and seed: ``steps_trained``, every training step's clock and counts, every evaluation's score),
+``matplotlib`` (its version, null without a plot), ``torch`` and ``threads``.
 Examples (docs/performance.md gives the exact commands behind its table)::
 
     python benchmarks/flow_objectives.py --budget 100 --eval-points 4 --seeds 0 --threads 1
     # the smallest run (what tests/benchmarks/test_smoke.py does): every objective, one step each
     python benchmarks/flow_objectives.py --budget 1 --eval-points 1 --eval-samples 1 --threads 1 --out out \\
         --override rollout.prompts_per_step=2 plugin.transformer_batch_size=8 eval.num_prompts=1
+    # an objective added later, at the first example's setting, then one table of both runs
+    python benchmarks/flow_objectives.py --objectives dgpo --budget 100 --eval-points 4 --seeds 0 --threads 1 \\
+        --out out_dgpo
+    python benchmarks/flow_objectives.py --merge runs/bench/flow_objectives/results.json out_dgpo/results.json \\
+        --out merged
 """
 
 from __future__ import annotations
@@ -107,9 +118,9 @@ class Objective(NamedTuple):
 
 
 #: The objectives, by the name ``--objectives`` takes. The settings are docs/shapes.md's commands ("Forward-process
-#: objectives"), which the 5-seed equal-steps tables there were run with. A new objective is one entry: its
-#: ``plugin.likelihood`` value, its registered policy loss and its settings, e.g.
-#: ``"dgpo": Objective("DGPO", "dgpo", "{name: dgpo}", ("plugin.train_steps=fraction", ...))``.
+#: objectives"), which the 5-seed equal-steps tables there were run with (DGPO's: its author's single shapes run,
+#: with the released PickScore recipe's β_DPO and clip range, docs/performance.md). A new objective is one entry: its
+#: ``plugin.likelihood`` value, its registered policy loss and its settings, as the ``dgpo`` entry was added.
 OBJECTIVES: dict[str, Objective] = {
     "flow_grpo": Objective("Flow-GRPO (the recipe)", "sde", source="configs/flow/shapes.yaml as it is"),
     "awm": Objective(
@@ -124,6 +135,14 @@ OBJECTIVES: dict[str, Objective] = {
         ("plugin.train_steps=fraction", "plugin.timestep_fraction=0.5", "plugin.share_initial_noise=false",
          "plugin.nft={beta: 1.0, decay_type: 1}", "algorithm.minibatches=1", "algorithm.kl_coef=0"),
         source="docs/shapes.md, Forward-process objectives (docs/flow.md section 17)"),
+    "dgpo": Objective(
+        "DGPO", "dgpo", "{name: dgpo, beta_dpo: 10.0, clip_range: 0.05}",
+        ("plugin.train_steps=fraction", "plugin.share_initial_noise=false",
+         "plugin.dgpo={num_times: 4, trunc_steps: 6, ema_ref: true, switch_ema_ref: 200}",
+         "algorithm.kl_coef=1.0e-3", "algorithm.minibatches=1", "rollout.layout=contiguous"),
+        source="docs/flow.md section 18; beta_dpo 10, clip_range 0.05, kl_coef 1e-3, 4 of the grid steps 0..6, "
+        "fast-EMA reference switched in at step 200: the released PickScore recipe's (Luo-Yihong/DGPO 01ceb4b, "
+        "config/dgpo.py; configs/flow/sd35_dgpo_pickscore.yaml)"),
 }
 REFERENCE = "flow_grpo"  # --budget counts steps of this objective
 CALIBRATION_SEED = 12345  # the throwaway trainer that measures a step's cost (as flow_credit.py)
@@ -155,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "flow_objectives")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                         help="Train nothing: write the table and plot of the records of these results.json files "
-                        "(runs of different seeds, one process each) into --out.")
+                        "(runs of different seeds or --objectives at one setting, one process each) into --out.")
     args = parser.parse_args(argv)
     if len(set(args.objectives)) != len(args.objectives):
         parser.error(f"--objectives names an objective twice ({' '.join(args.objectives)}); name each once")
@@ -363,6 +382,7 @@ def summarise(records: list[dict[str, Any]], objectives: list[str], points: int)
         rows.append({
             "objective": name,
             "label": OBJECTIVES[name].label if name in OBJECTIVES else name,
+            "seeds": sorted(r["seed"] for r in runs),
             "steps": statistics.mean(steps),
             "forward_equivalents_per_step": statistics.mean(per_step),
             "forward_equivalents_per_step_min": min(per_step),
@@ -388,6 +408,11 @@ def summarise(records: list[dict[str, Any]], objectives: list[str], points: int)
     return rows
 
 
+def seeds_note(own: list[int], seeds: int) -> str:
+    """`` (seeds 0, 1)`` for an objective with fewer seeds than the table's ``seeds``, else nothing."""
+    return "" if len(own) == seeds else f" (seeds {', '.join(map(str, own))} of {seeds})"
+
+
 def markdown_table(rows: list[dict[str, Any]], seeds: int, points: int) -> str:
     fractions = " · ".join(f"{j}/{points}" if 0 < j < points else str(j // points) for j in range(points + 1))
     lines = [
@@ -399,7 +424,7 @@ def markdown_table(rows: list[dict[str, Any]], seeds: int, points: int) -> str:
     for row in rows:
         scores = " · ".join(f"{s:.3f}" for s in row["scores"])
         lines.append(
-            f"| {row['label']} | {row['steps']:g} | {row['grad_rows_per_step']:.0f} + "
+            f"| {row['label']}{seeds_note(row['seeds'], seeds)} | {row['steps']:g} | {row['grad_rows_per_step']:.0f} + "
             f"{row['no_grad_rows_per_step']:.0f} | {row['forward_equivalents_per_step']:.0f} | "
             f"{row['seconds_per_step']:.2f}, {row['seconds_per_step_median']:.2f}, "
             f"{row['seconds_per_step_fastest']:.2f} | {scores} | "
@@ -407,7 +432,7 @@ def markdown_table(rows: list[dict[str, Any]], seeds: int, points: int) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], objectives: list[str], path: Path, title: str) -> str | None:
+def plot(records: list[dict[str, Any]], objectives: list[str], path: Path, title: str, seeds: int) -> str | None:
     try:
         import matplotlib
     except ImportError:
@@ -424,6 +449,7 @@ def plot(records: list[dict[str, Any]], objectives: list[str], path: Path, title
         work = [statistics.mean(r["evals"][i]["forward_equivalents"] for r in runs) for i in range(count)]
         seconds = [statistics.mean(r["evals"][i]["seconds"] for r in runs) for i in range(count)]
         label = OBJECTIVES[name].label if name in OBJECTIVES else name
+        label += seeds_note(sorted(r["seed"] for r in runs), seeds)
         axes[0].plot(work, score, marker="o", label=label)
         axes[1].plot(seconds, score, marker="o", label=label)
     axes[0].set_xlabel("transformer forward-equivalents (no-grad rows + 3 x rows with a graph)")
@@ -438,26 +464,58 @@ def plot(records: list[dict[str, Any]], objectives: list[str], path: Path, title
 
 
 def merge(args: argparse.Namespace) -> int:
-    """``--merge``: one table and plot from the records of several results.json files (same objectives, recipe,
-    budget and evaluation points)."""
+    """``--merge``: one table and plot from the records of several results.json files: runs of different seeds, or of
+    different objectives (``--objectives``) at the same setting, one process each.
+
+    The files must agree on the budget, the evaluation points and samples and the overrides, and name a recipe of the
+    same file name (the path may differ: a clean export of a commit and the working tree name one recipe by different
+    paths). The recipe's content is not stored, so the measured cost is checked instead: every file calibrates the
+    reference objective, and its counts must be the same in every file, as must those and the step count of an
+    objective that several files ran. An objective and seed that two files both ran is refused. Objectives keep the
+    order in which the files first name them; a row averages the seeds its objective has (its ``seeds``)."""
     from mmrl.config.loader import read_yaml
 
     results = [json.loads(Path(path).read_text()) for path in args.merge]
     first = results[0]
-    objectives = [row["objective"] for row in first["rows"]]
+    objectives: list[str] = []
+    calibration: dict[str, dict[str, int]] = {}
+    objective_steps: dict[str, int] = {}
+    seen: dict[tuple[str, int], Path] = {}
     for path, result in zip(args.merge, results, strict=True):
-        same = ([row["objective"] for row in result["rows"]] == objectives
-                and all(result["args"][key] == first["args"][key] for key in ("config", "budget", "eval_points",
+        same = (Path(result["args"]["config"]).name == Path(first["args"]["config"]).name
+                and all(result["args"][key] == first["args"][key] for key in ("budget", "eval_points",
                                                                              "eval_samples", "override")))
         if not same:
-            raise SystemExit(f"--merge: {path} differs from {args.merge[0]} in its objectives, recipe, budget, "
-                             "evaluation points, evaluation samples or overrides; merge only runs of one setting")
+            raise SystemExit(f"--merge: {path} differs from {args.merge[0]} in its recipe, budget, evaluation "
+                             "points, evaluation samples or overrides; merge only runs of one setting")
+        reference = result["budget"]["reference"]
+        for name, counts in result["calibration"].items():
+            if calibration.setdefault(name, counts) != counts:
+                raise SystemExit(f"--merge: {path} measured {name!r} at {counts} per step, another file at "
+                                 f"{calibration[name]}; merge only runs of one recipe and code")
+        if reference != first["budget"]["reference"] or reference not in result["calibration"]:
+            raise SystemExit(f"--merge: {path} has no calibration of the reference objective "
+                             f"{first['budget']['reference']!r}; merge only runs with one reference")
+        for name, steps in result["budget"]["objective_steps"].items():
+            if objective_steps.setdefault(name, steps) != steps:
+                raise SystemExit(f"--merge: {path} trains {name!r} {steps} steps, another file "
+                                 f"{objective_steps[name]}; merge only runs of one budget")
+        for row in result["rows"]:
+            if row["objective"] not in objectives:
+                objectives.append(row["objective"])
+        for record in result["records"]:
+            key = (record["objective"], record["seed"])
+            if key in seen:
+                raise SystemExit(f"--merge: {path} and {seen[key]} both hold {key[0]!r} seed {key[1]}; "
+                                 "merge each run once")
+            seen[key] = Path(path)
     records = [record for result in results for record in result["records"]]
     seeds = sorted({record["seed"] for record in records})
     args.config = Path(first["args"]["config"])
     args.eval_points = int(first["args"]["eval_points"])
     read_yaml(args.config)  # a one-line error if the recipe is gone
-    return _write_results(args, records, objectives, seeds, first["calibration"], first["budget"])
+    budget = {**first["budget"], "objective_steps": {name: objective_steps[name] for name in objectives}}
+    return _write_results(args, records, objectives, seeds, calibration, budget)
 
 
 def _write_results(args: argparse.Namespace, records: list[dict[str, Any]], objectives: list[str], seeds: list[int],
@@ -467,7 +525,7 @@ def _write_results(args: argparse.Namespace, records: list[dict[str, Any]], obje
     title = (f"Flow objectives at equal compute, {Path(str(args.config)).stem}, budget {budget['steps']} "
              f"{budget['reference']} steps ({len(seeds)} seed(s))")
     args.out.mkdir(parents=True, exist_ok=True)
-    version = plot(records, objectives, args.out / "flow_objectives.png", title)
+    version = plot(records, objectives, args.out / "flow_objectives.png", title, len(seeds))
     table_entries = {name: {**OBJECTIVES[name]._asdict(), "overrides": OBJECTIVES[name].all_overrides()}
                      for name in objectives if name in OBJECTIVES}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "objectives": table_entries,

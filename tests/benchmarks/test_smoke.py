@@ -118,8 +118,10 @@ def test_flow_credit(tmp_path):
 def test_flow_objectives(tmp_path):
     """Every objective on the shapes recipe, one step each (2 prompts × G = 8, transformer batches of 8: no padding),
     its measured cost against the count the recipe implies: per sample, S rollout steps without a graph, and per
-    trained time one forward with a graph plus AWM's EMA and reference forwards (train_sd3_awm.py L1271-1280) or
-    NFT's old-policy forward (train_nft_sd3.py L873-883), none of those with a graph; then --merge of the result."""
+    trained time one forward with a graph plus AWM's EMA and reference forwards (train_sd3_awm.py L1271-1280),
+    NFT's old-policy forward (train_nft_sd3.py L873-883) or DGPO's reference and fast-EMA forwards (Luo-Yihong/DGPO
+    01ceb4b, train_sd3_dgpo.py L1110-1118), none of those with a graph; then --merge of the result, whole and split
+    into two files of different objectives."""
     from mmrl.config import load_config
     from mmrl.config.loader import apply_overrides, read_yaml
 
@@ -144,10 +146,14 @@ def test_flow_objectives(tmp_path):
         elif flow.likelihood == "matching":
             trained = flow.matching.num_times
             extra = trained * ((config.algorithm.kl_coef > 0) + (flow.matching.ema_kl_coef > 0))
+        elif flow.likelihood == "dgpo":  # the reference whatever kl_coef (the loss reads it), the fast EMA's if kept
+            trained = flow.dgpo.num_times
+            extra = trained * (1 + flow.dgpo.ema_ref)
         else:
             trained, extra = flow.nft_num_times(), flow.nft_num_times()
         expected[name] = {"grad_rows": n * trained, "no_grad_rows": n * (flow.num_steps + extra)}
     assert (expected["awm"]["no_grad_rows"], expected["nft"]["grad_rows"]) == (16 * (10 + 8), 16 * 5)  # K = 4, 5
+    assert expected["dgpo"] == {"grad_rows": 16 * 4, "no_grad_rows": 16 * (10 + 4 + 4)}  # M = 4, reference, EMA
     for name, counts in result["calibration"].items():
         assert {key: counts[key] for key in ("grad_rows", "no_grad_rows")} == expected[name], name
         assert counts["sampler_rows"] == counts["grad_rows"] + counts["no_grad_rows"]  # the sampler's own count
@@ -164,6 +170,26 @@ def test_flow_objectives(tmp_path):
     merged = tmp_path / "merged"
     assert flow_objectives.main(["--merge", str(out / "results.json"), "--out", str(merged)]) == 0
     assert read_json(merged / "results.json")["rows"] == result["rows"]
+    # the same runs as two files of different objectives (as --objectives makes them): the same rows, in order
+    halves = [objectives[:2], objectives[2:]]
+    paths = []
+    for index, names in enumerate(halves):
+        part = {**result, "rows": [row for row in result["rows"] if row["objective"] in names],
+                "records": [record for record in result["records"] if record["objective"] in names],
+                "calibration": {name: counts for name, counts in result["calibration"].items()
+                                if name in names or name == "flow_grpo"},
+                "budget": {**result["budget"], "objective_steps": {name: 1 for name in names}}}
+        paths.append(tmp_path / f"part{index}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert flow_objectives.main(["--merge", *map(str, paths), "--out", str(merged)]) == 0
+    assert read_json(merged / "results.json")["rows"] == result["rows"]
+    with pytest.raises(SystemExit, match="both hold"):
+        flow_objectives.main(["--merge", str(paths[1]), str(paths[1]), "--out", str(merged)])
+    part = read_json(paths[1])
+    part["calibration"]["flow_grpo"]["grad_rows"] += 1
+    paths[1].write_text(json.dumps(part))
+    with pytest.raises(SystemExit, match="measured 'flow_grpo'"):
+        flow_objectives.main(["--merge", *map(str, paths), "--out", str(merged)])
 
 
 # ---------------------------------------------------------------------------------------------------- dllm
