@@ -340,7 +340,7 @@ def test_the_fast_ema_follows_the_released_decay_samples_after_the_switch_and_tr
     first = plugin.rollout(policy, batch)  # step 0: the EMA is a copy of θ₀ (L629)
     start = {name: p.detach().clone() for name, p in trained.items()}
     output = plugin.forward(policy, first, need_reference=False)
-    assert torch.equal(first.old_logp, output.logp.detach())  # the EMA is θ: ratio exactly 1
+    torch.testing.assert_close(first.old_logp, output.logp.detach(), rtol=0, atol=1e-6)  # the EMA is θ: ratio 1
     _randomise(policy.named_parameters(), 1, 0.3)  # θ₁
     now = {name: p.detach().clone() for name, p in trained.items()}
     plugin.rollout(policy, dataclasses.replace(batch, step=1))  # after optimizer step 0: d = min(0.3, 0) = 0
@@ -384,9 +384,11 @@ def test_training_steps_move_the_lora_weights_and_resume_exactly(train_config, t
     before = {name: p.detach().clone() for name, p in transformer.named_parameters() if "lora_B" in name}
     history = straight.train().history
     assert [record["step"] for record in history] == [1, 2, 3]
-    for record in history[:2]:  # the EMA is θ at steps 0 and 1 (d = 0 after optimizer step 0): ratio exactly 1
-        assert record["loss/first_step_ratio_deviation"] == 0.0 and math.isfinite(record["loss/total"])
-    assert history[2]["loss/first_step_ratio_deviation"] > 0  # d = 0.001 after optimizer step 1: EMA ≠ θ
+    for record in history[:2]:  # the EMA is θ at steps 0 and 1 (d = 0 after optimizer step 0): ratio 1
+        # up to rounding: the rollout scores the EMA on the whole batch, the training forward one column at a time
+        # (1.2e-7 apart under ATEN_CPU_CAPABILITY=default; an EMA that differs from θ moves it by far more, step 3)
+        assert record["loss/first_step_ratio_deviation"] < 1e-6 and math.isfinite(record["loss/total"])
+    assert history[2]["loss/first_step_ratio_deviation"] > 2e-6  # d = 0.001 after step 1: EMA ≠ θ (8e-6 here)
     assert history[1]["policy/kl"] > 0
     moved = [name for name, p in transformer.named_parameters() if name in before
              and not torch.equal(before[name], p.detach())]
