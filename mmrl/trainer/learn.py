@@ -139,7 +139,7 @@ class Learner:
         rollout, advantages = batch.rollout.to(device), batch.advantages
         if self.loss_reads_groups:
             rollout, advantages = self._groups_together(rollout, advantages)
-        need_reference = (algorithm.kl_coef > 0 or self.loss_reads_reference) and rollout.ref_logp is None
+        need_reference = needs_reference(config) and rollout.ref_logp is None  # the KL term or the loss reads it
         # The same samples share a mini-batch on any number of processes (see minibatch_partition); a group-coupled
         # loss deals whole groups to the mini-batches instead (group_minibatch_partition).
         if self.loss_reads_groups:

@@ -186,18 +186,17 @@ class FlowPlugin(Plugin):
                 raise ConfigError("algorithm.action_chunk_size", chunk, f"null or a divisor of "
                                   f"plugin.matching.num_times ({matching.num_times}) with matching.ema_kl_coef "
                                   f"{matching.ema_kl_coef:g} > 0 (equal chunks weigh every time of the EMA KL alike)")
-        if train_config.plugin.config.likelihood == "dgpo":
-            cls._check_dgpo(train_config)
-        elif train_config.algorithm.policy_loss.name == "dgpo":
-            raise ConfigError("algorithm.policy_loss.name", "dgpo", "a loss other than dgpo with plugin.likelihood "
-                              f"{train_config.plugin.config.likelihood!r}; dgpo reads the reference's log-likelihood, "
-                              "which plugin flow returns with plugin.likelihood dgpo")
-        if train_config.plugin.config.likelihood == "nft":
-            cls._check_nft(train_config)
-        elif train_config.algorithm.policy_loss.name == "nft":
-            raise ConfigError("algorithm.policy_loss.name", "nft", "a loss other than nft with plugin.likelihood "
-                              f"{train_config.plugin.config.likelihood!r}; nft reads the columns of plugin.likelihood "
-                              "nft")
+        # The objectives whose loss and likelihood come as a pair: each checks its settings, and its loss is refused
+        # with any other likelihood (it reads what only its own columns hold).
+        likelihood, loss = train_config.plugin.config.likelihood, train_config.algorithm.policy_loss.name
+        pairs = (("dgpo", cls._check_dgpo, "the reference's log-likelihood, which plugin flow returns with"),
+                 ("nft", cls._check_nft, "the columns of"))
+        for name, check, reads in pairs:
+            if likelihood == name:
+                check(train_config)
+            elif loss == name:
+                raise ConfigError("algorithm.policy_loss.name", name, f"a loss other than {name} with "
+                                  f"plugin.likelihood {likelihood!r}; {name} reads {reads} plugin.likelihood {name}")
 
     @staticmethod
     def _check_nft(train_config: Any) -> None:
