@@ -164,6 +164,13 @@ class AlgorithmConfig:
         "every action. Needs a plugin that reports per-action entropy; not with action_chunk_size.",
         ref="Beyond the 80/20 Rule arXiv:2506.01939: 0.2; TRL top_entropy_quantile",
     )
+    off_policy_mask_threshold: float | None = config_field(
+        None, minimum=0.0,
+        help="delta: leave out of the policy term the samples whose advantage is negative and whose mean "
+        "log(pi_old/pi) over their actions exceeds delta (off-policy sequence masking); the KL term and the entropy "
+        "bonus keep them, the denominators still count them. Null: off. Not with action_chunk_size.",
+        ref="DeepSeek-V3.2 arXiv:2512.02556 eq. 9; TRL off_policy_mask_threshold (e.g. 0.5)",
+    )
     entropy_coef: float = config_field(
         0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
     )
@@ -202,6 +209,10 @@ class AlgorithmConfig:
             raise ConfigError(f"{path}.top_entropy_quantile", self.top_entropy_quantile,
                               f"1 with {path}.action_chunk_size set (the entropy threshold spans a whole micro-batch; "
                               "chunks see a few of its actions at a time), or action_chunk_size: null")
+        if self.off_policy_mask_threshold is not None and self.action_chunk_size is not None:
+            raise ConfigError(f"{path}.off_policy_mask_threshold", self.off_policy_mask_threshold,
+                              f"null with {path}.action_chunk_size set (the mask needs a whole sequence's mean "
+                              "log-ratio; chunks see a few of its actions at a time), or action_chunk_size: null")
         if self.kl_estimator == "k2_seq" and self.action_chunk_size is not None:
             raise ConfigError(f"{path}.kl_estimator", self.kl_estimator,
                               f"k1, k2 or k3 with {path}.action_chunk_size set (k2_seq squares the sum of a whole "

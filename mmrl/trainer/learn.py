@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, policy_losses
 from mmrl.algos.policy_losses import masked_means
-from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask
+from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask, off_policy_sequence_mask
 from mmrl.config import ConfigError, TrainConfig
 from mmrl.plugin import Plugin
 from mmrl.rollout import Rollout, RolloutError
@@ -322,6 +322,12 @@ class Learner:
             selected = self._high_entropy(output.entropy, part.mask)
             per_action = per_action * selected
             metrics["policy/high_entropy_fraction"] = selected.sum() / part.mask.sum().clamp(min=1)
+        if algorithm.off_policy_mask_threshold is not None:
+            # OPSM (mmrl.algos.token_selection): the policy term only, as TRL; the entropy bonus keeps its actions.
+            kept, _ = off_policy_sequence_mask(logp, old_logp, advantages, part.mask,
+                                               algorithm.off_policy_mask_threshold)
+            per_action = per_action * kept
+            metrics["policy/off_policy_masked_fraction"] = 1.0 - kept.sum() / part.mask.sum().clamp(min=1)
         # Action weights scale the policy term only, as TempFlow-GRPO (policy loss × 2.25·std_t, then + β·kl_loss;
         # Shredded-Pork/TempFlow-GRPO e66824e, scripts/train_sd3_pr.py) and verl-omni's grpo_guard loss (÷ Δt before
         # the KL is added): the KL coefficient stays β at every action.
