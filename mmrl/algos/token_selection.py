@@ -11,7 +11,7 @@ mask before β·KL is added; ``:3156-3158`` restricts the entropy bonus to the s
 count every active token). mmrl computes the same mask, per micro-batch (per backward pass), over all processes
 (:class:`mmrl.trainer.learn.Learner`).
 
-Off-policy sequence masking (OPSM). DeepSeek-AI 2025, "DeepSeek-V3.2" (arXiv:2512.02556, §3.1, eq. (9)): a sequence
+Off-policy sequence masking (OPSM). DeepSeek-AI 2025, "DeepSeek-V3.2" (arXiv:2512.02556, eq. (9)): a sequence
 whose advantage is negative and whose sampled tokens the current policy has moved away from, by a mean log-ratio
 (1/|o_i|)·Σ_t log(π_old(o_t)/π_θ(o_t)) above δ, is left out of the policy term: M_{i,t} = 0 if A_{i,t} < 0 and the
 mean exceeds δ, else 1. The mean is a one-sample estimate of KL(π_old‖π_θ) on the sequence's own tokens; negative

@@ -140,6 +140,14 @@ class AlgorithmConfig:
         "k3", help="KL estimator when the plugin returns log-probs: k1, k2 or k3 per action, or k2_seq, k2 of the "
         "sequence log-ratio (ESPO; the plugin's columns must sum to the sequence's log-prob).",
     )
+    kl_importance_weighted: bool = config_field(
+        False,
+        help="Multiply each action's KL estimate by the importance ratio pi/pi_old (at the policy loss's ratio level, "
+        "with its gradient), so that samples of the old policy estimate KL(pi || pi_ref) without bias off-policy and "
+        "its gradient is the exact one on-policy. Needs kl_coef > 0 and a KL estimated from the reference's log-probs "
+        "(k1, k2 or k3; not a plugin's own KL).",
+        ref="DeepSeek-V3.2 arXiv:2512.02556 ('Unbiased KL Estimate'); TRL use_bias_correction_kl",
+    )
     ref_sync_every: int = config_field(
         0, minimum=0,
         help="Move the KL reference toward the policy every this many optimizer steps, ref <- mix*policy + "
@@ -217,6 +225,13 @@ class AlgorithmConfig:
             raise ConfigError(f"{path}.kl_estimator", self.kl_estimator,
                               f"k1, k2 or k3 with {path}.action_chunk_size set (k2_seq squares the sum of a whole "
                               "sequence's columns; chunks see a few of them at a time), or action_chunk_size: null")
+        if self.kl_importance_weighted and self.kl_coef == 0:
+            raise ConfigError(f"{path}.kl_importance_weighted", self.kl_importance_weighted,
+                              f"false while {path}.kl_coef is 0 (there is no KL term to weight; set kl_coef > 0)")
+        if self.kl_importance_weighted and self.kl_estimator == "k2_seq":
+            raise ConfigError(f"{path}.kl_importance_weighted", self.kl_importance_weighted,
+                              f"false with {path}.kl_estimator k2_seq (a sequence's KL spread over its columns has "
+                              "no per-action ratio to weight it by), or kl_estimator k1, k2 or k3")
         if self.ref_sync_every and self.kl_coef == 0:
             raise ConfigError(f"{path}.ref_sync_every", self.ref_sync_every,
                               f"0 while {path}.kl_coef is 0 (the reference is used by the KL term only; set kl_coef "

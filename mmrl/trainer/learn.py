@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, policy_losses
+from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, log_ratio, policy_losses
 from mmrl.algos.policy_losses import masked_means
 from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask, off_policy_sequence_mask
 from mmrl.config import ConfigError, TrainConfig
@@ -126,6 +126,7 @@ class Learner:
         # declares `ref_logp` gets the reference policy's log-probs (the plugin is asked for them whatever kl_coef).
         self.loss_reads_groups = "group_ids" in accepted
         self.loss_reads_reference = "ref_logp" in accepted
+        self.ratio_level = ratio_level(config)  # the KL term's importance weight uses the loss's level
         if self.loss_reads_groups:
             check_whole_groups(geometry, config.rollout.layout, f"policy_loss {config.algorithm.policy_loss.name!r}")
         self.kl_estimator = kl_estimators.get(config.algorithm.kl_estimator)
@@ -343,6 +344,14 @@ class Learner:
                 # anyway), and k2_seq, which sums a row's columns, sums the real ones only.
                 real = part.mask > 0
                 kl = self.kl_estimator(logp.where(real, 0.0), ref.float().where(real, 0.0))
+                if algorithm.kl_importance_weighted:
+                    # DeepSeek-V3.2's unbiased KL (TRL use_bias_correction_kl: k · coef_1, the loss's ratio with its
+                    # gradient): E_old[r·k] = E_θ[k], and on-policy ∇(r·k) = k·∇log π + ∇k, the exact gradient.
+                    kl = kl * log_ratio(logp, old_logp, part.mask, level=self.ratio_level,
+                                        chunk_ids=part.chunk_ids).exp()
+            elif algorithm.kl_importance_weighted:
+                raise RolloutError(f"algorithm.kl_importance_weighted weights a KL estimated from ref_logp, but plugin "
+                                   f"{self.plugin.name!r} returned its own KL (PolicyOutput.kl); set it to false")
             total = total + algorithm.kl_coef * kl
             diagnostics["policy/kl"] = kl
         if output.entropy is not None:

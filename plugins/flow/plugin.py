@@ -160,7 +160,8 @@ class FlowPlugin(Plugin):
     def check_config(cls, train_config: Any) -> None:
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
         ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
-        ``algorithm.top_entropy_quantile`` (no per-step entropy); with ``likelihood: matching`` a ratio level other than
+        ``algorithm.top_entropy_quantile`` (no per-step entropy) and ``algorithm.kl_importance_weighted`` (its KL is
+        exact per step, not a sample estimate); with ``likelihood: matching`` a ratio level other than
         ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``); with ``likelihood: nft`` what would make the
         loss differ from DiffusionNFT's (:meth:`_check_nft`), and ``policy_loss: nft`` without it; the same for
         ``likelihood: dgpo`` and DGPO (:meth:`_check_dgpo`)."""
@@ -171,6 +172,10 @@ class FlowPlugin(Plugin):
         if train_config.algorithm.top_entropy_quantile < 1:
             raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
                               "1 with plugin flow (it reports no per-step entropy to select by)")
+        if train_config.algorithm.kl_importance_weighted:
+            raise ConfigError("algorithm.kl_importance_weighted", True, "false with plugin flow (its KL is the closed "
+                              "form between the two Gaussian steps at the sampled state, not an estimate from the "
+                              "sampled action that a ratio could reweight)")
         if train_config.plugin.config.likelihood == "matching":
             from mmrl.trainer.learn import ratio_level
 
