@@ -40,6 +40,19 @@ CLIP_HIGH = Range(0)
 DUAL_CLIP = Range(1, low_open=True)
 
 
+def reads_old_logp(loss: Callable[..., tuple[Tensor, dict[str, Tensor]]], options: dict | None = None) -> bool:
+    """Whether a policy loss, called with ``options``, reads its ``old_logp`` argument.
+
+    True unless the function's ``reads_old_logp`` attribute says otherwise: False, or a function of the options that
+    returns False (the core's ``dgpo`` reads them only for its clip or the ``old`` baseline). A loss that does not
+    read them (the flow plugin's ``nft``, whose old policy enters through its own columns) spares the run the
+    learner's old-policy pass with ``inner_epochs`` or ``minibatches`` above 1
+    (:func:`mmrl.trainer.learn.needs_old_logp`); it then gets the detached training log-probs as ``old_logp``, and
+    its ratio diagnostics read 1."""
+    declared = getattr(loss, "reads_old_logp", True)
+    return bool(declared(dict(options or {})) if callable(declared) else declared)
+
+
 def broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
     """Advantages ``[N]`` (one per sample) or ``[N, A]`` (per action) → ``[N, A]``."""
     if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
@@ -518,3 +531,8 @@ def dgpo_policy_loss(
     metrics = _ratio_metrics(log_r, mask, fractions)
     metrics["group_weight_mean"] = masked_mean(weights, mask)
     return loss, metrics
+
+
+# Only the clip and the `old` baseline read old_logp: without them the learner runs no old-policy pass for dgpo.
+dgpo_policy_loss.reads_old_logp = lambda options: (options.get("clip_range") is not None
+                                                   or options.get("reference", "ref") == "old")

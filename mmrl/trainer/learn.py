@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from mmrl.algos import aggregate, aggregation_counts, broadcast_advantages, kl_estimators, log_ratio, policy_losses
-from mmrl.algos.policy_losses import masked_means
+from mmrl.algos.policy_losses import masked_means, reads_old_logp
 from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask, off_policy_sequence_mask
 from mmrl.config import ConfigError, TrainConfig
 from mmrl.plugin import Plugin
@@ -57,9 +57,17 @@ def needs_old_logp(config: TrainConfig) -> bool:
     for a missing ``old_logp`` (ratio ≡ 1, the same gradient): no old-policy pass runs, and ``recompute_old_logp``
     asks for none either (it would compute the same numbers again). When True, a rollout without ``old_logp`` gets
     them from the learner's old-policy pass (:meth:`Learner.old_policy_rollouts`).
+
+    Also False for a policy loss that reads no ``old_logp`` (:func:`mmrl.algos.policy_losses.reads_old_logp`: the
+    flow plugin's ``nft``, whose old policy enters through its own columns; ``dgpo`` without its clip or ``old``
+    baseline) unless the core reads them itself
+    (``off_policy_mask_threshold``, ``kl_importance_weighted``): the pass would compute numbers nothing uses.
     """
     algorithm = config.algorithm
-    return algorithm.inner_epochs > 1 or algorithm.minibatches > 1
+    if not (algorithm.inner_epochs > 1 or algorithm.minibatches > 1):
+        return False
+    core_reads = algorithm.off_policy_mask_threshold is not None or algorithm.kl_importance_weighted
+    return core_reads or reads_old_logp(policy_losses.get(algorithm.policy_loss.name), algorithm.policy_loss.options)
 
 
 def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) -> BatchGeometry | None:

@@ -219,6 +219,11 @@ def nft_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     return loss, metrics
 
 
+# The learner runs no old-policy pass for it (mmrl.algos.policy_losses.reads_old_logp): NFT's old policy is the slow
+# copy NFTLikelihood.old, whose velocity v_old enters each column (implicit_errors); no ratio of columns is taken.
+nft_policy_loss.reads_old_logp = False
+
+
 @contextmanager
 def swapped_parameters(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
     """``values`` copied into ``module``'s parameters of those names (no grad), the originals restored on exit."""

@@ -205,3 +205,13 @@ def test_geometries_that_split_a_group_are_refused_in_one_line(geometry, layout,
 ])
 def test_geometries_of_whole_groups_are_accepted(geometry, layout):
     check_whole_groups(geometry, layout, "policy_loss 'dgpo'")
+
+
+def test_dgpo_reads_old_logp_only_for_its_clip_or_the_old_baseline():
+    from mmrl.algos.policy_losses import reads_old_logp
+
+    loss = policy_losses.get("dgpo")
+    assert not reads_old_logp(loss, {}) and not reads_old_logp(loss, {"beta_dpo": 10.0, "reference": "ref"})
+    assert reads_old_logp(loss, {"clip_range": 0.05}) and reads_old_logp(loss, {"reference": "old"})
+    # every other core loss reads them (its ratio), whatever the options
+    assert all(reads_old_logp(policy_losses.get(name), {}) for name in ("grpo", "gspo", "cispo", "sapo", "gmpo"))

@@ -298,6 +298,28 @@ def test_two_training_steps_move_the_lora_weights(train_config, tmp_path):
     assert trainer.plugin.nft.old_step == 1  # updated before the second step's rollout
 
 
+def test_two_optimizer_steps_per_rollout_run_no_old_policy_pass(train_config, tmp_path, monkeypatch):
+    # The nft loss reads no old_logp (reads_old_logp False): with two mini-batches the learner skips the old-policy
+    # pass it would run for a ratio; the core's own readers of old_logp bring it back.
+    import mmrl.trainer.learn as learn
+
+    config = train_config("sd3", tmp_path, "algorithm.policy_loss={name: nft}", "algorithm.minibatches=2",
+                          "algorithm.action_chunk_size=null", "algorithm.micro_batch_size=2",
+                          "eval.save_samples=false", "run.max_steps=1", likelihood="nft",
+                          nft={"optimizer_steps_per_step": 2})
+    assert not learn.needs_old_logp(config)
+    masked = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm,
+                                                                       off_policy_mask_threshold=0.5))
+    assert learn.needs_old_logp(masked)
+    passes = []
+    real = learn.old_policy_pass
+    monkeypatch.setattr(learn, "old_policy_pass", lambda *args, **kwargs: passes.append(1) or real(*args, **kwargs))
+    trainer = Trainer(config)
+    history = trainer.train().history
+    assert passes == [] and trainer.learner.optimizer_steps == 2
+    assert math.isfinite(history[0]["loss/total"])
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     (("algorithm.policy_loss={name: grpo}",), "algorithm.policy_loss.name"),
     (("algorithm.aggregation=seq_mean_token_sum",), "algorithm.aggregation"),
