@@ -291,6 +291,7 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("policy_losses", "dgpo", "clip_range", 1.0, "a number in (0, 1) or null"),  # the ratio's lower bound 1 − c > 0
     ("advantage_estimators", "grpo", "eps", -1e-6, "a number >= 0"),
     ("advantage_estimators", "wd1", "temperature", 0.0, "a number > 0"),
+    ("advantage_estimators", "gpg", "f_norm", 0.0, "a number > 0"),  # the centred reward is divided by it
     ("likelihood_estimators", "spg_upper", "beta", 0.5, "a number >= 1"),
     ("likelihood_estimators", "elbo_t", "eps", 1.0, "a number in [0, 1)"),
     ("likelihood_estimators", "random_masking", "t_low", 0.0, "a number in (0, 1]"),  # a masking rate
@@ -349,6 +350,17 @@ def _loss_probe(name: str, option: str, columns: int = 3, **inputs: Any):
         try:
             importlib.import_module("mmrl.algos").policy_losses.get(name)(
                 logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, columns), **inputs, **{option: value})
+        except ValueError:
+            return False
+        return True
+    return accepts
+
+
+def _advantage_probe(name: str, option: str):
+    def accepts(value: float) -> bool:
+        estimator = importlib.import_module("mmrl.algos").advantage_estimators.get(name)
+        try:
+            estimator(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), **{option: value})
         except ValueError:
             return False
         return True
@@ -467,6 +479,7 @@ def _probes() -> dict[str, Any]:
         probes[f"policy_losses.dgpo.{option}"] = _loss_probe("dgpo", option, group_ids=torch.tensor([0, 0]),
                                                              ref_logp=torch.zeros(2, 3))
     probes["advantage_estimators.wd1.temperature"] = _wd1_probe
+    probes["advantage_estimators.gpg.f_norm"] = _advantage_probe("gpg", "f_norm")
     for name in ("one_step", "spg_lower", "spg_upper"):
         probes[f"likelihood_estimators.{name}.p_mask_prompt"] = _plan_probe(name, "p_mask_prompt")
     probes["likelihood_estimators.elbo_t.eps"] = _plan_probe("elbo_t", "eps")
@@ -548,7 +561,8 @@ def _probes() -> dict[str, Any]:
 
 
 # Ranged options whose function does not check them itself: the range comes from the math, said in a comment there.
-UNCHECKED_AT_RUNTIME = {"advantage_estimators.grpo.eps", "advantage_estimators.batch_std.eps"}
+UNCHECKED_AT_RUNTIME = {"advantage_estimators.grpo.eps", "advantage_estimators.batch_std.eps",
+                        "advantage_estimators.grpo_passk.eps", "advantage_estimators.reinforce_pp_baseline.eps"}
 
 
 def test_every_ranged_option_is_probed_or_named_unchecked():

@@ -107,7 +107,8 @@ class AlgorithmConfig:
 
     advantage: RegistryChoice = registry_choice_field(
         "mmrl.algos:advantage_estimators", "grpo",
-        help="Advantage estimator and its options (grpo, dr_grpo, rloo, batch_std; see `mmrl list`).",
+        help="Advantage estimator and its options (grpo, dr_grpo, rloo, batch_std, grpo_passk, reinforce_pp_baseline, "
+             "gpg; plugins add more, e.g. wd1; see `mmrl list --options`).",
         ref="GRPO: arXiv:2402.03300 eq. 3",
     )
     advantage_clip: float | None = config_field(
