@@ -41,6 +41,14 @@ def record_calls(owner: object, name: str) -> list[bool]:
     return calls
 
 
+def trainable_gradients(loss: torch.Tensor, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{parameter name: d loss / d parameter}`` for ``module``'s trainable parameters that ``loss`` depends on: the
+    gradient a test writes out itself, to compare with what :func:`record_gradients` recorded from a run."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {name: g for (name, _), g in zip(named, grads, strict=True) if g is not None}
+
+
 def record_gradients(trainer, module: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
     """Wrap ``trainer.optimizer.step`` so that every optimizer step first records a copy of ``module``'s gradients.
 

@@ -12,7 +12,7 @@ import torch
 from mmrl.algos import kl_estimators, log_ratio
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import Trainer
-from tests.helpers import record_gradients, toy_config
+from tests.helpers import record_gradients, toy_config, trainable_gradients
 
 BETA = 0.5
 
@@ -47,10 +47,7 @@ def _expected_gradients(tmp_path, loss_name: str, weighted: bool):
         weight = ratio if weighted else torch.ones_like(ratio)
         per_action = -batch.advantages.unsqueeze(1) * ratio + BETA * weight * kl
         loss = (per_action * mask).sum() / mask.sum()
-        names = [name for name, p in plugin.model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [dict(plugin.model.named_parameters())[n] for n in names],
-                                    allow_unused=True)
-        expected.update({n: g for n, g in zip(names, grads, strict=True) if g is not None})
+        expected.update(trainable_gradients(loss, plugin.model))
         return batch
 
     trainer.collector.collect = recorded

@@ -8,7 +8,7 @@ import torch
 from mmrl.algos.token_selection import entropy_threshold, high_entropy_mask
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import Trainer
-from tests.helpers import record_gradients, toy_config
+from tests.helpers import record_gradients, toy_config, trainable_gradients
 
 ENTROPY = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
@@ -58,10 +58,7 @@ def test_the_policy_term_trains_the_high_entropy_actions_only(tmp_path):
         assert 0 < int(keep.sum()) < active.numel()
         ratio = torch.exp(output.logp - output.logp.detach())
         loss = -(batch.advantages.unsqueeze(1) * ratio * keep).sum() / active.numel()
-        names = [name for name, p in plugin.model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [dict(plugin.model.named_parameters())[n] for n in names],
-                                    allow_unused=True)
-        expected.update({n: g for n, g in zip(names, grads, strict=True) if g is not None})
+        expected.update(trainable_gradients(loss, plugin.model))
         return batch
 
     trainer.collector.collect = recorded
