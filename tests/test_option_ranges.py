@@ -289,6 +289,11 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("policy_losses", "gmpo", "clip_high", -0.1, "a number >= 0"),  # the log-space interval must hold 0 (r = 1)
     ("policy_losses", "dgpo", "beta_dpo", 0.0, "a number > 0"),  # β = 0 makes every group weight σ(0) = 1/2
     ("policy_losses", "dgpo", "clip_range", 1.0, "a number in (0, 1) or null"),  # the ratio's lower bound 1 − c > 0
+    ("policy_losses", "clip_cov", "clip_low", 1.5, "a number in [0, 1]"),  # 1: the lower bound 0 never binds
+    ("policy_losses", "kl_cov", "kl_cov_ratio", 0.0, "a number in (0, 1]"),  # a share, at least one action anyway
+    ("policy_losses", "vespo", "k_neg", -0.5, "a number >= 0"),  # w^k is unbounded as w → 0 for k < 0
+    ("policy_losses", "vespo", "lambda_pos", 0.0, "a number >= 0.0001"),  # TRL's floor of λ (it clamps, mmrl refuses)
+    ("policy_losses", "luspo", "clip_low", 1.0, "a number in [0, 1)"),  # 1 − ε_low must stay > 0
     ("advantage_estimators", "grpo", "eps", -1e-6, "a number >= 0"),
     ("advantage_estimators", "wd1", "temperature", 0.0, "a number > 0"),
     ("advantage_estimators", "gpg", "f_norm", 0.0, "a number > 0"),  # the centred reward is divided by it
@@ -475,9 +480,17 @@ def _probes() -> dict[str, Any]:
                           ("gmpo", ("clip_low", "clip_high"))):
         for option in options:
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
+    for loss, options in (("vespo", ("k_pos", "lambda_pos", "k_neg", "lambda_neg")),
+                          ("luspo", ("clip_low", "clip_high"))):
+        for option in options:
+            probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     for option in ("beta_dpo", "clip_range"):
         probes[f"policy_losses.dgpo.{option}"] = _loss_probe("dgpo", option, group_ids=torch.tensor([0, 0]),
                                                              ref_logp=torch.zeros(2, 3))
+    for option in ("clip_low", "clip_high", "dual_clip", "clip_cov_ratio"):
+        probes[f"policy_losses.clip_cov.{option}"] = _loss_probe("clip_cov", option, generator=torch.Generator())
+    for option in ("kl_cov_ratio", "ppo_kl_coef"):
+        probes[f"policy_losses.kl_cov.{option}"] = _loss_probe("kl_cov", option)
     probes["advantage_estimators.wd1.temperature"] = _wd1_probe
     probes["advantage_estimators.gpg.f_norm"] = _advantage_probe("gpg", "f_norm")
     for name in ("one_step", "spg_lower", "spg_upper"):

@@ -6,6 +6,8 @@
 - :data:`aggregation_modes` and :func:`aggregate` — ``[N,A] -> scalar`` with step-wide denominators
 """
 
+# Modules that register more policy losses: covariance_losses (clip_cov, kl_cov), sequence_losses (vespo, luspo).
+from mmrl.algos import covariance_losses, sequence_losses  # noqa: F401
 from mmrl.algos.advantages import MULTI_REWARD_ORDERS, advantage_estimators, multi_reward_advantages
 from mmrl.algos.aggregation import aggregate, aggregation_counts, aggregation_modes
 from mmrl.algos.dynamic_sampling import batch_is_full, groups_with_spread, select_kept

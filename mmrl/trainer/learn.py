@@ -30,6 +30,8 @@ from mmrl.trainer.metrics import WeightedMeans
 from mmrl.trainer.reference import ReferenceSync
 from mmrl.trainer.sampler import group_minibatch_partition, minibatch_partition
 
+LOSS_DRAW_TAG = 0x10557A6  # separates a policy loss's random draws (clip_cov) from every other seeded stream
+
 
 def ratio_level(config: TrainConfig) -> str:
     """The importance-ratio level of the configured policy loss: its ``ratio_level`` option, else the loss's
@@ -134,6 +136,9 @@ class Learner:
         # declares `ref_logp` gets the reference policy's log-probs (the plugin is asked for them whatever kl_coef).
         self.loss_reads_groups = "group_ids" in accepted
         self.loss_reads_reference = "ref_logp" in accepted
+        # One that declares `generator` draws at random (clip_cov): each call gets its own seeded generator
+        # (loss_generator), so the draws repeat with the run's seed and resume exactly.
+        self.loss_draws = "generator" in accepted
         self.ratio_level = ratio_level(config)  # the KL term's importance weight uses the loss's level
         if self.loss_reads_groups:
             check_whole_groups(geometry, config.rollout.layout, f"policy_loss {config.algorithm.policy_loss.name!r}")
@@ -215,7 +220,7 @@ class Learner:
                         with acc.accumulate(self.policy):
                             loss, part_metrics, deviation, weight = self._micro_loss(
                                 part, part_adv, need_reference, num_actions, num_sequences, max_actions, columns,
-                                lengths,
+                                lengths, generator=self.loss_generator(step, epoch, position, micro[0], columns),
                             )
                             acc.backward(loss * scale)
                             # The micro-batch's scalars read back in one transfer, not one .item() each.
@@ -288,8 +293,22 @@ class Learner:
         if self.reference_sync is not None:
             self.reference_sync.after_optimizer_step(self.optimizer_steps)
 
+    def loss_generator(self, step: int, epoch: int, minibatch: int, first_row: int, columns: torch.Tensor | None
+                       ) -> torch.Generator | None:
+        """The CPU generator of one policy-loss call, for a loss that declares ``generator`` (None otherwise): seeded
+        from the run's seed, the step, the inner epoch, the mini-batch's position, the micro-batch's first row in it,
+        the action chunk's first column and the process, so that it depends on where the call sits only (not on what
+        else drew from the global RNG): a run repeats, and a resumed run draws what it would have."""
+        if not self.loss_draws:
+            return None
+        first_column = 0 if columns is None else int(columns[0])
+        seed = derive_seed(self.config.run.seed, step, epoch, minibatch, first_row, first_column,
+                           self.accelerator.process_index, LOSS_DRAW_TAG)
+        return torch.Generator().manual_seed(seed)
+
     def _micro_loss(self, part: Rollout, advantages: torch.Tensor, need_reference: bool, num_actions: float,
-                    num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor
+                    num_sequences: float, max_actions: int, columns: torch.Tensor | None, lengths: torch.Tensor,
+                    generator: torch.Generator | None = None
                     ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
         """Loss of one micro-batch (or one action chunk of it) → (loss, metrics, max |ratio − 1|, metric weight).
 
@@ -323,6 +342,8 @@ class Learner:
                                    f"{self.plugin.name!r} returned none (PolicyOutput.ref_logp) and the rollout "
                                    "carries none")
             options["ref_logp"] = reference.float()
+        if self.loss_draws:
+            options["generator"] = generator  # the loss refuses None (a direct call without one)
         per_action, metrics = self.policy_loss(logp, old_logp, advantages, part.mask, **options)  # [n, A]
         metrics = {f"policy/{k}": v for k, v in metrics.items()}
         deviation = max_ratio_deviation(logp.detach(), old_logp, part.mask)
