@@ -30,7 +30,7 @@ def _expected_gradients(tmp_path, loss_name: str, weighted: bool):
     policy, plugin = trainer.policy, trainer.plugin
     expected = {}
     collect = trainer.collector.collect
-    level = "sequence" if loss_name == "gspo" else "token"
+    level = "sequence" if loss_name == "gspo" else "token"  # vespo's weight: the token ratio, as TRL
 
     calls = []
 
@@ -56,7 +56,7 @@ def _expected_gradients(tmp_path, loss_name: str, weighted: bool):
     return steps[1], expected
 
 
-@pytest.mark.parametrize("loss_name", ["grpo", "gspo"])
+@pytest.mark.parametrize("loss_name", ["grpo", "gspo", "vespo"])
 def test_the_kl_term_carries_the_ratio_and_its_gradient(tmp_path, loss_name):
     for weighted in (True, False):
         got, expected = _expected_gradients(tmp_path / str(weighted), loss_name, weighted)
