@@ -81,12 +81,13 @@ def vespo_policy_loss(
     This is TRL ``loss_type="vespo"`` (``get_gamma_weights``, ``trl/trainer/grpo_trainer.py`` L2941-2989 at
     huggingface/trl@f2cd577, the loss L3096-3107), clamps and defaults included (``vespo_k_pos`` 2.0,
     ``vespo_lambda_pos`` 3.0, ``vespo_k_neg`` 3.0, ``vespo_lambda_neg`` 2.0, ``grpo_config.py`` L202-214; the VESPO
-    code, FloyedShen/VESPO@3fd2c7f ``recipe/vespo/code/core_algos.py``, has the same defaults, clamps w to
-    [e^−20, e^20] and floors w at 1e-8 only inside the log: where log w < −18.42, φ < e^(λ − 18.4·k), nil unless
-    k ≈ 0). Per-action advantages pick (k, λ) per action by their own sign, as TRL with ``[B, T]`` advantages (the
-    VESPO code takes the first action's advantage for the whole row). A = 0 takes the positive pair (its loss is 0
-    either way). TRL sets a non-finite φ to 0 (``nan_to_num``), so does mmrl: a float32 overflow of exp (log φ > 88.7,
-    only for k·log w ≫ λ·w, e.g. k = 10, log w = 10, λ = 1e-4) drops that sequence's gradient rather than the step.
+    code, FloyedShen/VESPO@3fd2c7f ``recipe/vespo/code/core_algos.py`` L86-89, has the same defaults though its
+    docstring lists others, clamps w to [e^−20, e^20] and floors w at 1e-8 only inside the log: where
+    log w < −18.42 the two differ in λ·w alone, w <= 1e-8, a relative change of φ below λ·1e-8). Per-action
+    advantages pick (k, λ) per action by their own sign, as TRL with ``[B, T]`` advantages (the VESPO code takes
+    the first action's advantage for the whole row). A = 0 takes the positive pair (its loss is 0 either way).
+    TRL sets a non-finite φ to 0 (``nan_to_num``), so does mmrl: a float32 overflow of exp (log φ > 88.7, only for
+    k·log w ≫ λ·w, e.g. k = 10, log w = 10, λ = 1e-4) drops that sequence's gradient rather than the step.
 
     TRL's ``importance_sampling_level`` must stay ``"token"`` (a warning otherwise, L897-901): it selects the ratio
     ``coef_1`` of the clipped losses, which vespo does not use (it builds w from the raw token log-ratios itself);
@@ -100,8 +101,13 @@ def vespo_policy_loss(
     (L3117). mmrl has no separate rollout engine: ``old_logp`` are the log-probs of the policy that sampled (the
     plugin's own sampling pass or the learner's old-policy pass), π_sampler = π_old, and there is nothing to fold.
 
-    Aggregate with ``token_mean``: TRL divides vespo's summed loss by ``num_items_in_batch``, the step's active
-    tokens over every process (L3139-3142), and so does the VESPO code's default ``token-mean``.
+    Aggregate with ``token_mean``: TRL divides vespo's summed loss by ``num_items_in_batch`` (L3139-3142), the active
+    tokens of the whole generation batch over every process (counted at L2427, copied to each of its
+    ``steps_per_generation`` slices): one optimizer step's tokens with TRL's default ``steps_per_generation =
+    gradient_accumulation_steps`` (mmrl ``minibatches: 1``), as the VESPO code's default ``token-mean`` per
+    mini-batch. With ``steps_per_generation = k·gradient_accumulation_steps`` (k off-policy mini-batches per
+    generation, mmrl ``minibatches: k``) TRL divides each step's sum by all k steps' tokens, about 1/k of
+    ``token_mean``'s value and gradient: a step-dependent learning-rate scale that mmrl does not copy.
 
     Metrics besides the token ratio statistics: ``phi_mean``, the masked mean of φ over the actions (TRL's
     ``vespo/phi_seq_mean`` averages over sequences with ``[B]`` advantages); ``seq_log_ratio_mean``, that of log w

@@ -64,7 +64,8 @@ def _trl_gamma_weights(advantages, log_ratio_per_token, mask, k_pos, lambda_pos,
 
 def _trl_vespo_step(new, old, adv, mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):
     """TRL's vespo over the step's micro-batches on one process: each divides its summed loss by
-    ``num_items_in_batch`` (the step's active tokens), the accumulated gradients add up."""
+    ``num_items_in_batch`` (the generation batch's active tokens: the step's, with TRL's default
+    ``steps_per_generation = gradient_accumulation_steps``), the accumulated gradients add up."""
     num_items = mask.sum().clamp(min=1.0)
     total = 0.0
     for rows in MICRO_BATCHES:
@@ -253,6 +254,22 @@ def test_vespo_weight_by_hand_for_each_advantage_sign():
     assert metrics["phi_mean"].item() == pytest.approx(phi.mean().item())
     assert phi[0].item() == pytest.approx(4 * math.exp(-3))  # A > 0, w = 2: 2²·e^(3·(−1))
     assert phi[3].item() == pytest.approx(8 * math.exp(-2))  # A < 0, w = 2: 2³·e^(2·(−1))
+
+
+def test_vespo_metrics_are_masked_means_over_the_actions():
+    """``phi_mean`` and ``seq_log_ratio_mean`` weigh each row's φ and log w by its active actions (3, 1, 5, 2, 4, 0):
+    padding and the empty row stay out. TRL's restated φ gives the expected values; the plain means over the rows
+    and over every column differ from them here, so a metric that drops the mask fails."""
+    new, old, adv = _inputs(9)
+    _, metrics = policy_losses["vespo"](new, old, adv, MASK)
+    x = new.detach() - old  # [N, A]
+    phi = _trl_gamma_weights(adv[:, None], x, MASK, 2.0, 3.0, 3.0, 2.0)[:, 0]  # [N]
+    log_w = (x.clamp(-20.0, 20.0) * MASK).sum(1).clamp(math.log(1e-8), 20.0)  # [N]
+    lengths = MASK.sum(1)  # [N]
+    for key, per_row in (("phi_mean", phi), ("seq_log_ratio_mean", log_w)):
+        expected = (per_row * lengths).sum().item() / lengths.sum().item()
+        assert metrics[key].item() == pytest.approx(expected, rel=1e-6), key
+        assert abs(per_row.mean().item() - expected) > 1e-3 * max(abs(expected), 1.0), key  # the inputs discriminate
 
 
 @pytest.mark.parametrize(("sign", "k", "lam"), [(1.0, 2.0, 3.0), (-1.0, 3.0, 2.0)])
