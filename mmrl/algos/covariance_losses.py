@@ -14,12 +14,21 @@ Both score every active action (``mask > 0``) of one call by its centred covaria
 
 Per-sample advantages ``[N]`` are broadcast to every action first, so ``mean A`` is token-weighted, as verl's
 per-token advantages. The statistics are those of the call, as upstream computes them per micro-batch on each GPU
-(no all-reduce: the authors' recipes run ``ppo_micro_batch_size_per_gpu=8``): mmrl's learner calls a loss once per
-micro-batch of ``algorithm.micro_batch_size`` rows on each process (and once per column chunk of it with
-``algorithm.action_chunk_size``), so the same micro-batch size gives the same statistics; the selections are not
-invariant to the micro-batch size or the number of processes, upstream's no more than mmrl's. The means here are
-exact; verl's clip_cov divides by the mask's sum + 1e-8 (``verl_F.masked_mean``), a relative difference of 1e-8/n that
-moves an action across ``clip_cov_lb`` or ``clip_cov_ub`` only at the boundary itself.
+(no all-reduce): mmrl's learner calls a loss once per micro-batch of ``algorithm.micro_batch_size`` rows on each
+process (and once per column chunk of it with ``algorithm.action_chunk_size``), so the same rows per micro-batch give
+the same statistics as verl with ``use_dynamic_bsz=False`` and ``ppo_micro_batch_size_per_gpu``. The authors' recipes
+pack micro-batches by tokens instead (``use_dynamic_bsz=True``, ``ppo_max_token_len_per_gpu`` 20480, 30720 in
+``7b_kl_cov.sh``; their ``dp_actor.py`` L349-351 then ignores ``ppo_micro_batch_size_per_gpu=8``), which a fixed row
+count only approximates. The selections are not invariant to the micro-batch size or the number of processes,
+upstream's no more than mmrl's. The means here are exact; verl's clip_cov divides by the mask's sum + 1e-8
+(``verl_F.masked_mean``), a relative difference of 1e-8/n that moves an action across ``clip_cov_lb`` or
+``clip_cov_ub`` only at the boundary itself.
+
+Aggregation: ``token_mean`` (the recipes' ``loss_agg_mode``) divides the step's summed loss by the step's active
+actions on every process, as verl's engine workers do (``global_batch_info``, ``verl/workers/utils/losses.py``
+L103-106). verl's FSDP ``dp_actor.py`` (L575-578, L652-656) and the authors' (L449-453) take each micro-batch's own
+token mean and weight it by 1/(micro-batches) or by its share of the mini-batch's rows: the same only where every
+micro-batch holds as many active actions per row.
 """
 
 from __future__ import annotations
@@ -99,8 +108,9 @@ def clip_cov_policy_loss(
     move. The paper writes Clip-Cov on the unclipped surrogate −A·r; both codes keep PPO's clip, and the authors'
     recipes widen it to [0, 2] (``clip_ratio_low=1``, ``clip_ratio_high=1``): ``clip_low: 1.0, clip_high: 1.0``.
 
-    Neither verl's clip_cov nor the authors' applies a dual clip (the recipes' ``clip_ratio_c=10`` reaches only
-    verl's vanilla loss): ``dual_clip: null``, the default, reproduces them. With ``dual_clip`` set (an mmrl option,
+    Neither verl's clip_cov nor the authors' applies a dual clip (the recipes' ``clip_ratio_c=10`` reaches no loss in
+    the authors' code, whose vanilla loss has its dual clip commented out, core_algos.py L417-421, and only the
+    vanilla loss in verl): ``dual_clip: null``, the default, reproduces them. With ``dual_clip`` set (an mmrl option,
     as in ``grpo``) the actions the cap −c·A binds also carry no gradient and are left out of C like PPO's clipped
     ones. mmrl clamps log r to ±20 (:mod:`mmrl.algos.ratios`, every loss); verl does not: this changes a value only
     where a ratio leaves [e^−20, e^20].
@@ -238,8 +248,9 @@ def kl_cov_policy_loss(
     row-major order (a stable sort): ``torch.topk``'s choice among ties, upstream's, is unspecified.
 
     Defaults: ``kl_cov_ratio`` 2e-4 (verl's ``kl_cov_ratio``; the authors' 32B recipe) and ``ppo_kl_coef`` 1.0 (the
-    authors' recipes and verl's fallback when unset; verl's ``actor.yaml`` sets 0.1). mmrl clamps log r to ±20
-    (:mod:`mmrl.algos.ratios`); upstream does not. Aggregate with ``token_mean``, the recipes' ``loss_agg_mode``.
+    authors' recipes, and verl's fallback for an explicit null; verl's ``actor.yaml`` and ``PolicyLossConfig``,
+    ``verl/workers/config/actor.py`` L80, default to 0.1). mmrl clamps log r to ±20 (:mod:`mmrl.algos.ratios`);
+    upstream does not. Aggregate with ``token_mean``, the recipes' ``loss_agg_mode`` (see the module docstring).
 
     Metrics besides the ratio statistics: ``kl_cov_fraction`` (k/n, the penalised share) and ``abs_log_ratio_mean``
     (the mean |log r| over the active actions: what verl logs as ``ppo_kl`` for this loss).

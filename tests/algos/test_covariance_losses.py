@@ -8,6 +8,7 @@ vectorised code: verl's masked means (with its +1e-8), its candidate list in ``n
 ties), with garbage in the padding; the value, the gradient and the selected sets must agree.
 """
 
+import itertools
 import math
 
 import pytest
@@ -454,6 +455,29 @@ def test_the_learner_seeds_each_call_from_where_it_sits_and_a_resumed_run_draws_
     assert straight.learner.loss_generator(0, 0, 0, 0, None) is not None
     grpo = Trainer(toy_config(tmp_path / "grpo", "run.max_steps=1"))
     assert grpo.learner.loss_generator(0, 0, 0, 0, None) is None  # losses that draw nothing get none
+
+
+def test_the_loss_generator_names_the_action_chunk_and_the_process():
+    """The trainer test above runs one process without action chunks; here the seed of every place a call can sit in
+    one step, two action chunks of a micro-batch and two processes included, is derive_seed of that place, and no two
+    places share a generator (two chunks or two processes drawing the same permutation would correlate their sets)."""
+    from types import SimpleNamespace
+
+    from mmrl.seeding import derive_seed
+    from mmrl.trainer.learn import LOSS_DRAW_TAG, Learner
+
+    seeds = {}
+    for process in (0, 1):
+        learner = SimpleNamespace(loss_draws=True, config=SimpleNamespace(run=SimpleNamespace(seed=7)),
+                                  accelerator=SimpleNamespace(process_index=process))
+        for step, epoch, minibatch, row in itertools.product((0, 3), (0, 1), (0, 1), (0, 4)):
+            for columns in (torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4])):
+                place = (step, epoch, minibatch, row, int(columns[0]), process)
+                seeds[place] = Learner.loss_generator(learner, step, epoch, minibatch, row, columns).initial_seed()
+                assert seeds[place] == derive_seed(7, *place, LOSS_DRAW_TAG)
+            whole = Learner.loss_generator(learner, step, epoch, minibatch, row, None)  # no chunks: column 0
+            assert whole.initial_seed() == seeds[step, epoch, minibatch, row, 0, process]
+    assert len(set(seeds.values())) == len(seeds) == 2 * 16 * 3
 
 
 def test_kl_cov_trains_off_policy(tmp_path):
