@@ -24,16 +24,17 @@ optimizer step. ``seq_mean_token_mean`` is the original GRPO form (Shao et al. 2
 
 Reference code read: TRL's ``loss_type`` branches (``trl/trainer/grpo_trainer.py`` L3124-3150 at
 huggingface/trl@f2cd577) and verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py`` L1025-1080 at
-volcengine/verl@b178a3c). TRL ``dapo`` is ``token_mean`` (its denominator ``num_items_in_batch`` counts the tokens of the
-whole generation batch on every process, L2427: one optimizer step's with TRL's default ``steps_per_generation`` =
+volcengine/verl@b178a3c). TRL ``dapo`` is ``token_mean`` (its denominator ``num_items_in_batch`` counts the tokens of
+the whole generation batch on every process, L2427: one optimizer step's with TRL's default ``steps_per_generation`` =
 ``gradient_accumulation_steps``; with k times as many, mmrl's ``minibatches: k``, each TRL step is about 1/k of
-``token_mean``, a learning-rate scale mmrl does not copy; the same for ``cispo`` and ``vespo``); TRL ``grpo`` is ``seq_mean_token_mean`` and ``bnpo`` ``token_mean``, each normalised per
-micro-batch and averaged over the accumulation steps, so they equal these modes when every micro-batch holds as many
-sequences (respectively tokens) as the others; TRL ``dr_grpo`` is ``seq_mean_token_sum_norm`` with A_max =
-``max_completion_length``. verl's ``token-mean``, ``seq-mean-token-sum`` and ``seq-mean-token-mean`` are the modes of
-the same names (with its global batch counts); its ``seq-mean-token-sum-norm`` divides a micro-batch's summed sequence
-losses by A_max alone, with no mean over the sequences (a learning-rate scale that grows with the micro-batch; mmrl
-and TRL keep the mean, as Dr.GRPO's objective averages over the group).
+``token_mean``, a learning-rate scale mmrl does not copy; the same for ``cispo`` and ``vespo``); TRL ``grpo`` is
+``seq_mean_token_mean`` and ``bnpo`` ``token_mean``, each normalised per micro-batch and averaged over the accumulation
+steps, so they equal these modes when every micro-batch holds as many sequences (respectively tokens) as the others; TRL
+``dr_grpo`` is ``seq_mean_token_sum_norm`` with A_max = ``max_completion_length``. verl's ``token-mean``,
+``seq-mean-token-sum`` and ``seq-mean-token-mean`` are the modes of the same names (with its global batch counts); its
+``seq-mean-token-sum-norm`` divides a micro-batch's summed sequence losses by A_max alone, with no mean over the
+sequences (a learning-rate scale that grows with the micro-batch; mmrl and TRL keep the mean, as Dr.GRPO's objective
+averages over the group).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Both score every active action (``mask > 0``) of one call by its centred covaria
 Per-sample advantages ``[N]`` are broadcast to every action first, so ``mean A`` is token-weighted, as verl's
 per-token advantages. The statistics are those of the call, as upstream computes them per micro-batch on each GPU
 (no all-reduce): mmrl's learner calls a loss once per micro-batch of ``algorithm.micro_batch_size`` rows on each
-process (and once per column chunk of it with ``algorithm.action_chunk_size``), so the same rows per micro-batch give
+process (``algorithm.action_chunk_size``, which would show it a few columns at a time, is refused: each loss sets
+``needs_whole_micro_batch``), so the same rows per micro-batch give
 the same statistics as verl with ``use_dynamic_bsz=False`` and ``ppo_micro_batch_size_per_gpu``. The authors' recipes
 pack micro-batches by tokens instead (``use_dynamic_bsz=True``, ``ppo_max_token_len_per_gpu`` 20480, 30720 in
 ``7b_kl_cov.sh``; their ``dp_actor.py`` L349-351 then ignores ``ppo_micro_batch_size_per_gpu=8``), which a fixed row
@@ -285,3 +286,9 @@ def kl_cov_policy_loss(
     metrics = _ratio_metrics(log_r, mask, {"kl_cov_fraction": selected}, ratio=ratio)
     metrics["abs_log_ratio_mean"] = masked_mean(log_r.abs(), mask)
     return loss, metrics
+
+
+# Their statistics span the call's active actions (verl's micro-batch): the learner refuses action chunks for them
+# (mmrl.trainer.learn.chunked_geometry), as for top_entropy_quantile and off_policy_mask_threshold.
+clip_cov_policy_loss.needs_whole_micro_batch = True  # type: ignore[attr-defined]
+kl_cov_policy_loss.needs_whole_micro_batch = True  # type: ignore[attr-defined]

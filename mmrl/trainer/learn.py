@@ -76,7 +76,8 @@ def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) ->
     """The batch geometry with ``algorithm.action_chunk_size`` folded in, or None when it is not set.
 
     Checks that the plugin can recompute a subset of action columns, declares an action budget, and that the
-    policy loss takes token-level ratios (chunk and sequence ratios need every action of a unit at once).
+    policy loss takes token-level ratios (chunk and sequence ratios need every action of a unit at once) and has no
+    statistic over a whole micro-batch (a loss that sets ``needs_whole_micro_batch``: ``clip_cov``, ``kl_cov``).
     """
     size = config.algorithm.action_chunk_size
     if size is None:
@@ -89,6 +90,10 @@ def chunked_geometry(config: TrainConfig, plugin: Plugin, num_processes: int) ->
     if level != "token":
         raise ConfigError("algorithm.action_chunk_size", size,
                           f"null with ratio_level {level!r}: chunk and sequence ratios need every action at once")
+    loss_name = config.algorithm.policy_loss.name
+    if getattr(policy_losses.get(loss_name), "needs_whole_micro_batch", False):
+        raise ConfigError("algorithm.action_chunk_size", size,
+                          f"null with policy_loss {loss_name!r}: its statistics span a whole micro-batch's actions")
     max_actions = plugin.max_actions()
     if max_actions is None:
         raise ConfigError("algorithm.action_chunk_size", size,

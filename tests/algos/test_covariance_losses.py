@@ -16,6 +16,7 @@ import torch
 
 from mmrl.algos import aggregate, policy_losses
 from mmrl.config import ConfigError, load_config
+from mmrl.trainer import Trainer
 from tests.helpers import BASE, toy_config
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0],
@@ -490,3 +491,10 @@ def test_kl_cov_trains_off_policy(tmp_path):
         assert record["loss/first_step_ratio_deviation"] < 1e-5
         assert record["policy/kl_cov_fraction"] == pytest.approx(0.2, abs=0.05)
     assert history[-1]["policy/abs_log_ratio_mean"] > 0
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_action_chunks_are_refused_at_start_up(tmp_path, loss):
+    # Their covariance statistics span a whole micro-batch: a chunk of its columns would have its own means and budget.
+    with pytest.raises(ConfigError, match=rf"action_chunk_size.*{loss}"):
+        Trainer(toy_config(tmp_path, f"algorithm.policy_loss.name={loss}", "algorithm.action_chunk_size=2"))
