@@ -218,6 +218,10 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, *,
     OpenRLHF/OpenRLHF@3c3be62, ``reinforce_baseline``) also whitens over tokens, with the population variance (no
     Bessel correction, as mmrl) and ``var.clamp(min=1e-8)`` where verl and mmrl add eps.
 
+    v is the variance of the batch the estimator sees. The trainer calls it on each sampling round before dynamic
+    sampling drops the groups without spread (whose c is 0), where verl whitens the kept batch; the config refuses it
+    with ``rollout.dynamic_sampling.enabled`` (:class:`mmrl.config.TrainConfig`).
+
     Args:
         eps: Added to the batch variance under the square root, >= 0 (verl's ``masked_whiten``: 1e-8).
 
@@ -263,7 +267,9 @@ def gpg_advantages(rewards: Tensor, group_ids: Tensor, *,
     is overwritten (L698) and ``f_norm`` is a constant divisor (L714), 1.0 since the trainer passes neither
     (``verl/trainer/ppo/ray_trainer.py`` L194-216). The paper's other choice, F_norm = the group std, is not offered
     (``grpo`` divides by it, without α). A group of one sample gets 0 and counts as a sample without spread (verl:
-    mean 0, advantage α·r).
+    mean 0, advantage α·r). α is that of the batch the estimator sees: the trainer calls it on each sampling round
+    before dynamic sampling drops the groups without spread, after which the kept batch's α is 1, so the config
+    refuses ``gpg`` with ``rollout.dynamic_sampling.enabled`` (``dr_grpo`` is GPG's advantage with α = 1 there).
 
     Args:
         f_norm: Constant divisor of the centred reward, > 0 (verl: 1.0).

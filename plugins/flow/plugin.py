@@ -212,6 +212,12 @@ class FlowPlugin(Plugin):
         if algorithm.policy_loss.name != "nft":
             raise ConfigError("algorithm.policy_loss.name", algorithm.policy_loss.name, "nft with plugin.likelihood "
                               "nft (its columns are x0 errors, not log-probs a ratio loss could read)")
+        if algorithm.off_policy_mask_threshold is not None:
+            # OPSM reads the mean of old_logp − logp as a log-ratio; nft's columns would make it a difference of x0
+            # errors, and force the old-policy pass that the nft loss otherwise skips (reads_old_logp False).
+            raise ConfigError("algorithm.off_policy_mask_threshold", algorithm.off_policy_mask_threshold, "null with "
+                              "plugin.likelihood nft (its columns are x0 errors, not log-probs whose mean log-ratio "
+                              "measures how far the policy moved)")
         if algorithm.aggregation not in NFT_AGGREGATIONS:
             raise ConfigError("algorithm.aggregation", algorithm.aggregation, f"one of {', '.join(NFT_AGGREGATIONS)} "
                               "with plugin.likelihood nft (upstream's mean over samples and times)")

@@ -321,3 +321,41 @@ def test_config_binds_the_options():
                                   "advantage": {"name": "gpg", "f_norm": 2, "alpha_count": "nonzero_rewards"}}}
     bound = load_config(data).algorithm.advantage
     assert bound.name == "gpg" and bound.options == {"f_norm": 2.0, "alpha_count": "nonzero_rewards"}
+
+
+def test_gpg_alpha_counts_samples_not_groups_when_group_sizes_differ():
+    """α = B/(B − M) with M the samples of groups without spread (arXiv:2504.02546): groups of 4 (spread), 2 and 3
+    (none) give α = 9/4; counting groups (1 of 3), which equals it only for equal sizes, would give 3. Unequal sizes
+    occur when samples with non-finite rewards leave their groups (mmrl.trainer.credit.sample_advantages)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, 0], dtype=torch.float64)
+    torch.testing.assert_close(advantage_estimators["gpg"](rewards, ids), 9 / 4 * centred, rtol=0, atol=1e-12)
+    # verl's count: 3 nonzero rewards of 9, α = 3
+    torch.testing.assert_close(advantage_estimators["gpg"](rewards, ids, alpha_count="nonzero_rewards"),
+                               3 * centred, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpg", "reinforce_pp_baseline"])
+def test_batch_statistics_estimated_before_the_dynamic_sampling_filter_are_refused(name):
+    """The trainer credits each sampling round before dynamic sampling drops the groups without spread; verl's DAPO
+    recipe estimates on the kept batch. The two orders differ by the round's share of samples with spread: here half,
+    so gpg's α (2 vs 1) and reinforce_pp_baseline's scale (sqrt 2) would be off; the config refuses them."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0])
+    ids = torch.arange(4).repeat_interleave(4)
+    kept = torch.tensor([True] * 4 + [False] * 8 + [True] * 4)  # the groups with spread
+    round_then_filter = advantage_estimators[name](rewards, ids)[kept]
+    filter_then_round = advantage_estimators[name](rewards[kept], ids[kept])
+    factor = 2.0 if name == "gpg" else math.sqrt(2.0)
+    torch.testing.assert_close(round_then_filter, factor * filter_then_round)
+    data = {**BASE, "algorithm": {**BASE["algorithm"], "advantage": name},
+            "rollout": {**BASE["rollout"], "dynamic_sampling": {"enabled": True}}}
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert info.value.key == "algorithm.advantage.name" and "dynamic_sampling" in str(info.value)
+    assert "\n" not in str(info.value)
+    data["rollout"]["dynamic_sampling"]["enabled"] = False
+    assert load_config(data).algorithm.advantage.name == name  # accepted without dynamic sampling
+    data["rollout"]["dynamic_sampling"]["enabled"] = True
+    data["algorithm"]["advantage"] = "dr_grpo"
+    load_config(data)  # per-group estimators are unaffected by the order

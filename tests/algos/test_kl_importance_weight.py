@@ -109,3 +109,84 @@ def test_a_plugins_own_kl_is_refused_at_the_first_step(tmp_path):
     trainer.plugin.forward = own_kl
     with pytest.raises(RolloutError, match=r"kl_importance_weighted.*PolicyOutput.kl"):
         trainer.train()
+
+
+def test_off_policy_the_kl_term_is_the_unclipped_token_ratio_times_k3(tmp_path):
+    """Two mini-batches per rollout: the second trains off-policy (|log r| up to ~0.5 here), where the gradient tests
+    above, on the sampling weights (r = 1 in value), cannot see the ratio's value. The logged KL of every backward
+    pass must be the masked mean of r·k3 with r = π_θ/π_old unclipped (TRL's coef_1, not the clipped coef_2),
+    written out from the learner's own inputs."""
+    config = toy_config(tmp_path, "run.max_steps=2", "algorithm.minibatches=2", "algorithm.micro_batch_size=16",
+                        f"algorithm.kl_coef={BETA}", "algorithm.kl_importance_weighted=true")
+    trainer = Trainer(config)
+    learner = trainer.learner
+    seen, refs, logged = [], [], []
+    loss, estimator, micro = learner.policy_loss, learner.kl_estimator, learner._micro_loss
+
+    def recorded_loss(logp, old_logp, advantages, mask, **options):
+        seen.append((logp.detach().clone(), old_logp.clone(), mask.clone()))
+        return loss(logp, old_logp, advantages, mask, **options)
+
+    def recorded_kl(logp, ref_logp):
+        refs.append(ref_logp.detach().clone())
+        return estimator(logp, ref_logp)
+
+    def recorded_micro(*args, **kwargs):
+        result = micro(*args, **kwargs)
+        logged.append(float(result[1]["policy/kl"]))
+        return result
+
+    learner.policy_loss, learner.kl_estimator, learner._micro_loss = recorded_loss, recorded_kl, recorded_micro
+    trainer.train()
+    assert len(seen) == len(refs) == len(logged) == 4  # 2 steps × 2 mini-batches × 1 micro-batch
+    largest = 0.0
+    for (logp, old_logp, mask), ref_logp, kl in zip(seen, refs, logged, strict=True):
+        ratio = (logp - old_logp).exp()  # [n, A]
+        expected = (ratio * kl_estimators.get("k3")(logp, ref_logp) * mask).sum() / mask.sum()
+        assert kl == pytest.approx(float(expected), rel=1e-5, abs=1e-8)
+        largest = max(largest, float(((logp - old_logp).abs() * mask).max()))
+    assert largest > 0.25  # off-policy beyond a clipped ratio's range (1 ± 0.2), which would differ
+
+
+def _enumerated(level: str | None, theta: torch.Tensor, old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """E over π_old's two-token sequences of Σ_t w_t·k3_t, w = exp(log_ratio at ``level``) (None: w = 1), on a toy
+    whose logits are [1 + V, V]: row 0 the first token's, row 1 + a the second's after a."""
+    vocab = theta.shape[1]
+    lt, lo, lr = (torch.log_softmax(x, -1) for x in (theta, old, ref))
+    first, second = torch.arange(vocab).repeat_interleave(vocab), torch.arange(vocab).repeat(vocab)  # [V²] each
+
+    def columns(logps):  # [V², 2] the log-probs of each sequence's two tokens
+        return torch.stack([logps[0, first], logps[1 + first, second]], dim=1)
+
+    logp, old_logp, ref_logp = columns(lt), columns(lo).detach(), columns(lr)
+    mask = torch.ones_like(logp)
+    weight = 1.0 if level is None else log_ratio(logp, old_logp, mask, level=level).exp()
+    per_sequence = (weight * kl_estimators.get("k3")(logp, ref_logp)).sum(dim=1)  # [V²]
+    return (old_logp.sum(dim=1).exp() * per_sequence).sum()
+
+
+def test_the_token_ratio_is_the_unbiased_weight_and_a_sequence_ratio_is_not():
+    """The docs' claims, enumerated exactly (no sampling): with actions from π_old, E_old[Σ_t r_t·k3_t] is the KL of
+    π_θ to π_ref at each state summed over the tokens (states drawn by π_old), and on policy its gradient is that
+    sum's gradient with the states held fixed; the sequence level's geometric-mean ratio (TRL's coef_1 for GSPO)
+    gives neither, and neither does no weight."""
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(4, 3, dtype=torch.float64, generator=generator).requires_grad_()
+    old = theta.detach() + 0.4 * torch.randn(4, 3, dtype=torch.float64, generator=generator)
+    ref = torch.randn(4, 3, dtype=torch.float64, generator=generator)
+
+    def state_kl(states):  # Σ_t KL(π_θ(·|s_t) ‖ π_ref(·|s_t)), the second state drawn from `states`
+        lt, lr = torch.log_softmax(theta, -1), torch.log_softmax(ref, -1)
+        rows = (lt.exp() * (lt - lr)).sum(-1)  # [1 + V]
+        return rows[0] + (torch.softmax(states, -1)[0] * rows[1:]).sum()
+
+    target = state_kl(old)
+    assert float(_enumerated("token", theta, old, ref).detach()) == pytest.approx(float(target.detach()), rel=1e-12)
+    for level in ("sequence", None):
+        assert abs(float((_enumerated(level, theta, old, ref) - target).detach())) > 1e-2
+    exact = torch.autograd.grad(state_kl(theta.detach()), theta)[0]
+    token = torch.autograd.grad(_enumerated("token", theta, theta.detach(), ref), theta)[0]
+    torch.testing.assert_close(token, exact, rtol=1e-10, atol=1e-12)
+    for level in ("sequence", None):
+        gradient = torch.autograd.grad(_enumerated(level, theta, theta.detach(), ref), theta)[0]
+        assert float((gradient - exact).abs().max()) > 1e-2

@@ -105,6 +105,14 @@ def test_the_mask_scales_the_policy_term_only(tmp_path, monkeypatch):
     assert all(float(g.abs().max()) == 0.0 for step in policy_only[1:] for g in step.values())
 
 
+def test_the_entropy_bonus_keeps_the_masked_actions(tmp_path, monkeypatch):
+    # TRL f2cd577 L3156-3158: the entropy bonus's mask is the completion mask times the entropy mask only, not the
+    # off-policy mask. Nothing kept and no KL: the bonus alone moves the weights.
+    everything_masked, _ = _run(tmp_path, monkeypatch, lambda keep, mask: torch.zeros_like(keep),
+                                "algorithm.off_policy_mask_threshold=0", "algorithm.entropy_coef=0.01")
+    assert all(max(float(g.abs().max()) for g in step.values()) > 1e-6 for step in everything_masked)
+
+
 def test_the_learner_masks_what_trl_would(tmp_path):
     # δ = 0 on the off-policy second mini-batch: the learner's masked share equals TRL's rule on the same inputs.
     config = toy_config(tmp_path, "run.max_steps=3", "algorithm.minibatches=2", "algorithm.micro_batch_size=16",

@@ -320,6 +320,41 @@ def test_two_optimizer_steps_per_rollout_run_no_old_policy_pass(train_config, tm
     assert math.isfinite(history[0]["loss/total"])
 
 
+def test_skipping_the_old_policy_pass_trains_exactly_as_running_it(train_config, tmp_path, monkeypatch):
+    """Two inner epochs, each on its own draw (start_inner_epoch): the run that skips the pass (reads_old_logp False)
+    and the run forced through one pass per epoch (reads_old_logp patched to True) take bit-identical gradients at
+    every optimizer step: nothing the nft loss or the plugin reads comes from the pass."""
+    from mmrl.trainer import learn
+    from tests.helpers import record_gradients
+
+    runs = []
+    for forced in (False, True):
+        config = train_config("sd3", tmp_path / str(forced), "algorithm.policy_loss={name: nft}",
+                              "algorithm.inner_epochs=2", "algorithm.action_chunk_size=null",
+                              "algorithm.micro_batch_size=2", "eval.save_samples=false", likelihood="nft",
+                              nft={"optimizer_steps_per_step": 2})
+        passes: list[int] = []
+
+        def counted(*args, passes=passes, real=learn.old_policy_pass, **kwargs):
+            passes.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(learn, "old_policy_pass", counted)
+        if forced:
+            monkeypatch.setattr(learn, "reads_old_logp", lambda loss, options=None: True)
+        trainer = Trainer(config)
+        steps = record_gradients(trainer, trainer.policy)
+        trainer.train()
+        monkeypatch.undo()
+        runs.append((steps, len(passes)))
+    (skipped, no_passes), (forced, passes) = runs
+    assert no_passes == 0 and passes == 4  # 2 steps × one pass per inner epoch
+    assert len(skipped) == len(forced) == 4
+    for ours, theirs in zip(skipped, forced, strict=True):
+        assert ours.keys() == theirs.keys() and ours
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     (("algorithm.policy_loss={name: grpo}",), "algorithm.policy_loss.name"),
     (("algorithm.aggregation=seq_mean_token_sum",), "algorithm.aggregation"),
@@ -327,6 +362,7 @@ def test_two_optimizer_steps_per_rollout_run_no_old_policy_pass(train_config, tm
     (("algorithm.advantage_clip=2.0",), "algorithm.advantage_clip"),
     (("algorithm.minibatches=2",), "plugin.nft.optimizer_steps_per_step"),
     (("algorithm.policy_loss={name: nft, adv_clip_max: 0.0}",), "algorithm.policy_loss.adv_clip_max"),
+    (("algorithm.off_policy_mask_threshold=0.5",), "algorithm.off_policy_mask_threshold"),  # no log-ratio to mask by
 ])
 def test_settings_that_change_the_released_loss_are_refused_in_one_line(train_config, tmp_path, overrides, key):
     base = ["algorithm.policy_loss={name: nft}", "algorithm.action_chunk_size=null", *overrides]
