@@ -154,11 +154,6 @@ def vespo_policy_loss(
     return loss, metrics
 
 
-# Its ratio_level names the span of φ, not a ratio: an importance-weighted KL term (algorithm.kl_importance_weighted)
-# takes the token ratio, TRL's coef_1 with the token importance_sampling_level vespo requires there (L897-901).
-vespo_policy_loss.kl_weight_level = "token"
-
-
 @policy_losses.register("luspo")
 def luspo_policy_loss(
     logp: Tensor,

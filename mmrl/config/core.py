@@ -143,11 +143,11 @@ class AlgorithmConfig:
     )
     kl_importance_weighted: bool = config_field(
         False,
-        help="Multiply each action's KL estimate by the importance ratio pi/pi_old (at the policy loss's ratio level, "
-        "with its gradient, as TRL). With the token ratio, samples of the old policy estimate each state's "
-        "KL(pi || pi_ref) without bias off-policy and its gradient is the exact one on-policy; a sequence or chunk "
-        "ratio (geometric mean) gives neither. Needs kl_coef > 0 and a KL estimated from the reference's log-probs "
-        "(k1, k2 or k3; not a plugin's own KL).",
+        help="Multiply each action's KL estimate by its token importance ratio pi/pi_old, with its gradient: samples "
+        "of the old policy then estimate each state's KL(pi || pi_ref) without bias off-policy, and the gradient is "
+        "the exact one on-policy (whatever the policy loss's ratio level; TRL uses a sequence-level loss's geometric "
+        "mean there, which is no importance weight). Needs kl_coef > 0 and a KL estimated from the reference's "
+        "log-probs (k1, k2 or k3; not a plugin's own KL).",
         ref="DeepSeek-V3.2 arXiv:2512.02556 ('Unbiased KL Estimate'); TRL use_bias_correction_kl",
     )
     ref_sync_every: int = config_field(

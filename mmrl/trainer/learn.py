@@ -144,9 +144,6 @@ class Learner:
         # One that declares `generator` draws at random (clip_cov): each call gets its own seeded generator
         # (loss_generator), so the draws repeat with the run's seed and resume exactly.
         self.loss_draws = "generator" in accepted
-        # The KL term's importance weight (kl_importance_weighted) is the loss's ratio at its level; a loss whose
-        # level names the span of another weight says which ratio TRL would use (vespo: the token ratio).
-        self.kl_weight_level = getattr(self.policy_loss, "kl_weight_level", None) or ratio_level(config)
         if self.loss_reads_groups:
             check_whole_groups(geometry, config.rollout.layout, f"policy_loss {config.algorithm.policy_loss.name!r}")
         self.kl_estimator = kl_estimators.get(config.algorithm.kl_estimator)
@@ -381,10 +378,11 @@ class Learner:
                 real = part.mask > 0
                 kl = self.kl_estimator(logp.where(real, 0.0), ref.float().where(real, 0.0))
                 if algorithm.kl_importance_weighted:
-                    # DeepSeek-V3.2's unbiased KL (TRL use_bias_correction_kl: k · coef_1, the loss's ratio with its
-                    # gradient): E_old[r·k] = E_θ[k], and on-policy ∇(r·k) = k·∇log π + ∇k, the exact gradient.
-                    kl = kl * log_ratio(logp, old_logp, part.mask, level=self.kl_weight_level,
-                                        chunk_ids=part.chunk_ids).exp()
+                    # DeepSeek-V3.2's unbiased KL: k times the token ratio, with its gradient. E_old[r·k] = E_θ[k] at
+                    # each sampled state, and on-policy ∇(r·k) = k·∇log π + ∇k, the exact gradient there. TRL's
+                    # use_bias_correction_kl takes the loss's coef_1, a geometric mean at its sequence level: no
+                    # importance weight, so mmrl keeps the token ratio whatever the loss's level.
+                    kl = kl * log_ratio(logp, old_logp, part.mask).exp()
             elif algorithm.kl_importance_weighted:
                 raise RolloutError(f"algorithm.kl_importance_weighted weights a KL estimated from ref_logp, but plugin "
                                    f"{self.plugin.name!r} returned its own KL (PolicyOutput.kl); set it to false")

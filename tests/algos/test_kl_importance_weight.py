@@ -30,7 +30,7 @@ def _expected_gradients(tmp_path, loss_name: str, weighted: bool):
     policy, plugin = trainer.policy, trainer.plugin
     expected = {}
     collect = trainer.collector.collect
-    level = "sequence" if loss_name == "gspo" else "token"  # vespo's weight: the token ratio, as TRL
+    level = "sequence" if loss_name == "gspo" else "token"  # the policy term's ratio
 
     calls = []
 
@@ -44,7 +44,9 @@ def _expected_gradients(tmp_path, loss_name: str, weighted: bool):
         mask = rollout.mask
         ratio = log_ratio(output.logp, output.logp.detach(), mask, level=level).exp()  # [N, A], 1 in value
         kl = kl_estimators.get("k3")(output.logp, output.ref_logp.float())
-        weight = ratio if weighted else torch.ones_like(ratio)
+        # the KL's weight is the token ratio whatever the loss's level (DeepSeek-V3.2's; TRL's coef_1 is gspo's)
+        token_ratio = log_ratio(output.logp, output.logp.detach(), mask).exp()  # [N, A]
+        weight = token_ratio if weighted else torch.ones_like(ratio)
         per_action = -batch.advantages.unsqueeze(1) * ratio + BETA * weight * kl
         loss = (per_action * mask).sum() / mask.sum()
         expected.update(trainable_gradients(loss, plugin.model))
