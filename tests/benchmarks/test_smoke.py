@@ -259,6 +259,40 @@ def test_dllm_step_parts(tmp_path):
         assert ms[inner] <= ms[outer] + 1e-6, (outer, inner)
 
 
+def test_policy_losses(tmp_path):
+    """Every variant's config loads with the loss and aggregation its recipe names; one RL step of a subset that
+    covers each loss module (policy, sequence, covariance losses) and OPSM runs (all 13 take ~30 s)."""
+    from mmrl.config import load_config
+
+    module = load_module("policy_losses.py")
+    assert set(module.RECIPES) == set(module.VARIANTS)
+    for name, overrides in module.VARIANTS.items():
+        config = load_config(module.CONFIG, [*module.COMMON, *overrides])
+        loss, aggregation, _ = module.RECIPES[name]
+        assert config.plugin.config.estimator == "one_step" and config.algorithm.inner_epochs == 2
+        assert loss.split(",")[0].split(" ")[0] == config.algorithm.policy_loss.name, name
+        assert config.algorithm.aggregation == aggregation, name
+    assert load_config(module.CONFIG, module.VARIANTS["grpo_opsm"]).algorithm.off_policy_mask_threshold == \
+        module.OPSM_THRESHOLD
+    subset = ["gspo", "vespo", "clip_cov", "grpo_opsm"]
+    out, plots = tmp_path / "losses.json", tmp_path / "plots"
+    run_benchmark(tmp_path, "policy_losses.py", "--seeds", "0", "--steps", "1", "--eval-every", "1",
+                  "--variants", *subset, "--output-dir", str(plots), "--json", str(out))
+    results = read_json(out)
+    assert list(results) == subset
+    for runs in results.values():
+        assert set(runs) == {"0"} and set(runs["0"]) == {"curve", "train_reward_mean", "metrics", "seconds"}
+        assert set(runs["0"]["curve"]) == {"0", "1"} and runs["0"]["seconds"] > 0
+        assert all(0 <= value <= 1 for value in [*runs["0"]["curve"].values(), runs["0"]["train_reward_mean"]])
+    # the same pretrained weights and the same first rollout for every loss
+    assert len({runs["0"]["curve"]["0"] for runs in results.values()}) == 1
+    assert len({runs["0"]["train_reward_mean"] for runs in results.values()}) == 1
+    assert "policy/off_policy_masked_fraction" in results["grpo_opsm"]["0"]["metrics"]
+    assert "policy/cov_detached_fraction" in results["clip_cov"]["0"]["metrics"]
+    assert "policy/phi_mean" in results["vespo"]["0"]["metrics"]
+    assert sorted(path.name for path in plots.iterdir()) in ([], ["policy_losses_training.png"])
+
+
 # ---------------------------------------------------------------------------------------------------- rewards
 
 
