@@ -17,6 +17,7 @@ import torch
 from mmrl.algos import aggregate, policy_losses
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import Trainer
+from tests.algos.inputs import off_policy_inputs
 from tests.helpers import BASE, toy_config
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0],
@@ -29,17 +30,9 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0],
 
 
 def _inputs(seed: int, per_action: bool = False, spread: float = 0.4, scale: float = 1.0):
-    """Log-probs in (−3, 0) with ratios off 1 (past the clip bounds for some actions), garbage in the padding,
-    advantages of both signs scaled by ``scale`` (the covariances grow with it)."""
-    generator = torch.Generator().manual_seed(seed)
-    old = -torch.rand(MASK.shape, generator=generator, dtype=torch.float64) * 3.0
-    new = old + spread * torch.randn(MASK.shape, generator=generator, dtype=torch.float64)
-    garbage = 50.0 * torch.randn(MASK.shape, generator=generator, dtype=torch.float64)
-    new = torch.where(MASK > 0, new, garbage)
-    old = torch.where(MASK > 0, old, -garbage.abs())
-    shape = MASK.shape if per_action else MASK.shape[:1]
-    adv = scale * torch.randn(shape, generator=generator, dtype=torch.float64)
-    return new.requires_grad_(True), old, adv
+    """Log-probs in (−3, 0); advantages scaled by ``scale`` (the covariances grow with it), none set to 0."""
+    return off_policy_inputs(MASK, seed, per_action=per_action, spread=spread, log_prob_span=3.0,
+                             advantage_scale=scale, zero_advantage=False)
 
 
 def _adv(adv, i, t):

@@ -16,6 +16,7 @@ import torch
 from mmrl.algos import aggregate, policy_losses
 from mmrl.cli import main
 from mmrl.config import ConfigError, load_config
+from tests.algos.inputs import off_policy_inputs
 from tests.helpers import BASE, toy_config
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0],
@@ -28,20 +29,7 @@ MICRO_BATCHES = (slice(0, 3), slice(3, 6))  # TRL's per-device micro-batches: eq
 
 
 def _inputs(seed: int, per_action: bool = False, spread: float = 0.3):
-    """Log-probs off-policy by ``spread`` per action, garbage in the padding, advantages of both signs and one 0."""
-    generator = torch.Generator().manual_seed(seed)
-    old = -torch.rand(MASK.shape, generator=generator, dtype=torch.float64) * 2.0
-    new = old + spread * torch.randn(MASK.shape, generator=generator, dtype=torch.float64)
-    garbage = 50.0 * torch.randn(MASK.shape, generator=generator, dtype=torch.float64)
-    new = torch.where(MASK > 0, new, garbage)
-    old = torch.where(MASK > 0, old, -garbage.abs())
-    if per_action:
-        adv = torch.randn(MASK.shape, generator=generator, dtype=torch.float64)
-        adv[0, 1] = 0.0
-    else:
-        adv = torch.randn(MASK.shape[0], generator=generator, dtype=torch.float64)
-        adv[3] = 0.0
-    return new.requires_grad_(True), old, adv
+    return off_policy_inputs(MASK, seed, per_action=per_action, spread=spread)
 
 
 # ------------------------------------------------------------------------------------------- TRL, restated
