@@ -282,6 +282,7 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("policy_losses", "grpo", "clip_low", 1.0, "a number in [0, 1)"),  # 1 − ε_low must stay > 0
     ("policy_losses", "grpo", "clip_high", -0.01, "a number >= 0"),
     ("policy_losses", "gspo", "dual_clip", 1.0, "a number > 1 or null"),  # Ye et al. 2020, eq. (5): c > 1
+    ("policy_losses", "grpo", "delta", 1.0, "a number > 1 or null"),  # r = 1 must stay below the cap
     ("policy_losses", "spg", "mix", 1.5, "a number in [0, 1]"),
     ("policy_losses", "nft", "adv_clip_max", 0.0, "a number > 0"),  # r divides by A_max
     ("policy_losses", "cispo", "clip_low", 1.0, "a number in [0, 1) or null"),  # the weight's floor 1 − ε_low > 0
@@ -472,7 +473,7 @@ def _probes() -> dict[str, Any]:
 
     probes = {}
     for loss in ("grpo", "gspo"):
-        for option in ("clip_low", "clip_high", "dual_clip"):
+        for option in ("clip_low", "clip_high", "dual_clip", "delta"):
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     probes["policy_losses.spg.mix"] = _loss_probe("spg", "mix", columns=2)
     probes["policy_losses.nft.adv_clip_max"] = _loss_probe("nft", "adv_clip_max", columns=2)
@@ -481,7 +482,7 @@ def _probes() -> dict[str, Any]:
         for option in options:
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     for loss, options in (("vespo", ("k_pos", "lambda_pos", "k_neg", "lambda_neg")),
-                          ("luspo", ("clip_low", "clip_high"))):
+                          ("luspo", ("clip_low", "clip_high", "delta"))):
         for option in options:
             probes[f"policy_losses.{loss}.{option}"] = _loss_probe(loss, option)
     for option in ("beta_dpo", "clip_range"):

@@ -38,6 +38,8 @@ policy_losses: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Regis
 CLIP_LOW = Range(0, 1, high_open=True)
 CLIP_HIGH = Range(0)
 DUAL_CLIP = Range(1, low_open=True)
+# INTELLECT-2's two-sided clip δ caps the unclipped ratio: r = 1 (on-policy) must stay below it.
+TWO_SIDED_CLIP = Range(1, low_open=True)
 
 
 def reads_old_logp(loss: Callable[..., tuple[Tensor, dict[str, Tensor]]], options: dict | None = None) -> bool:
@@ -124,10 +126,11 @@ def clipped_policy_loss(
     clip_low: Annotated[float, CLIP_LOW] = 0.2,
     clip_high: Annotated[float, CLIP_HIGH] = 0.2,
     dual_clip: Annotated[float, DUAL_CLIP] | None = None,
+    delta: Annotated[float, TWO_SIDED_CLIP] | None = None,
     ratio_level: Literal["token", "chunk", "sequence"] = "token",
     chunk_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip with asymmetric bounds (DAPO clip-higher) and optional dual clip, as in GRPO.
+    """PPO-clip with asymmetric bounds (DAPO clip-higher), optional dual clip and optional two-sided clip, as in GRPO.
 
     L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)); with ``dual_clip = c`` and A < 0 the loss is further
     capped at −c·A. On-policy (r = 1) the gradient equals the plain policy gradient −A·∇log π.
@@ -141,6 +144,11 @@ def clipped_policy_loss(
         clip_low: ε_low in [0, 1), the ratio's lower bound is 1 − ε_low (PPO/GRPO: 0.2).
         clip_high: ε_high >= 0, the ratio's upper bound is 1 + ε_high (DAPO clip-higher: 0.28).
         dual_clip: c > 1 caps the loss of negative-advantage actions at −c·A (Ye et al. 2020: 3.0); None disables.
+        delta: δ > 1, INTELLECT-2's two-sided clip (Prime Intellect 2025, arXiv:2505.07291; TRL's ``delta``,
+            ``trl/trainer/grpo_trainer.py`` L3085-3087 at huggingface/trl@f2cd577): the unclipped branch's ratio is
+            capped, min(r, δ), so L = max(−A·min(r, δ), −A·clip(r)). For A < 0 the loss of a ratio past δ stops at
+            −A·δ with no gradient (without it, the unclipped branch grows with r without bound); for A > 0 nothing
+            changes when δ >= 1 + ε_high (TRL recommends δ > 1 + ε). None disables (TRL's default).
         ratio_level: "token", "chunk" (needs chunk ids from the rollout) or "sequence" (GSPO).
 
     Shapes:
@@ -150,15 +158,21 @@ def clipped_policy_loss(
         raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0; got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (it caps the loss at -c*A), got {dual_clip}")
+    if delta is not None and not 1 < delta < math.inf:
+        raise ValueError(f"delta must be > 1 (it caps the unclipped ratio; r = 1 must stay below it), got {delta}")
     log_r = log_ratio(logp, old_logp, mask, level=ratio_level, chunk_ids=chunk_ids)  # [N, A]
     ratio = log_r.exp()  # [N, A]
     adv = broadcast_advantages(advantages, logp).to(ratio.dtype)  # [N, A]
     neg_adv = -adv  # [N, A]
-    loss = torch.maximum(neg_adv * ratio, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))  # [N, A]
+    # the clipped branch from the uncapped ratio, as TRL computes coef_2 before capping coef_1
+    capped = ratio if delta is None else ratio.clamp(max=delta)  # [N, A]
+    loss = torch.maximum(neg_adv * capped, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))  # [N, A]
     with torch.no_grad():
         low = (adv < 0) & (ratio < 1.0 - clip_low)  # [N, A]
         high = (adv > 0) & (ratio > 1.0 + clip_high)  # [N, A]
         fractions = {"clip_fraction": low | high, "clip_fraction_low": low, "clip_fraction_high": high}
+        if delta is not None:
+            fractions["two_sided_clip_fraction"] = (adv < 0) & (ratio > delta)  # [N, A]
     if dual_clip is not None:
         cap = -dual_clip * adv  # [N, A]
         negative = adv < 0
@@ -178,6 +192,7 @@ def gspo_policy_loss(
     clip_low: Annotated[float, CLIP_LOW] = 3e-4,
     clip_high: Annotated[float, CLIP_HIGH] = 4e-4,
     dual_clip: Annotated[float, DUAL_CLIP] | None = None,
+    delta: Annotated[float, TWO_SIDED_CLIP] | None = None,
     ratio_level: Literal["token", "chunk", "sequence"] = "sequence",
     chunk_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -191,6 +206,8 @@ def gspo_policy_loss(
         clip_low: ε_low in [0, 1) on the sequence ratio (paper: 3e-4).
         clip_high: ε_high >= 0 on the sequence ratio (paper: 4e-4).
         dual_clip: Optional dual clip c > 1; None disables.
+        delta: Optional two-sided clip δ > 1 on the sequence ratio (TRL applies its ``delta`` to every clipped
+            loss type, GSPO's included); None disables.
         ratio_level: "sequence" (GSPO), "chunk" or "token".
 
     Shapes:
@@ -204,6 +221,7 @@ def gspo_policy_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         dual_clip=dual_clip,
+        delta=delta,
         ratio_level=ratio_level,
         chunk_ids=chunk_ids,
     )

@@ -30,6 +30,7 @@ from torch import Tensor
 from mmrl.algos.policy_losses import (
     CLIP_HIGH,
     CLIP_LOW,
+    TWO_SIDED_CLIP,
     _ratio_metrics,
     broadcast_advantages,
     clipped_policy_loss,
@@ -163,6 +164,7 @@ def luspo_policy_loss(
     *,
     clip_low: Annotated[float, CLIP_LOW] = 2e-3,
     clip_high: Annotated[float, CLIP_HIGH] = 2.5e-3,
+    delta: Annotated[float, TWO_SIDED_CLIP] | None = None,
     ratio_level: Literal["sequence"] = "sequence",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """LUSPO: GSPO's clipped sequence-ratio loss scaled by the sequence's length, L = |o_i|·max(−A·s, −A·clip(s)).
@@ -190,9 +192,9 @@ def luspo_policy_loss(
     :func:`mmrl.algos.aggregate` reproduces TRL's count). With per-action ``[B, T]`` advantages TRL's ``.mean()``
     runs over every column, padding included; mmrl takes row i's mean over its active actions, |o_i| times mean_t
     ℓ_{i,t}: the same as TRL where a row's advantage is constant (padding included), as it is when one advantage
-    per sequence is broadcast. TRL's optional ``delta`` (an upper cap on the unclipped ratio, default off) has no
-    counterpart here; s is computed from log s clamped to ±20 (:mod:`mmrl.algos.ratios`, TRL has no clamp: a ratio
-    past e^20 is a numerical failure).
+    per sequence is broadcast. TRL's optional ``delta`` (an upper cap on the unclipped ratio, default off) is
+    ``delta`` here, as in ``grpo``; s is computed from log s clamped to ±20 (:mod:`mmrl.algos.ratios`, TRL has no
+    clamp: a ratio past e^20 is a numerical failure).
 
     The defaults are the paper's (§5.1) as TRL's ``paper_index.md`` gives them (L643-657): ``epsilon=2e-3``,
     ``epsilon_high=2.5e-3`` (TRL's own defaults are 0.2 for every loss type).
@@ -204,6 +206,7 @@ def luspo_policy_loss(
     Args:
         clip_low: ε_low in [0, 1) on the sequence ratio (paper: 2e-3).
         clip_high: ε_high >= 0 on the sequence ratio (paper: 2.5e-3).
+        delta: Optional two-sided clip δ > 1 on the sequence ratio (TRL's ``delta``, as ``grpo``'s); None disables.
         ratio_level: "sequence", the only one: s and |o_i| span every action of a row (the trainer then refuses
             ``action_chunk_size``).
 
@@ -214,6 +217,6 @@ def luspo_policy_loss(
         raise ValueError(f"luspo ratio_level must be 'sequence' (GSPO's ratio and the length span the row), got "
                          f"{ratio_level!r}")
     clipped, metrics = clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                           ratio_level="sequence")  # [N, A] GSPO's ℓ_{i,t}
+                                           delta=delta, ratio_level="sequence")  # [N, A] GSPO's ℓ_{i,t}
     lengths = mask.to(clipped.dtype).sum(dim=1, keepdim=True)  # [N, 1] |o_i|
     return lengths * clipped, metrics

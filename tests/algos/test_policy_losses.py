@@ -38,6 +38,53 @@ def test_dual_clip_caps_negative_advantage_losses():
     torch.testing.assert_close(positive, torch.tensor([[-1.2, -1.0]]))  # A > 0 is never dual-clipped
 
 
+def _trl_two_sided(logp, old, adv, mask, eps_low, eps_high, delta, level):
+    """TRL's grpo branch with ``delta`` (huggingface/trl@f2cd577 grpo_trainer.py L3055-3091), restated: coef_2 from the
+    uncapped coef_1, then coef_1 capped at δ, per-token loss −min(coef_1·A, coef_2·A)."""
+    log_r = logp - old
+    if level == "sequence":
+        log_r = ((log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(logp)
+    coef_1 = log_r.exp()
+    coef_2 = coef_1.clamp(1 - eps_low, 1 + eps_high)
+    coef_1 = coef_1.clamp(max=delta)
+    a = adv.unsqueeze(1)
+    return -torch.min(coef_1 * a, coef_2 * a)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "luspo"])
+def test_two_sided_clip_is_trls_delta(name):
+    generator = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 5, generator=generator) > 0.2).double()
+    mask[:, 0] = 1.0
+    old = -torch.rand(6, 5, generator=generator, dtype=torch.float64) * 2
+    logp = (old + 0.8 * torch.randn(6, 5, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([-1.5, -0.7, 2.0, 0.3, -1.1, 0.9], dtype=torch.float64)
+    level = "token" if name == "grpo" else "sequence"
+    delta = 1.4 if level == "token" else 1.1  # a sequence's mean log-ratio spreads less
+    options = {"clip_low": 0.2, "clip_high": 0.28}
+    loss, metrics = policy_losses[name](logp, old, adv, mask, delta=delta, **options)
+    expected = _trl_two_sided(logp, old, adv, mask, 0.2, 0.28, delta, level)
+    if name == "luspo":  # |o_i| times the sequence-level term
+        expected = expected * mask.sum(1, keepdim=True)
+    torch.testing.assert_close(loss * mask, expected * mask)
+    got = torch.autograd.grad((loss * mask).sum(), logp)[0]
+    want = torch.autograd.grad((expected * mask).sum(), logp)[0]
+    torch.testing.assert_close(got, want)
+    ratio = log_ratio(logp.detach(), old, mask, level=level).exp()
+    capped = (adv.unsqueeze(1) < 0) & (ratio > delta) & (mask > 0)
+    assert capped.any() and not torch.equal(loss, policy_losses[name](logp, old, adv, mask, **options)[0])
+    assert metrics["two_sided_clip_fraction"].item() == pytest.approx(float(capped.sum() / mask.sum()))
+
+
+def test_two_sided_clip_by_hand():
+    # A = −1: r = 5 costs max(min(5, 2), 1.2) = 2 with δ = 2 (5 without), with no gradient; r = 1 and A = +1 unchanged
+    ratios = torch.tensor([[5.0, 1.0], [5.0, 1.0]])
+    loss, _ = _loss("grpo", ratios=ratios, adv=torch.tensor([-1.0, 1.0]), mask=torch.ones(2, 2), delta=2.0)
+    torch.testing.assert_close(loss, torch.tensor([[2.0, 1.0], [-1.2, -1.0]]))
+    with pytest.raises(ValueError, match="delta"):
+        _loss("grpo", delta=1.0)
+
+
 def test_invalid_clip_options_are_refused():
     with pytest.raises(ValueError, match="dual_clip"):
         _loss("grpo", dual_clip=0.5)
