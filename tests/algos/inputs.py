@@ -24,3 +24,19 @@ def off_policy_inputs(mask: torch.Tensor, seed: int, *, per_action: bool = False
     if zero_advantage:
         adv[(0, 1) if per_action else 3] = 0.0
     return new.requires_grad_(True), old, adv
+
+
+def check_off_policy_run(config, expected_metrics) -> None:
+    """Train ``config`` (two inner epochs of two mini-batches: the later updates off-policy) and check each step:
+    ratio 1 on the first mini-batch, every one of the loss's ``expected_metrics`` (names under ``policy/``) logged
+    and finite, and the last step's ratios off 1."""
+    import math
+
+    from mmrl.trainer import Trainer
+
+    history = Trainer(config).train().history
+    for record in history:
+        assert record["loss/first_step_ratio_deviation"] < 1e-5
+        for key in expected_metrics:
+            assert math.isfinite(record[f"policy/{key}"]), key
+    assert history[-1]["policy/ratio_max"] > 1.0 + 1e-4
