@@ -500,7 +500,11 @@ def training_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def training_plot(results: dict, path: Path) -> bool:
+def training_plot(results: dict, path: Path, title: str = "Toy world: GRPO with each likelihood estimator",
+                  dashed_prefix: str | None = None) -> bool:
+    """Held-out accuracy against RL steps per variant, the mean line and the seeds' range; False without matplotlib.
+    ``dashed_prefix``: variants whose name starts with it are dashed (benchmarks/policy_losses.py dashes its grpo +
+    option variants, so that they read as grpo's relatives)."""
     try:
         import matplotlib
 
@@ -508,19 +512,24 @@ def training_plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name, runs in results.items():
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    colours = plt.get_cmap("tab20").colors  # up to 20 variants: tab10 would repeat its colours past 10
+    for index, (name, runs) in enumerate(results.items()):
         steps = sorted(next(iter(runs.values()))["curve"])
-        values = torch.tensor([[run["curve"][s] for s in steps] for run in runs.values()])
-        ax.plot(steps, values.mean(0).tolist(), marker="o", label=name)
-        ax.fill_between(steps, values.min(0).values.tolist(), values.max(0).values.tolist(), alpha=0.2)
+        values = torch.tensor([[run["curve"][s] for s in steps] for run in runs.values()])  # [seeds, evaluations]
+        style = "--" if dashed_prefix is not None and name.startswith(dashed_prefix) else "-"
+        colour = colours[(2 * index) % 20 + (index >= 10)]
+        ax.plot(steps, values.mean(0).tolist(), marker="o", markersize=3, linestyle=style, color=colour, label=name)
+        ax.fill_between(steps, values.min(0).values.tolist(), values.max(0).values.tolist(), color=colour,
+                        alpha=0.08)
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("Toy world: GRPO with each likelihood estimator")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")  # below the curves, which all start at the same point
+    ax.legend(fontsize=7, ncol=3, loc="lower right")  # below the curves, which all start at the same point
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
 
 

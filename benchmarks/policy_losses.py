@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script or loaded by path: its sibling imports
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dllm_estimators import _reset_accelerate  # noqa: E402  (benchmarks/ is on the path above)
+from dllm_estimators import _reset_accelerate, training_plot  # noqa: E402  (benchmarks/ is on the path above)
 
 CONFIG = ROOT / "configs" / "dllm" / "toy.yaml"
 # Every variant: d1's per-token columns (one_step, the prompt masked at 0.15 per inner epoch).
@@ -197,37 +197,6 @@ def metrics_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def training_plot(results: dict, path: Path) -> bool:
-    """Held-out accuracy against RL steps, the mean line and the seeds' range; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
-    colours = plt.get_cmap("tab20").colors  # 13 variants: tab10 would repeat its colours
-    for index, (name, runs) in enumerate(results.items()):
-        steps = sorted(next(iter(runs.values()))["curve"])
-        values = torch.tensor([[run["curve"][s] for s in steps] for run in runs.values()])  # [seeds, evaluations]
-        # the grpo + option variants dashed, so that they read as grpo's relatives
-        style = "--" if name.startswith("grpo_") else "-"
-        colour = colours[(2 * index) % 20 + (index >= 10)]
-        ax.plot(steps, values.mean(0).tolist(), marker="o", markersize=3, linestyle=style, color=colour, label=name)
-        ax.fill_between(steps, values.min(0).values.tolist(), values.max(0).values.tolist(), color=colour,
-                        alpha=0.08)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("dLLM toy world: each policy loss (one_step, μ = 2)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=3, loc="lower right")  # below the curves, which all start at the same point
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -249,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     print(metrics_markdown(results))
     plot = Path(args.output_dir) / "policy_losses_training.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
-    if training_plot(results, plot):
+    if training_plot(results, plot, title="dLLM toy world: each policy loss (one_step, μ = 2)", dashed_prefix="grpo_"):
         print(f"plot: {plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
