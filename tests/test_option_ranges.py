@@ -298,6 +298,7 @@ def test_every_ranged_option_keeps_values_inside_its_range(registry, name, optio
     ("advantage_estimators", "grpo", "eps", -1e-6, "a number >= 0"),
     ("advantage_estimators", "wd1", "temperature", 0.0, "a number > 0"),
     ("advantage_estimators", "gpg", "f_norm", 0.0, "a number > 0"),  # the centred reward is divided by it
+    ("advantage_estimators", "gpg", "eps", -1e-6, "a number >= 0"),  # added to the group std (scale_rewards)
     ("likelihood_estimators", "spg_upper", "beta", 0.5, "a number >= 1"),
     ("likelihood_estimators", "elbo_t", "eps", 1.0, "a number in [0, 1)"),
     ("likelihood_estimators", "random_masking", "t_low", 0.0, "a number in (0, 1]"),  # a masking rate
@@ -576,7 +577,8 @@ def _probes() -> dict[str, Any]:
 
 # Ranged options whose function does not check them itself: the range comes from the math, said in a comment there.
 UNCHECKED_AT_RUNTIME = {"advantage_estimators.grpo.eps", "advantage_estimators.batch_std.eps",
-                        "advantage_estimators.grpo_passk.eps", "advantage_estimators.reinforce_pp_baseline.eps"}
+                        "advantage_estimators.grpo_passk.eps", "advantage_estimators.reinforce_pp_baseline.eps",
+                        "advantage_estimators.gpg.eps"}
 
 
 def test_every_ranged_option_is_probed_or_named_unchecked():

@@ -123,7 +123,9 @@ def batch_std_advantages(rewards: Tensor, group_ids: Tensor, *, eps: Annotated[f
     """Per-group mean, population std over the whole batch: (r − group mean) / (std_batch + eps).
 
     Flow-GRPO's per-prompt stat tracker with ``global_std=True`` (Liu et al. 2025, arXiv:2505.05470); TRL
-    ``scale_rewards="batch"`` uses the same idea.
+    ``scale_rewards="batch"`` uses the same idea. The batch is the one the estimator sees: under dynamic sampling
+    the trainer calls it once on the kept batch, after the filter (:mod:`mmrl.trainer.collect`), so groups without
+    spread do not shrink the std.
 
     Args:
         eps: Added to the batch std, >= 0 (Flow-GRPO: 1e-4).
@@ -218,9 +220,9 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, *,
     OpenRLHF/OpenRLHF@3c3be62, ``reinforce_baseline``) also whitens over tokens, with the population variance (no
     Bessel correction, as mmrl) and ``var.clamp(min=1e-8)`` where verl and mmrl add eps.
 
-    v is the variance of the batch the estimator sees. The trainer calls it on each sampling round before dynamic
-    sampling drops the groups without spread (whose c is 0), where verl whitens the kept batch; the config refuses it
-    with ``rollout.dynamic_sampling.enabled`` (:class:`mmrl.config.TrainConfig`).
+    v is the variance of the batch the estimator sees. Under dynamic sampling the trainer calls it once on the kept
+    batch, after the filter dropped the groups without spread (whose c is 0), as verl's DAPO recipe whitens the
+    kept batch (:mod:`mmrl.trainer.collect`).
 
     Args:
         eps: Added to the batch variance under the square root, >= 0 (verl's ``masked_whiten``: 1e-8).
@@ -244,7 +246,8 @@ GPG_ALPHA_COUNTS = ("samples_with_spread", "nonzero_rewards")
 @advantage_estimators.register("gpg")
 def gpg_advantages(rewards: Tensor, group_ids: Tensor, *,
                    f_norm: Annotated[float, Range(0, low_open=True)] = 1.0,
-                   alpha_count: Literal["samples_with_spread", "nonzero_rewards"] = "samples_with_spread") -> Tensor:
+                   alpha_count: Literal["samples_with_spread", "nonzero_rewards"] = "samples_with_spread",
+                   scale_rewards: bool = False, eps: Annotated[float, EPS] = 1e-4) -> Tensor:
     """GPG: A_i = α · (r_i − group mean) / F_norm, with α = N / n correcting for samples that carry no gradient.
 
     Chu et al. 2025, arXiv:2504.02546 (Group Policy Gradient, "accurate gradient estimation"): a group whose samples
@@ -265,16 +268,35 @@ def gpg_advantages(rewards: Tensor, group_ids: Tensor, *,
 
     n is clamped to ≥ 1 (as verl); when no group has spread every advantage is 0 anyway. verl's ``alpha`` argument
     is overwritten (L698) and ``f_norm`` is a constant divisor (L714), 1.0 since the trainer passes neither
-    (``verl/trainer/ppo/ray_trainer.py`` L194-216). The paper's other choice, F_norm = the group std, is not offered
-    (``grpo`` divides by it, without α). A group of one sample gets 0 and counts as a sample without spread (verl:
-    mean 0, advantage α·r). α is that of the batch the estimator sees: the trainer calls it on each sampling round
-    before dynamic sampling drops the groups without spread, after which the kept batch's α is 1, so the config
-    refuses ``gpg`` with ``rollout.dynamic_sampling.enabled`` (``dr_grpo`` is GPG's advantage with α = 1 there).
+    (``verl/trainer/ppo/ray_trainer.py`` L194-216); verl computes each group's std (L710) but never uses it, so it
+    offers no std normaliser. A group of one sample gets 0 and counts as a sample without spread (verl: mean 0,
+    advantage α·r).
+
+    F_norm. The paper allows F_norm = 1 or the group std; the authors' code switches with TRL's ``scale_rewards``
+    flag (``gpg_trainer.py`` L615-623 at AMAP-ML/GPG@e096da8: ``advantages / (std_grouped_rewards + 1e-4)``, the
+    Bessel-corrected ``torch.std`` of the group). ``scale_rewards`` here is that flag: F_norm = (group std + eps) ·
+    ``f_norm``, else ``f_norm`` alone (verl's constant; leave it at 1 to match the authors' code). The authors pin
+    TRL 0.16.0 (``open-r1/setup.py`` L70), whose ``scale_rewards`` defaults to true, and most of their GPG recipes
+    leave it unset (``recipes/Qwen2.5-Math-7B/grpo/config_simple_rl_gpg.yaml``) while several set it false (most
+    ``*_wostd`` / ``*_nostd`` ones, ``open-rs/recipes/gpg_std.yaml``; ``config_demo_woSTD.yaml`` leaves it unset);
+    mmrl keeps false as default (verl's behaviour and this estimator's earlier one). A group without spread gets
+    exactly 0 either way. Their ``GPGConfig.scale_batch`` ("divide std use group or batch std",
+    ``open-r1/src/open_r1/configs.py`` L60) is stored (``gpg_trainer.py`` L193) but never read, so it is not
+    offered.
+
+    α is that of the batch the estimator sees. Under dynamic sampling the trainer calls it once on the kept batch,
+    after the filter (:mod:`mmrl.trainer.collect`), as verl's DAPO recipe and the authors' own resampling do (their
+    ``inverse_alpha`` is min(1, groups with spread accumulated over the generation rounds / groups of a batch),
+    L541-553 and L625-626): every kept group has spread, so α = 1 there with ``"samples_with_spread"`` (theirs grows
+    above 1 when the rounds run out before the batch fills; mmrl's padding instead leaves the loss denominators).
 
     Args:
         f_norm: Constant divisor of the centred reward, > 0 (verl: 1.0).
         alpha_count: Which samples n counts in α = N / n: ``"samples_with_spread"`` (the paper) or
             ``"nonzero_rewards"`` (verl).
+        scale_rewards: Divide by the group's unbiased std + eps as well (the authors' ``scale_rewards``; default
+            false: verl, and the authors' ``*_wostd`` recipes).
+        eps: Added to the group std with ``scale_rewards``, >= 0 (the authors' code: 1e-4).
 
     Shapes:
         rewards ``[N]``, group_ids ``[N]`` → advantages ``[N]``.
@@ -284,12 +306,14 @@ def gpg_advantages(rewards: Tensor, group_ids: Tensor, *,
         raise ValueError(f"gpg f_norm must be > 0 (it divides the advantages), got {f_norm}")
     if alpha_count not in GPG_ALPHA_COUNTS:
         raise ValueError(f"gpg alpha_count must be one of {GPG_ALPHA_COUNTS}, got {alpha_count!r}")
-    _, mean, _ = group_stats(rewards, group_ids)
+    _, mean, std = group_stats(rewards, group_ids)  # [N] each, float64; std Bessel-corrected as torch.std
     rewards64 = rewards.to(torch.float64)
     spread = has_spread(rewards, group_ids)  # [N] bool; False for a group of one sample
     counted = spread if alpha_count == "samples_with_spread" else rewards64 != 0  # [N]
     alpha = rewards64.numel() / counted.sum().clamp(min=1).to(torch.float64)
     centered = torch.where(spread, rewards64 - mean, torch.zeros_like(rewards64))  # [N], exactly 0 without spread
+    if scale_rewards:
+        centered = _scaled(centered, std, eps)  # 0 stays 0, also with eps = 0
     return (alpha * centered / f_norm).to(rewards.dtype)
 
 

@@ -22,8 +22,9 @@ the bounded number of rounds runs out, a process that is still short pads with f
 zeroed: they take part in the collectives and contribute nothing to the loss or to its denominators.
 
 With group-contiguous layouts and ``target_per_process`` a multiple of G, the kept samples of a process are whole
-groups. When groups span processes the per-process cut may drop the last members of a group; its advantage was
-already computed on the whole group.
+groups. When groups span processes unevenly, or a kept group lost a member to a skipped reward, the per-process cut
+may drop the last members of a group; the trainer still computes its advantages on the whole group
+(:meth:`mmrl.trainer.collect.Collector.credit_kept`).
 """
 
 from __future__ import annotations

@@ -373,10 +373,6 @@ class PluginSpec:
         return eval_only_keys(self.config, prefix)
 
 
-# Advantage estimators whose statistic spans the batch and that dynamic sampling would mis-scale (TrainConfig.validate).
-ROUND_SCALED_ESTIMATORS = ("gpg", "reinforce_pp_baseline")
-
-
 @dataclass
 class TrainConfig:
     """A whole training run."""
@@ -391,21 +387,8 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, path: str) -> None:
-        """Cross-section checks, after every section validated on its own: a batch-level advantage estimator
-        (``gpg``, ``reinforce_pp_baseline``) with dynamic sampling, and what the plugin refuses
+        """Cross-section checks, after every section validated on its own: what the plugin refuses
         (:meth:`mmrl.plugin.Plugin.check_config`), in the one-line form of every config error."""
         from mmrl.plugin import plugin_registry
-
-        advantage = self.algorithm.advantage.name
-        if self.rollout.dynamic_sampling.enabled and advantage in ROUND_SCALED_ESTIMATORS:
-            # The trainer credits each round before dynamic sampling drops the groups without spread
-            # (mmrl.trainer.collect), so a statistic over the batch would be the round's, not the kept batch's (verl's
-            # DAPO recipe estimates after the filter, recipe/dapo/dapo_ray_trainer.py L262-288 then L323 at
-            # volcengine/verl@2bb42bae6^): gpg's α = N/n would scale the kept samples by 1/(share with
-            # spread) where the kept batch's α is 1, and reinforce_pp_baseline's variance would count zeros.
-            raise ConfigError("algorithm.advantage.name", advantage,
-                              f"an estimator other than {advantage} with rollout.dynamic_sampling.enabled (its batch "
-                              "statistic would be taken over each round before the filter, not over the kept batch; "
-                              "gpg there is dr_grpo with alpha 1), or dynamic_sampling off")
 
         plugin_registry.get(self.plugin.name).check_config(self)

@@ -85,13 +85,16 @@ def verl_gpg(token_rewards, mask, index, f_norm=1.0):
     return values.unsqueeze(-1) * mask
 
 
-def gpg_authors(rewards, group_size):
+def gpg_authors(rewards, group_size, scale_rewards=False):
     """AMAP-ML/GPG open-r1 gpg_trainer.py L541-551, L614-626, L315-316: groups of equal size; the loss divided by
-    inverse_alpha = groups with std > 0 / groups, i.e. the advantages multiplied by its inverse."""
+    inverse_alpha = groups with std > 0 / groups, i.e. the advantages multiplied by its inverse. With TRL's
+    ``scale_rewards`` (L622-623) the centred rewards are divided by the group's torch.std (Bessel) + 1e-4."""
     grouped = rewards.view(-1, group_size)
     valid_groups = int((grouped.std(dim=1) > 0).sum())
     inverse_alpha = min(1.0, valid_groups / grouped.shape[0])
     advantages = rewards - grouped.mean(dim=1).repeat_interleave(group_size)
+    if scale_rewards:
+        advantages = advantages / (grouped.std(dim=1).repeat_interleave(group_size) + 1e-4)
     return advantages / inverse_alpha
 
 
@@ -235,6 +238,33 @@ def test_gpg_default_matches_the_authors_code(seed, levels):
     torch.testing.assert_close(advantage_estimators["gpg"](rewards, ids), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize(("seed", "levels"), [(0, 2), (1, 3), (2, None)])
+def test_gpg_scale_rewards_matches_the_authors_code(seed, levels):
+    """F_norm = the group std (+ 1e-4), the authors' scale_rewards; α unchanged."""
+    rewards, ids = random_batch(seed, groups=10, group_size=4, levels=levels)
+    order = torch.argsort(ids, stable=True)
+    rewards, ids = rewards[order], ids[order]
+    expected = gpg_authors(rewards, group_size=4, scale_rewards=True)
+    got = advantage_estimators["gpg"](rewards, ids, scale_rewards=True)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, advantage_estimators["gpg"](rewards, ids))  # the std does divide
+
+
+def test_gpg_scale_rewards_hand_values():
+    # Groups [1, 0, 0, 0] (mean 1/4, Bessel std = sqrt(1/4) = 1/2) and [2, 2, 2, 2] (no spread): α = 8/4 = 2.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0], dtype=torch.float64)
+    got = advantage_estimators["gpg"](rewards, ids, scale_rewards=True, eps=0.0)
+    torch.testing.assert_close(got, 2 * centred / 0.5, rtol=0, atol=1e-12)
+    # eps is added to the std; f_norm divides on top (verl's constant)
+    got = advantage_estimators["gpg"](rewards, ids, scale_rewards=True, eps=0.5, f_norm=2.0)
+    torch.testing.assert_close(got, 2 * centred / (0.5 + 0.5) / 2.0, rtol=0, atol=1e-12)
+    # a group without spread stays exactly 0 with eps = 0 (no 0/0)
+    assert torch.equal(advantage_estimators["gpg"](torch.ones(4), torch.zeros(4, dtype=torch.long),
+                                                   scale_rewards=True, eps=0.0), torch.zeros(4))
+
+
 def test_gpg_hand_values_where_the_two_counts_differ():
     # Groups [0, 0, 0, 0] (no spread) and [1, 0, 0, 0]: centred [0]*4 + [0.75, -0.25, -0.25, -0.25].
     rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
@@ -337,10 +367,11 @@ def test_gpg_alpha_counts_samples_not_groups_when_group_sizes_differ():
 
 
 @pytest.mark.parametrize("name", ["gpg", "reinforce_pp_baseline"])
-def test_batch_statistics_estimated_before_the_dynamic_sampling_filter_are_refused(name):
-    """The trainer credits each sampling round before dynamic sampling drops the groups without spread; verl's DAPO
-    recipe estimates on the kept batch. The two orders differ by the round's share of samples with spread: here half,
-    so gpg's α (2 vs 1) and reinforce_pp_baseline's scale (sqrt 2) would be off; the config refuses them."""
+def test_batch_statistics_with_dynamic_sampling_are_estimated_on_the_kept_batch(name):
+    """Estimating on a round and then dropping the groups without spread differs from estimating on the kept batch
+    (verl's DAPO order) by the round's share of samples with spread: here half, so gpg's α (2 vs 1) and
+    reinforce_pp_baseline's scale (sqrt 2). The trainer estimates on the kept batch (tests/test_dynamic_credit.py),
+    so the config accepts both estimators with dynamic sampling (it used to refuse them)."""
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0])
     ids = torch.arange(4).repeat_interleave(4)
     kept = torch.tensor([True] * 4 + [False] * 8 + [True] * 4)  # the groups with spread
@@ -350,12 +381,4 @@ def test_batch_statistics_estimated_before_the_dynamic_sampling_filter_are_refus
     torch.testing.assert_close(round_then_filter, factor * filter_then_round)
     data = {**BASE, "algorithm": {**BASE["algorithm"], "advantage": name},
             "rollout": {**BASE["rollout"], "dynamic_sampling": {"enabled": True}}}
-    with pytest.raises(ConfigError) as info:
-        load_config(data)
-    assert info.value.key == "algorithm.advantage.name" and "dynamic_sampling" in str(info.value)
-    assert "\n" not in str(info.value)
-    data["rollout"]["dynamic_sampling"]["enabled"] = False
-    assert load_config(data).algorithm.advantage.name == name  # accepted without dynamic sampling
-    data["rollout"]["dynamic_sampling"]["enabled"] = True
-    data["algorithm"]["advantage"] = "dr_grpo"
-    load_config(data)  # per-group estimators are unaffected by the order
+    assert load_config(data).algorithm.advantage.name == name

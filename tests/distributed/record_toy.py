@@ -1,8 +1,9 @@
 """Run a plugin (the reference one by default) for a few steps and record what the equality tests compare.
 
 Launched by the tests in this folder, alone or under ``accelerate launch --multi_gpu --num_processes 2``. Every
-process writes ``rank{r}.json`` with the advantage of each sample it trained (keyed by the sample's seed, which
-depends only on its global index) and the per-step losses; the main process also writes the final parameters
+process writes ``rank{r}.json`` with the advantage of each sample it generated (keyed by the sample's seed, which
+depends only on its global index and sampling round; 0 for one outside the groups dynamic sampling kept) and the
+per-step losses; the main process also writes the final parameters
 to ``params.pt`` and the gradient of every optimizer step (as the optimizer saw it: reduced over processes, clipped)
 to ``gradients.pt``.
 
@@ -99,7 +100,7 @@ def main() -> None:
     trainer = Trainer(config)
     advantages: dict[str, float] = {}
     current_seeds: list[torch.Tensor] = []
-    original_rollout, original_credit = trainer.plugin.rollout, trainer.collector.credit
+    original_rollout, original_credit = trainer.plugin.rollout, trainer.collector.credit_kept
     if rollout_per_sample:
         original_rollout = per_sample_rollout(original_rollout)
 
@@ -113,8 +114,8 @@ def main() -> None:
                                                          rollout.replay["tokens"])
         return rollout
 
-    def recording_credit(rollout, scores, valid):
-        result = original_credit(rollout, scores, valid)
+    def recording_credit(rounds, selection):  # a step's pooled samples, every round's, in sampling order
+        result = original_credit(rounds, selection)
         seeds = torch.cat(current_seeds)
         current_seeds.clear()
         local = result[0].cpu()
@@ -130,7 +131,7 @@ def main() -> None:
         return original_step(*args, **kwargs)
 
     trainer.plugin.rollout = recording_rollout
-    trainer.collector.credit = recording_credit
+    trainer.collector.credit_kept = recording_credit
     trainer.optimizer.step = recording_step
     result = trainer.train()
     rank = trainer.accelerator.process_index
