@@ -601,3 +601,17 @@ def test_declared_range_agrees_with_the_functions_own_check_at_each_bound(ranged
         for value in (bound - step, bound, bound + step):
             value = int(value) if integer else float(value)
             assert accepts(value) == (value in declared), (key, value, declared)
+
+
+# --------------------------------------------------------------- adaptive entropy control (core AlgorithmConfig fields)
+@pytest.mark.parametrize(("key", "refused", "accepted"), [
+    ("entropy_coef_delta", 0.0, 1e-9),  # a step of 0 would freeze the coefficient
+    ("entropy_coef_min", -1e-9, 0.0),
+    ("entropy_coef_max", -1e-9, 0.0),
+    ("entropy_target", ".inf", -1e3),  # any finite target: a continuous policy's entropy can be negative
+])
+def test_the_adaptive_entropy_bounds_are_checked_when_the_config_loads(tmp_path, key, refused, accepted):
+    adaptive = [f"run.output_dir={tmp_path}", "algorithm.entropy_target=1.0", "algorithm.entropy_coef=0.0"]
+    with pytest.raises(ConfigError, match=rf"config key 'algorithm\.{key}': got -?(1e-09|0\.0|inf)"):
+        load_config(BASE, [*adaptive, f"algorithm.{key}={refused}"])
+    assert getattr(load_config(BASE, [*adaptive, f"algorithm.{key}={accepted}"]).algorithm, key) == accepted

@@ -182,7 +182,32 @@ class AlgorithmConfig:
         ref="DeepSeek-V3.2 arXiv:2512.02556 eq. 9; TRL off_policy_mask_threshold (e.g. 0.5)",
     )
     entropy_coef: float = config_field(
-        0.0, minimum=0.0, help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy."
+        0.0, minimum=0.0,
+        help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy. With "
+        "entropy_target set: the initial coefficient of adaptive entropy control.",
+    )
+    entropy_target: float | None = config_field(
+        None,
+        help="Adaptive entropy control: after each optimizer step the coefficient moves by entropy_coef_delta, up when "
+        "that step's mean entropy over the trained actions (all processes) is <= this target, down otherwise, within "
+        "[entropy_coef_min, entropy_coef_max]; the bonus applies only while the previous step's entropy is <= the "
+        "target (none on the first step). Nats per action (any finite value: a continuous policy's entropy can be "
+        "negative); needs a plugin that reports entropy. Null: entropy_coef is a fixed weight.",
+        ref="Skywork-OR1 arXiv:2505.22312 (adaptive entropy control: target 0.2); TRL entropy_target, "
+        "use_adaptive_entropy (trl f2cd577 grpo_trainer.py L3174-3210)",
+    )
+    entropy_coef_delta: float = config_field(
+        0.005, minimum=0.0, exclusive_minimum=True,
+        help="Step of the adaptive entropy coefficient per optimizer step (needs entropy_target).",
+        ref="TRL entropy_coef_delta: 0.005; Skywork-OR1 7B/32B scripts: 0.0001",
+    )
+    entropy_coef_min: float = config_field(
+        0.0, minimum=0.0, help="Lower bound of the adaptive entropy coefficient (needs entropy_target).",
+        ref="TRL entropy_coef_min: 0.0; Skywork-OR1: 0",
+    )
+    entropy_coef_max: float = config_field(
+        1.0, minimum=0.0, help="Upper bound of the adaptive entropy coefficient (needs entropy_target).",
+        ref="TRL entropy_coef_max: 1.0; Skywork-OR1 scripts: 0.005",
     )
     inner_epochs: int = config_field(
         1, minimum=1,
@@ -234,10 +259,32 @@ class AlgorithmConfig:
             raise ConfigError(f"{path}.kl_importance_weighted", self.kl_importance_weighted,
                               f"false with {path}.kl_estimator k2_seq (a sequence's KL spread over its columns has "
                               "no per-action ratio to weight it by), or kl_estimator k1, k2 or k3")
+        self._validate_entropy_control(path)
         if self.ref_sync_every and self.kl_coef == 0:
             raise ConfigError(f"{path}.ref_sync_every", self.ref_sync_every,
                               f"0 while {path}.kl_coef is 0 (the reference is used by the KL term only; set kl_coef "
                               "> 0 to sync it)")
+
+    def _validate_entropy_control(self, path: str) -> None:
+        """The adaptive entropy options: bounds in order, the initial coefficient inside them, and no bound or step set
+        without a target (they would do nothing)."""
+        names = ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+        if self.entropy_target is None:
+            for name in names:
+                value, default = getattr(self, name), AlgorithmConfig.__dataclass_fields__[name].default
+                if value != default:
+                    raise ConfigError(f"{path}.{name}", value,
+                                      f"{default} while {path}.entropy_target is null (the coefficient is fixed), or "
+                                      "set entropy_target for adaptive entropy control")
+            return
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(f"{path}.entropy_coef_min", self.entropy_coef_min,
+                              f"a number <= {path}.entropy_coef_max ({self.entropy_coef_max})")
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise ConfigError(f"{path}.entropy_coef", self.entropy_coef,
+                              f"a number in [{path}.entropy_coef_min, {path}.entropy_coef_max] = "
+                              f"[{self.entropy_coef_min}, {self.entropy_coef_max}] with entropy_target set (the "
+                              "initial adaptive coefficient)")
 
 
 @dataclass

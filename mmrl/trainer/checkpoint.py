@@ -7,7 +7,8 @@ Layout of a run folder::
             policy/               the trainable weights as the plugin saves them (LoRA adapter or full weights)
             policy_ema/           with ema.enabled: the EMA of those weights, in the same format (what `mmrl export`
                                   writes by default when the run evaluated with the EMA)
-            accelerate/           optimizer, per-process RNG states, EMA (Accelerate's save_state)
+            accelerate/           optimizer, per-process RNG states, EMA, synced reference, adaptive entropy
+                                  coefficient (Accelerate's save_state)
             trainer_state.json    step, optimizer steps, sampler position, the resolved config
         latest                    the name of the newest complete checkpoint, replaced atomically
 

@@ -25,6 +25,7 @@ from mmrl.rollout import Rollout, RolloutError
 from mmrl.seeding import derive_seed
 from mmrl.trainer.collect import TrainingBatch, chunks, reduce_means
 from mmrl.trainer.ema import EMA
+from mmrl.trainer.entropy_control import AdaptiveEntropyCoef
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry, check_whole_groups
 from mmrl.trainer.metrics import WeightedMeans
 from mmrl.trainer.reference import ReferenceSync
@@ -115,6 +116,9 @@ class Learner:
         ema: The EMA of the trainable weights, if enabled.
         reference_sync: The soft update of the KL reference after every ``algorithm.ref_sync_every`` optimizer
             steps, if enabled.
+        entropy_control: The adaptive entropy coefficient (``algorithm.entropy_target``), if enabled: its current
+            value replaces ``algorithm.entropy_coef``, and it is updated after every optimizer step from that step's
+            mean entropy over the trained actions (:mod:`mmrl.trainer.entropy_control`).
 
     Attributes:
         optimizer_steps: Optimizer steps taken so far (the learning-rate schedule is a function of it; saved in
@@ -123,7 +127,7 @@ class Learner:
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator, geometry: BatchGeometry, plugin: Plugin,
                  policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None, *,
-                 reference_sync: ReferenceSync | None = None):
+                 reference_sync: ReferenceSync | None = None, entropy_control: AdaptiveEntropyCoef | None = None):
         self.config = config
         self.accelerator = accelerator
         self.geometry = geometry
@@ -132,6 +136,11 @@ class Learner:
         self.optimizer = optimizer
         self.ema = ema
         self.reference_sync = reference_sync
+        self.entropy_control = entropy_control
+        # [2] float64 (Σ mask·entropy, Σ mask) over the trained actions of the optimizer step under way, this process:
+        # adaptive entropy control's measurement (TRL's _entropy_window_stats); None between optimizer steps.
+        self._entropy_window: torch.Tensor | None = None
+        self._applied_entropy_coefs: list[float] = []  # the coefficient each optimizer step of update() trained with
         self.parameters = [p for p in policy.parameters() if p.requires_grad]
         self.policy_loss = policy_losses.get(config.algorithm.policy_loss.name)
         accepted = inspect.signature(self.policy_loss).parameters
@@ -193,6 +202,7 @@ class Learner:
         means = WeightedMeans()
         deviations: list[float] = []  # max |ratio - 1| of every backward pass before this step's first update
         steps_before = self.optimizer_steps
+        self._applied_entropy_coefs = []
         syncs_before = None if self.reference_sync is None else self.reference_sync.syncs
         loss_total = 0.0
         for epoch in range(geometry.inner_epochs):
@@ -245,6 +255,13 @@ class Learner:
         out["optim/lr"] = self.lr(self.optimizer_steps)
         if self.reference_sync is not None and self.reference_sync.syncs != syncs_before:
             out["ref/syncs"] = float(self.reference_sync.syncs)  # the reference updates so far, on steps that made one
+        if self.entropy_control is not None:
+            # The coefficient after this step's updates (the next step's; TRL logs entropy_coef so) and the mean of
+            # those the step's optimizer steps trained with, 0 where the gate was closed (Skywork-OR1's
+            # actor/entropy_coeff_realized). Every process holds the same values.
+            out["policy/entropy_coef"] = self.entropy_control.coef
+            if self._applied_entropy_coefs:
+                out["policy/entropy_coef_applied"] = _mean(self._applied_entropy_coefs)
         return out
 
     def lr(self, optimizer_step: int) -> float:
@@ -296,6 +313,24 @@ class Learner:
             self.ema.update(step=self.optimizer_steps - 1)  # the warm-up follows the optimizer step, as Flow-GRPO
         if self.reference_sync is not None:
             self.reference_sync.after_optimizer_step(self.optimizer_steps)
+        if self.entropy_control is not None:
+            self._update_entropy_control()
+
+    def _update_entropy_control(self) -> None:
+        """At an optimizer step: the step's mean entropy over its trained actions on every process (the window's sums
+        reduced together, so processes with more actions weigh more, as TRL) updates the coefficient for the next
+        step. A collective: every process takes the same optimizer steps."""
+        acc, control = self.accelerator, self.entropy_control
+        window = self._entropy_window
+        if window is None:  # a process with no backward pass in this step cannot happen; zeros keep the collective
+            window = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        self._entropy_window = None
+        total, count = acc.reduce(window, "sum").tolist()
+        if count <= 0:
+            raise RuntimeError("adaptive entropy control: an optimizer step trained actions but measured the entropy "
+                               "of none")
+        self._applied_entropy_coefs.append(control.applied)  # what this step trained with, before the update
+        control.update(total / count)
 
     def loss_generator(self, step: int, epoch: int, minibatch: int, first_row: int, columns: torch.Tensor | None
                        ) -> torch.Generator | None:
@@ -388,11 +423,22 @@ class Learner:
                                    f"{self.plugin.name!r} returned its own KL (PolicyOutput.kl); set it to false")
             total = total + algorithm.kl_coef * kl
             diagnostics["policy/kl"] = kl
+        if self.entropy_control is not None:
+            if output.entropy is None:
+                raise RolloutError(f"algorithm.entropy_target steers the entropy bonus by the measured entropy, which "
+                                   f"plugin {self.plugin.name!r} did not return (PolicyOutput.entropy)")
+            # The window of the step's trained actions (TRL's effective mask), weighted by the mask as the metrics.
+            trained = part.mask.to(torch.float64) if selected is None else part.mask.to(torch.float64) * selected
+            entropy = output.entropy.detach().to(torch.float64).where(trained > 0, 0.0)  # [n, A]; padding may be NaN
+            stats = torch.stack([(entropy * trained).sum(), trained.sum()])  # [2]
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
         if output.entropy is not None:
             diagnostics["policy/entropy"] = output.entropy
-            if algorithm.entropy_coef > 0:  # on the trained actions only (TRL's effective mask)
+            # The adaptive coefficient, when on, is the one the previous optimizer step left (0 while the gate is shut).
+            coef = algorithm.entropy_coef if self.entropy_control is None else self.entropy_control.applied
+            if coef > 0:  # on the trained actions only (TRL's effective mask)
                 bonus = output.entropy if selected is None else output.entropy * selected
-                total = total - algorithm.entropy_coef * bonus
+                total = total - coef * bonus
         diagnostics["policy/advantage"] = broadcast_advantages(advantages, logp)
         metrics.update(zip(diagnostics, masked_means(list(diagnostics.values()), part.mask).unbind(), strict=True))
         loss = aggregate(total, part.mask, algorithm.aggregation, num_actions=num_actions,
@@ -577,6 +623,10 @@ def max_ratio_deviation(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.
     if mask.numel() == 0:
         return torch.zeros((), dtype=logp.dtype, device=logp.device)
     return (logp - old_logp).exp().sub(1).abs().masked_fill(mask <= 0, 0.0).max()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _read_scalars(metrics: dict[str, Any], extra: tuple[Any, ...]) -> tuple[dict[str, float], list[float]]:

@@ -40,6 +40,7 @@ from mmrl.seeding import derive_seed
 from mmrl.trainer import checkpoint as ckpt
 from mmrl.trainer.collect import Collector
 from mmrl.trainer.ema import EMA
+from mmrl.trainer.entropy_control import AdaptiveEntropyCoef
 from mmrl.trainer.geometry import BatchGeometry, batch_geometry
 from mmrl.trainer.learn import Learner, chunked_geometry, needs_reference, ratio_level
 from mmrl.trainer.metrics import MetricsWriter, read_metrics
@@ -175,12 +176,16 @@ class Trainer:
             self.reference_sync = ReferenceSync.build(self.plugin, self.policy, config.algorithm.ref_sync_every,
                                                       config.algorithm.ref_sync_mix)
             acc.register_for_checkpointing(self.reference_sync)
+        self.entropy_control = None  # Skywork-OR1's adaptive entropy coefficient (algorithm.entropy_target)
+        if config.algorithm.entropy_target is not None:
+            self.entropy_control = AdaptiveEntropyCoef.from_config(config.algorithm)
+            acc.register_for_checkpointing(self.entropy_control)  # resumes with the coefficient and the gate it had
         acc.register_save_state_pre_hook(self._save_policy_hook)
         acc.register_load_state_pre_hook(self._load_policy_hook)
 
         self.collector = Collector(config, acc, self.geometry, self.plugin, self.scorer, self.stream, self.train_rows)
         self.learner = Learner(config, acc, self.geometry, self.plugin, self.policy, self.optimizer, self.ema,
-                               reference_sync=self.reference_sync)
+                               reference_sync=self.reference_sync, entropy_control=self.entropy_control)
         self.updates = UpdateMonitor(config, self.geometry, self.scorer, acc.is_main_process)
         self.step = 0
         self.saved_step: int | None = None  # the step of the checkpoint this run last wrote or resumed from

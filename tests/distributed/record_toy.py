@@ -139,6 +139,7 @@ def main() -> None:
               "rewards": [r["reward/mean"] for r in result.history],
               "padded": [r["samples/padded"] for r in result.history],
               "num_processes": trainer.accelerator.num_processes,
+              "entropy_control": None if trainer.entropy_control is None else trainer.entropy_control.state_dict(),
               "buckets": [key for training, key in getattr(trainer.plugin, "calls", []) if training]}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if trainer.accelerator.is_main_process:

@@ -136,14 +136,24 @@ def test_a_synced_reference_trains_alike_on_one_and_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_entropy_threshold_is_shared_by_the_processes(tmp_path):
+def test_the_entropy_threshold_and_the_adaptive_entropy_coefficient_are_shared_by_the_processes(tmp_path):
     """algorithm.top_entropy_quantile gathers each backward pass's active entropies over the processes (TRL's
     get_high_entropy_mask): with one micro-batch per process and step, two processes select, over their 32 samples
     together, the actions one process selects over the same 32 in one micro-batch; contiguous layout, so each process
-    holds whole groups."""
-    select = ["algorithm.top_entropy_quantile=0.2", "rollout.layout=contiguous"]
-    _same_training(_run(tmp_path / "one", 1, *COMMON, *select, "algorithm.micro_batch_size=32"),
-                   _run(tmp_path / "two", 2, *COMMON, *select, "algorithm.micro_batch_size=16"))
+    holds whole groups (and so its own mean entropy differs from the joint one). In the same runs
+    algorithm.entropy_target's measurement (the mean entropy of the trained actions) sums the entropies and action
+    counts of both processes before it divides (TRL's window reduce): both processes take the same coefficient, whose
+    bonus (open from the second step, the target above the toy's entropy) trains as one process does."""
+    select = ["algorithm.top_entropy_quantile=0.2", "rollout.layout=contiguous", "algorithm.entropy_coef=0.05",
+              "algorithm.entropy_target=10.0", "algorithm.entropy_coef_delta=0.05"]
+    one = _run(tmp_path / "one", 1, *COMMON, *select, "algorithm.micro_batch_size=32")
+    two = _run(tmp_path / "two", 2, *COMMON, *select, "algorithm.micro_batch_size=16")
+    _same_training(one, two)
+    expected = one["ranks"][0]["entropy_control"]
+    assert expected["updates"] == 3 and expected["coef"] == pytest.approx(0.2)
+    for rank in two["ranks"]:
+        assert rank["entropy_control"]["last_entropy"] == pytest.approx(expected["last_entropy"], rel=1e-6)
+        assert rank["entropy_control"]["coef"] == pytest.approx(expected["coef"], abs=1e-12)
 
 
 def _same_training(one: dict, two: dict) -> None:
@@ -167,16 +177,6 @@ def test_dynamic_sampling_does_not_hang_when_one_process_filters_everything(tmp_
     assert len(double["losses"]) == 3
 
 
-# The shipped reference recipe as users run it: 16 prompts x 8, two mini-batches per step, Adam's default eps.
-SHIPPED = ["--config", "configs/toy.yaml", "run.max_steps=3", "eval.at_start=false", "eval.num_prompts=8"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["spread", "contiguous"])
-def test_the_shipped_recipe_applies_the_same_gradients_on_one_and_two_processes(tmp_path, layout):
-    """The mini-batch partition is drawn over the global batch from the seed alone, so every optimizer step sees
-    the same samples on 1 and 2 processes (issue 25: each process shuffled its own samples, and the gradients
-    of the first mini-batch differed by 70% of their norm).
 @pytest.mark.slow
 def test_dynamic_sampling_credits_the_same_kept_batch_on_one_and_two_processes(tmp_path):
     """Dynamic sampling with a batch statistic (batch_std's std over the kept batch): with layout spread and 2
@@ -198,6 +198,16 @@ def test_dynamic_sampling_credits_the_same_kept_batch_on_one_and_two_processes(t
     _same_training(one, two)
 
 
+# The shipped reference recipe as users run it: 16 prompts x 8, two mini-batches per step, Adam's default eps.
+SHIPPED = ["--config", "configs/toy.yaml", "run.max_steps=3", "eval.at_start=false", "eval.num_prompts=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["spread", "contiguous"])
+def test_the_shipped_recipe_applies_the_same_gradients_on_one_and_two_processes(tmp_path, layout):
+    """The mini-batch partition is drawn over the global batch from the seed alone, so every optimizer step sees
+    the same samples on 1 and 2 processes (issue 25: each process shuffled its own samples, and the gradients
+    of the first mini-batch differed by 70% of their norm).
 
     What is compared is the gradient each optimizer step applies (reduced over processes, clipped), relative to
     its norm, not the parameters: with Adam's default eps an entry whose true gradient is zero or tiny (the key
