@@ -52,6 +52,25 @@ def uninterrupted(tmp_path_factory):
     return _final_weights(out, 10)
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A finished 4-step run with checkpoints at steps 2 and 4 (keep_last 2), trained once for the tests that start
+    from one: each copies it into its own folder (:func:`_copy_run`)."""
+    out = tmp_path_factory.mktemp("four_steps")
+    result = _run(out, *FOUR_STEPS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+FOUR_STEPS = ("run.max_steps=4", "run.save_every=2")
+
+
+def _copy_run(run: Path, out: Path) -> None:
+    """A run folder moved elsewhere, as users move them: checkpoints name their step folders relatively and
+    run.output_dir may change on resume (RESUMABLE_KEYS)."""
+    shutil.copytree(run, out, dirs_exist_ok=True)
+
+
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_lands_on_the_same_parameters(tmp_path, uninterrupted):
     target = random.randint(2, 7)
@@ -139,20 +158,19 @@ def _logged_steps(out: Path, key: str = "reward/mean", file: str = "metrics.json
 
 
 @pytest.mark.slow
-def test_a_finished_run_relaunched_with_resume_latest_survives_an_incomplete_folder(tmp_path):
+def test_a_finished_run_relaunched_with_resume_latest_survives_an_incomplete_folder(tmp_path, four_steps):
     """Issue 25, item 1: an older mmrl killed while re-saving the last step left a folder holding only
     trainer_state.json, which ``latest`` named; every later resume failed with a traceback."""
-    common = ("run.max_steps=4", "run.save_every=3")
-    first = _run(tmp_path, *common)
-    assert first.returncode == 0, first.stderr[-2000:]
+    common = FOUR_STEPS
+    _copy_run(four_steps, tmp_path)
     last = tmp_path / "checkpoints" / "step-00000004"
     for part in ("accelerate", "policy"):
         shutil.rmtree(last / part)
     result = _run(tmp_path, *common, "run.resume=latest")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "skips incomplete checkpoint folder(s)" in result.stderr and str(last) in result.stderr
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in result.stdout
-    assert (last / "policy").is_dir()  # step 4 was trained again and saved whole
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000002'} at step 2" in result.stdout
+    assert (last / "policy").is_dir()  # steps 3 and 4 were trained again and step 4 saved whole
     relaunched = _run(tmp_path, *common, "run.resume=latest")  # a finished run: nothing to train or save
     assert relaunched.returncode == 0, relaunched.stderr[-2000:]
     assert f"resumed from {last} at step 4" in relaunched.stdout
@@ -160,12 +178,11 @@ def test_a_finished_run_relaunched_with_resume_latest_survives_an_incomplete_fol
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", ["rename .tmp-step-00000004", "delete .trash-old-step-00000004"])
-def test_sigkill_inside_a_resave_keeps_the_step_resumable(tmp_path, entry):
+def test_sigkill_inside_a_resave_keeps_the_step_resumable(tmp_path, entry, four_steps):
     """A run resumed from step 2 of a finished 4-step run saves step 4 again; SIGKILL between moving the old folder
     aside and renaming the new one in (the step then has no folder of its own), or while the old one is deleted."""
-    common = ("run.max_steps=4", "run.save_every=2")
-    first = _run(tmp_path, *common)
-    assert first.returncode == 0, first.stderr[-2000:]
+    common = FOUR_STEPS
+    _copy_run(four_steps, tmp_path)
     expected = _final_weights(tmp_path, 4)
     branch = f"run.resume={tmp_path / 'checkpoints' / 'step-00000002'}"
     killed = _run(tmp_path, *common, branch, fault=["kill-at-operation", entry])
@@ -219,9 +236,8 @@ def test_a_restart_after_a_kill_before_the_first_checkpoint_starts_a_clean_log(t
 
 
 @pytest.mark.slow
-def test_evaluating_a_checkpoint_never_touches_the_training_log(tmp_path):
-    trained = _run(tmp_path, "run.max_steps=4", "run.save_every=2", "run.keep_last=2")
-    assert trained.returncode == 0, trained.stderr[-2000:]
+def test_evaluating_a_checkpoint_never_touches_the_training_log(tmp_path, four_steps):
+    _copy_run(four_steps, tmp_path)
     history = (tmp_path / "metrics.jsonl").read_text()
     run_config = (tmp_path / "config.yaml").read_text()
     step_2 = tmp_path / "checkpoints" / "step-00000002"
