@@ -265,14 +265,34 @@ def test_a_negative_target_is_accepted_for_continuous_policies(tmp_path):
     ("configs/dllm/toy.yaml", [], "plugin dllm"),
     ("configs/vlm/toy_grounding.yaml", ["plugin.entropy=false"], "plugin.entropy"),
 ])
-def test_plugins_without_entropy_refuse_a_target_when_the_config_is_loaded(config, extra, match):
-    # Not only at the first training forward, after a whole rollout (a flow or dLLM step costs minutes on a GPU).
+def test_plugins_without_entropy_refuse_a_target_or_a_fixed_bonus_when_the_config_is_loaded(config, extra, match):
+    # Not only at the first training forward, after a whole rollout (a flow or dLLM step costs minutes on a GPU); a
+    # fixed bonus on a plugin without entropy would do nothing, silently.
     path = str(Path(__file__).resolve().parents[1] / config)
     allowed = rf"config key 'algorithm\.entropy_target': got 0\.2; allowed: null .*{match}"
     with pytest.raises(ConfigError, match=allowed):
         load_config(path, ["algorithm.entropy_target=0.2", *extra])
+    allowed = rf"config key 'algorithm\.entropy_coef': got 0\.01; allowed: 0 .*{match}"
+    with pytest.raises(ConfigError, match=allowed):
+        load_config(path, ["algorithm.entropy_coef=0.01", *extra])
     if extra:  # the vlm plugin computes entropy by default
         assert load_config(path, ["algorithm.entropy_target=0.2"]).algorithm.entropy_target == 0.2
+        assert load_config(path, ["algorithm.entropy_coef=0.01"]).algorithm.entropy_coef == 0.01
+
+
+def test_a_fixed_bonus_on_a_plugin_that_returns_no_entropy_is_refused_in_one_line(tmp_path):
+    trainer = Trainer(toy_config(tmp_path, "run.max_steps=1", "algorithm.entropy_coef=0.01", "run.progress=false"))
+    forward = trainer.plugin.forward
+
+    def without_entropy(policy, part, **kwargs):
+        output = forward(policy, part, **kwargs)
+        output.entropy = None
+        return output
+
+    trainer.plugin.forward = without_entropy
+    with pytest.raises(RolloutError, match=r"^algorithm\.entropy_coef 0\.01 weighs an entropy bonus, but plugin 'toy' "
+                                           r"did not return entropy \(PolicyOutput\.entropy\); set it to 0$"):
+        trainer.train()
 
 
 # ----------------------------------------------------------------------------------------- measurement and wiring

@@ -183,7 +183,7 @@ class AlgorithmConfig:
     )
     entropy_coef: float = config_field(
         0.0, minimum=0.0,
-        help="Weight of an entropy bonus (subtracted from the loss) where the plugin reports entropy. With "
+        help="Weight of an entropy bonus (subtracted from the loss); needs a plugin that reports entropy. With "
         "entropy_target set: the initial coefficient of adaptive entropy control.",
     )
     entropy_target: float | None = config_field(

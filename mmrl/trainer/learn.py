@@ -432,6 +432,9 @@ class Learner:
             entropy = output.entropy.detach().to(torch.float64).where(trained > 0, 0.0)  # [n, A]; padding may be NaN
             stats = torch.stack([(entropy * trained).sum(), trained.sum()])  # [2]
             self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+        elif algorithm.entropy_coef > 0 and output.entropy is None:  # a bonus that would silently do nothing
+            raise RolloutError(f"algorithm.entropy_coef {algorithm.entropy_coef} weighs an entropy bonus, but plugin "
+                               f"{self.plugin.name!r} did not return entropy (PolicyOutput.entropy); set it to 0")
         if output.entropy is not None:
             diagnostics["policy/entropy"] = output.entropy
             # The adaptive coefficient, when on, is the one the previous optimizer step left (0 while the gate is shut).

@@ -554,7 +554,7 @@ class DLLMPlugin(Plugin):
         """Refuse an objective paired with another family's loss or advantage, ``algorithm.kl_estimator: k2_seq``
         with ``objective: spg`` (it sums a row's columns, and spg's ELBO and EUBO columns do not add up to the
         sequence log-ratio), ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`) and
-        ``algorithm.top_entropy_quantile`` and ``algorithm.entropy_target`` (no entropy).
+        ``algorithm.top_entropy_quantile``, ``algorithm.entropy_target`` and ``algorithm.entropy_coef`` (no entropy).
 
         ``objective: spg`` returns ELBO and EUBO columns that only ``policy_loss: spg`` reads, and ``spg`` reads
         nothing else; ``objective: wd1`` returns one sequence estimate for ``policy_loss: wd1``, which weights it
@@ -586,6 +586,9 @@ class DLLMPlugin(Plugin):
         if train_config.algorithm.entropy_target is not None:
             raise ConfigError("algorithm.entropy_target", train_config.algorithm.entropy_target,
                               "null with plugin dllm (its likelihood estimates come with no per-token entropy)")
+        if train_config.algorithm.entropy_coef > 0:
+            raise ConfigError("algorithm.entropy_coef", train_config.algorithm.entropy_coef,
+                              "0 with plugin dllm (its likelihood estimates come with no per-token entropy)")
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""

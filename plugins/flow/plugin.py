@@ -160,11 +160,12 @@ class FlowPlugin(Plugin):
     def check_config(cls, train_config: Any) -> None:
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
         ``algorithm.mask_truncated`` (a denoising trajectory is never cut short: its rollouts set no ``truncated``) and
-        ``algorithm.top_entropy_quantile`` and ``algorithm.entropy_target`` (no per-step entropy) and
-        ``algorithm.kl_importance_weighted`` (its KL is exact per step, not a sample estimate); with ``likelihood:
-        matching`` a ratio level other than ``token`` (AWM's ``exp_first``) or ``sequence`` (``sum_first``); with
-        ``likelihood: nft`` what would make the loss differ from DiffusionNFT's (:meth:`_check_nft`), and
-        ``policy_loss: nft`` without it; the same for ``likelihood: dgpo`` and DGPO (:meth:`_check_dgpo`)."""
+        ``algorithm.top_entropy_quantile``, ``algorithm.entropy_target`` and ``algorithm.entropy_coef`` (no per-step
+        entropy) and ``algorithm.kl_importance_weighted`` (its KL is exact per step, not a sample estimate); with
+        ``likelihood: matching`` a ratio level other than ``token`` (AWM's ``exp_first``) or ``sequence``
+        (``sum_first``); with ``likelihood: nft`` what would make the loss differ from DiffusionNFT's
+        (:meth:`_check_nft`), and ``policy_loss: nft`` without it; the same for ``likelihood: dgpo`` and DGPO
+        (:meth:`_check_dgpo`)."""
         check_reference_sync(train_config)
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
@@ -175,6 +176,9 @@ class FlowPlugin(Plugin):
         if train_config.algorithm.entropy_target is not None:
             raise ConfigError("algorithm.entropy_target", train_config.algorithm.entropy_target,
                               "null with plugin flow (it reports no per-step entropy to steer the coefficient by)")
+        if train_config.algorithm.entropy_coef > 0:
+            raise ConfigError("algorithm.entropy_coef", train_config.algorithm.entropy_coef,
+                              "0 with plugin flow (it reports no per-step entropy to reward)")
         if train_config.algorithm.kl_importance_weighted:
             raise ConfigError("algorithm.kl_importance_weighted", True, "false with plugin flow (its KL is the closed "
                               "form between the two Gaussian steps at the sampled state, not an estimate from the "

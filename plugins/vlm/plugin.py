@@ -293,7 +293,8 @@ class VLMPlugin(Plugin):
     @classmethod
     def check_config(cls, train_config: Any) -> None:
         """Refuse ``algorithm.ref_sync_every`` with LoRA (:func:`mmrl.policy.check_reference_sync`), and
-        ``algorithm.top_entropy_quantile`` and ``algorithm.entropy_target`` without ``plugin.entropy``."""
+        ``algorithm.top_entropy_quantile``, ``algorithm.entropy_target`` and ``algorithm.entropy_coef`` without
+        ``plugin.entropy``."""
         check_reference_sync(train_config)
         quantile = train_config.algorithm.top_entropy_quantile
         if quantile < 1 and not train_config.plugin.config.entropy:
@@ -305,6 +306,11 @@ class VLMPlugin(Plugin):
             raise ConfigError("algorithm.entropy_target", target,
                               "null with plugin.entropy false (adaptive entropy control measures per-token "
                               "entropy), or plugin.entropy: true")
+        coef = train_config.algorithm.entropy_coef
+        if coef > 0 and not train_config.plugin.config.entropy:
+            raise ConfigError("algorithm.entropy_coef", coef,
+                              "0 with plugin.entropy false (the bonus needs per-token entropy), or plugin.entropy: "
+                              "true")
 
     def __init__(self, config: VLMPluginConfig, runtime: Runtime):
         # One line naming mmrl[vlm] instead of an import traceback; qwen_vl_utils (and the torchvision it needs) is
