@@ -162,20 +162,7 @@ def test_the_measured_entropy_is_the_mean_over_the_optimizer_steps_trained_actio
     # mask-weighted mean over both of its micro-batches, recomputed here from the training forwards' outputs.
     trainer = Trainer(toy_config(tmp_path, "run.max_steps=2", "algorithm.minibatches=2", "algorithm.micro_batch_size=8",
                                  "algorithm.entropy_target=10.0", "run.progress=false"))
-    forwards, measured = [], []
-    forward, update = trainer.plugin.forward, trainer.entropy_control.update
-
-    def recorded_forward(policy, part, **kwargs):
-        output = forward(policy, part, **kwargs)
-        if torch.is_grad_enabled():
-            forwards.append((output.entropy.detach().double(), part.mask.double()))
-        return output
-
-    def recorded_update(entropy):
-        measured.append(entropy)
-        return update(entropy)
-
-    trainer.plugin.forward, trainer.entropy_control.update = recorded_forward, recorded_update
+    forwards, measured = _record_entropies(trainer)
     trainer.train()
     assert len(forwards) == 8 and len(measured) == 4  # 2 steps × 2 optimizer steps × 2 micro-batches
     for k, entropy in enumerate(measured):
@@ -218,14 +205,7 @@ def test_a_resumed_run_continues_the_coefficient_sequence_of_one_that_was_not_st
 
 def test_a_plugin_without_entropy_is_refused_in_one_line(tmp_path):
     trainer = Trainer(toy_config(tmp_path, "run.max_steps=1", "algorithm.entropy_target=1.0", "run.progress=false"))
-    forward = trainer.plugin.forward
-
-    def without_entropy(policy, part, **kwargs):
-        output = forward(policy, part, **kwargs)
-        output.entropy = None
-        return output
-
-    trainer.plugin.forward = without_entropy
+    _without_entropy(trainer)
     with pytest.raises(RolloutError, match=r"algorithm\.entropy_target .* did not return \(PolicyOutput\.entropy\)"):
         trainer.train()
 
@@ -282,14 +262,7 @@ def test_plugins_without_entropy_refuse_a_target_or_a_fixed_bonus_when_the_confi
 
 def test_a_fixed_bonus_on_a_plugin_that_returns_no_entropy_is_refused_in_one_line(tmp_path):
     trainer = Trainer(toy_config(tmp_path, "run.max_steps=1", "algorithm.entropy_coef=0.01", "run.progress=false"))
-    forward = trainer.plugin.forward
-
-    def without_entropy(policy, part, **kwargs):
-        output = forward(policy, part, **kwargs)
-        output.entropy = None
-        return output
-
-    trainer.plugin.forward = without_entropy
+    _without_entropy(trainer)
     with pytest.raises(RolloutError, match=r"^algorithm\.entropy_coef 0\.01 weighs an entropy bonus, but plugin 'toy' "
                                            r"did not return entropy \(PolicyOutput\.entropy\); set it to 0$"):
         trainer.train()
@@ -316,20 +289,7 @@ def test_with_top_entropy_quantile_the_measured_entropy_is_that_of_the_selected_
     trainer = Trainer(toy_config(tmp_path, "run.max_steps=1", "algorithm.minibatches=2",
                                  "algorithm.micro_batch_size=16", "algorithm.top_entropy_quantile=0.2",
                                  "algorithm.entropy_target=10.0", "run.progress=false"))
-    forwards, measured = [], []
-    forward, update = trainer.plugin.forward, trainer.entropy_control.update
-
-    def recorded_forward(policy, part, **kwargs):
-        output = forward(policy, part, **kwargs)
-        if torch.is_grad_enabled():
-            forwards.append((output.entropy.detach().double(), part.mask.double()))
-        return output
-
-    def recorded_update(entropy):
-        measured.append(entropy)
-        return update(entropy)
-
-    trainer.plugin.forward, trainer.entropy_control.update = recorded_forward, recorded_update
+    forwards, measured = _record_entropies(trainer)
     trainer.train()
     assert len(forwards) == len(measured) == 2
     for (entropy, mask), value in zip(forwards, measured, strict=True):
@@ -361,3 +321,35 @@ def test_evaluation_does_not_move_the_controller(tmp_path):
     state = trainer.entropy_control.state_dict()
     trainer.evaluate()
     assert trainer.entropy_control.state_dict() == state
+
+
+def _record_entropies(trainer: Trainer) -> tuple[list, list]:
+    """Hooks on ``trainer``: ``(forwards, measured)``, filled as it trains with each training forward's
+    ``(entropy, mask)`` (float64) and each entropy the controller is updated with."""
+    forwards, measured = [], []
+    forward, update = trainer.plugin.forward, trainer.entropy_control.update
+
+    def recorded_forward(policy, part, **kwargs):
+        output = forward(policy, part, **kwargs)
+        if torch.is_grad_enabled():
+            forwards.append((output.entropy.detach().double(), part.mask.double()))
+        return output
+
+    def recorded_update(entropy):
+        measured.append(entropy)
+        return update(entropy)
+
+    trainer.plugin.forward, trainer.entropy_control.update = recorded_forward, recorded_update
+    return forwards, measured
+
+
+def _without_entropy(trainer: Trainer) -> None:
+    """Make ``trainer``'s plugin return no entropy from its forward."""
+    forward = trainer.plugin.forward
+
+    def without_entropy(policy, part, **kwargs):
+        output = forward(policy, part, **kwargs)
+        output.entropy = None
+        return output
+
+    trainer.plugin.forward = without_entropy
