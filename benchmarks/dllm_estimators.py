@@ -28,14 +28,19 @@ folder holding another run's checkpoints is refused by the trainer).
 ``forwards`` (the plan's rows), ``forwarded_rows`` (the mean number of them that score something and are forwarded,
 per completion), ``bias_vs_exact_elbo``, ``sd``, ``sd_difference_shared_plan``, ``sd_difference_independent_plans``,
 ``seconds`` and ``elbo_t_exact_sd`` (elbo_t's exact sd at that number of forwards, the reference of the variance
-goal); for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seconds": ...}}}``.
+goal); for ``training`` ``{estimator: {seed: {"curve": {step: held-out accuracy}, "seconds": ...}}}``. ``--part
+variance training`` runs both parts in one process, in that order (each with its own options above), and its JSON is
+``{"variance": ..., "training": ...}``, each part's object as above.
 
     python benchmarks/dllm_estimators.py --part variance --threads 1
     python benchmarks/dllm_estimators.py --part training --threads 1 --seeds 0 1 2 --steps 60 --eval-every 15
-    # the smallest runs (what tests/benchmarks/test_smoke.py does)
+    # the smallest runs, one part each
     python benchmarks/dllm_estimators.py --part variance --completions 2 --repeats 2 --budgets 2 --json v.json
     python benchmarks/dllm_estimators.py --part training --seeds 0 --steps 1 --eval-every 1 --output-dir out \
         --json t.json
+    # both at once (what tests/benchmarks/test_smoke.py does)
+    python benchmarks/dllm_estimators.py --part variance training --completions 2 --repeats 2 --budgets 2 \
+        --seeds 0 --steps 1 --eval-every 1 --output-dir out --json both.json
 """
 
 from __future__ import annotations
@@ -535,7 +540,8 @@ def training_plot(results: dict, path: Path, title: str = "Toy world: GRPO with 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["variance", "training"], required=True)
+    parser.add_argument("--part", nargs="+", choices=["variance", "training"], required=True,
+                        help="variance, training, or both (run in the order given, in this process)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--completions", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=200)
@@ -550,20 +556,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="part 2: only these variants")
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
+    if len(set(args.part)) < len(args.part):
+        parser.error(f"--part names a part more than once ({' '.join(args.part)}); give each once")
     torch.set_num_threads(args.threads)
-    if args.part == "variance":
-        raw, sdmc_check = variance_table(args)
-        print(variance_markdown(raw, args, sdmc_check))
-    else:
-        results = training_curves(args)
-        print(training_markdown(results))
-        plot = Path(args.output_dir) / "dllm_estimators_training.png"
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        if training_plot(results, plot):
-            print(f"plot: {plot}")
-        raw = results
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=2, default=str))
+    raw = {}
+    for part in args.part:
+        if part == "variance":
+            raw[part], sdmc_check = variance_table(args)
+            print(variance_markdown(raw[part], args, sdmc_check))
+        else:
+            raw[part] = training_curves(args)
+            print(training_markdown(raw[part]))
+            plot = Path(args.output_dir) / "dllm_estimators_training.png"
+            plot.parent.mkdir(parents=True, exist_ok=True)
+            if training_plot(raw[part], plot):
+                print(f"plot: {plot}")
+    if args.json:  # one part: its object, as before both could be run at once; both: keyed by part
+        Path(args.json).write_text(json.dumps(raw[args.part[0]] if len(raw) == 1 else raw, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -17,17 +17,27 @@ drifts during the run). Peak memory:
 ``--json`` also writes the settings (``kind``, ``size``, ``device``, ``dtype``, ``batch``, ``steps``, ``height``,
 ``width``, ``frames`` (1 for image models), ``cfg``, ``threads``), ``transformer_parameters``, ``trained_steps``,
 the median times ``pipeline_seconds`` and ``rollout_seconds``, ``time_ratio`` (median of the per-pair ratios),
-``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``. Examples::
+``time_ratio_of_fastest`` and the peaks ``pipeline_peak_bytes`` and ``rollout_peak_bytes``.
+
+``--kind`` takes several kinds: they run one after the other in the same process (one import of torch and diffusers,
+one thread setting), each with its own pipeline built and dropped in turn, and the table has a row per kind. The
+JSON of one kind is that kind's dict (as above); of several kinds, a list of those dicts in the order given.
+Examples::
 
     # CPU, tiny random SD3 (what docs/performance.md reports; --kind flux, qwen_image, flux2, flux2_klein, wan or
     # z_image for the others)
     python benchmarks/flow_rollout.py
+    # several kinds in one run: one table, a JSON list of one dict per kind
+    python benchmarks/flow_rollout.py --kind sd3 flux qwen_image flux2 --threads 1 --json rollout.json
     # GPU, SD3.5-Medium-sized transformer and VAE with random weights, bf16, 512 px, 10 steps, CFG 4.5
     python benchmarks/flow_rollout.py --device cuda --size sd35-medium
-    # the smallest run (what tests/benchmarks/test_smoke.py does): one image, 2 steps, one timed pair
     # Wan2.1's native 480p frames (height 480, width 832) on the tiny Wan: --kind wan --height 480 --width 832
+    # the smallest run: one image, 2 steps, one timed pair
     python benchmarks/flow_rollout.py --device cpu --batch 1 --steps 2 --warmup 0 --repeats 1 --threads 1 \
         --json rollout.json
+    # what tests/benchmarks/test_smoke.py does: the smallest run of every kind, in one process, at 32 x 64 px
+    python benchmarks/flow_rollout.py --kind sd3 flux qwen_image flux2 flux2_klein wan z_image flux_kontext wan_i2v \
+        --device cpu --batch 1 --steps 2 --height 32 --width 64 --warmup 0 --repeats 1 --threads 1 --json rollout.json
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KINDS = ("sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image", "flux_kontext", "wan_i2v")
+VIDEO_KINDS = ("wan", "wan_i2v")
 PROMPTS = ["a photo of a cat", "a red car on a street", "a painting of a house", "a dog in the snow"]
 IMAGE_KINDS = ("flux_kontext", "wan_i2v")
 """Image-conditioned kinds: every row names one input image (a random RGB PNG at the run's size); the pipeline gets
@@ -57,9 +69,10 @@ the same image (``image=``) and encodes it on every call, where the plugin encod
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image",
-                                           *IMAGE_KINDS], default="sd3",
-                        help="Model family (its tiny pipeline from mmrl.plugins.flow.testing).")
+    parser.add_argument("--kind", nargs="+", choices=KINDS, default=["sd3"], metavar="KIND",
+                        help=f"Model family, one or more of {', '.join(KINDS)} (their tiny pipelines from "
+                        "mmrl.plugins.flow.testing); several run one after the other in this process, each with the "
+                        "same settings.")
     parser.add_argument("--size", choices=["tiny", "sd35-medium"], default="tiny",
                         help="tiny: the test pipelines; sd35-medium: SD3.5-Medium's transformer and VAE (random).")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,14 +86,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--height", type=int, default=None, help="Image (frame) height in pixels (plugin.height).")
     parser.add_argument("--width", type=int, default=None, help="Image (frame) width in pixels (plugin.width).")
     parser.add_argument("--frames", type=int, default=None,
-                        help="Frames per video of --kind wan (default: 5, the tiny Wan's 3 latent frames).")
+                        help="Frames per video of --kind wan or wan_i2v (default: 5, the tiny Wan's 3 latent frames).")
     parser.add_argument("--cfg", choices=["on", "off"], default=None, help="True CFG (default: the adapter's).")
     parser.add_argument("--lora-rank", type=int, default=32, help="Rank of the (zero-initialised) LoRA adapter.")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
-    parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="Also write the results here: one kind's dict, or a list of dicts for several kinds.")
+    args = parser.parse_args(argv)
+    repeated = sorted({kind for kind in args.kind if args.kind.count(kind) > 1})
+    if repeated:
+        parser.error(f"--kind names {', '.join(repeated)} more than once; give each kind once")
+    others = [kind for kind in args.kind if kind not in VIDEO_KINDS]
+    if args.frames is not None and others:
+        parser.error(f"--frames is for --kind wan or wan_i2v, not {', '.join(others)}")
+    return args
 
 
 def build_plugin(args: argparse.Namespace, folder: Path, dataset: Path | None = None) -> Any:
@@ -108,7 +129,7 @@ def build_plugin(args: argparse.Namespace, folder: Path, dataset: Path | None = 
         # template about 20 of 32).
         "max_sequence_length": {"flux2": 48, "flux2_klein": 32}.get(args.kind, 16) if args.size == "tiny" else 256,
     }
-    if args.kind in ("wan", "wan_i2v"):
+    if args.kind in VIDEO_KINDS:
         options["num_frames"] = args.frames
     if dataset is not None:  # image-conditioned kinds: rows with an input image come from a JSONL file
         options.update(prompts=None, dataset=str(dataset))
@@ -159,13 +180,13 @@ def peak_bytes(call: Callable[[], Any], device: torch.device) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-
+    """Measure one kind: ``args.kind`` is a single kind here (``main`` runs each of ``--kind`` in turn)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bf16" if str(args.device).startswith("cuda") else "fp32")
     args.resolution = args.resolution or (64 if args.size == "tiny" else 512)
     args.height, args.width = args.height or args.resolution, args.width or args.resolution
-    if args.kind in ("wan", "wan_i2v"):
+    if args.kind in VIDEO_KINDS:
         from mmrl.plugins.flow.testing import TINY_WAN_FRAMES
 
         args.frames = args.frames or TINY_WAN_FRAMES
@@ -208,7 +229,7 @@ def _run(args: argparse.Namespace, inputs: Path) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"guidance_scale": plugin.guidance_scale}
     if args.kind in ("sd3", "wan", "wan_i2v") and not plugin.cfg:
         kwargs["guidance_scale"] = 1.0  # the SD3 and Wan pipelines run CFG whenever guidance_scale > 1
-    if args.kind in ("wan", "wan_i2v"):
+    if args.kind in VIDEO_KINDS:
         from mmrl.plugins.flow.adapters.wan import euler_scheduler_for
 
         # The same sampler on both sides: Wan ships UniPC; the adapter samples with the flow-shifted Euler scheduler.
@@ -262,28 +283,36 @@ def _run(args: argparse.Namespace, inputs: Path) -> dict[str, Any]:
     return results
 
 
-def table(results: dict[str, Any]) -> str:
-    mib = 2**20
-    memory = "CUDA max_memory_allocated above the weights" if results["device"].startswith("cuda") \
+def table(rows: list[dict[str, Any]]) -> str:
+    """The results of each kind run, a row each."""
+    memory = "CUDA max_memory_allocated above the weights" if rows[0]["device"].startswith("cuda") \
         else "peak live torch tensors (profiler)"
     header = ("| model | device | dtype | batch x steps | height x width | frames | CFG | plain pipeline "
               f"| rollout with log-probs | time ratio | peak memory, pipeline | peak memory, rollout |\n|{'---|' * 12}")
-    row = (f"| {results['kind']} {results['size']} | {results['device']} ({results['threads']} threads) | "
+    return "\n".join([header, *map(table_row, rows)]) + f"\n\nMemory: {memory}."
+
+
+def table_row(results: dict[str, Any]) -> str:
+    mib = 2**20
+    return (f"| {results['kind']} {results['size']} | {results['device']} ({results['threads']} threads) | "
            f"{results['dtype']} | {results['batch']} x {results['steps']} | "
            f"{results['height']} x {results['width']} px | "
            f"{results['frames']} | "
            f"{'on' if results['cfg'] else 'off'} | {results['pipeline_seconds']:.3f} s | "
            f"{results['rollout_seconds']:.3f} s | {results['time_ratio']:.3f} | "
            f"{results['pipeline_peak_bytes'] / mib:.1f} MiB | {results['rollout_peak_bytes'] / mib:.1f} MiB |")
-    return f"{header}\n{row}\n\nMemory: {memory}."
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = run(args)
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    rows = []
+    for kind in args.kind:
+        rows.append(run(argparse.Namespace(**{**vars(args), "kind": kind})))
+        if len(args.kind) > 1:  # progress: a long run shows each kind as it finishes
+            print(table_row(rows[-1]), flush=True)
+    print(table(rows))
+    if args.json:  # one kind: its dict, as before several kinds could be given; several: the list
+        args.json.write_text(json.dumps(rows[0] if len(rows) == 1 else rows, indent=2) + "\n")
     return 0
 
 

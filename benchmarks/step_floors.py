@@ -28,15 +28,20 @@ runs), ``seconds`` and ``cpu_seconds`` (per item, one value per round), ``median
 every measured extra: what the step spends beyond the compute its recipe requires, the KL reference and μ > 1's
 old-policy passes included), ``breakdown`` (seconds: ``floor``, each extra,
 ``rewards_and_advantages``, ``other``), ``identical_steps`` (every timed step sampled the same batch) and, with
-``--profile``, ``profile`` (the functions with the most own time in one step under cProfile). Examples::
+``--profile``, ``profile`` (the functions with the most own time in one step under cProfile).
+
+``--plugin`` takes several plugins: each is measured in turn in this process (its own trainer on its default recipe,
+built and closed before the next), with the same ``--override``, rounds and threads; each prints its summary, and
+the JSON is a list of the plugins' dicts in the order given (one plugin: its dict, as above). Examples::
 
     python benchmarks/step_floors.py --plugin flow --threads 1 --rounds 9 --warmup 2 --json flow_floor.json
+    python benchmarks/step_floors.py --plugin toy flow vlm dllm dllm_canvas --threads 1 --json floors.json
     python benchmarks/step_floors.py --plugin vlm --vlm-size small --threads 1
     # GPU: the same recipes in bf16 (and an SD3.5-Medium-sized transformer with random weights for flow)
     python benchmarks/step_floors.py --plugin flow --device cuda --flow-size sd35-medium --override \\
         run.mixed_precision=bf16 plugin.resolution=512 rollout.batch_size=8 algorithm.micro_batch_size=8 \\
         plugin.transformer_batch_size=8
-    # the smallest run (what tests/benchmarks/test_smoke.py does)
+    # the smallest run (tests/benchmarks/test_smoke.py runs every plugin so: toy alone, the other four in one run)
     python benchmarks/step_floors.py --plugin toy --rounds 1 --warmup 0 --threads 1 --json floor.json
 """
 
@@ -70,8 +75,11 @@ EXTRAS = ("reference", "old_logp", "logprob_math")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plugin", choices=sorted(RECIPES), default="toy")
-    parser.add_argument("--config", default=None, help="Recipe (default: the plugin's, see the module docstring).")
+    parser.add_argument("--plugin", nargs="+", choices=sorted(RECIPES), default=["toy"], metavar="PLUGIN",
+                        dest="plugins",
+                        help=f"One or more of {', '.join(sorted(RECIPES))}, measured in turn in this process.")
+    parser.add_argument("--config", default=None,
+                        help="Recipe (default: the plugin's, see the module docstring); with one --plugin only.")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="Recipe overrides.")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--vlm-size", choices=["tiny", "small"], default="tiny", help="vlm: the model built.")
@@ -85,10 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be at least 1 and --warmup at least 0")
-    if args.vlm_size != "tiny" and args.plugin != "vlm":
+    repeated = sorted({plugin for plugin in args.plugins if args.plugins.count(plugin) > 1})
+    if repeated:
+        parser.error(f"--plugin names {', '.join(repeated)} more than once; give each plugin once")
+    if args.config is not None and len(args.plugins) > 1:
+        parser.error(f"--config names one recipe, but --plugin gives {len(args.plugins)} plugins; give one plugin")
+    if args.vlm_size != "tiny" and "vlm" not in args.plugins:
         parser.error("--vlm-size is for --plugin vlm")
-    if args.flow_size != "recipe" and args.plugin != "flow":
+    if args.flow_size != "recipe" and "flow" not in args.plugins:
         parser.error("--flow-size is for --plugin flow")
+    args.plugin = args.plugins[0]  # the plugin build_trainer and run measure; main sets each of args.plugins in turn
     return args
 
 
@@ -170,6 +184,7 @@ def signature(capture: Any) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one plugin: ``args.plugin`` is a single plugin here (``main`` runs each of ``--plugin`` in turn)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="step-floors-") as folder:
@@ -321,10 +336,12 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = run(args)
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    runs = []
+    for plugin in args.plugins:
+        runs.append(run(argparse.Namespace(**{**vars(args), "plugin": plugin})))
+        print(table(runs[-1]), flush=True)
+    if args.json:  # one plugin: its dict, as before several plugins could be given; several: the list
+        args.json.write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2) + "\n")
     return 0
 
 

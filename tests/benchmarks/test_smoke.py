@@ -71,29 +71,63 @@ def test_every_benchmark_has_a_smoke_test():
 # ---------------------------------------------------------------------------------------------------- flow
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image",
-                                  "flux_kontext", "wan_i2v"])
-def test_flow_rollout(tmp_path, kind):
+FLOW_ROLLOUT_KEYS = {"kind", "size", "device", "dtype", "batch", "steps", "height", "width", "frames", "cfg",
+                     "threads", "transformer_parameters", "trained_steps", "pipeline_seconds", "rollout_seconds",
+                     "time_ratio", "time_ratio_of_fastest", "pipeline_peak_bytes", "rollout_peak_bytes"}
+
+
+FLOW_KINDS = ["sd3", "flux", "qwen_image", "flux2", "flux2_klein", "wan", "z_image", "flux_kontext", "wan_i2v"]
+
+
+def test_flow_rollout(tmp_path):
+    """Every kind in one run, as ``--kind`` allows (one process: torch, diffusers and transformers are imported
+    once, not once a kind): a JSON list of one dict per kind, in the order given."""
+    kinds = FLOW_KINDS
     out = tmp_path / "rollout.json"
     # Non-square (plugin.height / plugin.width) on both sides: the plugin's rollout and the pipeline's height=/width=.
-    run_benchmark(tmp_path, "flow_rollout.py", "--kind", kind, "--device", "cpu", "--batch", "1", "--steps", "2",
+    run_benchmark(tmp_path, "flow_rollout.py", "--kind", *kinds, "--device", "cpu", "--batch", "1", "--steps", "2",
                   "--height", "32", "--width", "64", "--warmup", "0", "--repeats", "1", "--threads", "1",
                   "--json", str(out))
-    result = read_json(out)
-    assert set(result) == {"kind", "size", "device", "dtype", "batch", "steps", "height", "width", "frames",
-                           "cfg", "threads", "transformer_parameters", "trained_steps", "pipeline_seconds",
-                           "rollout_seconds", "time_ratio", "time_ratio_of_fastest", "pipeline_peak_bytes",
-                           "rollout_peak_bytes"}
-    assert (result["kind"], result["device"], result["dtype"], result["batch"], result["steps"], result["threads"]) \
-        == (kind, "cpu", "fp32", 1, 2, 1)
-    assert (result["height"], result["width"]) == (32, 64)
-    assert result["frames"] == (5 if kind in ("wan", "wan_i2v") else 1)  # the tiny Wan's default: 3 latent frames
-    assert result["trained_steps"] == 1  # the first 0.99 of 2 steps: int(2 * 0.99)
-    assert result["pipeline_seconds"] > 0 and result["rollout_seconds"] > 0
-    # One timed pair: the median of the per-pair ratios and the ratio of the fastest calls are that pair's ratio.
-    ratio = result["rollout_seconds"] / result["pipeline_seconds"]
-    assert result["time_ratio"] == pytest.approx(ratio) and result["time_ratio_of_fastest"] == pytest.approx(ratio)
-    assert result["pipeline_peak_bytes"] > 0 and result["rollout_peak_bytes"] > 0
+    results = read_json(out)
+    assert isinstance(results, list) and [result["kind"] for result in results] == kinds
+    for kind, result in zip(kinds, results, strict=True):
+        assert set(result) == FLOW_ROLLOUT_KEYS, kind
+        assert (result["device"], result["dtype"], result["batch"], result["steps"], result["threads"]) \
+            == ("cpu", "fp32", 1, 2, 1)
+        assert (result["height"], result["width"]) == (32, 64)
+        assert result["frames"] == (5 if kind in ("wan", "wan_i2v") else 1)  # the tiny Wan's default: 3 latent frames
+        assert result["trained_steps"] == 1  # the first 0.99 of 2 steps: int(2 * 0.99)
+        assert result["pipeline_seconds"] > 0 and result["rollout_seconds"] > 0
+        # One timed pair: the median of the per-pair ratios and the ratio of the fastest calls are that pair's ratio.
+        ratio = result["rollout_seconds"] / result["pipeline_seconds"]
+        assert result["time_ratio"] == pytest.approx(ratio) and result["time_ratio_of_fastest"] == pytest.approx(ratio)
+        assert result["pipeline_peak_bytes"] > 0 and result["rollout_peak_bytes"] > 0
+
+
+def test_flow_rollout_one_kind_writes_a_dict(tmp_path, monkeypatch, capsys):
+    """The JSON of one --kind stays the dict it was before several kinds could be given; several give a list. The
+    measurement is replaced (test_flow_rollout runs it): this checks main's plumbing and its argument errors."""
+    flow_rollout = load_module("flow_rollout.py")
+
+    def fake_run(args):
+        frames = 5 if args.kind in ("wan", "wan_i2v") else 1
+        return {key: 1 for key in FLOW_ROLLOUT_KEYS} | {"kind": args.kind, "size": args.size, "device": "cpu",
+                                                        "dtype": "fp32", "cfg": True, "frames": frames}
+
+    monkeypatch.setattr(flow_rollout, "run", fake_run)
+    out = tmp_path / "rollout.json"
+    assert flow_rollout.main(["--kind", "flux", "--json", str(out)]) == 0
+    assert read_json(out)["kind"] == "flux"
+    assert flow_rollout.main(["--kind", "wan", "sd3", "--json", str(out)]) == 0
+    assert [result["kind"] for result in read_json(out)] == ["wan", "sd3"]
+    table = capsys.readouterr().out
+    assert table.count("| flux tiny |") == 1 and table.count("| wan tiny |") == 2  # progress row, then the table
+    with pytest.raises(SystemExit):
+        flow_rollout.main(["--kind", "sd3", "flux", "sd3"])
+    assert "--kind names sd3 more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        flow_rollout.main(["--kind", "wan", "flux", "--frames", "9"])
+    assert "--frames is for --kind wan or wan_i2v, not flux" in capsys.readouterr().err
 
 
 def test_flow_credit(tmp_path):
@@ -195,14 +229,21 @@ def test_flow_objectives(tmp_path):
 # ---------------------------------------------------------------------------------------------------- dllm
 
 
-def test_dllm_estimators_variance(tmp_path):
-    out = tmp_path / "variance.json"
-    run_benchmark(tmp_path, "dllm_estimators.py", "--part", "variance", "--completions", "2", "--repeats", "2",
-                  "--budgets", "2", "--json", str(out))
-    result = read_json(out)
+def test_dllm_estimators(tmp_path):
+    """Both parts in one run (``--part variance training``: a JSON object keyed by part). Variance: every estimator
+    at one budget. Training: one RL step per estimator; the training runs must leave nothing in --output-dir but the
+    plot: the trainer refuses a run folder that holds another run's checkpoints, so run folders there would fail the
+    next invocation."""
+    out, plots = tmp_path / "estimators.json", tmp_path / "plots"
+    run_benchmark(tmp_path, "dllm_estimators.py", "--part", "variance", "training", "--completions", "2", "--repeats",
+                  "2", "--budgets", "2", "--seeds", "0", "--steps", "1", "--eval-every", "1", "--output-dir",
+                  str(plots), "--json", str(out))
+    both = read_json(out)
+    assert list(both) == ["variance", "training"]
+    module = load_module("dllm_estimators.py")
+    result = both["variance"]
     assert set(result) == {"rows", "espo_enumeration", "trace"}
     rows = result["rows"]
-    module = load_module("dllm_estimators.py")
     assert [row["estimator"] for row in rows] == [label for label, _, _ in module.ESTIMATORS]
     for row in rows:
         assert set(row) == {"estimator", "name", "forwards", "forwarded_rows", "bias_vs_exact_elbo", "sd",
@@ -221,15 +262,8 @@ def test_dllm_estimators_variance(tmp_path):
     assert trace["completions"] == 2 and trace["trace_shrink8_minus_one_step_max_abs"] < 1e-4
     assert 0 <= trace["sampled_order_mid_rank_mean"] <= 1
 
-
-def test_dllm_estimators_training(tmp_path):
-    """One RL step per estimator. The training runs must leave nothing in --output-dir but the plot: the trainer
-    refuses a run folder that holds another run's checkpoints, so run folders there would fail the next invocation."""
-    out, plots = tmp_path / "training.json", tmp_path / "plots"
-    run_benchmark(tmp_path, "dllm_estimators.py", "--part", "training", "--seeds", "0", "--steps", "1",
-                  "--eval-every", "1", "--output-dir", str(plots), "--json", str(out))
-    results = read_json(out)
-    assert set(results) == set(load_module("dllm_estimators.py").VARIANTS)
+    results = both["training"]
+    assert set(results) == set(module.VARIANTS)
     for runs in results.values():
         assert set(runs) == {"0"} and set(runs["0"]) == {"curve", "seconds"}
         assert set(runs["0"]["curve"]) == {"0", "1"}  # evaluated at the start and after the step
@@ -237,6 +271,20 @@ def test_dllm_estimators_training(tmp_path):
     # every estimator starts from the same pretrained weights: the same accuracy at step 0
     assert len({runs["0"]["curve"]["0"] for runs in results.values()}) == 1
     assert sorted(path.name for path in plots.iterdir()) in ([], ["dllm_estimators_training.png"])
+
+
+def test_dllm_estimators_one_part_keeps_its_json(tmp_path, monkeypatch, capsys):
+    """The JSON of one --part stays that part's object, as before both could be run at once (the parts themselves
+    are replaced here: test_dllm_estimators runs them); a part named twice is refused."""
+    module = load_module("dllm_estimators.py")
+    monkeypatch.setattr(module, "training_curves", lambda args: {"one_step": {0: {"curve": {0: 0.5}, "seconds": 1}}})
+    monkeypatch.setattr(module, "training_plot", lambda results, path: False)
+    out = tmp_path / "training.json"
+    module.main(["--part", "training", "--output-dir", str(tmp_path / "plots"), "--json", str(out)])
+    assert read_json(out) == {"one_step": {"0": {"curve": {"0": 0.5}, "seconds": 1}}}
+    with pytest.raises(SystemExit):
+        module.main(["--part", "training", "training"])
+    assert "--part names a part more than once" in capsys.readouterr().err
 
 
 def test_dllm_step_parts(tmp_path):
@@ -370,14 +418,25 @@ STEP_FLOORS_KEYS = {"settings", "parameters", "floor", "seconds", "cpu_seconds",
                     "step_over_floor_and_extras", "breakdown", "identical_steps"}
 
 
-@pytest.mark.parametrize("plugin", ["toy", "flow", "vlm", "dllm", "dllm_canvas"])
-def test_step_floors(tmp_path, plugin):
+# Every plugin, in two processes: toy alone (its JSON the dict of one --plugin, with --profile and an override), the
+# others in one (several --plugin: a JSON list of their dicts, in the order given).
+@pytest.mark.parametrize("plugins", [["toy"], ["flow", "vlm", "dllm", "dllm_canvas"]], ids="+".join)
+def test_step_floors(tmp_path, plugins):
     """One round, no warm-up, on each plugin's default recipe (toy also with --profile and an override)."""
     out = tmp_path / "floor.json"
-    extra = ["--profile", "--override", "algorithm.minibatches=1"] if plugin == "toy" else []
-    run_benchmark(tmp_path, "step_floors.py", "--plugin", plugin, "--rounds", "1", "--warmup", "0", "--threads", "1",
-                  "--json", str(out), *extra)
-    result = read_json(out)
+    extra = ["--profile", "--override", "algorithm.minibatches=1"] if plugins == ["toy"] else []
+    run_benchmark(tmp_path, "step_floors.py", "--plugin", *plugins, "--rounds", "1", "--warmup", "0", "--threads",
+                  "1", "--json", str(out), *extra)
+    results = read_json(out)
+    if len(plugins) == 1:
+        assert isinstance(results, dict)
+        results = [results]
+    assert isinstance(results, list) and [result["settings"]["plugin"] for result in results] == plugins
+    for plugin, result in zip(plugins, results, strict=True):
+        check_step_floors(result, plugin)
+
+
+def check_step_floors(result: dict[str, Any], plugin: str) -> None:
     assert set(result) == STEP_FLOORS_KEYS | ({"profile"} if plugin == "toy" else set())
     settings = result["settings"]
     assert (settings["plugin"], settings["device"], settings["threads"], settings["rounds"], settings["warmup"]) \
@@ -405,6 +464,19 @@ def test_step_floors(tmp_path, plugin):
     if plugin == "toy":  # one mini-batch: one optimizer step
         assert result["floor"]["optimizer_steps"] == 1
         assert result["profile"] and all(row["calls"] > 0 for row in result["profile"])
+
+
+def test_step_floors_arguments_of_several_plugins(capsys):
+    """--plugin takes several plugins, each once; --config (one recipe) goes with one plugin only."""
+    step_floors = load_module("step_floors.py")
+    args = step_floors.parse_args(["--plugin", "dllm", "toy"])
+    assert (args.plugins, args.plugin) == (["dllm", "toy"], "dllm")
+    for argv, error in ((["--plugin", "toy", "flow", "toy"], "--plugin names toy more than once"),
+                        (["--plugin", "toy", "flow", "--config", "configs/toy.yaml"], "--config names one recipe"),
+                        (["--plugin", "toy", "flow", "--vlm-size", "small"], "--vlm-size is for --plugin vlm")):
+        with pytest.raises(SystemExit):
+            step_floors.parse_args(argv)
+        assert error in capsys.readouterr().err, argv
 
 
 # ---------------------------------------------------------------------------------------------------- memory
