@@ -287,6 +287,12 @@ def test_gpg_singletons_and_no_spread_groups_are_exactly_zero():
     assert torch.equal(got[:4], torch.zeros(4, dtype=torch.float64))
     torch.testing.assert_close(got[4:], torch.tensor([-1.5, 1.5], dtype=torch.float64))
     assert torch.equal(advantage_estimators["gpg"](torch.zeros(4), torch.tensor([0, 0, 1, 1])), torch.zeros(4))
+    # Dividing by the group std (scale_rewards): a singleton's Bessel std is undefined (NaN), a flat group's 0; both
+    # still get exactly 0, and group 2 is ±0.5 / (std 1/√2 + 1e-4) · α 3.
+    scaled = advantage_estimators["gpg"](rewards, torch.tensor([0, 0, 0, 1, 2, 2]), scale_rewards=True)
+    assert torch.equal(scaled[:4], torch.zeros(4, dtype=torch.float64))
+    expected = 3 * 0.5 / (2**-0.5 + 1e-4)
+    torch.testing.assert_close(scaled[4:], torch.tensor([-expected, expected], dtype=torch.float64))
 
 
 @pytest.mark.parametrize(("options", "match"), [
