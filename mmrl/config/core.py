@@ -286,6 +286,18 @@ class AlgorithmConfig:
                               f"[{self.entropy_coef_min}, {self.entropy_coef_max}] with entropy_target set (the "
                               "initial adaptive coefficient)")
 
+    def refuse_entropy_readers(self, without: str) -> None:
+        """For a plugin (or a plugin setting) that reports no per-action entropy: refuse, in one line, each option that
+        reads it (``top_entropy_quantile`` < 1 selects by it, ``entropy_target`` steers by it, ``entropy_coef`` > 0
+        rewards it), which would otherwise fail only at the first training forward or, for a fixed bonus, do nothing.
+        ``without`` completes "<the option's off value> with ...", e.g. ``"plugin flow (it reports no per-step
+        entropy)"``."""
+        for key, off, reads in (("top_entropy_quantile", "1", self.top_entropy_quantile < 1),
+                                ("entropy_target", "null", self.entropy_target is not None),
+                                ("entropy_coef", "0", self.entropy_coef > 0)):
+            if reads:
+                raise ConfigError(f"algorithm.{key}", getattr(self, key), f"{off} with {without}")
+
 
 @dataclass
 class OptimConfig:

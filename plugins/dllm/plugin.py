@@ -580,15 +580,8 @@ class DLLMPlugin(Plugin):
             raise ConfigError("algorithm.kl_estimator", "k2_seq", "k1, k2 or k3 with plugin.objective spg (its ELBO "
                               "and EUBO columns are two estimates of one sequence, not parts that add up to it)")
         check_reference_sync(train_config)  # a LoRA run's reference is the adapter-off model: nothing to sync
-        if train_config.algorithm.top_entropy_quantile < 1:
-            raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
-                              "1 with plugin dllm (its likelihood estimates come with no per-token entropy)")
-        if train_config.algorithm.entropy_target is not None:
-            raise ConfigError("algorithm.entropy_target", train_config.algorithm.entropy_target,
-                              "null with plugin dllm (its likelihood estimates come with no per-token entropy)")
-        if train_config.algorithm.entropy_coef > 0:
-            raise ConfigError("algorithm.entropy_coef", train_config.algorithm.entropy_coef,
-                              "0 with plugin dllm (its likelihood estimates come with no per-token entropy)")
+        train_config.algorithm.refuse_entropy_readers(
+            "plugin dllm (its likelihood estimates come with no per-token entropy)")
 
     def start_inner_epoch(self, epoch: int) -> None:
         """Select plan ``epoch`` for the forwards of this inner epoch (plans redrawn per epoch, ``redraw_masks``)."""

@@ -170,15 +170,7 @@ class FlowPlugin(Plugin):
         if train_config.algorithm.mask_truncated:
             raise ConfigError("algorithm.mask_truncated", True, "false with plugin flow (a denoising trajectory always "
                               "runs all its steps; nothing is truncated)")
-        if train_config.algorithm.top_entropy_quantile < 1:
-            raise ConfigError("algorithm.top_entropy_quantile", train_config.algorithm.top_entropy_quantile,
-                              "1 with plugin flow (it reports no per-step entropy to select by)")
-        if train_config.algorithm.entropy_target is not None:
-            raise ConfigError("algorithm.entropy_target", train_config.algorithm.entropy_target,
-                              "null with plugin flow (it reports no per-step entropy to steer the coefficient by)")
-        if train_config.algorithm.entropy_coef > 0:
-            raise ConfigError("algorithm.entropy_coef", train_config.algorithm.entropy_coef,
-                              "0 with plugin flow (it reports no per-step entropy to reward)")
+        train_config.algorithm.refuse_entropy_readers("plugin flow (it reports no per-step entropy)")
         if train_config.algorithm.kl_importance_weighted:
             raise ConfigError("algorithm.kl_importance_weighted", True, "false with plugin flow (its KL is the closed "
                               "form between the two Gaussian steps at the sampled state, not an estimate from the "

@@ -296,21 +296,9 @@ class VLMPlugin(Plugin):
         ``algorithm.top_entropy_quantile``, ``algorithm.entropy_target`` and ``algorithm.entropy_coef`` without
         ``plugin.entropy``."""
         check_reference_sync(train_config)
-        quantile = train_config.algorithm.top_entropy_quantile
-        if quantile < 1 and not train_config.plugin.config.entropy:
-            raise ConfigError("algorithm.top_entropy_quantile", quantile,
-                              "1 with plugin.entropy false (the selection needs per-token entropy), or plugin.entropy: "
-                              "true")
-        target = train_config.algorithm.entropy_target
-        if target is not None and not train_config.plugin.config.entropy:
-            raise ConfigError("algorithm.entropy_target", target,
-                              "null with plugin.entropy false (adaptive entropy control measures per-token "
-                              "entropy), or plugin.entropy: true")
-        coef = train_config.algorithm.entropy_coef
-        if coef > 0 and not train_config.plugin.config.entropy:
-            raise ConfigError("algorithm.entropy_coef", coef,
-                              "0 with plugin.entropy false (the bonus needs per-token entropy), or plugin.entropy: "
-                              "true")
+        if not train_config.plugin.config.entropy:
+            train_config.algorithm.refuse_entropy_readers("plugin.entropy false (it computes no per-token entropy), or "
+                                                          "plugin.entropy: true")
 
     def __init__(self, config: VLMPluginConfig, runtime: Runtime):
         # One line naming mmrl[vlm] instead of an import traceback; qwen_vl_utils (and the torchvision it needs) is
